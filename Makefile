@@ -1,0 +1,29 @@
+# Two entry points for a fresh clone: `make demo` and `make test`. Both create .venv first.
+# torch==2.13.0 is installed explicitly before the package: pip then finds the CPU wheel on
+# disk and never resolves a multi-GB CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: setup demo test test-slow bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) -m launch.demo --out runs/demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -m "not slow and not gpu" -q
+
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -m "slow" -q
+
+clean:
+	rm -rf $(VENV) runs

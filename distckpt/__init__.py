@@ -1,0 +1,35 @@
+"""distckpt: save and resume the whole training state of a torchrun job through DCP.
+
+Public API: :class:`CheckpointConfig`, :class:`CheckpointManager`, :class:`TrainState`, the
+reshardable data sampler, and the typed errors.
+"""
+
+__version__ = "0.1.0"
+
+from .config import CheckpointConfig
+from .data import ReshardableSampler
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointLockedError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    ConfigError,
+    DistCkptError,
+    IncompatibleCheckpointError,
+)
+from .manager import CheckpointManager
+from .state import TrainState
+
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointManager",
+    "TrainState",
+    "ReshardableSampler",
+    "DistCkptError",
+    "ConfigError",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "IncompatibleCheckpointError",
+    "CheckpointLockedError",
+    "CheckpointSaveError",
+]

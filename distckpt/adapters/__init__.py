@@ -1,0 +1,11 @@
+"""Model/optimizer state through ``torch.distributed.checkpoint.state_dict`` for every wrapper.
+
+DCP's ``get_state_dict``/``set_state_dict`` already strip wrapper prefixes (DDP ``module.``,
+``torch.compile`` ``_orig_mod.``, FSDP1 internals) and return DTensors for FSDP2; this package
+adds wrapper detection, the FULL/SHARDED choice, and guards around DCP's optimizer helpers.
+"""
+
+from .wrappers import wrapper_kind
+from .model_optim import ModelOptimState, tensor_specs
+
+__all__ = ["wrapper_kind", "ModelOptimState", "tensor_specs"]

@@ -1,0 +1,108 @@
+"""Model + optimizer state_dicts via DCP's ``get_state_dict``/``set_state_dict``, made safe.
+
+Guards against DCP helper behaviour seen on torch 2.13:
+
+* ``get_state_dict`` initialises an empty optimizer state with a dummy ``step()`` (lr=0), which
+  sets Adam's ``step`` to 1 and so changes the first real update. A save before the first
+  optimizer step therefore undoes that initialisation and stores no optimizer state.
+* On load, DCP only initialises state when no gradient is present and only for parameters that
+  require grad; otherwise the load target silently lacks keys and the saved optimizer state is
+  dropped. The load therefore clears grads and sets ``requires_grad`` for the duration, and
+  restores both afterwards.
+* Keys the checkpoint has and the live optimizer lacks (or the reverse) are reported by the
+  caller as ``IncompatibleCheckpointError`` instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from ..manifest import TensorSpec
+
+__all__ = ["ModelOptimState", "tensor_specs"]
+
+
+def tensor_specs(model: nn.Module) -> dict[str, TensorSpec]:
+    """``{clean fqn: TensorSpec(global shape, dtype)}`` of the model's state_dict (no copies)."""
+    specs = {}
+    for key, value in get_model_state_dict(model).items():
+        if isinstance(value, torch.Tensor):
+            specs[key] = TensorSpec(shape=list(value.size()), dtype=str(value.dtype))
+    return dict(sorted(specs.items()))
+
+
+class ModelOptimState:
+    """Produces and consumes the ``model`` and ``optim`` entries of the checkpoint.
+
+    Args:
+        model: the (possibly wrapped) model.
+        optimizer: its optimizer, or ``None``.
+        full_state_dict: ``True`` gathers FULL tensors to rank 0 (CPU offload) on save; other
+            ranks contribute nothing. Loads always target the live (sharded) layout: DCP reads
+            the needed ranges from either form.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, full_state_dict: bool) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.full_state_dict = full_state_dict
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer] if self.optimizer is not None else []
+
+    def state_dict_for_save(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Model and optimizer state_dicts with clean keys (references, not copies, if SHARDED).
+
+        Collective under FSDP (all ranks call it).
+        """
+        options = StateDictOptions(full_state_dict=self.full_state_dict, cpu_offload=self.full_state_dict)
+        uninitialised = self.optimizer is not None and not self.optimizer.state
+        model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=options)
+        if self.optimizer is None:
+            return model_sd, {}
+        if uninitialised:
+            # Undo DCP's dummy step: the saved and the live optimizer both stay stateless.
+            self.optimizer.state.clear()
+            optim_sd = {"state": {}, "param_groups": optim_sd.get("param_groups", [])}
+        return model_sd, optim_sd
+
+    @contextlib.contextmanager
+    def load_context(self) -> Iterator[None]:
+        """Clear grads and require grad on every optimized parameter while loading; restore after."""
+        saved: list[tuple[torch.Tensor, bool, torch.Tensor | None]] = []
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    saved.append((p, p.requires_grad, p.grad))
+                    p.grad = None
+                    p.requires_grad_(True)
+        try:
+            yield
+        finally:
+            for p, requires_grad, grad in saved:
+                p.requires_grad_(requires_grad)
+                p.grad = grad
+
+    def target_for_load(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Load targets in the live layout; call inside :meth:`load_context`. Collective."""
+        model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=StateDictOptions())
+        return model_sd, (optim_sd if self.optimizer is not None else {})
+
+    def apply(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+        """Copy loaded state into the live model/optimizer; call inside :meth:`load_context`."""
+        if self.optimizer is None:
+            set_state_dict(self.model, [], model_state_dict=model_sd, optim_state_dict={},
+                           options=StateDictOptions(strict=True))
+            return
+        set_state_dict(self.model, self._optimizers(), model_state_dict=model_sd,
+                       optim_state_dict=optim_sd, options=StateDictOptions(strict=True))

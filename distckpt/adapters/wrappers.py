@@ -1,0 +1,71 @@
+"""Detect how a model is wrapped: plain, DDP, FSDP1, FSDP2, each optionally compiled."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["wrapper_kind", "unwrap"]
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    return hasattr(module, "_orig_mod") and isinstance(getattr(module, "_orig_mod"), nn.Module)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The user's module under ``torch.compile`` and DDP wrappers (FSDP modules stay as is)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if _is_compiled(module):
+            module = module._orig_mod
+        elif isinstance(module, DistributedDataParallel):
+            module = module.module
+        else:
+            return module
+
+
+def wrapper_kind(module: nn.Module) -> str:
+    """Wrapper kind string recorded in the manifest.
+
+    Returns:
+        One of ``plain``, ``ddp``, ``fsdp1``, ``fsdp2``, with ``+compile`` appended when a
+        ``torch.compile`` wrapper sits anywhere on the outer chain.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    compiled = False
+    m = module
+    kind = "plain"
+    while True:
+        if _is_compiled(m):
+            compiled = True
+            m = m._orig_mod
+        elif isinstance(m, DistributedDataParallel):
+            kind = "ddp"
+            m = m.module
+        else:
+            break
+    if kind == "plain":
+        kind = _fsdp_kind(m)
+    return kind + ("+compile" if compiled else "")
+
+
+def _fsdp_kind(module: nn.Module) -> str:
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return "plain"
+    for sub in module.modules():
+        if isinstance(sub, FullyShardedDataParallel):
+            return "fsdp1"
+        if isinstance(sub, FSDPModule):
+            return "fsdp2"
+    return "plain"
+
+
+def model_device(module: nn.Module) -> torch.device:
+    """Device of the first parameter (CPU for a parameterless module)."""
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")

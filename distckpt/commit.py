@@ -1,0 +1,147 @@
+"""Commit protocol and discovery on a POSIX file system (DESIGN section 4).
+
+Rank 0 calls :func:`commit` after every rank's write succeeded::
+
+    write manifest (tmp + fsync + os.replace) -> fsync staging dir -> rename staging -> final
+    -> fsync root -> replace ``latest`` (tmp + fsync + os.replace) -> fsync root
+
+A SIGKILL at any instant leaves either the previous checkpoint or the new one loadable:
+before the rename the new one is a staging directory (never loaded); after it, the directory
+holds a complete manifest. ``latest`` is only a hint; :func:`validate` is the truth.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from .errors import CheckpointCorruptError
+from .layout import LATEST, MANIFEST, checkpoint_dirs, is_staging
+from .manifest import FileEntry, Manifest
+
+__all__ = [
+    "fsync_dir",
+    "write_atomic",
+    "list_files",
+    "commit",
+    "validate",
+    "find_committed",
+    "remove_staging",
+    "delete_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so a rename or create inside it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically: tmp file, fsync, ``os.replace``, fsync dir."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def list_files(checkpoint_dir: str | os.PathLike) -> list[FileEntry]:
+    """Every regular file under ``checkpoint_dir`` except the manifest, sorted, with sizes."""
+    root = Path(checkpoint_dir)
+    entries = []
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}.tmp"):
+            entries.append(FileEntry(path=p.relative_to(root).as_posix(), size_bytes=p.stat().st_size))
+    return entries
+
+
+def commit(staging_dir: str | os.PathLike, final_dir: str | os.PathLike, manifest: Manifest) -> None:
+    """Make a fully written staging directory a committed checkpoint. Rank 0 only.
+
+    ``manifest.files`` must already list the staging directory's files.
+
+    Raises:
+        FileExistsError: ``final_dir`` exists (a checkpoint of that step is already committed).
+        OSError: from the file system; the staging directory is then left for cleanup.
+    """
+    staging_dir, final_dir = Path(staging_dir), Path(final_dir)
+    if final_dir.exists():
+        raise FileExistsError(f"{final_dir} already exists; refusing to overwrite a committed checkpoint")
+    write_atomic(staging_dir / MANIFEST, manifest.to_json())
+    os.rename(staging_dir, final_dir)
+    fsync_dir(final_dir.parent)
+    write_atomic(final_dir.parent / LATEST, final_dir.name + "\n")
+
+
+def validate(checkpoint_dir: str | os.PathLike) -> Manifest:
+    """Check a checkpoint directory against its manifest: every file exists with its size.
+
+    Returns:
+        The parsed manifest.
+
+    Raises:
+        CheckpointCorruptError: naming the first missing or wrong-sized file, or the manifest.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    manifest = Manifest.read(checkpoint_dir)
+    for entry in manifest.files:
+        path = checkpoint_dir / entry.path
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointCorruptError(
+                f"{path}: file listed in the manifest is missing", path=str(path)
+            ) from None
+        if size != entry.size_bytes:
+            raise CheckpointCorruptError(
+                f"{path}: size {size} bytes, manifest expects {entry.size_bytes} bytes (truncated?)",
+                path=str(path),
+            )
+    return manifest
+
+
+def find_committed(root: str | os.PathLike) -> list[tuple[int, Path, Manifest | CheckpointCorruptError]]:
+    """Every ``step-*`` directory, newest first, with its manifest or the reason it is invalid."""
+    out: list[tuple[int, Path, Manifest | CheckpointCorruptError]] = []
+    for step, path in reversed(checkpoint_dirs(root)):
+        try:
+            out.append((step, path, validate(path)))
+        except CheckpointCorruptError as e:
+            out.append((step, path, e))
+    return out
+
+
+def remove_staging(root: str | os.PathLike) -> list[str]:
+    """Delete every staging directory under ``root`` (left by a crash). Rank 0, at start."""
+    removed = []
+    root = Path(root)
+    if not root.is_dir():
+        return removed
+    for entry in os.scandir(root):
+        if entry.is_dir() and is_staging(entry.name):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
+def delete_checkpoint(checkpoint_dir: str | os.PathLike) -> None:
+    """Delete a committed checkpoint: the manifest first, so a crash mid-delete never leaves a
+    directory that looks committed but lacks files."""
+    checkpoint_dir = Path(checkpoint_dir)
+    try:
+        os.remove(checkpoint_dir / MANIFEST)
+        fsync_dir(checkpoint_dir)
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(checkpoint_dir, ignore_errors=True)

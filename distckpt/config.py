@@ -1,0 +1,110 @@
+"""Checkpoint policy configuration: a kw-only dataclass, YAML only at the edge."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .errors import ConfigError
+
+__all__ = ["CheckpointConfig"]
+
+StateDictType = Literal["sharded", "full"]
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """What to save, when, and how many to keep.
+
+    Args:
+        root: directory holding ``step-*`` checkpoints, ``latest`` and staging directories.
+        interval_steps: save when ``step % interval_steps == 0``; ``None`` disables.
+        interval_seconds: save when this many seconds (wall clock on rank 0) passed since the
+            last save; rank 0 decides and broadcasts, so skewed clocks never split the ranks.
+        keep_last: committed checkpoints to keep (>= 1); the newest is never deleted.
+            ``None`` keeps all.
+        keep_every_steps: checkpoints whose step is a multiple of this are kept forever.
+        save_at_end: ``maybe_save(..., last_step=True)`` always saves.
+        state_dict_type: ``"sharded"`` (each rank writes its shards) or ``"full"``
+            (model/optimizer gathered to rank 0 with CPU offload, rank 0 writes them).
+        load: ``True`` resumes from the newest committed checkpoint in ``root`` if any.
+        load_path: resume from this checkpoint directory instead of the newest in ``root``.
+        fallback_to_older: when the newest checkpoint is corrupt, load the next older
+            committed one (with a warning) instead of raising ``CheckpointCorruptError``.
+        loss_history_len: number of recent losses kept in the checkpoint.
+        seed: base seed for deriving RNG state of ranks that did not exist at save time.
+        thread_count: writer threads per rank for DCP's ``FileSystemWriter``.
+        timeout_s: timeout of collectives distckpt issues on its own process group.
+    """
+
+    root: str
+    interval_steps: int | None = 100
+    interval_seconds: float | None = None
+    keep_last: int | None = 3
+    keep_every_steps: int | None = None
+    save_at_end: bool = True
+    state_dict_type: StateDictType = "sharded"
+    load: bool = True
+    load_path: str | None = None
+    fallback_to_older: bool = False
+    loss_history_len: int = 1000
+    seed: int = 0
+    thread_count: int = 1
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        self.root = os.fspath(self.root)
+        if not self.root:
+            raise ConfigError("CheckpointConfig.root must be a non-empty directory path")
+        _positive("interval_steps", self.interval_steps, allow_none=True)
+        _positive("interval_seconds", self.interval_seconds, allow_none=True)
+        _positive("keep_last", self.keep_last, allow_none=True)
+        _positive("keep_every_steps", self.keep_every_steps, allow_none=True)
+        _positive("loss_history_len", self.loss_history_len)
+        _positive("thread_count", self.thread_count)
+        _positive("timeout_s", self.timeout_s)
+        if self.state_dict_type not in ("sharded", "full"):
+            raise ConfigError(
+                f"CheckpointConfig.state_dict_type={self.state_dict_type!r}: "
+                "expected 'sharded' or 'full'"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "CheckpointConfig":
+        """Build from a mapping; an unknown key raises ``ConfigError`` naming the valid ones."""
+        valid = sorted(f.name for f in dataclasses.fields(cls))
+        unknown = sorted(set(values) - set(valid))
+        if unknown:
+            raise ConfigError(
+                f"unknown CheckpointConfig key(s) {unknown}; valid keys: {', '.join(valid)}"
+            )
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, *, section: str | None = "checkpoint") -> "CheckpointConfig":
+        """Read a YAML file. With ``section``, the config is that top-level mapping if present.
+
+        Raises:
+            ConfigError: unreadable YAML, not a mapping, or unknown keys.
+        """
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path}: invalid YAML: {e}") from e
+        if section is not None and isinstance(data, dict) and section in data:
+            data = data[section]
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of CheckpointConfig fields")
+        return cls.from_dict(data)
+
+
+def _positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"CheckpointConfig.{name}={value!r}: must be a positive number")

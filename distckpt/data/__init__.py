@@ -1,0 +1,17 @@
+"""Data-loading pieces whose position is part of a checkpoint."""
+
+from distckpt.data.sampler import (
+    ReshardableSampler,
+    check_world_size,
+    epoch_seed,
+    global_state_from_loader_state,
+    make_stateful_dataloader,
+)
+
+__all__ = [
+    "ReshardableSampler",
+    "check_world_size",
+    "epoch_seed",
+    "global_state_from_loader_state",
+    "make_stateful_dataloader",
+]

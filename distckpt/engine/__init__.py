@@ -1,0 +1,8 @@
+"""Write and read DCP checkpoints: blocking ``dcp.save``/``dcp.load`` with typed errors, a
+metadata reader that never runs code from the checkpoint, and a loader that unpickles with
+``weights_only=True``."""
+
+from .safe_io import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
+from .blocking import dcp_save, dcp_load
+
+__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "read_dcp_metadata", "dcp_save", "dcp_load"]

@@ -1,0 +1,104 @@
+"""Reading a checkpoint directory as data, never code.
+
+DCP stores ``.metadata`` as a pickle and loads non-tensor items with
+``torch.load(weights_only=False)``; both would run code planted in a downloaded checkpoint.
+:func:`read_dcp_metadata` uses an unpickler that admits only DCP's metadata types, and
+:class:`SafeLoadPlanner` loads non-tensor items with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ..errors import CheckpointCorruptError
+
+__all__ = ["read_dcp_metadata", "SafeFileSystemReader", "SafeLoadPlanner"]
+
+_ALLOWED: dict[str, set[str]] = {
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"} | {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+_ALLOWED["torch.distributed.checkpoint.metadata"] = {
+    n for n, v in vars(dcp_metadata).items() if isinstance(v, type) or n == "_MEM_FORMAT_ENCODING"
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, path: str) -> None:
+        super().__init__(file)
+        self._path = path
+
+    def find_class(self, module: str, name: str):
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise CheckpointCorruptError(
+            f"{self._path}: refusing to unpickle {module}.{name}: a DCP .metadata file may only "
+            "hold DCP metadata types (checkpoint directories are data, never code). "
+            "Do not load this checkpoint unless you trust its origin.",
+            path=self._path,
+        )
+
+
+def read_dcp_metadata(checkpoint_dir: str | os.PathLike) -> Metadata:
+    """Read ``<checkpoint_dir>/.metadata`` with an allow-list unpickler.
+
+    Raises:
+        CheckpointCorruptError: missing/unreadable file, a disallowed type, or not DCP metadata.
+    """
+    return _read_metadata_file(str(Path(checkpoint_dir) / ".metadata"))
+
+
+def _read_metadata_file(path: str) -> Metadata:
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f, path).load()
+    except CheckpointCorruptError:
+        raise
+    except FileNotFoundError as e:
+        raise CheckpointCorruptError(f"{path}: DCP metadata file missing", path=path) from e
+    except Exception as e:  # pickle raises many types on garbage
+        raise CheckpointCorruptError(f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})", path=path) from e
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorruptError(f"{path}: not DCP metadata (got {type(metadata).__name__})", path=path)
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``read_metadata`` uses :func:`read_dcp_metadata`."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        metadata = _read_metadata_file(str(self._get_metadata_path(kwargs.get("rank"))))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that loads non-tensor items with ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise CheckpointCorruptError(
+                f"item {read_item.dest_index.fqn!r}: refusing to unpickle a non-tensor value that "
+                f"needs arbitrary code ({e}); checkpoint directories are data, never code"
+            ) from e
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

@@ -1,0 +1,60 @@
+"""Names on disk (DESIGN section 3): ``step-%09d``, ``.staging-step-%09d-<id>``, ``latest``."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+__all__ = [
+    "LATEST",
+    "MANIFEST",
+    "checkpoint_name",
+    "staging_name",
+    "parse_step",
+    "is_staging",
+]
+
+LATEST = "latest"
+MANIFEST = "distckpt.json"
+_STEP_RE = re.compile(r"^step-(\d{9,})$")
+_STAGING_RE = re.compile(r"^\.staging-step-(\d{9,})-([0-9a-f]+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    """Directory name of the committed checkpoint of global ``step`` (zero-padded to 9)."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step-{step:09d}"
+
+
+def staging_name(step: int, save_id: str) -> str:
+    """Directory name a save of ``step`` writes into before its commit."""
+    return f".staging-{checkpoint_name(step)}-{save_id}"
+
+
+def parse_step(name: str) -> int | None:
+    """Step of a committed-checkpoint directory name, or ``None`` for any other name."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_staging(name: str) -> bool:
+    """Whether ``name`` is an in-progress (never loadable) staging directory."""
+    return _STAGING_RE.match(name) is not None
+
+
+def checkpoint_dirs(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step-*`` directory under ``root``, oldest first.
+
+    Listing says nothing about validity: see :func:`distckpt.commit.validate`.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in os.scandir(root):
+        step = parse_step(entry.name)
+        if step is not None and entry.is_dir():
+            found.append((step, Path(entry.path)))
+    return sorted(found)

@@ -1,0 +1,376 @@
+"""``CheckpointManager``: the policy layer a training script talks to (DESIGN section 1).
+
+Call order (every rank)::
+
+    manager = CheckpointManager(config, model=..., optimizer=..., ...)
+    state = manager.load()                      # None on a fresh start
+    for step in range(start, total):
+        ...train one optimizer step...
+        manager.maybe_save(step + 1, loss=loss)  # steps completed so far
+    manager.close()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import __version__
+from .adapters import tensor_specs, wrapper_kind
+from .collective import Collective
+from .commit import commit, delete_checkpoint, find_committed, list_files, remove_staging, validate
+from .config import CheckpointConfig
+from .engine import dcp_load, dcp_save, read_dcp_metadata
+from .engine.blocking import describe_exception
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    ConfigError,
+    IncompatibleCheckpointError,
+)
+from .layout import checkpoint_name, staging_name
+from .manifest import Manifest, TensorSpec, model_fingerprint
+from .retention import steps_to_delete
+from .schedule import SaveSchedule
+from .state import CheckpointState, TrainState
+
+__all__ = ["CheckpointManager"]
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    """Saves and restores the whole training state through DCP with atomic commits.
+
+    Every public method is collective: all ranks of ``process_group`` call it in the same
+    order with the same ``step``.
+
+    Args:
+        config: policy (where, when, how many, FULL or SHARDED).
+        model: the model, plain or wrapped (DDP, FSDP1, FSDP2, ``torch.compile``).
+        optimizer: its optimizer, or ``None``.
+        lr_scheduler: object with ``state_dict``/``load_state_dict`` (an ``LRScheduler``).
+        grad_scaler: ``torch.amp.GradScaler``.
+        dataloader: torchdata ``StatefulDataLoader``; with a
+            :class:`~distckpt.data.ReshardableSampler` its position survives a world-size change.
+        extra_state: ``{name: Stateful | plain value}`` saved alongside; after ``load()``
+            plain values are in ``manager.extra_state``.
+        process_group: ranks that checkpoint together; ``None`` = default group (or a
+            single process when ``torch.distributed`` is not initialised).
+
+    Raises:
+        ConfigError: the root directory cannot be created or written (on every rank).
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        lr_scheduler: Any = None,
+        grad_scaler: Any = None,
+        dataloader: Any = None,
+        extra_state: dict[str, Any] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.config = config
+        self.root = Path(config.root)
+        self.collective = Collective(process_group, timeout_s=config.timeout_s)
+        self.rank, self.world_size = self.collective.rank, self.collective.world_size
+        self.state = CheckpointState(
+            model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, grad_scaler=grad_scaler,
+            dataloader=dataloader, extra_state=extra_state, rank=self.rank,
+            world_size=self.world_size, full_state_dict=config.state_dict_type == "full",
+            seed=config.seed)
+        self.train_state = TrainState()
+        self.schedule = SaveSchedule(interval_steps=config.interval_steps,
+                                     interval_seconds=config.interval_seconds,
+                                     collective=self.collective)
+        self.wrapper = wrapper_kind(model)
+        self.model_specs = tensor_specs(model)
+        self.last_saved_step: int | None = None
+        self.last_save_seconds = 0.0
+        self._closed = False
+        self.collective.agree(self._prepare_root, what="preparing the checkpoint root",
+                              error_type=ConfigError)
+
+    @property
+    def extra_state(self) -> dict[str, Any]:
+        return self.state.extra_state
+
+    # ------------------------------------------------------------------ setup
+    def _prepare_root(self) -> None:
+        if self.rank != 0:
+            return
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".write-probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(f"CheckpointConfig.root={str(self.root)!r} is not a writable directory: {e}") from e
+
+    # ------------------------------------------------------------------ load
+    def load(self) -> TrainState | None:
+        """Resume from the newest valid committed checkpoint (or ``config.load_path``).
+
+        Rank 0 first removes staging directories left by a crash. A checkpoint is valid when
+        its manifest is readable and every listed file exists with the recorded size.
+
+        Returns:
+            The restored :class:`TrainState`, or ``None`` when there is nothing to load (or
+            ``config.load`` is false).
+
+        Raises:
+            CheckpointNotFoundError: ``config.load_path`` does not exist.
+            CheckpointCorruptError: the newest checkpoint is invalid and
+                ``config.fallback_to_older`` is false; names the file.
+            IncompatibleCheckpointError: the live model/optimizer/components do not match;
+                lists every difference.
+        """
+        self._check_open()
+        if not self.config.load:
+            return None
+        t0 = time.perf_counter()
+        path = self.collective.agree(self._choose_checkpoint, what="finding a checkpoint")
+        path = self.collective.broadcast(path)
+        if path is None:
+            logger.info("no committed checkpoint in %s: starting fresh", self.root)
+            return None
+        manifest = Manifest.read(path)
+        self._check_model(manifest, path)
+        keys = set(read_dcp_metadata(path).state_dict_metadata)
+        with self.state.model_optim.load_context():
+            target = self.collective.agree(
+                lambda: self.state.for_load(keys, manifest.world_size), what=f"planning the load of {path}")
+            dcp_load(target, path, process_group=self.collective.group)
+            train_state = self.collective.agree(
+                lambda: self.state.restore(target, saved_world_size=manifest.world_size),
+                what=f"restoring {path}", error_type=IncompatibleCheckpointError)
+        train_state.checkpoint_path = str(path)
+        train_state.saved_world_size = manifest.world_size
+        self.train_state = train_state
+        self.last_saved_step = train_state.step
+        self.schedule.mark_saved()
+        if self.rank == 0:
+            logger.info("loaded %s (step %d, saved by %d ranks as %s, now %d ranks as %s) in %.2f s",
+                        path, train_state.step, manifest.world_size, manifest.wrapper,
+                        self.world_size, self.wrapper, time.perf_counter() - t0)
+        # The caller's copy: later maybe_save calls update self.train_state, not this one.
+        return dataclasses.replace(train_state, loss_history=list(train_state.loss_history))
+
+    def _choose_checkpoint(self) -> str | None:
+        """Rank 0 picks the checkpoint; other ranks return ``None`` (then broadcast)."""
+        if self.rank != 0:
+            return None
+        for name in remove_staging(self.root):
+            logger.warning("removed staging directory %s left by an interrupted save", self.root / name)
+        if self.config.load_path is not None:
+            p = Path(self.config.load_path)
+            if not p.is_dir():
+                raise CheckpointNotFoundError(f"CheckpointConfig.load_path={str(p)!r} does not exist")
+            validate(p)
+            return str(p)
+        newest_error: CheckpointCorruptError | None = None
+        for step, p, result in find_committed(self.root):
+            if isinstance(result, Manifest):
+                if newest_error is not None:
+                    logger.warning("newest checkpoint is corrupt (%s); falling back to %s "
+                                   "(fallback_to_older=true)", newest_error, p)
+                return str(p)
+            if not self.config.fallback_to_older:
+                raise CheckpointCorruptError(
+                    f"{result} -- the newest checkpoint {p} is not loadable. Set "
+                    "fallback_to_older: true to resume from the previous committed checkpoint, "
+                    f"or remove {p}.", path=result.path)
+            newest_error = newest_error or result
+        return None
+
+    def _check_model(self, manifest: Manifest, path: str) -> None:
+        """Compare the manifest's fingerprint with the live model before touching anything."""
+        if manifest.model_fingerprint == model_fingerprint(self.model_specs):
+            return
+        saved, live = manifest.model, self.model_specs
+        missing = sorted(set(live) - set(saved))
+        unexpected = sorted(set(saved) - set(live))
+        mismatched = []
+        for key in sorted(set(saved) & set(live)):
+            for what in ("shape", "dtype"):
+                a, b = getattr(saved[key], what), getattr(live[key], what)
+                if list(a) != list(b) if what == "shape" else a != b:
+                    mismatched.append((key, what, str(a), str(b)))
+        lines = [f"checkpoint {path} does not fit the live model:"]
+        lines += [f"  missing in checkpoint: {k}" for k in missing]
+        lines += [f"  unexpected (in checkpoint, not in model): {k}" for k in unexpected]
+        lines += [f"  {what} mismatch for {k}: checkpoint {a}, model {b}" for k, what, a, b in mismatched]
+        lines.append("Load into the same architecture (a renamed layer or changed size/dtype needs "
+                     "an explicit conversion; distckpt never casts or drops weights silently).")
+        raise IncompatibleCheckpointError("\n".join(lines), missing=missing, unexpected=unexpected,
+                                          mismatched=mismatched)
+
+    # ------------------------------------------------------------------ save
+    def maybe_save(self, step: int, *, loss: float | None = None, last_step: bool = False,
+                   **counters: int) -> bool:
+        """Record ``loss`` for ``step`` and save if the policy says so. Call once per step.
+
+        Args:
+            step: optimizer steps completed (global, the same on every rank).
+            loss: this step's loss; pass the same (e.g. all-reduced) value on every rank.
+            last_step: the final step of training: saves if ``config.save_at_end``.
+            **counters: ``epoch``, ``batch_in_epoch``, ``global_samples_seen``,
+                ``global_tokens_seen`` to record in :class:`TrainState`.
+
+        Returns:
+            Whether a checkpoint was committed at this call.
+
+        Raises:
+            CheckpointSaveError: the save failed on some rank (raised on every rank); the
+                previous checkpoint is intact and training may continue.
+        """
+        self._check_open()
+        self._record(step, loss, counters)
+        due = self.schedule.is_due(step) or (last_step and self.config.save_at_end)
+        if not due or self.last_saved_step == step:
+            return False
+        self.save(step)
+        return True
+
+    def _record(self, step: int, loss: float | None, counters: dict[str, int]) -> None:
+        ts = self.train_state
+        unknown = set(counters) - {"epoch", "batch_in_epoch", "global_samples_seen", "global_tokens_seen"}
+        if unknown:
+            raise TypeError(f"unknown counter(s) {sorted(unknown)}")
+        ts.step = step
+        for k, v in counters.items():
+            setattr(ts, k, int(v))
+        if loss is not None:
+            ts.loss_history.append((step, float(loss)))
+            del ts.loss_history[: -self.config.loss_history_len]
+
+    def save(self, step: int, *, loss: float | None = None, **counters: int) -> Path:
+        """Save and commit the whole training state as ``step-<step>`` now (blocking).
+
+        Protocol (DESIGN section 4): every rank writes into a staging directory; outcomes are
+        gathered; on any failure the staging directory is removed and every rank raises; else
+        rank 0 writes the manifest last, renames staging -> final, updates ``latest`` and
+        applies retention; a final barrier.
+
+        Returns:
+            The committed checkpoint directory.
+
+        Raises:
+            CheckpointSaveError: on every rank if any rank failed; nothing was committed.
+        """
+        self._check_open()
+        if loss is not None or counters or step != self.train_state.step:
+            self._record(step, loss, counters)
+        t0 = time.perf_counter()
+        save_id = self.collective.broadcast(uuid.uuid4().hex[:12])
+        staging = self.root / staging_name(step, save_id)
+        final = self.root / checkpoint_name(step)
+        error, t_stage, t_write = None, 0.0, 0.0
+        try:
+            sd = self.state.for_save(self.train_state)
+            t_stage = time.perf_counter() - t0
+            staging.mkdir(parents=True, exist_ok=True)
+            dcp_save(sd, staging, process_group=self.collective.group, thread_count=self.config.thread_count)
+            t_write = time.perf_counter() - t0 - t_stage
+        except Exception as e:  # noqa: BLE001 - gathered below
+            error = describe_exception(e)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            error = describe_exception(e)
+        outcomes = self.collective.all_gather((error, t_stage, t_write))
+        failures = {r: o[0] for r, o in enumerate(outcomes) if o[0] is not None}
+        if failures:
+            self._abort(staging)
+            raise CheckpointSaveError(
+                f"save of step {step} failed on rank(s) {sorted(failures)}: "
+                + "; ".join(f"rank {r}: {m}" for r, m in failures.items())
+                + f". Nothing was committed; previous checkpoints in {self.root} are intact.",
+                failures=failures)
+        timings = {"stage": max(o[1] for o in outcomes), "write": max(o[2] for o in outcomes)}
+        commit_error = self.collective.broadcast(self._commit(step, staging, final, timings) if self.rank == 0 else None)
+        if commit_error is not None:
+            self._abort(staging)
+            raise CheckpointSaveError(f"commit of step {step} failed on rank 0: {commit_error}. "
+                                      f"Nothing was committed; previous checkpoints are intact.",
+                                      failures={0: commit_error})
+        self.collective.barrier()
+        self.last_saved_step = step
+        self.last_save_seconds = time.perf_counter() - t0
+        self.schedule.mark_saved()
+        if self.rank == 0:
+            logger.info("committed %s in %.3f s (stage %.3f s, write %.3f s)", final,
+                        self.last_save_seconds, timings["stage"], timings["write"])
+        return final
+
+    def _commit(self, step: int, staging: Path, final: Path, timings: dict[str, float]) -> str | None:
+        """Rank 0: manifest, rename, ``latest``, retention. Returns an error string or ``None``."""
+        t0 = time.perf_counter()
+        try:
+            ts = self.train_state
+            timings = dict(timings, commit=0.0)
+            manifest = Manifest(
+                step=step, epoch=ts.epoch, global_samples_seen=ts.global_samples_seen,
+                wall_time=time.time(), world_size=self.world_size, wrapper=self.wrapper,
+                state_dict_type=self.config.state_dict_type, torch_version=torch.__version__,
+                distckpt_version=__version__, model=self.model_specs,
+                model_fingerprint=model_fingerprint(self.model_specs),
+                loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == step else None,
+                timings_s=timings, files=list_files(staging))
+            timings["commit"] = time.perf_counter() - t0  # up to the manifest write
+            commit(staging, final, manifest)
+        except Exception as e:  # noqa: BLE001 - broadcast to every rank
+            return describe_exception(e)
+        try:
+            self._apply_retention()
+        except OSError as e:  # a failed delete never fails the save that just committed
+            logger.error("retention failed in %s: %s", self.root, e)
+        return None
+
+    def _apply_retention(self) -> None:
+        committed = [s for s, _, r in find_committed(self.root) if isinstance(r, Manifest)]
+        for step in steps_to_delete(committed, keep_last=self.config.keep_last,
+                                    keep_every_steps=self.config.keep_every_steps):
+            delete_checkpoint(self.root / checkpoint_name(step))
+            logger.info("retention: deleted %s", self.root / checkpoint_name(step))
+
+    def _abort(self, staging: Path) -> None:
+        if self.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.collective.barrier()
+
+    # ------------------------------------------------------------------ lifecycle
+    def wait(self) -> None:
+        """Block until any in-flight save is committed (blocking saves: nothing to wait for)."""
+        self._check_open()
+
+    def close(self) -> None:
+        """Finish in-flight work. Idempotent; the manager is unusable afterwards."""
+        if self._closed:
+            return
+        self.wait()
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("CheckpointManager is closed")
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()

@@ -1,0 +1,121 @@
+"""The manifest ``distckpt.json``: what a committed checkpoint holds (DESIGN section 3).
+
+Written last by rank 0 (tmp + ``os.replace``) before the staging directory is renamed, so its
+presence with a matching file list is what makes a checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointCorruptError
+from .layout import MANIFEST
+
+__all__ = ["SCHEMA_VERSION", "Manifest", "FileEntry", "TensorSpec", "model_fingerprint"]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(kw_only=True)
+class FileEntry:
+    """One data file of a checkpoint. ``path`` is relative to the checkpoint directory."""
+
+    path: str
+    size_bytes: int
+
+
+@dataclass(kw_only=True)
+class TensorSpec:
+    """Global shape and dtype of one model tensor (``dtype`` as ``str(torch.dtype)``)."""
+
+    shape: list[int]
+    dtype: str
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    """Contents of ``distckpt.json``.
+
+    Attributes:
+        step: global optimizer step at save.
+        world_size: number of ranks that wrote the checkpoint.
+        wrapper: wrapper kind of the model at save (``plain``, ``ddp``, ``fsdp1``, ``fsdp2``,
+            with a ``+compile`` suffix when compiled).
+        state_dict_type: ``sharded`` or ``full``.
+        model: fingerprint, ``{fqn: TensorSpec}`` with clean keys, sorted.
+        model_fingerprint: sha256 over the sorted ``(fqn, shape, dtype)`` list.
+        timings_s: seconds per phase (``stage``, ``write``, ``commit``).
+        files: every file of the checkpoint except the manifest itself.
+    """
+
+    step: int
+    epoch: int = 0
+    global_samples_seen: int = 0
+    wall_time: float = 0.0
+    world_size: int
+    wrapper: str
+    state_dict_type: str
+    torch_version: str
+    distckpt_version: str
+    model: dict[str, TensorSpec]
+    model_fingerprint: str
+    loss: float | None = None
+    timings_s: dict[str, float] = field(default_factory=dict)
+    files: list[FileEntry] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, path: str = "<memory>") -> "Manifest":
+        """Parse a manifest dict.
+
+        Raises:
+            CheckpointCorruptError: missing fields or a schema newer than this distckpt reads.
+        """
+        version = data.get("schema_version")
+        if not isinstance(version, int):
+            raise CheckpointCorruptError(f"{path}: manifest has no integer schema_version", path=path)
+        if version > SCHEMA_VERSION:
+            raise CheckpointCorruptError(
+                f"{path}: manifest schema_version {version} is newer than this distckpt reads "
+                f"({SCHEMA_VERSION}); upgrade distckpt",
+                path=path,
+            )
+        try:
+            data = dict(data)
+            data["model"] = {k: TensorSpec(**v) for k, v in data["model"].items()}
+            data["files"] = [FileEntry(**f) for f in data["files"]]
+            return cls(**data)
+        except (KeyError, TypeError) as e:
+            raise CheckpointCorruptError(f"{path}: malformed manifest ({e})", path=path) from e
+
+    @classmethod
+    def read(cls, checkpoint_dir: str | os.PathLike) -> "Manifest":
+        """Read ``<checkpoint_dir>/distckpt.json``.
+
+        Raises:
+            CheckpointCorruptError: absent, unreadable or malformed manifest.
+        """
+        path = Path(checkpoint_dir) / MANIFEST
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError as e:
+            raise CheckpointCorruptError(f"{path}: manifest missing (uncommitted checkpoint)", path=str(path)) from e
+        except (OSError, ValueError) as e:
+            raise CheckpointCorruptError(f"{path}: unreadable manifest ({e})", path=str(path)) from e
+        if not isinstance(data, dict):
+            raise CheckpointCorruptError(f"{path}: manifest is not a JSON object", path=str(path))
+        return cls.from_dict(data, path=str(path))
+
+
+def model_fingerprint(specs: dict[str, TensorSpec]) -> str:
+    """sha256 (hex) of the sorted ``fqn shape dtype`` lines: equal iff the model layout is equal."""
+    lines = [f"{k} {tuple(v.shape)} {v.dtype}" for k, v in sorted(specs.items())]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()

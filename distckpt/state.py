@@ -1,0 +1,239 @@
+"""The whole training state as one DCP state_dict, and its restoration (DESIGN section 5).
+
+Layout of the DCP state_dict (top-level keys; nested dicts are flattened by DCP with dots)::
+
+    model          {fqn: Tensor | DTensor}                  via get_state_dict (clean keys)
+    optim          {"state": {fqn: {...}}, "param_groups"}  via get_state_dict
+    lr_scheduler   bytes   (all ranks equal; DCP keeps one copy)
+    grad_scaler    bytes
+    extra          {name: Stateful.state_dict() | bytes}
+    train_state    bytes   rank 0 only: counters + bounded loss history
+    rank_state     {"rank<r>": {"rng": bytes, "dataloader": bytes}}   each rank its own key
+
+Non-tensor values are packed with ``torch.save`` into ``bytes`` leaves so that DCP treats them
+as opaque items (their inner structure may change between save and load) and they are read
+back with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .adapters import ModelOptimState
+from .data.reshard import DataLoaderState
+from .errors import IncompatibleCheckpointError
+from .rng import capture_rng, derive_rng, restore_rng
+
+__all__ = ["TrainState", "CheckpointState", "pack", "unpack"]
+
+logger = logging.getLogger(__name__)
+
+
+def pack(obj: Any) -> bytes:
+    """Serialize a value made of containers, primitives and tensors (``torch.save``)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def unpack(data: bytes) -> Any:
+    """Inverse of :func:`pack`; never runs code (``weights_only=True``)."""
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    """Counters and loss history saved with every checkpoint; returned by ``load()``.
+
+    Attributes:
+        step: optimizer steps completed.
+        epoch: current epoch (0-based).
+        batch_in_epoch: global batches consumed in the current epoch.
+        global_samples_seen: samples consumed by all ranks since the start of training.
+        global_tokens_seen: tokens consumed by all ranks (0 if the caller does not count them).
+        loss_history: ``[(step, loss), ...]`` of the most recent steps, bounded by config.
+        checkpoint_path: directory it was loaded from (``None`` before any load).
+        saved_world_size: world size of the run that wrote the checkpoint.
+    """
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    global_samples_seen: int = 0
+    global_tokens_seen: int = 0
+    loss_history: list[tuple[int, float]] = field(default_factory=list)
+    checkpoint_path: str | None = None
+    saved_world_size: int | None = None
+
+    _SAVED = ("step", "epoch", "batch_in_epoch", "global_samples_seen", "global_tokens_seen", "loss_history")
+
+    def to_saved(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {k: d[k] for k in self._SAVED}
+
+
+class CheckpointState:
+    """Builds the DCP state_dict to save and the target to load into, then restores.
+
+    Args:
+        model, optimizer, lr_scheduler, grad_scaler, dataloader: live training objects
+            (``None`` where absent); ``dataloader`` must have ``state_dict``/``load_state_dict``
+            (torchdata ``StatefulDataLoader``).
+        extra_state: ``{name: Stateful | plain value}``; plain values must be made of
+            containers, primitives and tensors.
+        rank, world_size: of the training process group.
+        full_state_dict: FULL model/optimizer (gathered to rank 0) instead of SHARDED.
+        seed: base seed for ranks that have no saved RNG state.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        lr_scheduler: Any = None,
+        grad_scaler: Any = None,
+        dataloader: Any = None,
+        extra_state: dict[str, Any] | None = None,
+        rank: int,
+        world_size: int,
+        full_state_dict: bool,
+        seed: int,
+    ) -> None:
+        self.model_optim = ModelOptimState(model, optimizer, full_state_dict=full_state_dict)
+        self.lr_scheduler = lr_scheduler
+        self.grad_scaler = grad_scaler
+        self.data = DataLoaderState(dataloader) if dataloader is not None else None
+        self.extra_state = dict(extra_state or {})
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+
+    # ------------------------------------------------------------------ save
+    def for_save(self, train_state: TrainState) -> dict[str, Any]:
+        """The state_dict every rank passes to ``dcp.save``. Collective under FSDP."""
+        model_sd, optim_sd = self.model_optim.state_dict_for_save()
+        sd: dict[str, Any] = {"model": model_sd}
+        if self.model_optim.optimizer is not None:
+            sd["optim"] = optim_sd
+        sd.update(self._global_parts(for_load=False))
+        if self.rank == 0:
+            sd["train_state"] = pack(train_state.to_saved())
+            if self.data is not None:
+                sd["data"] = pack(self.data.global_state())
+        own = {"rng": pack(capture_rng())}
+        if self.data is not None:
+            own["dataloader"] = pack(self.data.local_state())
+        sd["rank_state"] = {f"rank{self.rank}": own}
+        return sd
+
+    def _global_parts(self, *, for_load: bool) -> dict[str, Any]:
+        sd: dict[str, Any] = {}
+        if self.lr_scheduler is not None:
+            sd["lr_scheduler"] = b"" if for_load else pack(self.lr_scheduler.state_dict())
+        if self.grad_scaler is not None:
+            sd["grad_scaler"] = b"" if for_load else pack(self.grad_scaler.state_dict())
+        if self.extra_state:
+            sd["extra"] = {
+                name: (obj.state_dict() if isinstance(obj, Stateful) else (b"" if for_load else pack(obj)))
+                for name, obj in self.extra_state.items()
+            }
+        return sd
+
+    # ------------------------------------------------------------------ load
+    def for_load(self, checkpoint_keys: set[str], saved_world_size: int) -> dict[str, Any]:
+        """Target state_dict for ``dcp.load``; call inside ``self.model_optim.load_context()``.
+
+        Args:
+            checkpoint_keys: flattened keys in the checkpoint's DCP metadata.
+            saved_world_size: world size recorded in the manifest.
+
+        Raises:
+            IncompatibleCheckpointError: live optimizer/components the checkpoint lacks, or
+                optimizer state in the checkpoint for parameters the live optimizer lacks.
+        """
+        model_sd, optim_sd = self.model_optim.target_for_load()
+        sd: dict[str, Any] = {"model": model_sd}
+        if self.model_optim.optimizer is not None:
+            _prune_uninitialised_optim_state(optim_sd, checkpoint_keys)
+            sd["optim"] = optim_sd
+        sd.update(self._global_parts(for_load=True))
+        sd["train_state"] = b""
+        same_world = saved_world_size == self.world_size
+        if self.data is not None and not same_world and "data" in checkpoint_keys:
+            sd["data"] = b""
+        if self.rank < saved_world_size:
+            own: dict[str, Any] = {"rng": b""}
+            if self.data is not None and same_world:
+                own["dataloader"] = b""
+            sd["rank_state"] = {f"rank{self.rank}": own}
+        _check_keys(sd, checkpoint_keys, rank=self.rank)
+        return sd
+
+    def restore(self, sd: dict[str, Any], *, saved_world_size: int) -> TrainState:
+        """Apply a loaded state_dict to the live objects; call inside ``load_context()``."""
+        self.model_optim.apply(sd["model"], sd.get("optim", {}))
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(unpack(sd["lr_scheduler"]))
+        if self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(unpack(sd["grad_scaler"]))
+        for name, obj in self.extra_state.items():
+            value = sd["extra"][name]
+            if isinstance(obj, Stateful):
+                obj.load_state_dict(value)
+            else:
+                self.extra_state[name] = unpack(value)
+        train_state = TrainState(**unpack(sd["train_state"]))
+        train_state.loss_history = [tuple(x) for x in train_state.loss_history]
+        own = sd.get("rank_state", {}).get(f"rank{self.rank}")
+        if self.data is not None:
+            if own is not None and "dataloader" in own:
+                self.data.load_local_state(unpack(own["dataloader"]))
+            else:
+                self.data.load_global_state(unpack(sd["data"]), rank=self.rank, world_size=self.world_size)
+                logger.info(
+                    "rank %d: world size %d -> %d: dataloader position rebuilt from the global "
+                    "sampler state", self.rank, saved_world_size, self.world_size)
+        # RNG last: nothing above may consume random numbers after it.
+        if own is not None:
+            restore_rng(unpack(own["rng"]))
+        else:
+            derived = derive_rng(self.seed, self.rank, train_state.step)
+            logger.warning(
+                "rank %d did not exist at save (saved world size %d): RNG derived from "
+                "(seed=%d, rank=%d, step=%d) -> %d", self.rank, saved_world_size, self.seed,
+                self.rank, train_state.step, derived)
+        return train_state
+
+
+def _prune_uninitialised_optim_state(optim_sd: dict[str, Any], checkpoint_keys: set[str]) -> None:
+    """Drop optimizer state the checkpoint does not have: DCP's dummy-step initialisation of
+    parameters that had no state at save (saved before their first update)."""
+    state = optim_sd.get("state", {})
+    for fqn in list(state):
+        if not any(f"optim.state.{fqn}.{name}" in checkpoint_keys for name in state[fqn]):
+            del state[fqn]
+
+
+def _check_keys(target: dict[str, Any], checkpoint_keys: set[str], *, rank: int) -> None:
+    flat, _ = flatten_state_dict(target)
+    missing = sorted(k for k in flat if k not in checkpoint_keys)
+    unexpected = sorted(
+        k for k in checkpoint_keys
+        if k.startswith("optim.state.") and k not in flat
+    )
+    if missing or unexpected:
+        lines = [f"checkpoint does not match the live training state (rank {rank}):"]
+        lines += [f"  missing in checkpoint: {k}" for k in missing[:50]]
+        lines += [f"  in checkpoint, not in the live optimizer (parameter frozen or not optimized?): {k}"
+                  for k in unexpected[:50]]
+        lines.append("Pass the same components (optimizer, lr_scheduler, grad_scaler, dataloader, "
+                     "extra_state) as the run that saved, or start from a fresh root.")
+        raise IncompatibleCheckpointError("\n".join(lines), missing=missing, unexpected=unexpected)

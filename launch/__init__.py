@@ -1,0 +1,1 @@
+"""Demonstration torchrun training job (byte-level GPT on stdlib source) for distckpt."""

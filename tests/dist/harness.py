@@ -1,0 +1,73 @@
+"""Run a function on N CPU/gloo ranks in fresh spawned processes, with a hard timeout.
+
+Each rank's return value (or traceback) is written to a file before process-group teardown,
+so a rank that aborts inside gloo teardown cannot hide a result; the parent asserts on values.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+
+
+def _entry(fn: Callable, rank: int, world_size: int, init_file: str, out_dir: str, args: tuple) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result: dict[str, Any]
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        result = {"ok": True, "value": fn(rank, world_size, *args)}
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "type": type(e).__name__,
+                  "traceback": traceback.format_exc()}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - teardown only
+        pass
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return per-rank results.
+
+    Each result is ``{"ok": True, "value": ...}`` or ``{"ok": False, "error", "type", "traceback"}``.
+    Raises ``TimeoutError`` (after killing the ranks) if any rank runs past ``timeout_s``.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, tmp, args), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        if any(p.is_alive() for p in procs):
+            for p in procs:
+                p.kill()
+            raise TimeoutError(f"ranks still running after {timeout_s} s")
+        results = []
+        for r in range(world_size):
+            path = os.path.join(tmp, f"rank{r}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} exited with {procs[r].exitcode} before reporting")
+            results.append(torch.load(path, weights_only=False))
+        return results
+
+
+def values(results: list[dict[str, Any]]) -> list[Any]:
+    """Per-rank values; fails with every rank's traceback if any rank raised."""
+    bad = [r for r in results if not r["ok"]]
+    if bad:
+        raise AssertionError("\n\n".join(r["traceback"] for r in bad))
+    return [r["value"] for r in results]

@@ -1,0 +1,120 @@
+"""A tiny but complete training job used by the distributed tests.
+
+Dropout, AdamW, warmup+cosine LambdaLR, a GradScaler, and a StatefulDataLoader over a
+ReshardableSampler: everything whose state a resume must restore exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from distckpt import CheckpointConfig, CheckpointManager, ReshardableSampler
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 16, dtype: torch.dtype = torch.float32, rename: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width, dtype=dtype)
+        self.drop = nn.Dropout(0.2)
+        setattr(self, "hidden2" if rename else "hidden", nn.Linear(width, width, dtype=dtype))
+        self.out = nn.Linear(width, 1, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.hidden2 if hasattr(self, "hidden2") else self.hidden
+        return self.out(self.drop(torch.relu(hidden(self.drop(torch.relu(self.inp(x)))))))
+
+
+class Points(torch.utils.data.Dataset):
+    def __init__(self, n: int = 96) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x.sum(dim=1, keepdim=True).sin()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "y": self.y[i], "id": torch.tensor(i)}
+
+
+def build(rank: int, world_size: int, opts: dict[str, Any]):
+    """Model (wrapped per ``opts['wrapper']``), optimizer, scheduler, scaler, loader."""
+    torch.manual_seed(0)
+    model = Net(width=opts.get("width", 16), rename=opts.get("rename", False),
+                dtype=opts.get("dtype", torch.float32))
+    wrapper = opts.get("wrapper", "plain")
+    if wrapper == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    elif wrapper == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model.inp, model.out):
+            fully_shard(layer)
+        fully_shard(model)
+    if opts.get("compile"):
+        model = torch.compile(model, backend="eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+    total = 40
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 4) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    dataset = Points()
+    G = opts.get("global_batch_size", 8)
+    sampler = ReshardableSampler(len(dataset), global_batch_size=G, rank=rank, world_size=world_size, seed=7)
+    loader = StatefulDataLoader(dataset, batch_size=G // world_size, sampler=sampler,
+                                num_workers=opts.get("num_workers", 0))
+    return model, optimizer, scheduler, scaler, loader
+
+
+def train(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """Resume if possible, train until ``opts['until']`` steps; return losses, ids and params.
+
+    ``opts``: root, until, interval_steps, wrapper, compile, keep_last, plus ``build`` options.
+    """
+    model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
+    config = CheckpointConfig(root=opts["root"], interval_steps=opts.get("interval_steps", 3),
+                              keep_last=opts.get("keep_last", 3),
+                              state_dict_type=opts.get("state_dict_type", "sharded"),
+                              fallback_to_older=opts.get("fallback_to_older", False))
+    manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                grad_scaler=scaler, dataloader=loader)
+    state = manager.load()
+    step = state.step if state else 0
+    losses, ids = {}, {}
+    model.train()
+    while step < opts["until"]:
+        for batch in loader:
+            loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            scheduler.step()
+            step += 1
+            global_loss = loss.detach().clone()
+            if dist.is_initialized():
+                dist.all_reduce(global_loss)
+                global_loss /= world_size
+            losses[step] = global_loss.item()
+            ids[step] = batch["id"].tolist()
+            manager.maybe_save(step, loss=losses[step], last_step=step == opts["until"])
+            if step == opts["until"] or step == opts.get("crash_at"):
+                break
+        if step == opts.get("crash_at"):
+            break
+    manager.close()
+    return {"losses": losses, "ids": ids, "resumed_from": state.step if state else None,
+            "params": full_params(model), "scale": scaler.get_scale(),
+            "lr": scheduler.get_last_lr()}
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
