@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tests.dist.harness import run_ranks, values
-from tests.dist.trainer import train
+from tests.distributed.harness import run_ranks, values
+from tests.distributed.trainer import train
 
 pytestmark = pytest.mark.timeout(240)
 
