@@ -16,7 +16,15 @@ __all__ = ["dcp_save", "dcp_load", "describe_exception"]
 
 
 def describe_exception(exc: BaseException) -> str:
-    """One line ``Type: message`` (DCP's ``CheckpointException`` lists failures per rank)."""
+    """One line ``Type: message``; DCP's ``CheckpointException`` is unwrapped to the original
+    exception of each failed rank (``DCP rank r: OSError: ...``)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, pair in sorted(failures.items()):
+            inner = pair[0] if isinstance(pair, tuple) else pair
+            parts.append(f"DCP rank {rank}: {describe_exception(inner)}")
+        return "; ".join(parts)[:1000]
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
 

@@ -34,10 +34,13 @@ def _entry(fn: Callable, rank: int, world_size: int, init_file: str, out_dir: st
         pass
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
+              expect_death: bool = False) -> list[dict[str, Any] | None]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return per-rank results.
 
     Each result is ``{"ok": True, "value": ...}`` or ``{"ok": False, "error", "type", "traceback"}``.
+    With ``expect_death``, the first rank killed by a signal ends the run: the others are
+    killed too (they would wait in a collective) and dead ranks' results are ``None``.
     Raises ``TimeoutError`` (after killing the ranks) if any rank runs past ``timeout_s``.
     """
     ctx = mp.get_context("spawn")
@@ -50,18 +53,30 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
         import time
 
         deadline = time.monotonic() + timeout_s
+        died = False
+        while any(p.is_alive() for p in procs):
+            if time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise TimeoutError(f"ranks still running after {timeout_s} s")
+            if expect_death and any(p.exitcode is not None and p.exitcode < 0 for p in procs):
+                died = True
+                for p in procs:
+                    p.kill()
+            procs[0].join(0.05)
         for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        if any(p.is_alive() for p in procs):
-            for p in procs:
-                p.kill()
-            raise TimeoutError(f"ranks still running after {timeout_s} s")
+            p.join()
         results = []
         for r in range(world_size):
             path = os.path.join(tmp, f"rank{r}.pt")
             if not os.path.exists(path):
+                if expect_death and died:
+                    results.append(None)
+                    continue
                 raise RuntimeError(f"rank {r} exited with {procs[r].exitcode} before reporting")
             results.append(torch.load(path, weights_only=False))
+        if expect_death and not died:
+            raise AssertionError("expected a rank to be killed, but all exited normally")
         return results
 
 

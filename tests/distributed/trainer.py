@@ -118,3 +118,55 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optim(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def make_manager(rank: int, world_size: int, opts: dict[str, Any]):
+    model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
+    config = CheckpointConfig(root=opts["root"], interval_steps=None,
+                              state_dict_type=opts.get("state_dict_type", "sharded"),
+                              fallback_to_older=opts.get("fallback_to_older", False),
+                              load_path=opts.get("load_path"))
+    manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                grad_scaler=scaler, dataloader=loader if opts.get("with_loader", True) else None)
+    return manager, model, optimizer, scheduler, scaler, loader
+
+
+def train_steps(model, optimizer, scheduler, scaler, loader, n: int) -> list[float]:
+    losses = []
+    it = iter(loader)
+    for _ in range(n):
+        batch = next(it)
+        loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def save_after(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """Train ``opts['steps']`` steps, save, return full params and optimizer state."""
+    manager, model, optimizer, scheduler, scaler, loader = make_manager(rank, world_size, opts)
+    train_steps(model, optimizer, scheduler, scaler, loader, opts.get("steps", 3))
+    manager.save(opts.get("steps", 3))
+    manager.close()
+    return {"params": full_params(model), "optim": full_optim(model, optimizer)}
+
+
+def load_report(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """Load, return full params/optimizer state and the loaded TrainState."""
+    manager, model, optimizer, scheduler, scaler, loader = make_manager(rank, world_size, opts)
+    state = manager.load()
+    out = {"state": state, "params": full_params(model), "optim": full_optim(model, optimizer),
+           "lr": scheduler.get_last_lr(), "scale": scaler.get_scale()}
+    manager.close()
+    return out

@@ -1,0 +1,43 @@
+"""A checkpoint saved under one wrapper loads under another, bitwise."""
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks, values
+from tests.distributed.trainer import load_report, save_after
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def assert_same_state(saved: dict, loaded: dict) -> None:
+    assert saved["params"].keys() == loaded["params"].keys()
+    for k, v in saved["params"].items():
+        assert torch.equal(v, loaded["params"][k]), k
+    s_state, l_state = saved["optim"]["state"], loaded["optim"]["state"]
+    assert s_state.keys() == l_state.keys() and s_state
+    for fqn, entry in s_state.items():
+        for name, v in entry.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(l_state[fqn][name])), (fqn, name)
+
+
+@pytest.mark.parametrize(
+    "save_ws,save_opts,load_ws,load_opts",
+    [
+        (2, {"wrapper": "ddp"}, 1, {"wrapper": "plain"}),
+        (2, {"wrapper": "fsdp2"}, 3, {"wrapper": "fsdp2"}),
+        (2, {"wrapper": "ddp"}, 2, {"wrapper": "fsdp2"}),
+        (1, {"wrapper": "plain", "compile": True}, 1, {"wrapper": "plain"}),
+        (1, {"wrapper": "plain"}, 2, {"wrapper": "ddp", "compile": True}),
+        (2, {"wrapper": "fsdp2", "state_dict_type": "full"}, 3, {"wrapper": "fsdp2"}),
+        (2, {"wrapper": "fsdp2", "compile": True}, 1, {"wrapper": "plain"}),
+    ],
+    ids=["ddp2-plain1", "fsdp2x2-fsdp2x3", "ddp2-fsdp2x2", "compiled-plain", "plain-compiled_ddp2",
+         "full_fsdp2x2-fsdp2x3", "compiled_fsdp2x2-plain1"],
+)
+def test_cross_wrapper_load(tmp_path, save_ws, save_opts, load_ws, load_opts):
+    common = {"root": str(tmp_path), "global_batch_size": 12, "steps": 3}
+    saved = values(run_ranks(save_after, save_ws, {**common, **save_opts}))[0]
+    loaded = values(run_ranks(load_report, load_ws, {**common, **load_opts}))
+    assert loaded[0]["state"].step == 3 and loaded[0]["state"].saved_world_size == save_ws
+    assert_same_state(saved, loaded[0])
+    assert all(r["lr"] == loaded[0]["lr"] for r in loaded)

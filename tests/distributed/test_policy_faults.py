@@ -1,0 +1,105 @@
+"""Save policy across ranks (intervals, skewed clocks, retention) and I/O faults on one rank."""
+
+import errno
+import os
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks, values
+from tests.distributed.trainer import full_params, make_manager, train_steps
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def run_with_skewed_clock(rank, world_size, opts):
+    from distckpt import CheckpointConfig, CheckpointManager
+    from tests.distributed.trainer import build
+
+    model, optimizer, *_ = build(rank, world_size, {"wrapper": "ddp"})
+    config = CheckpointConfig(root=opts["root"], interval_steps=None, interval_seconds=10.0, keep_last=2,
+                              keep_every_steps=4)
+    manager = CheckpointManager(config, model=model, optimizer=optimizer)
+    # Fake clocks: rank 1 runs 3x faster and 100 s ahead; only rank 0's clock may decide.
+    ticks = {"t": 0.0}
+    manager.schedule.clock = lambda: ticks["t"] * (3.0 if rank == 1 else 1.0) + (100.0 if rank == 1 else 0.0)
+    manager.schedule.mark_saved()
+    saved = []
+    for step in range(1, 13):
+        ticks["t"] += 4.0  # 4 s per step on rank 0 -> a save every 3 steps
+        if manager.maybe_save(step):
+            saved.append(step)
+    manager.close()
+    return saved
+
+
+def test_interval_seconds_decided_by_rank0_despite_skewed_clocks(tmp_path):
+    saved = values(run_ranks(run_with_skewed_clock, 2, {"root": str(tmp_path)}))
+    assert saved[0] == saved[1] == [3, 6, 9, 12]
+    # keep_last=2 keeps 9 and 12; keep_every_steps=4 keeps none of them except... 12 (multiple of 4)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == \
+        ["step-000000009", "step-000000012"]
+
+
+def interval_steps_and_retention(rank, world_size, opts):
+    from distckpt import CheckpointConfig, CheckpointManager
+    from tests.distributed.trainer import build
+
+    model, optimizer, *_ = build(rank, world_size, {"wrapper": "ddp"})
+    config = CheckpointConfig(root=opts["root"], interval_steps=2, keep_last=2, keep_every_steps=3)
+    manager = CheckpointManager(config, model=model, optimizer=optimizer)
+    saved = [s for s in range(1, 11) if manager.maybe_save(s, last_step=s == 10)]
+    assert not manager.maybe_save(10, last_step=True)  # already saved at this step
+    manager.close()
+    return saved
+
+
+def test_interval_steps_and_retention(tmp_path):
+    saved = values(run_ranks(interval_steps_and_retention, 2, {"root": str(tmp_path)}))
+    assert saved[0] == saved[1] == [2, 4, 6, 8, 10]
+    # keep_last=2 -> 8, 10; keep_every_steps=3 -> 6 forever; 2 and 4 deleted
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == \
+        ["step-000000006", "step-000000008", "step-000000010"]
+    assert (tmp_path / "latest").read_text().strip() == "step-000000010"
+
+
+def io_fault_on_one_rank(rank, world_size, opts):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from distckpt import CheckpointSaveError
+
+    manager, model, optimizer, scheduler, scaler, loader = make_manager(rank, world_size, opts)
+    train_steps(model, optimizer, scheduler, scaler, loader, 2)
+    manager.save(2)
+    expected = full_params(model)
+    train_steps(model, optimizer, scheduler, scaler, loader, 2)
+    original = FileSystemWriter.write_data
+
+    def failing(self, plan, planner):
+        if rank == opts["victim"]:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = failing
+    error = None
+    try:
+        manager.save(4)
+    except CheckpointSaveError as e:  # must be catchable as Exception on every rank
+        error = (str(e), sorted(e.failures))
+    FileSystemWriter.write_data = original
+    root = opts["root"]
+    after_failure = sorted(os.listdir(root))
+    train_steps(model, optimizer, scheduler, scaler, loader, 1)
+    manager.save(5)  # training continues and the next save works
+    manager.close()
+    return {"error": error, "after_failure": after_failure, "expected": expected}
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_io_error_on_one_rank_raises_everywhere(tmp_path, victim):
+    out = values(run_ranks(io_fault_on_one_rank, 2, {"root": str(tmp_path), "wrapper": "fsdp2", "victim": victim}))
+    for r in out:
+        assert r["error"] is not None, "every rank must raise CheckpointSaveError"
+        assert "No space left on device" in r["error"][0] and "Nothing was committed" in r["error"][0]
+        assert r["after_failure"] == ["latest", "step-000000002"]  # staging removed, previous intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000000002", "step-000000005"]

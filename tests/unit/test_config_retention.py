@@ -1,0 +1,50 @@
+import pytest
+
+from distckpt import CheckpointConfig, ConfigError
+from distckpt.layout import checkpoint_name, is_staging, parse_step, staging_name
+from distckpt.retention import steps_to_delete
+
+
+def test_unknown_key_names_the_valid_ones(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("checkpoint:\n  root: /tmp/x\n  interval_step: 5\n")
+    with pytest.raises(ConfigError) as err:
+        CheckpointConfig.from_yaml(path)
+    assert "interval_step" in str(err.value) and "interval_steps" in str(err.value)
+
+
+def test_from_yaml_reads_section(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("checkpoint:\n  root: /tmp/x\n  interval_steps: 5\n  keep_last: 2\nother: 1\n")
+    cfg = CheckpointConfig.from_yaml(path)
+    assert (cfg.root, cfg.interval_steps, cfg.keep_last) == ("/tmp/x", 5, 2)
+
+
+@pytest.mark.parametrize("field,value", [("interval_steps", -1), ("interval_seconds", 0),
+                                         ("keep_last", 0), ("state_dict_type", "FULLISH"),
+                                         ("thread_count", 0)])
+def test_bad_values_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=field):
+        CheckpointConfig(root="/tmp/x", **{field: value})
+
+
+def test_config_is_kw_only():
+    with pytest.raises(TypeError):
+        CheckpointConfig("/tmp/x")  # type: ignore[misc]
+
+
+def test_layout_names_round_trip():
+    assert checkpoint_name(100) == "step-000000100" and parse_step("step-000000100") == 100
+    assert parse_step("step-12") is None and parse_step("latest") is None
+    assert is_staging(staging_name(7, "ab12")) and not is_staging("step-000000007")
+
+
+@pytest.mark.parametrize("steps,keep_last,every,expected", [
+    ([10, 20, 30, 40], 2, None, [10, 20]),
+    ([10, 20, 30, 40], 1, 20, [10, 30]),
+    ([10, 20, 30, 40], None, None, []),
+    ([40], 1, None, []),
+    ([5, 10, 15, 20, 25], 2, 10, [5, 15]),
+])
+def test_retention(steps, keep_last, every, expected):
+    assert steps_to_delete(steps, keep_last=keep_last, keep_every_steps=every) == expected

@@ -1,0 +1,232 @@
+"""CheckpointManager in one process (no process group): errors, discovery, pitfalls."""
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from distckpt import (
+    CheckpointConfig,
+    CheckpointCorruptError,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    ConfigError,
+    IncompatibleCheckpointError,
+)
+from tests.distributed.trainer import Net, build, make_manager, train_steps
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def manager_for(root, **kw):
+    model, optimizer, scheduler, scaler, loader = build(0, 1, kw.pop("build", {}))
+    cfg = CheckpointConfig(root=str(root), interval_steps=kw.pop("interval_steps", None), **kw)
+    return CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                             grad_scaler=scaler, dataloader=loader), (model, optimizer, scheduler, scaler, loader)
+
+
+def trained_manager(root, steps=(3,), **kw):
+    manager, objs = manager_for(root, **kw)
+    done = 0
+    for s in steps:
+        train_steps(*objs, s - done)
+        manager.save(s)
+        done = s
+    return manager, objs
+
+
+@pytest.mark.parametrize("change,expect", [
+    ({"rename": True}, ["missing in checkpoint: hidden2.weight", "unexpected (in checkpoint, not in model): hidden.weight"]),
+    ({"width": 12}, ["shape mismatch for inp.weight: checkpoint [16, 8], model [12, 8]"]),
+    ({"dtype": torch.bfloat16}, ["dtype mismatch for inp.weight: checkpoint torch.float32, model torch.bfloat16"]),
+])
+def test_incompatible_model_names_every_difference(tmp_path, change, expect):
+    trained_manager(tmp_path)
+    manager, (model, *_) = manager_for(tmp_path, build=change)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(IncompatibleCheckpointError) as err:
+        manager.load()
+    for line in expect:
+        assert line in str(err.value)
+    for k, v in model.state_dict().items():  # nothing was touched
+        assert torch.equal(v, before[k])
+
+
+def test_missing_optimizer_in_checkpoint_is_incompatible(tmp_path):
+    model = Net()
+    m = CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=None)
+    m.save(1)
+    manager, _ = manager_for(tmp_path)
+    with pytest.raises(IncompatibleCheckpointError, match="missing in checkpoint: optim"):
+        manager.load()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_corrupt_newest_raises_or_falls_back(tmp_path, damage, caplog):
+    _, (model, *_) = trained_manager(tmp_path, steps=(3, 6))
+    data = sorted((tmp_path / "step-000000006").glob("*.distcp"))[0]
+    if damage == "truncate":
+        data.write_bytes(data.read_bytes()[:-10])
+    else:
+        data.unlink()
+    manager, _ = manager_for(tmp_path)
+    with pytest.raises(CheckpointCorruptError) as err:
+        manager.load()
+    assert str(data) in str(err.value) and err.value.path == str(data)
+    manager, (model2, *_) = manager_for(tmp_path, fallback_to_older=True)
+    with caplog.at_level("WARNING"):
+        state = manager.load()
+    assert state.step == 3
+    assert "falling back" in caplog.text and "step-000000006" in caplog.text
+
+
+def test_bad_manifest_and_load_path(tmp_path):
+    trained_manager(tmp_path)
+    (tmp_path / "step-000000003" / "distckpt.json").write_text("{not json")
+    manager, _ = manager_for(tmp_path)
+    with pytest.raises(CheckpointCorruptError, match="unreadable manifest"):
+        manager.load()
+    manager, _ = manager_for(tmp_path, load_path=str(tmp_path / "step-000000099"))
+    with pytest.raises(CheckpointNotFoundError, match="step-000000099"):
+        manager.load()
+
+
+def test_newer_schema_is_refused(tmp_path):
+    trained_manager(tmp_path)
+    path = tmp_path / "step-000000003" / "distckpt.json"
+    data = json.loads(path.read_text())
+    data["schema_version"] = 99
+    path.write_text(json.dumps(data))
+    manager, _ = manager_for(tmp_path)
+    with pytest.raises(CheckpointCorruptError, match="schema_version 99 is newer"):
+        manager.load()
+
+
+def test_stale_staging_removed_and_never_loaded(tmp_path):
+    trained_manager(tmp_path)
+    fake = tmp_path / ".staging-step-000000009-abcdef"
+    fake.mkdir()
+    (fake / "distckpt.json").write_text("{}")
+    manager, _ = manager_for(tmp_path)
+    assert manager.load().step == 3
+    assert not fake.exists()
+
+
+def test_empty_root_starts_fresh(tmp_path):
+    manager, _ = manager_for(tmp_path / "new")
+    assert manager.load() is None
+
+
+def test_save_before_first_step_changes_nothing(tmp_path):
+    # Reference: first update with no save.
+    _, (m_ref, o_ref, s_ref, sc_ref, l_ref) = manager_for(tmp_path / "ref")
+    train_steps(m_ref, o_ref, s_ref, sc_ref, l_ref, 1)
+    manager, (model, opt, sched, scaler, loader) = manager_for(tmp_path / "a")
+    manager.save(0)
+    assert not opt.state  # DCP's dummy step was undone
+    train_steps(model, opt, sched, scaler, loader, 1)
+    for a, b in zip(m_ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert [s["step"].item() for s in opt.state.values()] == [1.0] * len(opt.state)
+    # ... and loading that step-0 checkpoint gives a stateless optimizer too.
+    manager2, (model2, opt2, *_rest) = manager_for(tmp_path / "a", load_path=str(tmp_path / "a" / "step-000000000"))
+    assert manager2.load().step == 0
+    assert not opt2.state
+
+
+def test_empty_param_group_saves_and_loads(tmp_path):
+    def make():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = torch.optim.AdamW([{"params": list(model.parameters())}, {"params": [], "lr": 0.5}], lr=0.1)
+        return model, opt
+    model, opt = make()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.param_groups[1]["lr"] = 0.25
+    CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=opt).save(1)
+    model2, opt2 = make()
+    CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model2, optimizer=opt2).load()
+    assert [g["lr"] for g in opt2.param_groups] == [0.1, 0.25]
+    for a, b in zip(opt.state.values(), opt2.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("situation", ["grads_present", "frozen"])
+def test_load_restores_exact_optimizer_state(tmp_path, situation):
+    manager, (model, opt, *_r) = trained_manager(tmp_path)
+    saved = {k: {n: t.clone() for n, t in v.items()} for k, v in zip(range(99), opt.state.values())}
+    manager2, (model2, opt2, sched2, scaler2, loader2) = manager_for(tmp_path)
+    if situation == "grads_present":
+        model2(torch.ones(2, 8)).sum().backward()
+        grads = [p.grad.clone() for p in model2.parameters()]
+    else:
+        model2.hidden.weight.requires_grad_(False)
+    manager2.load()
+    loaded = {k: v for k, v in zip(range(99), opt2.state.values())}
+    assert saved.keys() == loaded.keys()
+    for k in saved:
+        for n in saved[k]:
+            assert torch.equal(saved[k][n], loaded[k][n]), (k, n)
+    if situation == "grads_present":
+        assert all(torch.equal(g, p.grad) for g, p in zip(grads, model2.parameters()))
+    else:
+        assert not model2.hidden.weight.requires_grad
+
+
+def test_loading_twice_changes_nothing(tmp_path):
+    trained_manager(tmp_path)
+    manager, (model, opt, sched, scaler, loader) = manager_for(tmp_path)
+    manager.load()
+    snap = (scaler.state_dict(), sched.state_dict(), [p.clone() for p in model.parameters()],
+            [{k: v.clone() for k, v in s.items()} for s in opt.state.values()], torch.get_rng_state())
+    manager.load()
+    assert scaler.state_dict() == snap[0] and sched.state_dict() == snap[1]
+    assert all(torch.equal(a, b) for a, b in zip(snap[2], model.parameters()))
+    for a, b in zip(snap[3], opt.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(snap[4], torch.get_rng_state())
+
+
+def test_extra_state_plain_and_stateful(tmp_path):
+    class Counter:
+        def __init__(self):
+            self.n = 0
+        def state_dict(self):
+            return {"n": torch.tensor(self.n)}
+        def load_state_dict(self, sd):
+            self.n = int(sd["n"])
+    c = Counter(); c.n = 41
+    model = Net()
+    m = CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=None,
+                          extra_state={"counter": c, "note": {"tokens": [1, 2, 3], "name": "x"}})
+    m.save(5, loss=0.5, epoch=2, global_samples_seen=80)
+    c2 = Counter()
+    m2 = CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=Net(), optimizer=None,
+                           extra_state={"counter": c2, "note": None})
+    state = m2.load()
+    assert c2.n == 41 and m2.extra_state["note"] == {"tokens": [1, 2, 3], "name": "x"}
+    assert (state.step, state.epoch, state.global_samples_seen, state.loss_history) == (5, 2, 80, [(5, 0.5)])
+    manifest = json.loads((tmp_path / "step-000000005" / "distckpt.json").read_text())
+    assert manifest["loss"] == 0.5 and manifest["world_size"] == 1 and manifest["wrapper"] == "plain"
+    files = {f["path"]: f["size_bytes"] for f in manifest["files"]}
+    assert files == {p.name: p.stat().st_size for p in (tmp_path / "step-000000005").iterdir()
+                     if p.name != "distckpt.json"}
+
+
+def test_plain_dcp_load_reads_the_model(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    _, (model, *_r) = trained_manager(tmp_path)
+    target = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(target, checkpoint_id=str(tmp_path / "step-000000003"), no_dist=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(target["model"][k], v)
+
+
+def test_unwritable_root_fails_at_construction(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="not a writable directory"):
+        CheckpointManager(CheckpointConfig(root=str(blocker / "sub")), model=Net(), optimizer=None)
