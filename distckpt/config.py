@@ -35,6 +35,10 @@ class CheckpointConfig:
             committed one (with a warning) instead of raising ``CheckpointCorruptError``.
         loss_history_len: number of recent losses kept in the checkpoint.
         seed: base seed for deriving RNG state of ranks that did not exist at save time.
+        async_mode: ``"off"`` (blocking save), ``"thread"`` or ``"process"``: ``save`` returns
+            once the state is staged (copied); the write and the commit finish in the background.
+        background_staging: with async, copy in a background thread too; the loop must call
+            ``manager.wait_staged()`` before ``optimizer.step()``.
         thread_count: writer threads per rank for DCP's ``FileSystemWriter``.
         timeout_s: timeout of collectives distckpt issues on its own process group.
     """
@@ -51,6 +55,8 @@ class CheckpointConfig:
     fallback_to_older: bool = False
     loss_history_len: int = 1000
     seed: int = 0
+    async_mode: Literal["off", "thread", "process"] = "off"
+    background_staging: bool = False
     thread_count: int = 1
     timeout_s: float = 600.0
 
@@ -65,6 +71,17 @@ class CheckpointConfig:
         _positive("loss_history_len", self.loss_history_len)
         _positive("thread_count", self.thread_count)
         _positive("timeout_s", self.timeout_s)
+        if self.async_mode not in ("off", "thread", "process"):
+            raise ConfigError(
+                f"CheckpointConfig.async_mode={self.async_mode!r}: expected 'off', 'thread' or 'process'"
+            )
+        if self.async_mode != "off" and self.keep_last is not None and self.keep_last < 2:
+            raise ConfigError(
+                f"CheckpointConfig.keep_last={self.keep_last} with async_mode={self.async_mode!r}: "
+                "keep at least 2 (the newest may still be in flight when retention runs)"
+            )
+        if self.background_staging and self.async_mode == "off":
+            raise ConfigError("CheckpointConfig.background_staging=true needs async_mode 'thread' or 'process'")
         if self.state_dict_type not in ("sharded", "full"):
             raise ConfigError(
                 f"CheckpointConfig.state_dict_type={self.state_dict_type!r}: "

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -29,7 +30,7 @@ from .adapters import tensor_specs, wrapper_kind
 from .collective import Collective
 from .commit import commit, delete_checkpoint, find_committed, list_files, remove_staging, validate
 from .config import CheckpointConfig
-from .engine import dcp_load, dcp_save, read_dcp_metadata
+from .engine import AsyncWriter, dcp_load, dcp_save, read_dcp_metadata
 from .engine.blocking import describe_exception
 from .errors import (
     CheckpointCorruptError,
@@ -47,6 +48,13 @@ from .state import CheckpointState, TrainState
 __all__ = ["CheckpointManager"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    step: int
+    thread: threading.Thread | None = None
+    error: Exception | None = None
 
 
 class CheckpointManager:
@@ -102,6 +110,14 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self.last_save_seconds = 0.0
         self._closed = False
+        self._inflight: _InFlight | None = None
+        # Background work gets its own gloo group so it never interleaves with the loop's.
+        self.background = (Collective(process_group, timeout_s=config.timeout_s)
+                           if config.async_mode != "off" else None)
+        self.async_writer = (AsyncWriter(config.async_mode, background_staging=config.background_staging,
+                                         process_group=self.background.group,
+                                         thread_count=config.thread_count)
+                             if self.background is not None else None)
         self.collective.agree(self._prepare_root, what="preparing the checkpoint root",
                               error_type=ConfigError)
 
@@ -139,7 +155,7 @@ class CheckpointManager:
             IncompatibleCheckpointError: the live model/optimizer/components do not match;
                 lists every difference.
         """
-        self._check_open()
+        self.wait()
         if not self.config.load:
             return None
         t0 = time.perf_counter()
@@ -259,15 +275,18 @@ class CheckpointManager:
             del ts.loss_history[: -self.config.loss_history_len]
 
     def save(self, step: int, *, loss: float | None = None, **counters: int) -> Path:
-        """Save and commit the whole training state as ``step-<step>`` now (blocking).
+        """Save the whole training state as ``step-<step>``.
 
         Protocol (DESIGN section 4): every rank writes into a staging directory; outcomes are
         gathered; on any failure the staging directory is removed and every rank raises; else
         rank 0 writes the manifest last, renames staging -> final, updates ``latest`` and
-        applies retention; a final barrier.
+        applies retention; a final barrier. With ``async_mode`` off this all happens before
+        the call returns; otherwise the call returns once the state is staged and the write
+        and commit finish in the background (at most one save in flight: the next ``save``,
+        :meth:`wait` or :meth:`close` waits for it and raises its error, on every rank).
 
         Returns:
-            The committed checkpoint directory.
+            The checkpoint directory (committed when blocking; committed later when async).
 
         Raises:
             CheckpointSaveError: on every rank if any rank failed; nothing was committed.
@@ -275,53 +294,92 @@ class CheckpointManager:
         self._check_open()
         if loss is not None or counters or step != self.train_state.step:
             self._record(step, loss, counters)
+        self.wait()  # at most one save in flight
         t0 = time.perf_counter()
         save_id = self.collective.broadcast(uuid.uuid4().hex[:12])
         staging = self.root / staging_name(step, save_id)
         final = self.root / checkpoint_name(step)
-        error, t_stage, t_write = None, 0.0, 0.0
+        snapshot = dataclasses.replace(self.train_state, loss_history=list(self.train_state.loss_history))
+        error, t_stage, upload = None, 0.0, None
         try:
-            sd = self.state.for_save(self.train_state)
-            t_stage = time.perf_counter() - t0
+            sd = self.state.for_save(snapshot)
             staging.mkdir(parents=True, exist_ok=True)
-            dcp_save(sd, staging, process_group=self.collective.group, thread_count=self.config.thread_count)
-            t_write = time.perf_counter() - t0 - t_stage
+            if self.async_writer is None:
+                t_stage = time.perf_counter() - t0
+                dcp_save(sd, staging, process_group=self.collective.group, thread_count=self.config.thread_count)
+            else:
+                upload = self.async_writer.start(sd, staging)
+                t_stage = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - gathered below
             error = describe_exception(e)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             error = describe_exception(e)
-        outcomes = self.collective.all_gather((error, t_stage, t_write))
-        failures = {r: o[0] for r, o in enumerate(outcomes) if o[0] is not None}
-        if failures:
-            self._abort(staging)
-            raise CheckpointSaveError(
-                f"save of step {step} failed on rank(s) {sorted(failures)}: "
-                + "; ".join(f"rank {r}: {m}" for r, m in failures.items())
-                + f". Nothing was committed; previous checkpoints in {self.root} are intact.",
-                failures=failures)
-        timings = {"stage": max(o[1] for o in outcomes), "write": max(o[2] for o in outcomes)}
-        commit_error = self.collective.broadcast(self._commit(step, staging, final, timings) if self.rank == 0 else None)
-        if commit_error is not None:
-            self._abort(staging)
-            raise CheckpointSaveError(f"commit of step {step} failed on rank 0: {commit_error}. "
-                                      f"Nothing was committed; previous checkpoints are intact.",
-                                      failures={0: commit_error})
-        self.collective.barrier()
         self.last_saved_step = step
-        self.last_save_seconds = time.perf_counter() - t0
         self.schedule.mark_saved()
-        if self.rank == 0:
-            logger.info("committed %s in %.3f s (stage %.3f s, write %.3f s)", final,
-                        self.last_save_seconds, timings["stage"], timings["write"])
+        if self.async_writer is None:
+            self._finalize(self.collective, step, staging, final, snapshot, t0,
+                           (error, t_stage, time.perf_counter() - t0 - t_stage))
+            self.last_save_seconds = time.perf_counter() - t0
+            return final
+        # Failures before the background part are agreed on now, on the main group.
+        failures = {r: e for r, e in enumerate(self.collective.all_gather(error)) if e is not None}
+        if failures:
+            self._abort(self.collective, staging)
+            raise self._save_error(step, failures)
+        inflight = _InFlight(step=step)
+        inflight.thread = threading.Thread(
+            target=self._finalize_in_background, name=f"distckpt-commit-{step}", daemon=True,
+            args=(inflight, upload, step, staging, final, snapshot, t0, t_stage))
+        inflight.thread.start()
+        self._inflight = inflight
+        self.last_save_seconds = time.perf_counter() - t0
         return final
 
-    def _commit(self, step: int, staging: Path, final: Path, timings: dict[str, float]) -> str | None:
+    def _finalize_in_background(self, inflight, upload, step, staging, final, snapshot, t0, t_stage) -> None:
+        error = None
+        try:
+            upload.result()
+        except BaseException as e:  # noqa: BLE001 - DCP raises BaseException subclasses
+            error = describe_exception(e)
+        try:
+            self._finalize(self.background, step, staging, final, snapshot, t0,
+                           (error, t_stage, time.perf_counter() - t0 - t_stage))
+        except Exception as e:  # noqa: BLE001 - raised on the training thread by wait()
+            inflight.error = e
+
+    def _finalize(self, collective: Collective, step: int, staging: Path, final: Path,
+                  snapshot: TrainState, t0: float, outcome: tuple[str | None, float, float]) -> None:
+        """Steps 2-4 of the commit protocol over ``collective``; raises on every rank."""
+        outcomes = collective.all_gather(outcome)
+        failures = {r: o[0] for r, o in enumerate(outcomes) if o[0] is not None}
+        if failures:
+            self._abort(collective, staging)
+            raise self._save_error(step, failures)
+        timings = {"stage": max(o[1] for o in outcomes), "write": max(o[2] for o in outcomes)}
+        commit_error = self._commit(step, staging, final, snapshot, timings) if self.rank == 0 else None
+        commit_error = collective.broadcast(commit_error)
+        if commit_error is not None:
+            self._abort(collective, staging)
+            raise self._save_error(step, {0: f"commit: {commit_error}"})
+        collective.barrier()
+        if self.rank == 0:
+            logger.info("committed %s: %.3f s after the save call (stage %.3f s, write %.3f s)",
+                        final, time.perf_counter() - t0, timings["stage"], timings["write"])
+
+    def _save_error(self, step: int, failures: dict[int, str]) -> CheckpointSaveError:
+        return CheckpointSaveError(
+            f"save of step {step} failed on rank(s) {sorted(failures)}: "
+            + "; ".join(f"rank {r}: {m}" for r, m in failures.items())
+            + f". Nothing was committed; previous checkpoints in {self.root} are intact.",
+            failures=failures)
+
+    def _commit(self, step: int, staging: Path, final: Path, ts: TrainState,
+                timings: dict[str, float]) -> str | None:
         """Rank 0: manifest, rename, ``latest``, retention. Returns an error string or ``None``."""
         t0 = time.perf_counter()
         try:
-            ts = self.train_state
             timings = dict(timings, commit=0.0)
             manifest = Manifest(
                 step=step, epoch=ts.epoch, global_samples_seen=ts.global_samples_seen,
@@ -348,22 +406,48 @@ class CheckpointManager:
             delete_checkpoint(self.root / checkpoint_name(step))
             logger.info("retention: deleted %s", self.root / checkpoint_name(step))
 
-    def _abort(self, staging: Path) -> None:
+    def _abort(self, collective: Collective, staging: Path) -> None:
         if self.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
-        self.collective.barrier()
+        collective.barrier()
 
     # ------------------------------------------------------------------ lifecycle
+    def wait_staged(self) -> None:
+        """Block until the in-flight save's tensors are copied. With ``background_staging``,
+        call it before ``optimizer.step()`` so parameters never change while being copied."""
+        if self.async_writer is not None:
+            self.async_writer.wait_staged()
+
     def wait(self) -> None:
-        """Block until any in-flight save is committed (blocking saves: nothing to wait for)."""
+        """Block until the in-flight save (if any) is committed or failed.
+
+        Raises:
+            CheckpointSaveError: the background save failed (on every rank); nothing of it
+                was committed. Training may continue; the next save starts clean.
+        """
         self._check_open()
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        self.wait_staged()
+        inflight.thread.join()
+        if inflight.error is not None:
+            raise inflight.error
 
     def close(self) -> None:
-        """Finish in-flight work. Idempotent; the manager is unusable afterwards."""
+        """Drain the in-flight save and release staging memory. Idempotent.
+
+        Raises:
+            CheckpointSaveError: the in-flight save failed.
+        """
         if self._closed:
             return
-        self.wait()
-        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self.async_writer is not None:
+                self.async_writer.close()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -16,7 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "GPT", "num_parameters", "lr_lambda_warmup_cosine"]
+__all__ = [
+    "GPTConfig",
+    "GPT",
+    "SampleDropout",
+    "SampleSeedStream",
+    "per_sample_keep_mask",
+    "num_parameters",
+    "lr_lambda_warmup_cosine",
+]
 
 
 @dataclass(kw_only=True)
@@ -32,6 +40,9 @@ class GPTConfig:
         dropout: Dropout probability on embeddings, attention and residual
             branches. Non-zero by default so the RNG state matters for
             exact-resume tests.
+        attn_dropout: Dropout probability inside attention (on the attention
+            weights); ``None`` means ``dropout``. It always draws from the
+            global torch RNG, so per-sample dropout (``sample_seeds``) needs 0.
     """
 
     vocab_size: int = 256
@@ -40,30 +51,138 @@ class GPTConfig:
     n_head: int = 4
     d_model: int = 192
     dropout: float = 0.1
+    attn_dropout: float | None = None
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head != 0:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.attn_dropout is not None and not 0.0 <= self.attn_dropout < 1.0:
+            raise ValueError(f"attn_dropout must be in [0, 1) or None, got {self.attn_dropout}")
+
+    @property
+    def effective_attn_dropout(self) -> float:
+        """Attention-weight dropout actually used: ``attn_dropout``, else ``dropout``."""
+        return self.dropout if self.attn_dropout is None else self.attn_dropout
+
+
+@torch.compiler.disable  # Generator seeding is Python-level work; keep it out of compiled graphs.
+def per_sample_keep_mask(
+    sample_seeds: torch.Tensor, site: int, shape: tuple[int, ...], p: float,
+    *, device: torch.device, dtype: torch.dtype,
+) -> torch.Tensor:
+    """Inverted-dropout multipliers drawn from one generator per ``(sample seed, site)``.
+
+    The mask of a sample depends only on its seed and the dropout site, never on
+    which rank or micro-batch the sample lands on, so a training step computes
+    the same function of the global batch at any world size.
+
+    Args:
+        sample_seeds: int64 ``[B]`` (any device), one seed per sample.
+        site: Index of the dropout module in the model (distinct per module).
+        shape: Per-sample shape of the activation (e.g. ``(T, C)``).
+        p: Drop probability in ``[0, 1)``.
+        device: Device of the activation; the generator runs there.
+        dtype: Dtype of the returned multipliers.
+
+    Returns:
+        ``[B, *shape]`` tensor of ``0`` or ``1 / (1 - p)``.
+    """
+    masks = []
+    for seed in sample_seeds.tolist():
+        g = torch.Generator(device=device)
+        g.manual_seed((int(seed) * 1_000_003 + site) % 2**63)
+        masks.append(torch.rand(shape, generator=g, device=device) >= p)
+    return torch.stack(masks).to(dtype) / (1.0 - p)
+
+
+class SampleDropout(nn.Dropout):
+    """``nn.Dropout`` that can take its mask from per-sample seeds instead of the torch RNG.
+
+    Without ``sample_seeds`` (or in eval mode) it is exactly ``nn.Dropout``.
+
+    Args:
+        p: Drop probability.
+        site: Distinct index of this module within the model; mixed into each
+            sample's seed so different layers draw different masks.
+    """
+
+    def __init__(self, p: float, site: int) -> None:
+        super().__init__(p)
+        self.site = site
+
+    def forward(self, x: torch.Tensor, sample_seeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Args: x: float ``[B, ...]``; sample_seeds: int64 ``[B]`` or ``None``.
+
+        Returns: ``x`` with dropout applied, same shape and dtype.
+        """
+        if sample_seeds is None or not self.training or self.p == 0.0:
+            return super().forward(x)
+        if sample_seeds.shape != (x.shape[0],):
+            raise ValueError(f"sample_seeds must have shape [{x.shape[0]}], got {list(sample_seeds.shape)}")
+        mask = per_sample_keep_mask(sample_seeds, self.site, tuple(x.shape[1:]), self.p,
+                                    device=x.device, dtype=x.dtype)
+        return x * mask
+
+
+class SampleSeedStream:
+    """The per-sample dropout seeds of every step, from one generator shared by all ranks.
+
+    Every rank holds an identical stream and draws the seeds of the whole global
+    batch each step, then keeps its own slice, so sample ``j`` of global batch
+    ``k`` gets the same seed at any world size. Its state goes into checkpoints
+    (``state_dict``/``load_state_dict``) so a resumed run draws the same seeds.
+
+    Args:
+        seed: Base seed, identical on every rank.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
+    def draw(self, global_batch_size: int, *, rank: int = 0, world_size: int = 1) -> torch.Tensor:
+        """Draw the seeds of one global batch; return this rank's slice.
+
+        Args:
+            global_batch_size: ``G``; all ranks must pass the same value.
+            rank: This rank; it gets ``seeds[rank * G/W : (rank + 1) * G/W]``.
+            world_size: ``W``, dividing ``G``.
+
+        Returns:
+            int64 CPU tensor ``[G // W]``.
+        """
+        seeds = torch.randint(0, 2**62, (global_batch_size,), generator=self.generator)
+        b = global_batch_size // world_size
+        return seeds[rank * b : (rank + 1) * b]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """``{"generator": uint8 tensor}`` (the CPU generator state)."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Restore a :meth:`state_dict`."""
+        self.generator.set_state(state_dict["generator"])
 
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention using ``scaled_dot_product_attention``."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, site: int = 0) -> None:
         super().__init__()
         self.n_head = cfg.n_head
-        self.dropout = cfg.dropout
+        self.dropout = cfg.effective_attn_dropout
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.resid_drop = nn.Dropout(cfg.dropout)
+        self.resid_drop = SampleDropout(cfg.dropout, site)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sample_seeds: torch.Tensor | None = None) -> torch.Tensor:
         """Attend causally.
 
         Args:
             x: float tensor ``[B, T, C]``.
+            sample_seeds: int64 ``[B]`` for per-sample residual dropout, or ``None``.
 
         Returns:
             float tensor ``[B, T, C]``.
@@ -78,37 +197,44 @@ class CausalSelfAttention(nn.Module):
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_drop(self.proj(y))
+        return self.resid_drop(self.proj(y), sample_seeds)
 
 
 class MLP(nn.Module):
     """Position-wise feed-forward network, 4x expansion with GELU."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, site: int = 0) -> None:
         super().__init__()
         self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
         self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = SampleDropout(cfg.dropout, site)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args: x: float ``[B, T, C]``. Returns: float ``[B, T, C]``."""
-        return self.drop(self.proj(F.gelu(self.fc(x))))
+    def forward(self, x: torch.Tensor, sample_seeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Args: x: float ``[B, T, C]``; sample_seeds: int64 ``[B]`` or ``None``.
+
+        Returns: float ``[B, T, C]``.
+        """
+        return self.drop(self.proj(F.gelu(self.fc(x))), sample_seeds)
 
 
 class Block(nn.Module):
     """Pre-LN transformer block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, index: int = 0) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg)
+        # Dropout sites: 0 is the embedding dropout, then two per block.
+        self.attn = CausalSelfAttention(cfg, site=1 + 2 * index)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, site=2 + 2 * index)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args: x: float ``[B, T, C]``. Returns: float ``[B, T, C]``."""
-        x = x + self.attn(self.ln1(x))
-        x = x + self.mlp(self.ln2(x))
+    def forward(self, x: torch.Tensor, sample_seeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Args: x: float ``[B, T, C]``; sample_seeds: int64 ``[B]`` or ``None``.
+
+        Returns: float ``[B, T, C]``.
+        """
+        x = x + self.attn(self.ln1(x), sample_seeds)
+        x = x + self.mlp(self.ln2(x), sample_seeds)
         return x
 
 
@@ -130,8 +256,8 @@ class GPT(nn.Module):
         self.cfg = cfg = cfg if cfg is not None else GPTConfig()
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.drop = SampleDropout(cfg.dropout, site=0)
+        self.blocks = nn.ModuleList(Block(cfg, index=i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # weight tying
@@ -154,26 +280,41 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        sample_seeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Compute next-token logits and, optionally, the loss.
 
         Args:
             idx: int64 token ids ``[B, T]`` with ``T <= cfg.seq_len``.
             targets: int64 next-token ids ``[B, T]``, or ``None``.
+            sample_seeds: int64 ``[B]``: draw each sample's dropout masks from its
+                own seed (see :class:`SampleDropout`), so the result does not
+                depend on how the global batch is split over ranks. ``None``
+                uses ordinary dropout (the global torch RNG).
 
         Returns:
             ``(logits, loss)``: logits are float ``[B, T, vocab_size]``; loss is a
             float scalar (mean cross entropy over all ``B*T`` positions) or
             ``None`` when ``targets`` is ``None``.
+
+        Raises:
+            ValueError: ``T > cfg.seq_len``, or ``sample_seeds`` in training mode
+                with a non-zero attention dropout (which would use the torch RNG).
         """
         B, T = idx.shape
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds cfg.seq_len={self.cfg.seq_len}")
+        if sample_seeds is not None and self.training and self.cfg.effective_attn_dropout > 0:
+            raise ValueError(
+                f"sample_seeds needs GPTConfig.attn_dropout=0 (it is {self.cfg.effective_attn_dropout}): "
+                "attention-weight dropout draws from the torch RNG, not from per-sample seeds")
         pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos), sample_seeds)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, sample_seeds)
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:

@@ -4,5 +4,6 @@ metadata reader that never runs code from the checkpoint, and a loader that unpi
 
 from .safe_io import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from .blocking import dcp_save, dcp_load
+from .async_writer import AsyncWriter
 
-__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "read_dcp_metadata", "dcp_save", "dcp_load"]
+__all__ = ["AsyncWriter", "SafeFileSystemReader", "SafeLoadPlanner", "read_dcp_metadata", "dcp_save", "dcp_load"]

@@ -46,7 +46,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, tmp, args), daemon=True)
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, tmp, args), daemon=False)
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -66,6 +66,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
             procs[0].join(0.05)
         for p in procs:
             p.join()
+        died = died or any(p.exitcode is not None and p.exitcode < 0 for p in procs)
         results = []
         for r in range(world_size):
             path = os.path.join(tmp, f"rank{r}.pt")

@@ -1,0 +1,79 @@
+"""Asynchronous write: stage the state_dict, then run DCP's save in the background.
+
+Layering (as in ``torch.distributed.checkpoint.async_save``): a persistent
+``DefaultStager`` copies tensors off the training tensors into buffers it keeps and reuses
+across saves (pinned on CUDA, shared memory for the process executor); the same DCP save then
+runs in a thread or a separate process. Two completions: *staged* (training may mutate the
+parameters again) and *written* (files are on disk; the commit may follow).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
+__all__ = ["AsyncWriter", "AsyncMode"]
+
+AsyncMode = Literal["thread", "process"]
+
+
+class AsyncWriter:
+    """Starts background DCP saves with a stager reused across saves.
+
+    Args:
+        mode: ``"thread"`` or ``"process"`` (DCP ``AsyncCheckpointerType``).
+        background_staging: copy in a background thread too; the caller must wait on
+            :meth:`wait_staged` before mutating parameters (before ``optimizer.step()``).
+        process_group: a gloo group used only by background work (never by the training loop).
+        thread_count: ``FileSystemWriter`` writer threads per rank.
+    """
+
+    def __init__(self, mode: AsyncMode, *, background_staging: bool,
+                 process_group: dist.ProcessGroup | None, thread_count: int) -> None:
+        cuda = torch.cuda.is_available()
+        # On CPU every CUDA-only option must be off: DefaultStager raises otherwise.
+        self.stager = DefaultStager(StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=mode == "process",
+            use_async_staging=background_staging, use_non_blocking_copy=cuda))
+        self.checkpointer_type = (AsyncCheckpointerType.PROCESS if mode == "process"
+                                  else AsyncCheckpointerType.THREAD)
+        self.process_group = process_group
+        self.thread_count = thread_count
+        self._staged: Future | None = None
+
+    def start(self, state_dict: dict[str, Any], directory: str | os.PathLike) -> Future:
+        """Stage ``state_dict`` and start writing it into ``directory``.
+
+        Returns:
+            The upload future: done when this rank's files are written (or failed).
+        """
+        writer = FileSystemWriter(os.fspath(directory), sync_files=True, thread_count=self.thread_count)
+        response = dcp.async_save(state_dict, storage_writer=writer, process_group=self.process_group,
+                                  async_checkpointer_type=self.checkpointer_type, async_stager=self.stager)
+        if isinstance(response, AsyncSaveResponse):
+            self._staged = response.staging_completion
+            return response.upload_completion
+        self._staged = None
+        return response
+
+    def wait_staged(self) -> None:
+        """Block until the last save's tensors are copied (a no-op without background staging)."""
+        if self._staged is not None:
+            try:
+                self._staged.result()
+            except Exception:  # noqa: BLE001 - the upload future reports the same failure
+                pass
+            self._staged = None
+
+    def close(self) -> None:
+        """Release staging buffers and executors."""
+        self.wait_staged()
+        self.stager.close()
