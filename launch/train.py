@@ -1,0 +1,382 @@
+"""torchrun entry point: train the byte-level GPT with DDP or FSDP2 and checkpoint via distckpt.
+
+Usage (from the repository root)::
+
+    torchrun --nproc-per-node 2 launch/train.py --config launch/configs/ddp.yaml train.steps=40
+    torchrun --nproc-per-node 2 -m launch.train --config launch/configs/fsdp2.yaml
+
+A run resumes from the newest committed checkpoint in ``checkpoint.root`` (or from
+``checkpoint.load_path``) and trains up to ``train.steps`` optimizer steps. Outputs in
+``train.out``, appended to (one line per record, flushed at once so a killed run keeps them):
+
+* ``metrics.jsonl`` (rank 0): ``step, loss, lr, grad_norm, global_samples_seen, world_size,
+  step_seconds, checkpoint_seconds, epoch`` per step; ``loss`` is the global mean over all
+  ranks' samples, so it is comparable across world sizes.
+* ``samples.rank<r>.jsonl`` (every rank): ``{"step", "ids"}``, the sample ids rank ``r``
+  trained on at that step.
+* ``events.jsonl`` (rank 0): ``start``, ``resumed``, ``checkpoint``, ``end``.
+
+World-size invariance: the global batch ``G`` is fixed, and dropout masks come from
+per-sample seeds drawn from one stream shared by all ranks (``launch.model.SampleSeedStream``,
+saved in the checkpoint), so a step computes the same function of the same samples at any
+world size, up to floating-point reduction order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+if __package__ in (None, ""):  # run as a script path: make the `launch` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distckpt import CheckpointManager, ConfigError, DistCkptError
+from distckpt.data import ReshardableSampler, make_stateful_dataloader
+from launch.config import JobConfig, load_job_config
+from launch.data import ByteWindowDataset, corpus_fingerprint
+from launch.model import GPT, SampleSeedStream, lr_lambda_warmup_cosine, num_parameters
+
+__all__ = ["main", "Job", "build_job", "train"]
+
+logger = logging.getLogger("launch.train")
+
+
+@dataclass
+class Job:
+    """Everything one rank trains with.
+
+    Attributes:
+        cfg: the job config.
+        rank, world_size: of the default process group.
+        device: CPU, or this rank's CUDA device.
+        model: what ``forward`` is called on (the wrapper, compiled when configured).
+        wrapped: the DDP module or FSDP2 root (gradient-sync control for accumulation).
+        optimizer, scheduler: AdamW and its LambdaLR (warmup + cosine).
+        scaler: ``torch.amp.GradScaler`` for fp16 on CUDA, else ``None``.
+        dataset, loader: the byte windows and a ``StatefulDataLoader`` over a
+            :class:`~distckpt.data.ReshardableSampler`.
+        seed_stream: per-sample dropout seeds, identical on every rank.
+        num_parameters: parameters of the unwrapped model (tied weights once).
+    """
+
+    cfg: JobConfig
+    rank: int
+    world_size: int
+    device: torch.device
+    model: nn.Module
+    wrapped: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None
+    dataset: ByteWindowDataset
+    loader: Any
+    seed_stream: SampleSeedStream
+    num_parameters: int
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.cfg.data.global_batch_size // self.world_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches per epoch (the sampler drops the ``len % G`` tail)."""
+        return len(self.dataset) // self.cfg.data.global_batch_size
+
+
+def build_job(cfg: JobConfig, rank: int, world_size: int, device: torch.device) -> Job:
+    """Build model (wrapped), optimizer, scheduler, scaler, data and seed stream on this rank.
+
+    Raises:
+        ConfigError: ``G`` not divisible by ``world_size * grad_accum_steps``.
+    """
+    g, accum = cfg.data.global_batch_size, cfg.train.grad_accum_steps
+    if g % world_size or (g // world_size) % accum:
+        raise ConfigError(f"data.global_batch_size={g} must be divisible by world_size={world_size} "
+                          f"times train.grad_accum_steps={accum}")
+    torch.manual_seed(cfg.train.seed)  # same init on every rank (FSDP2 shards it as is)
+    model = GPT(cfg.model).to(device)
+    n_params = num_parameters(model)  # before FSDP2 turns parameters into local shards
+    if cfg.train.wrapper == "ddp":
+        wrapped: nn.Module = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)  # the root group holds embeddings, tied head and final norm
+        wrapped = model
+    forward_model = torch.compile(wrapped, backend=cfg.train.compile_backend) if cfg.train.compile else wrapped
+
+    # No weight decay on biases and LayerNorm weights (1-D), the usual GPT recipe.
+    params = [p for p in wrapped.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.train.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr)
+    fn = lr_lambda_warmup_cosine(cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
+
+    def lr_of_next_step(completed: int) -> float:
+        return fn(completed + 1)  # step k (1-based) trains at lr * fn(k): no wasted lr=0 step
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_of_next_step)
+    scaler = None
+    if cfg.train.amp == "fp16":
+        if device.type == "cuda":
+            scaler = torch.amp.GradScaler("cuda")
+        else:
+            logger.warning("train.amp=fp16 does nothing on CPU: training in float32 without a GradScaler")
+
+    dataset = ByteWindowDataset(seq_len=cfg.data.seq_len, max_bytes=cfg.data.max_bytes)
+    sampler = ReshardableSampler(len(dataset), global_batch_size=g, rank=rank,
+                                 world_size=world_size, seed=cfg.data.seed)
+    loader = make_stateful_dataloader(dataset, sampler, num_workers=cfg.data.num_workers,
+                                      pin_memory=device.type == "cuda")
+    return Job(cfg=cfg, rank=rank, world_size=world_size, device=device, model=forward_model,
+               wrapped=wrapped, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+               dataset=dataset, loader=loader, seed_stream=SampleSeedStream(cfg.train.seed),
+               num_parameters=n_params)
+
+
+@contextlib.contextmanager
+def _grad_sync(wrapped: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce / reduce-scatter on all but the last micro-batch."""
+    if isinstance(wrapped, nn.parallel.DistributedDataParallel):
+        with (contextlib.nullcontext() if enabled else wrapped.no_sync()):
+            yield
+    else:
+        wrapped.set_requires_gradient_sync(enabled)
+        yield
+
+
+def train_step(job: Job, batch: dict[str, torch.Tensor],
+               seeds: torch.Tensor) -> tuple[torch.Tensor, float | None, float]:
+    """One optimizer step on this rank's ``G / W`` samples, split into micro-batches.
+
+    Args:
+        job: the rank's training objects.
+        batch: ``input_ids``/``targets`` int64 ``[G/W, T]``.
+        seeds: int64 ``[G/W]`` per-sample dropout seeds.
+
+    Returns:
+        ``(local_loss, grad_norm, lr)``: the mean loss over this rank's samples (float32
+        scalar on ``job.device``, detached), the global gradient norm before clipping
+        (``None`` without clipping) and the learning rate this step used.
+    """
+    accum, amp = job.cfg.train.grad_accum_steps, job.scaler is not None
+    inputs = batch["input_ids"].to(job.device, non_blocking=True).chunk(accum)
+    targets = batch["targets"].to(job.device, non_blocking=True).chunk(accum)
+    local_loss = torch.zeros((), device=job.device)
+    for i, (x, y, s) in enumerate(zip(inputs, targets, seeds.chunk(accum))):
+        with _grad_sync(job.wrapped, enabled=i == accum - 1), \
+                torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+            _, loss = job.model(x, y, sample_seeds=s)
+            scaled = loss / accum
+            (job.scaler.scale(scaled) if amp else scaled).backward()
+        local_loss += loss.detach().float() / accum
+    grad_norm = None
+    if job.cfg.train.grad_clip is not None:
+        if amp:
+            job.scaler.unscale_(job.optimizer)  # clip the true gradients
+        norm = nn.utils.clip_grad_norm_(job.wrapped.parameters(), job.cfg.train.grad_clip)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    lr = job.optimizer.param_groups[0]["lr"]
+    if amp:
+        job.scaler.step(job.optimizer)
+        job.scaler.update()
+    else:
+        job.optimizer.step()
+    job.optimizer.zero_grad(set_to_none=True)
+    job.scheduler.step()
+    return local_loss, grad_norm, lr
+
+
+def global_mean(value: torch.Tensor, world_size: int) -> float:
+    """Mean of a scalar over all ranks, reduced in float64 (every rank has ``G/W`` samples)."""
+    total = value.detach().double().clone()
+    dist.all_reduce(total)
+    return (total / world_size).item()
+
+
+class Records:
+    """Append-only JSONL outputs of one rank (see the module docstring)."""
+
+    def __init__(self, out: str | os.PathLike, rank: int) -> None:
+        self.out, self.rank = Path(out), rank
+        self.out.mkdir(parents=True, exist_ok=True)
+        # Line-buffered: every record reaches the OS at once, so a SIGKILL loses none.
+        self._samples = open(self.out / f"samples.rank{rank}.jsonl", "a", buffering=1, encoding="utf-8")
+        self._metrics = self._events = None
+        if rank == 0:
+            self._metrics = open(self.out / "metrics.jsonl", "a", buffering=1, encoding="utf-8")
+            self._events = open(self.out / "events.jsonl", "a", buffering=1, encoding="utf-8")
+
+    def samples(self, step: int, ids: list[int]) -> None:
+        self._samples.write(json.dumps({"step": step, "ids": ids}) + "\n")
+
+    def metrics(self, **record: Any) -> None:
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(record) + "\n")
+
+    def event(self, name: str, **fields: Any) -> None:
+        if self._events is not None:
+            self._events.write(json.dumps({"event": name, "time": time.time(), **fields}) + "\n")
+
+    def close(self) -> None:
+        for f in (self._samples, self._metrics, self._events):
+            if f is not None:
+                f.close()
+
+
+def train(job: Job) -> int:
+    """Resume if a checkpoint exists, then train to ``train.steps``; returns the last step.
+
+    Every rank calls this; it issues the same collectives in the same order on each.
+    """
+    cfg, g = job.cfg, job.cfg.data.global_batch_size
+    records = Records(cfg.train.out, job.rank)
+    job_info = {"corpus_fingerprint": corpus_fingerprint(job.dataset), "global_batch_size": g,
+                "seq_len": cfg.data.seq_len}
+    manager = CheckpointManager(cfg.checkpoint, model=job.wrapped, optimizer=job.optimizer,
+                                lr_scheduler=job.scheduler, grad_scaler=job.scaler,
+                                dataloader=job.loader,
+                                extra_state={"sample_seeds": job.seed_stream, "job": job_info})
+    records.event("start", world_size=job.world_size, dataset_len=len(job.dataset),
+                  steps_per_epoch=job.steps_per_epoch, num_parameters=job.num_parameters,
+                  config=cfg.to_dict(), **job_info)
+    t_start = time.perf_counter()
+    state = manager.load()
+    step = 0
+    if state is not None:
+        _check_resumable(manager.extra_state["job"], job_info, state.global_samples_seen, state.step)
+        step = state.step
+        logger.info("resumed from step %d (%s, saved by %s ranks, now %d ranks)", step,
+                    state.checkpoint_path, state.saved_world_size, job.world_size)
+        records.event("resumed", step=step, checkpoint_path=state.checkpoint_path,
+                      saved_world_size=state.saved_world_size, world_size=job.world_size)
+    if step >= cfg.train.steps:
+        logger.info("checkpoint step %d >= train.steps=%d: nothing to train", step, cfg.train.steps)
+    job.model.train()
+    t_prev = time.perf_counter()
+    while step < cfg.train.steps:
+        start_of_epoch = step
+        for batch in job.loader:
+            seeds = job.seed_stream.draw(g, rank=job.rank, world_size=job.world_size)
+            local_loss, grad_norm, lr = train_step(job, batch, seeds)
+            loss = global_mean(local_loss, job.world_size)
+            step += 1
+            step_seconds = time.perf_counter() - t_prev
+            epoch, batch_in_epoch = divmod(step, job.steps_per_epoch)  # position after this step
+            saved = manager.maybe_save(step, loss=loss, last_step=step == cfg.train.steps, epoch=epoch,
+                                       batch_in_epoch=batch_in_epoch, global_samples_seen=step * g,
+                                       global_tokens_seen=step * g * cfg.data.seq_len)
+            ckpt_seconds = manager.last_save_seconds if saved else 0.0
+            if saved:
+                records.event("checkpoint", step=step, seconds=ckpt_seconds)
+            records.samples(step, batch["sample_id"].tolist())
+            records.metrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, global_samples_seen=step * g,
+                            world_size=job.world_size, step_seconds=step_seconds,
+                            checkpoint_seconds=ckpt_seconds, epoch=(step - 1) // job.steps_per_epoch)
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps or step == start_of_epoch + 1:
+                logger.info("step %5d/%d  loss %.4f  lr %.2e  |g| %s  %.0f ms/step  ckpt %.2f s  epoch %d",
+                            step, cfg.train.steps, loss, lr,
+                            "-" if grad_norm is None else f"{grad_norm:.3f}", 1000 * step_seconds,
+                            ckpt_seconds, (step - 1) // job.steps_per_epoch)
+            t_prev = time.perf_counter()
+            if step >= cfg.train.steps:
+                break
+        if step == start_of_epoch:
+            raise RuntimeError("the dataloader yielded no batch: dataset smaller than one global batch?")
+    manager.close()
+    records.event("end", step=step, seconds=time.perf_counter() - t_start)
+    records.close()
+    return step
+
+
+def _check_resumable(saved: dict[str, Any], live: dict[str, Any], samples_seen: int, step: int) -> None:
+    """Refuse to continue on different data: the sample order would silently change."""
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in live.items() if saved.get(k) != v]
+    if diffs:
+        raise ConfigError("the checkpoint was written by a run on different data or batching ("
+                          + "; ".join(diffs) + "); resume with the same data.* settings or start "
+                          "from a fresh checkpoint.root")
+    if samples_seen != step * live["global_batch_size"]:
+        raise ConfigError(f"checkpoint at step {step} saw {samples_seen} samples, expected "
+                          f"{step} * global_batch_size={step * live['global_batch_size']}")
+
+
+def _init_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
+    """Join the torchrun process group: NCCL on this rank's GPU when CUDA is there, else gloo."""
+    if "RANK" not in os.environ:
+        raise SystemExit("launch/train.py is a torchrun entry point: torchrun --nproc-per-node N "
+                         "launch/train.py --config launch/configs/ddp.yaml")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _setup_logging(rank: int) -> None:
+    # Rank 0 tells the story; other ranks speak up only for warnings and errors.
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="example: torchrun --nproc-per-node 2 launch/train.py --config "
+               "launch/configs/ddp.yaml train.steps=40 checkpoint.root=/tmp/ckpt")
+    parser.add_argument("--config", required=True, help="job YAML (launch/configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="dotted overrides, e.g. train.steps=40 checkpoint.interval_steps=10")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point on every rank; returns the process exit code."""
+    args = _parse_args(argv)
+    try:
+        cfg = load_job_config(args.config, args.overrides)
+    except (ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rank, world_size, device = _init_distributed(cfg.train.dist_timeout_s)
+    _setup_logging(rank)
+    try:
+        job = build_job(cfg, rank, world_size, device)
+        if rank == 0:
+            logger.info("%s on %d ranks (%s): %.2f M parameters, %d samples of %d bytes, G=%d, "
+                        "%d steps/epoch", cfg.train.wrapper + ("+compile" if cfg.train.compile else ""),
+                        world_size, device.type, job.num_parameters / 1e6, len(job.dataset),
+                        cfg.data.seq_len, cfg.data.global_batch_size, job.steps_per_epoch)
+        train(job)
+    except (ConfigError, DistCkptError) as e:
+        logger.error("rank %d: %s", rank, e)
+        return 1
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
