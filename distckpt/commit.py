@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from .errors import CheckpointCorruptError
+from .integrity import check_file
 from .layout import LATEST, MANIFEST, checkpoint_dirs, is_staging
 from .manifest import FileEntry, Manifest
 
@@ -27,6 +28,7 @@ __all__ = [
     "list_files",
     "commit",
     "validate",
+    "verify",
     "find_committed",
     "remove_staging",
     "delete_checkpoint",
@@ -56,13 +58,26 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def list_files(checkpoint_dir: str | os.PathLike) -> list[FileEntry]:
-    """Every regular file under ``checkpoint_dir`` except the manifest, sorted, with sizes."""
+def list_files(checkpoint_dir: str | os.PathLike,
+               hashes: dict[str, tuple[int, str]] | None = None) -> list[FileEntry]:
+    """Every regular file under ``checkpoint_dir`` except the manifest, sorted, with sizes and
+    the hashes the writing ranks reported (``{relative path: (size_bytes, digest)}``).
+
+    Raises:
+        CheckpointCorruptError: a file's size differs from what its writer reported.
+    """
     root = Path(checkpoint_dir)
+    hashes = hashes or {}
     entries = []
     for p in sorted(root.rglob("*")):
         if p.is_file() and p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}.tmp"):
-            entries.append(FileEntry(path=p.relative_to(root).as_posix(), size_bytes=p.stat().st_size))
+            rel = p.relative_to(root).as_posix()
+            size = p.stat().st_size
+            reported = hashes.get(rel)
+            if reported is not None and reported[0] != size:
+                raise CheckpointCorruptError(
+                    f"{p}: {size} bytes on disk, its writer wrote {reported[0]}", path=str(p))
+            entries.append(FileEntry(path=rel, size_bytes=size, hash=reported[1] if reported else None))
     return entries
 
 
@@ -84,31 +99,38 @@ def commit(staging_dir: str | os.PathLike, final_dir: str | os.PathLike, manifes
     write_atomic(final_dir.parent / LATEST, final_dir.name + "\n")
 
 
-def validate(checkpoint_dir: str | os.PathLike) -> Manifest:
-    """Check a checkpoint directory against its manifest: every file exists with its size.
+def validate(checkpoint_dir: str | os.PathLike, *, check_hashes: bool = False) -> Manifest:
+    """Check a checkpoint directory against its manifest: every file exists with its size
+    (and, with ``check_hashes``, its content hash; that reads every byte).
 
     Returns:
         The parsed manifest.
 
     Raises:
-        CheckpointCorruptError: naming the first missing or wrong-sized file, or the manifest.
+        CheckpointCorruptError: naming the first bad file (expected vs actual), or the manifest.
     """
     checkpoint_dir = Path(checkpoint_dir)
     manifest = Manifest.read(checkpoint_dir)
     for entry in manifest.files:
-        path = checkpoint_dir / entry.path
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise CheckpointCorruptError(
-                f"{path}: file listed in the manifest is missing", path=str(path)
-            ) from None
-        if size != entry.size_bytes:
-            raise CheckpointCorruptError(
-                f"{path}: size {size} bytes, manifest expects {entry.size_bytes} bytes (truncated?)",
-                path=str(path),
-            )
+        check_file(checkpoint_dir / entry.path, size_bytes=entry.size_bytes,
+                   digest=entry.hash if check_hashes else None)
     return manifest
+
+
+def verify(checkpoint_dir: str | os.PathLike) -> list[CheckpointCorruptError]:
+    """Every problem of a checkpoint (manifest, each file's size and hash), not just the first."""
+    checkpoint_dir = Path(checkpoint_dir)
+    try:
+        manifest = Manifest.read(checkpoint_dir)
+    except CheckpointCorruptError as e:
+        return [e]
+    problems = []
+    for entry in manifest.files:
+        try:
+            check_file(checkpoint_dir / entry.path, size_bytes=entry.size_bytes, digest=entry.hash)
+        except CheckpointCorruptError as e:
+            problems.append(e)
+    return problems
 
 
 def find_committed(root: str | os.PathLike) -> list[tuple[int, Path, Manifest | CheckpointCorruptError]]:

@@ -33,6 +33,8 @@ class CheckpointConfig:
         load_path: resume from this checkpoint directory instead of the newest in ``root``.
         fallback_to_older: when the newest checkpoint is corrupt, load the next older
             committed one (with a warning) instead of raising ``CheckpointCorruptError``.
+        verify_on_load: each rank checks size and xxh3-128 hash of every file it reads
+            against the manifest before reading it.
         loss_history_len: number of recent losses kept in the checkpoint.
         seed: base seed for deriving RNG state of ranks that did not exist at save time.
         async_mode: ``"off"`` (blocking save), ``"thread"`` or ``"process"``: ``save`` returns
@@ -53,6 +55,7 @@ class CheckpointConfig:
     load: bool = True
     load_path: str | None = None
     fallback_to_older: bool = False
+    verify_on_load: bool = True
     loss_history_len: int = 1000
     seed: int = 0
     async_mode: Literal["off", "thread", "process"] = "off"

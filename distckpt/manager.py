@@ -39,6 +39,7 @@ from .errors import (
     ConfigError,
     IncompatibleCheckpointError,
 )
+from .integrity import hash_file
 from .layout import checkpoint_name, staging_name
 from .manifest import Manifest, TensorSpec, model_fingerprint
 from .retention import steps_to_delete
@@ -170,7 +171,9 @@ class CheckpointManager:
         with self.state.model_optim.load_context():
             target = self.collective.agree(
                 lambda: self.state.for_load(keys, manifest.world_size), what=f"planning the load of {path}")
-            dcp_load(target, path, process_group=self.collective.group)
+            expected = ({f.path: (f.size_bytes, f.hash) for f in manifest.files}
+                        if self.config.verify_on_load else None)
+            dcp_load(target, path, process_group=self.collective.group, expected_files=expected)
             train_state = self.collective.agree(
                 lambda: self.state.restore(target, saved_world_size=manifest.world_size),
                 what=f"restoring {path}", error_type=IncompatibleCheckpointError)
@@ -300,13 +303,14 @@ class CheckpointManager:
         staging = self.root / staging_name(step, save_id)
         final = self.root / checkpoint_name(step)
         snapshot = dataclasses.replace(self.train_state, loss_history=list(self.train_state.loss_history))
-        error, t_stage, upload = None, 0.0, None
+        error, t_stage, upload, written = None, 0.0, None, {}
         try:
             sd = self.state.for_save(snapshot)
             staging.mkdir(parents=True, exist_ok=True)
             if self.async_writer is None:
                 t_stage = time.perf_counter() - t0
-                dcp_save(sd, staging, process_group=self.collective.group, thread_count=self.config.thread_count)
+                written = dcp_save(sd, staging, process_group=self.collective.group,
+                                   thread_count=self.config.thread_count)
             else:
                 upload = self.async_writer.start(sd, staging)
                 t_stage = time.perf_counter() - t0
@@ -320,7 +324,7 @@ class CheckpointManager:
         self.schedule.mark_saved()
         if self.async_writer is None:
             self._finalize(self.collective, step, staging, final, snapshot, t0,
-                           (error, t_stage, time.perf_counter() - t0 - t_stage))
+                           (error, t_stage, time.perf_counter() - t0 - t_stage, written))
             self.last_save_seconds = time.perf_counter() - t0
             return final
         # Failures before the background part are agreed on now, on the main group.
@@ -338,19 +342,21 @@ class CheckpointManager:
         return final
 
     def _finalize_in_background(self, inflight, upload, step, staging, final, snapshot, t0, t_stage) -> None:
-        error = None
+        error, written = None, {}
         try:
             upload.result()
+            written = self.async_writer.written_files(staging, self.rank)
         except BaseException as e:  # noqa: BLE001 - DCP raises BaseException subclasses
             error = describe_exception(e)
         try:
             self._finalize(self.background, step, staging, final, snapshot, t0,
-                           (error, t_stage, time.perf_counter() - t0 - t_stage))
+                           (error, t_stage, time.perf_counter() - t0 - t_stage, written))
         except Exception as e:  # noqa: BLE001 - raised on the training thread by wait()
             inflight.error = e
 
     def _finalize(self, collective: Collective, step: int, staging: Path, final: Path,
-                  snapshot: TrainState, t0: float, outcome: tuple[str | None, float, float]) -> None:
+                  snapshot: TrainState, t0: float,
+                  outcome: tuple[str | None, float, float, dict[str, tuple[int, str]]]) -> None:
         """Steps 2-4 of the commit protocol over ``collective``; raises on every rank."""
         outcomes = collective.all_gather(outcome)
         failures = {r: o[0] for r, o in enumerate(outcomes) if o[0] is not None}
@@ -358,7 +364,9 @@ class CheckpointManager:
             self._abort(collective, staging)
             raise self._save_error(step, failures)
         timings = {"stage": max(o[1] for o in outcomes), "write": max(o[2] for o in outcomes)}
-        commit_error = self._commit(step, staging, final, snapshot, timings) if self.rank == 0 else None
+        written = {name: entry for o in outcomes for name, entry in o[3].items()}
+        commit_error = (self._commit(step, staging, final, snapshot, timings, written)
+                        if self.rank == 0 else None)
         commit_error = collective.broadcast(commit_error)
         if commit_error is not None:
             self._abort(collective, staging)
@@ -376,7 +384,7 @@ class CheckpointManager:
             failures=failures)
 
     def _commit(self, step: int, staging: Path, final: Path, ts: TrainState,
-                timings: dict[str, float]) -> str | None:
+                timings: dict[str, float], written: dict[str, tuple[int, str]]) -> str | None:
         """Rank 0: manifest, rename, ``latest``, retention. Returns an error string or ``None``."""
         t0 = time.perf_counter()
         try:
@@ -388,7 +396,11 @@ class CheckpointManager:
                 distckpt_version=__version__, model=self.model_specs,
                 model_fingerprint=model_fingerprint(self.model_specs),
                 loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == step else None,
-                timings_s=timings, files=list_files(staging))
+                timings_s=timings, files=list_files(staging, written))
+            for entry in manifest.files:
+                if entry.hash is None:  # no writer reported it: hash it here rather than skip it
+                    logger.warning("no writer reported a hash for %s; hashing it on rank 0", entry.path)
+                    entry.hash = hash_file(staging / entry.path)[1]
             timings["commit"] = time.perf_counter() - t0  # up to the manifest write
             commit(staging, final, manifest)
         except Exception as e:  # noqa: BLE001 - broadcast to every rank

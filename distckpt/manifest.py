@@ -16,9 +16,10 @@ from typing import Any
 from .errors import CheckpointCorruptError
 from .layout import MANIFEST
 
-__all__ = ["SCHEMA_VERSION", "Manifest", "FileEntry", "TensorSpec", "model_fingerprint"]
+__all__ = ["SCHEMA_VERSION", "Manifest", "FileEntry", "TensorSpec", "model_fingerprint", "migrate"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# v1 -> v2: files gained "hash" (xxh3_128 hex), the manifest gained "hash_algorithm".
 
 
 @dataclass(kw_only=True)
@@ -27,6 +28,7 @@ class FileEntry:
 
     path: str
     size_bytes: int
+    hash: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -67,6 +69,7 @@ class Manifest:
     loss: float | None = None
     timings_s: dict[str, float] = field(default_factory=dict)
     files: list[FileEntry] = field(default_factory=list)
+    hash_algorithm: str | None = "xxh3_128"
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> str:
@@ -88,6 +91,8 @@ class Manifest:
                 f"({SCHEMA_VERSION}); upgrade distckpt",
                 path=path,
             )
+        if version < SCHEMA_VERSION:
+            data = migrate(data)
         try:
             data = dict(data)
             data["model"] = {k: TensorSpec(**v) for k, v in data["model"].items()}
@@ -113,6 +118,16 @@ class Manifest:
         if not isinstance(data, dict):
             raise CheckpointCorruptError(f"{path}: manifest is not a JSON object", path=str(path))
         return cls.from_dict(data, path=str(path))
+
+
+def migrate(data: dict[str, Any]) -> dict[str, Any]:
+    """Upgrade an older manifest dict to the current schema (files of v1 have no hash)."""
+    data = dict(data)
+    if data["schema_version"] == 1:
+        data["files"] = [dict(f, hash=None) for f in data.get("files", [])]
+        data["hash_algorithm"] = None
+        data["schema_version"] = 2
+    return data
 
 
 def model_fingerprint(specs: dict[str, TensorSpec]) -> str:

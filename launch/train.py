@@ -32,6 +32,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -335,6 +336,8 @@ def _init_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
 
 
 def _setup_logging(rank: int) -> None:
+    # torchdata 0.11 calls a deprecated torch API on every iterator; the warning is noise here.
+    warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
     # Rank 0 tells the story; other ranks speak up only for warnings and errors.
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
+from ..integrity import hash_file
+from .blocking import hashing_writer
 
 __all__ = ["AsyncWriter", "AsyncMode"]
 
@@ -55,7 +58,8 @@ class AsyncWriter:
         Returns:
             The upload future: done when this rank's files are written (or failed).
         """
-        writer = FileSystemWriter(os.fspath(directory), sync_files=True, thread_count=self.thread_count)
+        writer = hashing_writer(directory, thread_count=self.thread_count)
+        self._writer = writer
         response = dcp.async_save(state_dict, storage_writer=writer, process_group=self.process_group,
                                   async_checkpointer_type=self.checkpointer_type, async_stager=self.stager)
         if isinstance(response, AsyncSaveResponse):
@@ -63,6 +67,21 @@ class AsyncWriter:
             return response.upload_completion
         self._staged = None
         return response
+
+    def written_files(self, directory: str | os.PathLike, rank: int) -> dict[str, tuple[int, str]]:
+        """``{file name: (size_bytes, xxh3_128)}`` of this rank's files of the last save.
+
+        The thread executor hashes while writing; the process executor writes in another
+        process, so this rank hashes its own files (``__<rank>_*``, ``.metadata`` on rank 0)
+        after the write, from the page cache.
+        """
+        if self.checkpointer_type == AsyncCheckpointerType.THREAD:
+            return dict(self._writer.fs.written)
+        directory = Path(directory)
+        names = [p.name for p in directory.glob(f"__{rank}_*")]
+        if rank == 0 and (directory / ".metadata").exists():
+            names.append(".metadata")
+        return {name: hash_file(directory / name) for name in names}
 
     def wait_staged(self) -> None:
         """Block until the last save's tensors are copied (a no-op without background staging)."""

@@ -10,9 +10,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from ..errors import CheckpointCorruptError
+from ..integrity import HashingFileSystem
 from .safe_io import SafeFileSystemReader, SafeLoadPlanner
 
-__all__ = ["dcp_save", "dcp_load", "describe_exception"]
+__all__ = ["dcp_save", "dcp_load", "describe_exception", "hashing_writer"]
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -29,21 +30,33 @@ def describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
 
 
+def hashing_writer(directory: str | os.PathLike, *, thread_count: int) -> FileSystemWriter:
+    """``FileSystemWriter`` with per-file fsync whose ``fs.written`` records each written file's
+    ``(size_bytes, xxh3_128)``, hashed from the bytes as they are written."""
+    writer = FileSystemWriter(os.fspath(directory), sync_files=True, thread_count=thread_count)
+    writer.fs = HashingFileSystem()
+    return writer
+
+
 def dcp_save(
     state_dict: dict[str, Any],
     directory: str | os.PathLike,
     *,
     process_group: dist.ProcessGroup | None,
     thread_count: int = 1,
-) -> None:
+) -> dict[str, tuple[int, str]]:
     """``dcp.save`` into ``directory`` with per-file fsync. All ranks call it.
+
+    Returns:
+        ``{file name: (size_bytes, xxh3_128 hex)}`` of the files this rank wrote.
 
     Raises:
         BaseException: whatever DCP raises on this rank; the caller gathers outcomes across
             ranks before deciding (see ``CheckpointManager.save``).
     """
-    writer = FileSystemWriter(os.fspath(directory), sync_files=True, thread_count=thread_count)
+    writer = hashing_writer(directory, thread_count=thread_count)
     dcp.save(state_dict, storage_writer=writer, process_group=process_group)
+    return dict(writer.fs.written)
 
 
 def dcp_load(
@@ -51,13 +64,19 @@ def dcp_load(
     directory: str | os.PathLike,
     *,
     process_group: dist.ProcessGroup | None,
+    expected_files: dict[str, tuple[int, str | None]] | None = None,
 ) -> None:
     """``dcp.load`` in place into ``state_dict``, reading metadata and non-tensor items safely.
 
+    Args:
+        expected_files: ``{relative path: (size_bytes, digest)}`` from the manifest; each rank
+            then checks the files it reads before reading them.
+
     Raises:
-        CheckpointCorruptError: unreadable/unsafe files or a missing key; names the directory.
+        CheckpointCorruptError: unreadable/unsafe/mismatching files or a missing key, naming
+            the file (or the directory), on every rank.
     """
-    reader = SafeFileSystemReader(os.fspath(directory))
+    reader = SafeFileSystemReader(os.fspath(directory), expected_files=expected_files)
     try:
         dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group)
     except CheckpointCorruptError:
@@ -65,6 +84,10 @@ def dcp_load(
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
+        for pair in (getattr(e, "failures", None) or {}).values():
+            inner = pair[0] if isinstance(pair, tuple) else pair
+            if isinstance(inner, CheckpointCorruptError):
+                raise CheckpointCorruptError(str(inner), path=inner.path) from e
         raise CheckpointCorruptError(
             f"{directory}: DCP load failed ({describe_exception(e)})", path=os.fspath(directory)
         ) from e

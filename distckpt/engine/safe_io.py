@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointCorruptError
+from ..integrity import check_file
 
 __all__ = ["read_dcp_metadata", "SafeFileSystemReader", "SafeLoadPlanner"]
 
@@ -77,7 +78,34 @@ def _read_metadata_file(path: str) -> Metadata:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``read_metadata`` uses :func:`read_dcp_metadata`."""
+    """``FileSystemReader`` whose ``read_metadata`` uses :func:`read_dcp_metadata` and that,
+    given the manifest's file list, checks size and hash of each file this rank reads before
+    reading it (each file once per reader).
+
+    Args:
+        path: checkpoint directory.
+        expected_files: ``{relative path: (size_bytes, digest or None)}``; ``None`` skips checks.
+    """
+
+    def __init__(self, path: str | os.PathLike,
+                 expected_files: dict[str, tuple[int, str | None]] | None = None) -> None:
+        super().__init__(path)
+        self.expected_files = expected_files
+        self._checked: set[str] = set()
+
+    def read_data(self, plan, planner):
+        if self.expected_files is not None:
+            for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
+                if name in self._checked:
+                    continue
+                if name not in self.expected_files:
+                    raise CheckpointCorruptError(
+                        f"{Path(self.path) / name}: DCP metadata refers to a file the manifest does "
+                        "not list", path=str(Path(self.path) / name))
+                size, digest = self.expected_files[name]
+                check_file(Path(self.path) / name, size_bytes=size, digest=digest)
+                self._checked.add(name)
+        return super().read_data(plan, planner)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         metadata = _read_metadata_file(str(self._get_metadata_path(kwargs.get("rank"))))

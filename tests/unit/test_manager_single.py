@@ -230,3 +230,36 @@ def test_unwritable_root_fails_at_construction(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="not a writable directory"):
         CheckpointManager(CheckpointConfig(root=str(blocker / "sub")), model=Net(), optimizer=None)
+
+
+def test_manifest_hashes_match_files_and_bitflip_is_caught(tmp_path):
+    from distckpt.integrity import hash_file
+
+    trained_manager(tmp_path)
+    ckpt = tmp_path / "step-000000003"
+    manifest = json.loads((ckpt / "distckpt.json").read_text())
+    assert manifest["hash_algorithm"] == "xxh3_128"
+    for f in manifest["files"]:  # hashed while writing, equal to a fresh read
+        assert f["hash"] == hash_file(ckpt / f["path"])[1], f["path"]
+    data = sorted(ckpt.glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size, different bytes
+    data.write_bytes(bytes(raw))
+    manager, _ = manager_for(tmp_path)
+    with pytest.raises(CheckpointCorruptError) as err:
+        manager.load()
+    assert str(data) in str(err.value) and "does not match the manifest" in str(err.value)
+    assert err.value.path == str(data)
+
+
+def test_schema_v1_manifest_is_migrated(tmp_path):
+    trained_manager(tmp_path)
+    path = tmp_path / "step-000000003" / "distckpt.json"
+    data = json.loads(path.read_text())
+    data["schema_version"] = 1  # the v1 form: no hashes
+    del data["hash_algorithm"]
+    for f in data["files"]:
+        del f["hash"]
+    path.write_text(json.dumps(data))
+    manager, _ = manager_for(tmp_path)
+    assert manager.load().step == 3
