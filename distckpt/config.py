@@ -42,6 +42,13 @@ class CheckpointConfig:
         background_staging: with async, copy in a background thread too; the loop must call
             ``manager.wait_staged()`` before ``optimizer.step()``.
         thread_count: writer threads per rank for DCP's ``FileSystemWriter``.
+        lock: hold ``<root>/.lock`` while the manager is open, so a second job on the same root
+            fails at construction (``CheckpointLockedError``). Without the lock the manager
+            does not remove staging directories (they may belong to a live writer).
+        preemption: on SIGTERM (any rank), all ranks save at the next ``maybe_save``.
+        exit_on_preemption: after that save, close and ``raise SystemExit(0)``; when false,
+            ``maybe_save`` returns and ``manager.preempted`` is true.
+        full_at_end: the final save (``last_step=True``) is a FULL checkpoint.
         timeout_s: timeout of collectives distckpt issues on its own process group.
     """
 
@@ -61,6 +68,10 @@ class CheckpointConfig:
     async_mode: Literal["off", "thread", "process"] = "off"
     background_staging: bool = False
     thread_count: int = 1
+    lock: bool = True
+    preemption: bool = True
+    exit_on_preemption: bool = True
+    full_at_end: bool = False
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:

@@ -34,6 +34,7 @@ from .engine import AsyncWriter, dcp_load, dcp_save, read_dcp_metadata
 from .engine.blocking import describe_exception
 from .errors import (
     CheckpointCorruptError,
+    CheckpointLockedError,
     CheckpointNotFoundError,
     CheckpointSaveError,
     ConfigError,
@@ -41,7 +42,9 @@ from .errors import (
 )
 from .integrity import hash_file
 from .layout import checkpoint_name, staging_name
+from .lock import RootLock
 from .manifest import Manifest, TensorSpec, model_fingerprint
+from .preemption import PreemptionWatcher
 from .retention import steps_to_delete
 from .schedule import SaveSchedule
 from .state import CheckpointState, TrainState
@@ -100,7 +103,7 @@ class CheckpointManager:
         self.state = CheckpointState(
             model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, grad_scaler=grad_scaler,
             dataloader=dataloader, extra_state=extra_state, rank=self.rank,
-            world_size=self.world_size, full_state_dict=config.state_dict_type == "full",
+            world_size=self.world_size,
             seed=config.seed)
         self.train_state = TrainState()
         self.schedule = SaveSchedule(interval_steps=config.interval_steps,
@@ -121,6 +124,12 @@ class CheckpointManager:
                              if self.background is not None else None)
         self.collective.agree(self._prepare_root, what="preparing the checkpoint root",
                               error_type=ConfigError)
+        self.lock = RootLock(self.root) if config.lock else None
+        if self.lock is not None:
+            self.collective.agree(lambda: self.lock.acquire() if self.rank == 0 else None,
+                                  what="locking the checkpoint root", error_type=CheckpointLockedError)
+        self.preemption = PreemptionWatcher(self.collective.group) if config.preemption else None
+        self.preempted = False
 
     @property
     def extra_state(self) -> dict[str, Any]:
@@ -193,7 +202,7 @@ class CheckpointManager:
         """Rank 0 picks the checkpoint; other ranks return ``None`` (then broadcast)."""
         if self.rank != 0:
             return None
-        for name in remove_staging(self.root):
+        for name in (remove_staging(self.root) if self.lock is not None else []):
             logger.warning("removed staging directory %s left by an interrupted save", self.root / name)
         if self.config.load_path is not None:
             p = Path(self.config.load_path)
@@ -259,11 +268,29 @@ class CheckpointManager:
         """
         self._check_open()
         self._record(step, loss, counters)
+        if self.preemption is not None and self.preemption.agreed():
+            return self._save_for_preemption(step)
         due = self.schedule.is_due(step) or (last_step and self.config.save_at_end)
         if not due or self.last_saved_step == step:
             return False
-        self.save(step)
+        self.save(step, _full=last_step and self.config.full_at_end)
         return True
+
+    def _save_for_preemption(self, step: int) -> bool:
+        t0 = time.perf_counter()
+        self.wait()  # the in-flight save completes and commits first
+        saved = self.last_saved_step != step
+        if saved:
+            self.save(step, _blocking=True)
+        self.preempted = True
+        if self.rank == 0:
+            logger.warning("preempted (SIGTERM): saved step %d in %.2f s; %s", step,
+                           time.perf_counter() - t0,
+                           "exiting" if self.config.exit_on_preemption else "manager.preempted is set")
+        if self.config.exit_on_preemption:
+            self.close()
+            raise SystemExit(0)
+        return saved
 
     def _record(self, step: int, loss: float | None, counters: dict[str, int]) -> None:
         ts = self.train_state
@@ -277,7 +304,8 @@ class CheckpointManager:
             ts.loss_history.append((step, float(loss)))
             del ts.loss_history[: -self.config.loss_history_len]
 
-    def save(self, step: int, *, loss: float | None = None, **counters: int) -> Path:
+    def save(self, step: int, *, loss: float | None = None, _blocking: bool = False, _full: bool = False,
+             **counters: int) -> Path:
         """Save the whole training state as ``step-<step>``.
 
         Protocol (DESIGN section 4): every rank writes into a staging directory; outcomes are
@@ -304,10 +332,12 @@ class CheckpointManager:
         final = self.root / checkpoint_name(step)
         snapshot = dataclasses.replace(self.train_state, loss_history=list(self.train_state.loss_history))
         error, t_stage, upload, written = None, 0.0, None, {}
+        blocking = self.async_writer is None or _blocking
+        full = self.config.state_dict_type == "full" or _full
         try:
-            sd = self.state.for_save(snapshot)
+            sd = self.state.for_save(snapshot, full_state_dict=full)
             staging.mkdir(parents=True, exist_ok=True)
-            if self.async_writer is None:
+            if blocking:
                 t_stage = time.perf_counter() - t0
                 written = dcp_save(sd, staging, process_group=self.collective.group,
                                    thread_count=self.config.thread_count)
@@ -322,9 +352,9 @@ class CheckpointManager:
             error = describe_exception(e)
         self.last_saved_step = step
         self.schedule.mark_saved()
-        if self.async_writer is None:
+        if blocking:
             self._finalize(self.collective, step, staging, final, snapshot, t0,
-                           (error, t_stage, time.perf_counter() - t0 - t_stage, written))
+                           (error, t_stage, time.perf_counter() - t0 - t_stage, written), full)
             self.last_save_seconds = time.perf_counter() - t0
             return final
         # Failures before the background part are agreed on now, on the main group.
@@ -335,13 +365,14 @@ class CheckpointManager:
         inflight = _InFlight(step=step)
         inflight.thread = threading.Thread(
             target=self._finalize_in_background, name=f"distckpt-commit-{step}", daemon=True,
-            args=(inflight, upload, step, staging, final, snapshot, t0, t_stage))
+            args=(inflight, upload, step, staging, final, snapshot, t0, t_stage, full))
         inflight.thread.start()
         self._inflight = inflight
         self.last_save_seconds = time.perf_counter() - t0
         return final
 
-    def _finalize_in_background(self, inflight, upload, step, staging, final, snapshot, t0, t_stage) -> None:
+    def _finalize_in_background(self, inflight, upload, step, staging, final, snapshot, t0, t_stage,
+                                full) -> None:
         error, written = None, {}
         try:
             upload.result()
@@ -350,13 +381,14 @@ class CheckpointManager:
             error = describe_exception(e)
         try:
             self._finalize(self.background, step, staging, final, snapshot, t0,
-                           (error, t_stage, time.perf_counter() - t0 - t_stage, written))
+                           (error, t_stage, time.perf_counter() - t0 - t_stage, written), full)
         except Exception as e:  # noqa: BLE001 - raised on the training thread by wait()
             inflight.error = e
 
     def _finalize(self, collective: Collective, step: int, staging: Path, final: Path,
                   snapshot: TrainState, t0: float,
-                  outcome: tuple[str | None, float, float, dict[str, tuple[int, str]]]) -> None:
+                  outcome: tuple[str | None, float, float, dict[str, tuple[int, str]]],
+                  full: bool) -> None:
         """Steps 2-4 of the commit protocol over ``collective``; raises on every rank."""
         outcomes = collective.all_gather(outcome)
         failures = {r: o[0] for r, o in enumerate(outcomes) if o[0] is not None}
@@ -365,7 +397,7 @@ class CheckpointManager:
             raise self._save_error(step, failures)
         timings = {"stage": max(o[1] for o in outcomes), "write": max(o[2] for o in outcomes)}
         written = {name: entry for o in outcomes for name, entry in o[3].items()}
-        commit_error = (self._commit(step, staging, final, snapshot, timings, written)
+        commit_error = (self._commit(step, staging, final, snapshot, timings, written, full)
                         if self.rank == 0 else None)
         commit_error = collective.broadcast(commit_error)
         if commit_error is not None:
@@ -384,7 +416,7 @@ class CheckpointManager:
             failures=failures)
 
     def _commit(self, step: int, staging: Path, final: Path, ts: TrainState,
-                timings: dict[str, float], written: dict[str, tuple[int, str]]) -> str | None:
+                timings: dict[str, float], written: dict[str, tuple[int, str]], full: bool) -> str | None:
         """Rank 0: manifest, rename, ``latest``, retention. Returns an error string or ``None``."""
         t0 = time.perf_counter()
         try:
@@ -392,7 +424,7 @@ class CheckpointManager:
             manifest = Manifest(
                 step=step, epoch=ts.epoch, global_samples_seen=ts.global_samples_seen,
                 wall_time=time.time(), world_size=self.world_size, wrapper=self.wrapper,
-                state_dict_type=self.config.state_dict_type, torch_version=torch.__version__,
+                state_dict_type="full" if full else "sharded", torch_version=torch.__version__,
                 distckpt_version=__version__, model=self.model_specs,
                 model_fingerprint=model_fingerprint(self.model_specs),
                 loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == step else None,
@@ -460,6 +492,10 @@ class CheckpointManager:
             self._closed = True
             if self.async_writer is not None:
                 self.async_writer.close()
+            if self.preemption is not None:
+                self.preemption.uninstall()
+            if self.lock is not None and self.rank == 0:
+                self.lock.release()
 
     def _check_open(self) -> None:
         if self._closed:

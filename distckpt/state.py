@@ -89,7 +89,6 @@ class CheckpointState:
         extra_state: ``{name: Stateful | plain value}``; plain values must be made of
             containers, primitives and tensors.
         rank, world_size: of the training process group.
-        full_state_dict: FULL model/optimizer (gathered to rank 0) instead of SHARDED.
         seed: base seed for ranks that have no saved RNG state.
     """
 
@@ -104,10 +103,9 @@ class CheckpointState:
         extra_state: dict[str, Any] | None = None,
         rank: int,
         world_size: int,
-        full_state_dict: bool,
         seed: int,
     ) -> None:
-        self.model_optim = ModelOptimState(model, optimizer, full_state_dict=full_state_dict)
+        self.model_optim = ModelOptimState(model, optimizer)
         self.lr_scheduler = lr_scheduler
         self.grad_scaler = grad_scaler
         self.data = DataLoaderState(dataloader) if dataloader is not None else None
@@ -117,9 +115,13 @@ class CheckpointState:
         self.seed = seed
 
     # ------------------------------------------------------------------ save
-    def for_save(self, train_state: TrainState) -> dict[str, Any]:
-        """The state_dict every rank passes to ``dcp.save``. Collective under FSDP."""
-        model_sd, optim_sd = self.model_optim.state_dict_for_save()
+    def for_save(self, train_state: TrainState, *, full_state_dict: bool) -> dict[str, Any]:
+        """The state_dict every rank passes to ``dcp.save``. Collective under FSDP.
+
+        Args:
+            full_state_dict: FULL model/optimizer gathered to rank 0 instead of SHARDED.
+        """
+        model_sd, optim_sd = self.model_optim.state_dict_for_save(full_state_dict=full_state_dict)
         sd: dict[str, Any] = {"model": model_sd}
         if self.model_optim.optimizer is not None:
             sd["optim"] = optim_sd

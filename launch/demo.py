@@ -131,29 +131,26 @@ def kill_job(proc: subprocess.Popen) -> None:
     alone would leave the workers running: every process group in the tree is killed.
     """
     tree = _process_tree(proc.pid)
-    groups = []
-    for pid in tree:
+    own, groups = os.getpgid(0), []
+    for pid in reversed(tree):  # workers' groups first, torchrun's last
         try:
-            groups.append(os.getpgid(pid))
+            pgid = os.getpgid(pid)
+        except ProcessLookupError:
+            continue
+        if pgid != own and pgid not in groups:  # never our own group
+            groups.append(pgid)
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    for pgid in dict.fromkeys(groups):  # workers' groups first, torchrun's (the first) last
-        if pgid != groups[0]:
-            _killpg(pgid)
-    _killpg(groups[0] if groups else proc.pid)
+    proc.kill()  # in case its group could not be signalled
     proc.wait(timeout=30)
     deadline = time.monotonic() + 30
     while any(_alive(p) for p in tree[1:]):
         if time.monotonic() > deadline:
             raise RuntimeError(f"processes {tree[1:]} survived SIGKILL")
         time.sleep(0.05)
-
-
-def _killpg(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _alive(pid: int) -> bool:
@@ -403,16 +400,20 @@ def main(argv: list[str] | None = None) -> int:
         committed = any(e["event"] == "checkpoint" for e in events)
         return committed and bool(metrics) and metrics[-1]["step"] >= kill_after
 
-    go(runs["baseline"])
-    go(runs["killed"], kill_when=should_kill)
-    shutil.copytree(shared, out / "ckpt_killed_copy")  # d resumes the same checkpoint as c
-    go(runs["resume_2to2"])
-    go(runs["resume_2to4"])
-    d = runs["resume_2to4"]
-    later = [s for s in _committed_steps(d.ckpt_root) if (d.resumed_from or 0) < s < n]
-    if later:
-        runs["resume_4to2"].load_path = d.ckpt_root / f"step-{later[0]:09d}"
-        go(runs["resume_4to2"])
+    try:
+        go(runs["baseline"])
+        go(runs["killed"], kill_when=should_kill)
+        shutil.copytree(shared, out / "ckpt_killed_copy")  # d resumes the same checkpoint as c
+        go(runs["resume_2to2"])
+        go(runs["resume_2to4"])
+        d = runs["resume_2to4"]
+        later = [s for s in _committed_steps(d.ckpt_root) if (d.resumed_from or 0) < s < n]
+        if later:  # the oldest checkpoint the 4 ranks wrote after their resume
+            runs["resume_4to2"].load_path = d.ckpt_root / f"step-{later[0]:09d}"
+            go(runs["resume_4to2"])
+    except (TimeoutError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
     base_start = runs["baseline"].event("start") or {}
     info = {"global_batch_size": cfg.data.global_batch_size, "sampler_seed": cfg.data.seed,

@@ -162,14 +162,16 @@ def _grad_sync(wrapped: nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
-def train_step(job: Job, batch: dict[str, torch.Tensor],
-               seeds: torch.Tensor) -> tuple[torch.Tensor, float | None, float]:
+def train_step(job: Job, batch: dict[str, torch.Tensor], seeds: torch.Tensor,
+               manager: CheckpointManager | None = None) -> tuple[torch.Tensor, float | None, float]:
     """One optimizer step on this rank's ``G / W`` samples, split into micro-batches.
 
     Args:
         job: the rank's training objects.
         batch: ``input_ids``/``targets`` int64 ``[G/W, T]``.
         seeds: int64 ``[G/W]`` per-sample dropout seeds.
+        manager: waited on (``wait_staged``) before the optimizer mutates the parameters,
+            in case an async save is still copying them.
 
     Returns:
         ``(local_loss, grad_norm, lr)``: the mean loss over this rank's samples (float32
@@ -194,6 +196,8 @@ def train_step(job: Job, batch: dict[str, torch.Tensor],
         norm = nn.utils.clip_grad_norm_(job.wrapped.parameters(), job.cfg.train.grad_clip)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     lr = job.optimizer.param_groups[0]["lr"]
+    if manager is not None:
+        manager.wait_staged()
     if amp:
         job.scaler.step(job.optimizer)
         job.scaler.update()
@@ -250,7 +254,7 @@ def train(job: Job) -> int:
     records = Records(cfg.train.out, job.rank)
     job_info = {"corpus_fingerprint": corpus_fingerprint(job.dataset), "global_batch_size": g,
                 "seq_len": cfg.data.seq_len}
-    manager = CheckpointManager(cfg.checkpoint, model=job.wrapped, optimizer=job.optimizer,
+    manager = CheckpointManager(cfg.checkpoint, model=job.model, optimizer=job.optimizer,
                                 lr_scheduler=job.scheduler, grad_scaler=job.scaler,
                                 dataloader=job.loader,
                                 extra_state={"sample_seeds": job.seed_stream, "job": job_info})
@@ -272,10 +276,10 @@ def train(job: Job) -> int:
     job.model.train()
     t_prev = time.perf_counter()
     while step < cfg.train.steps:
-        start_of_epoch = step
+        pass_start = step  # a pass over the loader runs to the end of the current epoch
         for batch in job.loader:
             seeds = job.seed_stream.draw(g, rank=job.rank, world_size=job.world_size)
-            local_loss, grad_norm, lr = train_step(job, batch, seeds)
+            local_loss, grad_norm, lr = train_step(job, batch, seeds, manager)
             loss = global_mean(local_loss, job.world_size)
             step += 1
             step_seconds = time.perf_counter() - t_prev
@@ -290,7 +294,7 @@ def train(job: Job) -> int:
             records.metrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, global_samples_seen=step * g,
                             world_size=job.world_size, step_seconds=step_seconds,
                             checkpoint_seconds=ckpt_seconds, epoch=(step - 1) // job.steps_per_epoch)
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps or step == start_of_epoch + 1:
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps or step == pass_start + 1:
                 logger.info("step %5d/%d  loss %.4f  lr %.2e  |g| %s  %.0f ms/step  ckpt %.2f s  epoch %d",
                             step, cfg.train.steps, loss, lr,
                             "-" if grad_norm is None else f"{grad_norm:.3f}", 1000 * step_seconds,
@@ -298,7 +302,7 @@ def train(job: Job) -> int:
             t_prev = time.perf_counter()
             if step >= cfg.train.steps:
                 break
-        if step == start_of_epoch:
+        if step == pass_start:
             raise RuntimeError("the dataloader yielded no batch: dataset smaller than one global batch?")
     manager.close()
     records.event("end", step=step, seconds=time.perf_counter() - t_start)

@@ -47,25 +47,28 @@ class ModelOptimState:
     Args:
         model: the (possibly wrapped) model.
         optimizer: its optimizer, or ``None``.
-        full_state_dict: ``True`` gathers FULL tensors to rank 0 (CPU offload) on save; other
-            ranks contribute nothing. Loads always target the live (sharded) layout: DCP reads
-            the needed ranges from either form.
+
+    Loads always target the live (sharded) layout: DCP reads the needed ranges from a FULL or a
+    SHARDED checkpoint alike.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, full_state_dict: bool) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         self.model = model
         self.optimizer = optimizer
-        self.full_state_dict = full_state_dict
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [self.optimizer] if self.optimizer is not None else []
 
-    def state_dict_for_save(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def state_dict_for_save(self, *, full_state_dict: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         """Model and optimizer state_dicts with clean keys (references, not copies, if SHARDED).
+
+        Args:
+            full_state_dict: gather FULL tensors to rank 0 with CPU offload; the other ranks
+                contribute nothing.
 
         Collective under FSDP (all ranks call it).
         """
-        options = StateDictOptions(full_state_dict=self.full_state_dict, cpu_offload=self.full_state_dict)
+        options = StateDictOptions(full_state_dict=full_state_dict, cpu_offload=full_state_dict)
         uninitialised = self.optimizer is not None and not self.optimizer.state
         model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=options)
         if self.optimizer is None:

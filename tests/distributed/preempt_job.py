@@ -1,0 +1,58 @@
+"""torchrun entry for the preemption test: trains with the test trainer; at step ``--signal-at``
+rank ``--victim`` receives SIGTERM (as a scheduler would deliver it to one rank)."""
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from distckpt import CheckpointConfig, CheckpointManager  # noqa: E402
+from tests.distributed.trainer import build  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--until", type=int, default=12)
+    p.add_argument("--signal-at", type=int, default=-1)
+    p.add_argument("--victim", type=int, default=1)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, optimizer, scheduler, scaler, loader = build(rank, world_size, {"wrapper": "ddp"})
+    manager = CheckpointManager(
+        CheckpointConfig(root=args.root, interval_steps=100, keep_last=3), model=model,
+        optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader)
+    state = manager.load()
+    step = state.step if state else 0
+    log = open(f"{args.out}.rank{rank}.jsonl", "a")
+    while step < args.until:
+        for batch in loader:
+            loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            scheduler.step()
+            step += 1
+            log.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
+            log.flush()
+            if step == args.signal_at and rank == args.victim:
+                os.kill(os.getpid(), signal.SIGTERM)
+            manager.maybe_save(step, last_step=step == args.until)  # SystemExit(0) on preemption
+            if step == args.until:
+                break
+    manager.close()
+    dist.barrier()  # nobody tears gloo down while a peer still talks to it
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
