@@ -41,3 +41,40 @@ def test_cross_wrapper_load(tmp_path, save_ws, save_opts, load_ws, load_opts):
     assert loaded[0]["state"].step == 3 and loaded[0]["state"].saved_world_size == save_ws
     assert_same_state(saved, loaded[0])
     assert all(r["lr"] == loaded[0]["lr"] for r in loaded)
+
+
+def train_full_at_end(rank, world_size, opts):
+    from distckpt import CheckpointConfig, CheckpointManager
+    from tests.distributed.trainer import build, full_params, train_steps
+
+    model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
+    manager = CheckpointManager(CheckpointConfig(root=opts["root"], interval_steps=2, full_at_end=True),
+                                model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
+                                dataloader=loader)
+    for step in range(1, 6):
+        train_steps(model, optimizer, scheduler, scaler, loader, 1)
+        manager.maybe_save(step, last_step=step == 5)
+    manager.close()
+    return full_params(model)
+
+
+def test_full_at_end_writes_a_full_final_checkpoint(tmp_path):
+    import json
+
+    params = values(run_ranks(train_full_at_end, 2, {"root": str(tmp_path), "wrapper": "fsdp2",
+                                                      "global_batch_size": 12}))[0]
+    kinds = {p.name: json.loads((p / "distckpt.json").read_text())["state_dict_type"]
+             for p in tmp_path.glob("step-*")}
+    assert kinds == {"step-000000002": "sharded", "step-000000004": "sharded", "step-000000005": "full"}
+    from distckpt.engine import read_dcp_metadata
+
+    def chunks(step):
+        md = read_dcp_metadata(tmp_path / f"step-00000000{step}").state_dict_metadata
+        return {k: len(v.chunks) for k, v in md.items() if k.startswith("model.") and hasattr(v, "chunks")}
+
+    assert set(chunks(5).values()) == {1}  # one whole tensor per key: FULL
+    assert max(chunks(4).values()) == 2  # FSDP2 shards on 2 ranks
+    loaded = values(run_ranks(load_report, 1, {"root": str(tmp_path), "wrapper": "plain",
+                                                "global_batch_size": 12}))[0]
+    for k, v in params.items():
+        assert torch.equal(v, loaded["params"][k]), k
