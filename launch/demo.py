@@ -48,7 +48,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `launch` is a folder, not an installed package
@@ -161,8 +161,11 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+KillWhen = Callable[[list[dict[str, Any]], list[dict[str, Any]]], bool]
+
+
 def launch(run: Run, config: str, overrides: list[str], timeout_s: float,
-           kill_when: Any = None) -> None:
+           kill_when: KillWhen | None = None) -> None:
     """Run ``torchrun launch/train.py`` for ``run``; output goes to ``<run.out>/torchrun.log``.
 
     Args:

@@ -7,7 +7,8 @@ Usage (from the repository root)::
 
 A run resumes from the newest committed checkpoint in ``checkpoint.root`` (or from
 ``checkpoint.load_path``) and trains up to ``train.steps`` optimizer steps. Outputs in
-``train.out``, appended to (one line per record, flushed at once so a killed run keeps them):
+``train.out``, appended to (one line per record, flushed at once so a killed run keeps them;
+a run resumed into the same ``out`` appends the steps it replays again):
 
 * ``metrics.jsonl`` (rank 0): ``step, loss, lr, grad_norm, global_samples_seen, world_size,
   step_seconds, checkpoint_seconds, epoch`` per step; ``loss`` is the global mean over all
