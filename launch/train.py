@@ -15,7 +15,10 @@ a run resumed into the same ``out`` appends the steps it replays again):
   ranks' samples, so it is comparable across world sizes.
 * ``samples.rank<r>.jsonl`` (every rank): ``{"step", "ids"}``, the sample ids rank ``r``
   trained on at that step.
-* ``events.jsonl`` (rank 0): ``start``, ``resumed``, ``checkpoint``, ``end``.
+* ``events.jsonl`` (rank 0): ``start``, ``resumed``, ``checkpoint``, ``preempted``, ``end``.
+
+SIGTERM (preemption, with ``checkpoint.preemption`` on and ``exit_on_preemption`` off as in
+the shipped configs): every rank saves at the next step boundary, records it and exits 0.
 
 World-size invariance: the global batch ``G`` is fixed, and dropout masks come from
 per-sample seeds drawn from one stream shared by all ranks (``launch.model.SampleSeedStream``,
@@ -301,8 +304,14 @@ def train(job: Job) -> int:
                             "-" if grad_norm is None else f"{grad_norm:.3f}", 1000 * step_seconds,
                             ckpt_seconds, (step - 1) // job.steps_per_epoch)
             t_prev = time.perf_counter()
+            if manager.preempted:  # SIGTERM on some rank: all ranks saved this step and stop
+                logger.warning("preempted: checkpoint of step %d committed, stopping", step)
+                records.event("preempted", step=step)
+                break
             if step >= cfg.train.steps:
                 break
+        if manager.preempted:
+            break
         if step == pass_start:
             raise RuntimeError("the dataloader yielded no batch: dataset smaller than one global batch?")
     manager.close()

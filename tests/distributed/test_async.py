@@ -81,7 +81,7 @@ def async_io_fault(rank, world_size, opts):
         manager.save(3)  # the next manager call surfaces the background failure
     except CheckpointSaveError as e:
         error = str(e)
-    listing = sorted(os.listdir(opts["root"]))
+    listing = sorted(n for n in os.listdir(opts["root"]) if n != ".lock")
     manager.save(3)
     manager.close()
     return {"error": error, "listing": listing}
@@ -94,7 +94,7 @@ def test_async_io_failure_raises_on_every_rank(tmp_path, victim):
     for r in out:
         assert r["error"] is not None and "Input/output error" in r["error"] and f"rank {victim}" in r["error"]
         assert r["listing"] == ["latest", "step-000000001"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000000001", "step-000000003"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == ["latest", "step-000000001", "step-000000003"]
 
 
 def async_then_die(rank, world_size, opts):
