@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from .errors import CheckpointCorruptError
 from .integrity import check_file
@@ -81,10 +82,12 @@ def list_files(checkpoint_dir: str | os.PathLike,
     return entries
 
 
-def commit(staging_dir: str | os.PathLike, final_dir: str | os.PathLike, manifest: Manifest) -> None:
+def commit(staging_dir: str | os.PathLike, final_dir: str | os.PathLike, manifest: Manifest,
+           on_phase: Callable[[str], None] | None = None) -> None:
     """Make a fully written staging directory a committed checkpoint. Rank 0 only.
 
-    ``manifest.files`` must already list the staging directory's files.
+    ``manifest.files`` must already list the staging directory's files. ``on_phase`` is
+    called with ``"manifest"``, ``"rename"``, ``"latest"`` before each step.
 
     Raises:
         FileExistsError: ``final_dir`` exists (a checkpoint of that step is already committed).
@@ -93,9 +96,13 @@ def commit(staging_dir: str | os.PathLike, final_dir: str | os.PathLike, manifes
     staging_dir, final_dir = Path(staging_dir), Path(final_dir)
     if final_dir.exists():
         raise FileExistsError(f"{final_dir} already exists; refusing to overwrite a committed checkpoint")
+    phase = on_phase or (lambda name: None)
+    phase("manifest")
     write_atomic(staging_dir / MANIFEST, manifest.to_json())
+    phase("rename")
     os.rename(staging_dir, final_dir)
     fsync_dir(final_dir.parent)
+    phase("latest")
     write_atomic(final_dir.parent / LATEST, final_dir.name + "\n")
 
 

@@ -49,6 +49,8 @@ class CheckpointConfig:
         exit_on_preemption: after that save, close and ``raise SystemExit(0)``; when false,
             ``maybe_save`` returns and ``manager.preempted`` is true.
         full_at_end: the final save (``last_step=True``) is a FULL checkpoint.
+        event_log: append phase events (stage, write, manifest, rename, latest, retention,
+            committed, load) as JSON lines to this file; ``$DISTCKPT_EVENT_LOG`` also works.
         timeout_s: timeout of collectives distckpt issues on its own process group.
     """
 
@@ -72,6 +74,7 @@ class CheckpointConfig:
     preemption: bool = True
     exit_on_preemption: bool = True
     full_at_end: bool = False
+    event_log: str | None = None
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:

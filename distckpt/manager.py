@@ -30,6 +30,7 @@ from .adapters import tensor_specs, wrapper_kind
 from .collective import Collective
 from .commit import commit, delete_checkpoint, find_committed, list_files, remove_staging, validate
 from .config import CheckpointConfig
+from .events import EventLog
 from .engine import AsyncWriter, dcp_load, dcp_save, read_dcp_metadata
 from .engine.blocking import describe_exception
 from .errors import (
@@ -130,6 +131,7 @@ class CheckpointManager:
                                   what="locking the checkpoint root", error_type=CheckpointLockedError)
         self.preemption = PreemptionWatcher(self.collective.group) if config.preemption else None
         self.preempted = False
+        self.events = EventLog(config.event_log, self.rank)
 
     @property
     def extra_state(self) -> dict[str, Any]:
@@ -182,6 +184,7 @@ class CheckpointManager:
                 lambda: self.state.for_load(keys, manifest.world_size), what=f"planning the load of {path}")
             expected = ({f.path: (f.size_bytes, f.hash) for f in manifest.files}
                         if self.config.verify_on_load else None)
+            self.events.emit("load", manifest.step, path=str(path))
             dcp_load(target, path, process_group=self.collective.group, expected_files=expected)
             train_state = self.collective.agree(
                 lambda: self.state.restore(target, saved_world_size=manifest.world_size),
@@ -335,7 +338,9 @@ class CheckpointManager:
         blocking = self.async_writer is None or _blocking
         full = self.config.state_dict_type == "full" or _full
         try:
+            self.events.emit("stage", step)
             sd = self.state.for_save(snapshot, full_state_dict=full)
+            self.events.emit("write", step, staging=str(staging), blocking=blocking)
             staging.mkdir(parents=True, exist_ok=True)
             if blocking:
                 t_stage = time.perf_counter() - t0
@@ -404,6 +409,7 @@ class CheckpointManager:
             self._abort(collective, staging)
             raise self._save_error(step, {0: f"commit: {commit_error}"})
         collective.barrier()
+        self.events.emit("committed", step, seconds=time.perf_counter() - t0)
         if self.rank == 0:
             logger.info("committed %s: %.3f s after the save call (stage %.3f s, write %.3f s)",
                         final, time.perf_counter() - t0, timings["stage"], timings["write"])
@@ -434,7 +440,7 @@ class CheckpointManager:
                     logger.warning("no writer reported a hash for %s; hashing it on rank 0", entry.path)
                     entry.hash = hash_file(staging / entry.path)[1]
             timings["commit"] = time.perf_counter() - t0  # up to the manifest write
-            commit(staging, final, manifest)
+            commit(staging, final, manifest, on_phase=lambda phase: self.events.emit(phase, step))
         except Exception as e:  # noqa: BLE001 - broadcast to every rank
             return describe_exception(e)
         try:
@@ -447,6 +453,7 @@ class CheckpointManager:
         committed = [s for s, _, r in find_committed(self.root) if isinstance(r, Manifest)]
         for step in steps_to_delete(committed, keep_last=self.config.keep_last,
                                     keep_every_steps=self.config.keep_every_steps):
+            self.events.emit("retention", step)
             delete_checkpoint(self.root / checkpoint_name(step))
             logger.info("retention: deleted %s", self.root / checkpoint_name(step))
 

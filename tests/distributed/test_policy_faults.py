@@ -103,3 +103,38 @@ def test_io_error_on_one_rank_raises_everywhere(tmp_path, victim):
         assert "No space left on device" in r["error"][0] and "Nothing was committed" in r["error"][0]
         assert r["after_failure"] == ["latest", "step-000000002"]  # staging removed, previous intact
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == ["latest", "step-000000002", "step-000000005"]
+
+
+def slow_disk_on_one_rank(rank, world_size, opts):
+    import threading
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    manager, model, optimizer, scheduler, scaler, loader = make_manager(rank, world_size, opts)
+    train_steps(model, optimizer, scheduler, scaler, loader, 2)
+    original = FileSystemWriter.write_data
+    release = threading.Event()
+
+    def slow(self, plan, planner):
+        if rank == 1:
+            # The commit must wait for this rank: nothing may appear before its data is written.
+            release.wait(timeout=2.0)
+            assert not os.path.exists(os.path.join(opts["root"], "step-000000002"))
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = slow
+    manager.save(2)
+    FileSystemWriter.write_data = original
+    expected = full_params(model)
+    manager.close()
+    return expected
+
+
+def test_slow_disk_on_one_rank_delays_the_commit_without_corruption(tmp_path):
+    expected = values(run_ranks(slow_disk_on_one_rank, 2, {"root": str(tmp_path), "wrapper": "ddp"}))[0]
+    from tests.distributed.trainer import load_report
+
+    loaded = values(run_ranks(load_report, 2, {"root": str(tmp_path), "wrapper": "ddp"}))[0]
+    assert loaded["state"].step == 2
+    for k, v in expected.items():
+        assert torch.equal(v, loaded["params"][k]), k

@@ -263,3 +263,66 @@ def test_schema_v1_manifest_is_migrated(tmp_path):
     path.write_text(json.dumps(data))
     manager, _ = manager_for(tmp_path)
     assert manager.load().step == 3
+
+
+class _Payload:
+    """Unpickling this runs code: it would create the file ``path``."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_crafted_metadata_pickle_is_refused_and_never_runs(tmp_path):
+    import pickle
+
+    from distckpt.integrity import hash_file
+
+    trained_manager(tmp_path / "root")
+    ckpt = tmp_path / "root" / "step-000000003"
+    marker = tmp_path / "pwned"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    # An attacker who can write the directory can also make the manifest agree.
+    manifest = json.loads((ckpt / "distckpt.json").read_text())
+    for f in manifest["files"]:
+        f["size_bytes"], f["hash"] = hash_file(ckpt / f["path"])
+    (ckpt / "distckpt.json").write_text(json.dumps(manifest))
+    manager, _ = manager_for(tmp_path / "root")
+    with pytest.raises(CheckpointCorruptError, match="refusing to unpickle"):
+        manager.load()
+    assert not marker.exists()
+
+
+def test_failure_in_finish_aborts_cleanly_and_next_save_works(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from distckpt import CheckpointSaveError
+
+    manager, objs = trained_manager(tmp_path)
+    original = FileSystemWriter.finish
+
+    def failing_finish(self, metadata, results):
+        raise OSError(28, "No space left on device (injected in finish)")
+
+    monkeypatch.setattr(FileSystemWriter, "finish", failing_finish)
+    with pytest.raises(CheckpointSaveError, match="injected in finish"):
+        manager.save(4)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == ["latest", "step-000000003"]
+    monkeypatch.setattr(FileSystemWriter, "finish", original)
+    train_steps(*objs, 1)
+    manager.save(5)
+    assert (tmp_path / "latest").read_text().strip() == "step-000000005"
+
+
+def test_phase_events_are_logged_in_order(tmp_path):
+    events = tmp_path / "events.jsonl"
+    manager, objs = manager_for(tmp_path / "root", event_log=str(events), keep_last=1)
+    train_steps(*objs, 1)
+    manager.save(1)
+    manager.save(2)
+    phases = [(e["phase"], e["step"]) for e in map(json.loads, events.read_text().splitlines())]
+    assert phases == [("stage", 1), ("write", 1), ("manifest", 1), ("rename", 1), ("latest", 1), ("committed", 1),
+                      ("stage", 2), ("write", 2), ("manifest", 2), ("rename", 2), ("latest", 2),
+                      ("retention", 1), ("committed", 2)]
