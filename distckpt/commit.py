@@ -20,7 +20,7 @@ from typing import Callable
 
 from .errors import CheckpointCorruptError
 from .integrity import check_file
-from .layout import LATEST, MANIFEST, checkpoint_dirs, is_staging
+from .layout import LATEST, MANIFEST, checkpoint_dirs, is_staging, parse_step
 from .manifest import FileEntry, Manifest
 
 __all__ = [
@@ -31,7 +31,7 @@ __all__ = [
     "validate",
     "verify",
     "find_committed",
-    "remove_staging",
+    "remove_leftovers",
     "delete_checkpoint",
 ]
 
@@ -151,15 +151,30 @@ def find_committed(root: str | os.PathLike) -> list[tuple[int, Path, Manifest | 
     return out
 
 
-def remove_staging(root: str | os.PathLike) -> list[str]:
-    """Delete every staging directory under ``root`` (left by a crash). Rank 0, at start."""
+def remove_leftovers(root: str | os.PathLike) -> list[str]:
+    """Delete what a crash can leave behind, never a committed checkpoint. Rank 0, at start,
+    while holding the root's lock.
+
+    Removed: staging directories; ``step-*`` directories without a manifest (a retention
+    delete removes the manifest first, so these are half-deleted, never half-committed:
+    a commit renames a directory that already holds its manifest); ``.latest.tmp-*`` files
+    of an interrupted ``latest`` update.
+
+    Returns:
+        Names removed.
+    """
     removed = []
     root = Path(root)
     if not root.is_dir():
         return removed
     for entry in os.scandir(root):
-        if entry.is_dir() and is_staging(entry.name):
+        half_deleted = parse_step(entry.name) is not None and not os.path.exists(
+            os.path.join(entry.path, MANIFEST))
+        if entry.is_dir() and (is_staging(entry.name) or half_deleted):
             shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+        elif entry.is_file() and entry.name.startswith(f".{LATEST}.tmp-"):
+            os.remove(entry.path)
             removed.append(entry.name)
     return removed
 

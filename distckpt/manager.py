@@ -28,7 +28,7 @@ import torch.distributed as dist
 from . import __version__
 from .adapters import tensor_specs, wrapper_kind
 from .collective import Collective
-from .commit import commit, delete_checkpoint, find_committed, list_files, remove_staging, validate
+from .commit import commit, delete_checkpoint, find_committed, list_files, remove_leftovers, validate
 from .config import CheckpointConfig
 from .events import EventLog
 from .engine import AsyncWriter, dcp_load, dcp_save, read_dcp_metadata
@@ -205,8 +205,8 @@ class CheckpointManager:
         """Rank 0 picks the checkpoint; other ranks return ``None`` (then broadcast)."""
         if self.rank != 0:
             return None
-        for name in (remove_staging(self.root) if self.lock is not None else []):
-            logger.warning("removed staging directory %s left by an interrupted save", self.root / name)
+        for name in (remove_leftovers(self.root) if self.lock is not None else []):
+            logger.warning("removed %s left by an interrupted save or delete", self.root / name)
         if self.config.load_path is not None:
             p = Path(self.config.load_path)
             if not p.is_dir():

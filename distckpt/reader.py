@@ -70,6 +70,10 @@ class ItemInfo:
     size_bytes: int
     shards: int
 
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return getattr(torch, self.dtype.split(".")[-1]) if self.dtype else None
+
     def as_dict(self) -> dict[str, Any]:
         return {"key": self.key, "group": self.group, "kind": self.kind, "shape": self.shape,
                 "dtype": self.dtype, "size_bytes": self.size_bytes, "shards": self.shards}
@@ -199,8 +203,7 @@ class CheckpointReader:
         target: dict[str, Any] = {}
         for key in keys:
             info = self.items[key]
-            target[key] = (torch.empty(info.shape, dtype=getattr(torch, info.dtype.split(".")[-1]))
-                           if info.kind == "tensor" else b"")
+            target[key] = torch.empty(info.shape, dtype=info.torch_dtype) if info.kind == "tensor" else b""
         if not target:
             return {}
         try:

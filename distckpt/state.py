@@ -31,7 +31,10 @@ from .data.reshard import DataLoaderState
 from .errors import IncompatibleCheckpointError
 from .rng import capture_rng, derive_rng, restore_rng
 
-__all__ = ["TrainState", "CheckpointState", "pack", "unpack"]
+__all__ = ["TrainState", "CheckpointState", "pack", "unpack", "WEIGHTS_ONLY_KEY"]
+
+WEIGHTS_ONLY_KEY = "imported"
+"""Key that ``distckpt import`` writes: the checkpoint holds model weights and counters only."""
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +116,7 @@ class CheckpointState:
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
+        self.weights_only = False  # set by for_load: an imported checkpoint (model weights only)
 
     # ------------------------------------------------------------------ save
     def for_save(self, train_state: TrainState, *, full_state_dict: bool) -> dict[str, Any]:
@@ -161,6 +165,11 @@ class CheckpointState:
             IncompatibleCheckpointError: live optimizer/components the checkpoint lacks, or
                 optimizer state in the checkpoint for parameters the live optimizer lacks.
         """
+        self.weights_only = WEIGHTS_ONLY_KEY in checkpoint_keys
+        if self.weights_only:
+            sd = {"model": self.model_optim.model_target_for_load(), "train_state": b""}
+            _check_keys(sd, checkpoint_keys, rank=self.rank)
+            return sd
         model_sd, optim_sd = self.model_optim.target_for_load()
         sd: dict[str, Any] = {"model": model_sd}
         if self.model_optim.optimizer is not None:
@@ -181,6 +190,8 @@ class CheckpointState:
 
     def restore(self, sd: dict[str, Any], *, saved_world_size: int) -> TrainState:
         """Apply a loaded state_dict to the live objects; call inside ``load_context()``."""
+        if self.weights_only:
+            return self._restore_weights_only(sd)
         self.model_optim.apply(sd["model"], sd.get("optim", {}))
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(unpack(sd["lr_scheduler"]))
@@ -212,6 +223,19 @@ class CheckpointState:
                 "rank %d did not exist at save (saved world size %d): RNG derived from "
                 "(seed=%d, rank=%d, step=%d) -> %d", self.rank, saved_world_size, self.seed,
                 self.rank, train_state.step, derived)
+        return train_state
+
+    def _restore_weights_only(self, sd: dict[str, Any]) -> TrainState:
+        self.model_optim.apply(sd["model"], None)
+        train_state = TrainState(**unpack(sd["train_state"]))
+        train_state.loss_history = [tuple(x) for x in train_state.loss_history]
+        derived = derive_rng(self.seed, self.rank, train_state.step)
+        fresh = [name for name, obj in (("optimizer", self.model_optim.optimizer), ("lr_scheduler", self.lr_scheduler),
+                                        ("grad_scaler", self.grad_scaler), ("dataloader", self.data)) if obj is not None]
+        fresh += [f"extra_state[{name!r}]" for name in self.extra_state]
+        logger.warning("rank %d: checkpoint holds model weights only (made by `distckpt import`): %s start "
+                       "fresh; RNG derived from (seed=%d, rank=%d, step=%d) -> %d", self.rank,
+                       ", ".join(fresh) or "nothing else", self.seed, self.rank, train_state.step, derived)
         return train_state
 
 

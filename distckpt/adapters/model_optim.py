@@ -101,9 +101,14 @@ class ModelOptimState:
         model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=StateDictOptions())
         return model_sd, (optim_sd if self.optimizer is not None else {})
 
-    def apply(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
-        """Copy loaded state into the live model/optimizer; call inside :meth:`load_context`."""
-        if self.optimizer is None:
+    def model_target_for_load(self) -> dict[str, Any]:
+        """Model load target only: the optimizer is left untouched (no DCP dummy step)."""
+        return get_model_state_dict(self.model)
+
+    def apply(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None) -> None:
+        """Copy loaded state into the live model/optimizer; call inside :meth:`load_context`.
+        ``optim_sd=None``: model only, the optimizer keeps its (fresh) state."""
+        if self.optimizer is None or optim_sd is None:
             set_state_dict(self.model, [], model_state_dict=model_sd, optim_state_dict={},
                            options=StateDictOptions(strict=True))
             return

@@ -1,91 +1,75 @@
-"""Entry point and the one exception-to-message map of the CLI."""
+"""Entry point: ``distckpt <command> ...`` (also ``python -m distckpt.cli``).
+
+Each subcommand is one module with ``NAME``, ``HELP``, ``EPILOG``, ``add_arguments(parser)``
+and ``run(args) -> int``; :data:`COMMANDS` lists them in help order.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import io
 import logging
+import os
 import sys
-from datetime import datetime, timezone
-from pathlib import Path
 
-from ..commit import find_committed, validate
-from ..errors import DistCkptError
-from ..layout import is_staging
-from ..manifest import Manifest
+from . import diff, export, import_, inspect_, ls, prune, verify
+from ._common import add_common
+from ._errors import EXIT_ERROR, describe
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser", "COMMANDS"]
 
-
-def _cmd_ls(args: argparse.Namespace) -> int:
-    root = Path(args.root)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root}: no such checkpoint root")
-    rows = []
-    for step, path, result in reversed(find_committed(root)):
-        row = {"name": path.name, "step": step, "status": "committed" if isinstance(result, Manifest) else "corrupt"}
-        if isinstance(result, Manifest):
-            row.update(time=datetime.fromtimestamp(result.wall_time, timezone.utc).isoformat(timespec="seconds"),
-                       size_bytes=sum(f.size_bytes for f in result.files), world_size=result.world_size,
-                       state_dict_type=result.state_dict_type, wrapper=result.wrapper, loss=result.loss)
-        else:
-            row["reason"] = str(result)
-        rows.append(row)
-    rows += [{"name": p.name, "status": "staging"} for p in sorted(root.iterdir()) if is_staging(p.name)]
-    if args.json:
-        print(json.dumps({"root": str(root), "checkpoints": rows}, indent=1))
-        return 0
-    cols = ["name", "status", "step", "time", "size_bytes", "world_size", "state_dict_type", "wrapper", "loss"]
-    table = [cols] + [[("" if r.get(c) is None else str(r.get(c))) for c in cols] for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
-    for row in table:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
-    return 0
-
-
-def _cmd_verify(args: argparse.Namespace) -> int:
-    path = Path(args.path)
-    targets = [path] if (path / "distckpt.json").exists() else [p for _, p, _ in find_committed(path)]
-    if not targets:
-        raise FileNotFoundError(f"{path}: no checkpoints to verify")
-    bad = 0
-    for target in targets:
-        try:
-            validate(target)
-            print(f"ok       {target}")
-        except DistCkptError as e:
-            bad += 1
-            print(f"CORRUPT  {target}: {e}")
-    return 1 if bad else 0
+COMMANDS = [ls, inspect_, verify, diff, export, import_, prune]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="distckpt", description="Inspect distckpt checkpoint directories.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("ls", help="list checkpoints in a root", epilog="example: distckpt ls runs/demo/ckpt --json")
-    p.add_argument("root")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(fn=_cmd_ls)
-    p = sub.add_parser("verify", help="check files against manifests (exit 1 if any is bad)",
-                       epilog="example: distckpt verify runs/demo/ckpt/step-000000020")
-    p.add_argument("path", help="a checkpoint root or one checkpoint directory")
-    p.set_defaults(fn=_cmd_verify)
+    parser = argparse.ArgumentParser(
+        prog="distckpt", description="Inspect, verify, compare, export and prune distckpt checkpoints.",
+        epilog="example: distckpt ls runs/demo/ckpt    (run `distckpt COMMAND --help` for each command)")
+    parser.add_argument("--debug", dest="debug_all", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMANDS:
+        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP, epilog=module.EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        add_common(p)
+        p.set_defaults(run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the process exit code (0 ok, 1 check failed, 2 error)."""
+    """Run the CLI.
+
+    Returns:
+        The exit code: 0 ok, 1 a check failed / checkpoints differ, 2 error, 130 interrupted.
+    """
     parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.fn(args)
-    except (DistCkptError, OSError) as e:
-        if args.debug:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2)
+        return int(e.code or 0)
+    debug = args.debug or args.debug_all
+    logging.basicConfig(level=logging.INFO if debug else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # `distckpt inspect ... | head`: the reader left; not an error
+        _silence_stdout()
+        return 0
+    except BaseException as e:  # noqa: BLE001 - the one exception-to-message map
+        known = describe(e)
+        if debug or known is None:
             raise
-        print(f"distckpt {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        code, message = known
+        print(f"distckpt {args.command}: error: {message}", file=sys.stderr)
+        return code if code else EXIT_ERROR
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass
 
 
 if __name__ == "__main__":

@@ -326,3 +326,14 @@ def test_phase_events_are_logged_in_order(tmp_path):
     assert phases == [("stage", 1), ("write", 1), ("manifest", 1), ("rename", 1), ("latest", 1), ("committed", 1),
                       ("stage", 2), ("write", 2), ("manifest", 2), ("rename", 2), ("latest", 2),
                       ("retention", 1), ("committed", 2)]
+
+
+def test_leftovers_of_interrupted_delete_and_latest_update_are_removed(tmp_path):
+    trained_manager(tmp_path, steps=(3, 6))
+    half_deleted = tmp_path / "step-000000003"
+    (half_deleted / "distckpt.json").unlink()  # retention died after removing the manifest
+    (tmp_path / ".latest.tmp-4242").write_text("step-000000009\n")
+    manager, _ = manager_for(tmp_path)
+    assert manager.load().step == 6
+    assert not half_deleted.exists() and not (tmp_path / ".latest.tmp-4242").exists()
+    assert (tmp_path / "step-000000006").exists()

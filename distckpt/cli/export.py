@@ -1,0 +1,48 @@
+"""``distckpt export CKPT OUT``: FULL tensors into one safetensors or ``torch.save`` file."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..export import export_checkpoint
+from ..reader import resolve_checkpoint
+from ._common import fmt_bytes, print_json
+
+NAME = "export"
+HELP = "write a checkpoint's FULL tensors into one safetensors or torch.save file (no process group)"
+EPILOG = """--dtype casts floating-point model tensors only; optimizer state and integer tensors keep their
+dtype. safetensors holds tensors only: non-tensor items (train_state, param_groups, ...) are skipped
+and listed. A root means its newest committed checkpoint.
+
+examples:
+  distckpt export runs/demo/ckpt/step-000000020 model.safetensors --model-only --dtype bf16
+  distckpt export runs/demo/ckpt full.pt --format torch
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint directory, or a root (its newest committed checkpoint)")
+    p.add_argument("out", help="output file")
+    p.add_argument("--format", choices=("safetensors", "torch"),
+                   help="output format (default: from OUT's suffix: .safetensors, else torch)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="cast floating-point model tensors")
+    p.add_argument("--model-only", action="store_true", help="only model tensors, keys without 'model.'")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    ckpt = resolve_checkpoint(args.checkpoint)
+    fmt = args.format or ("safetensors" if Path(args.out).suffix == ".safetensors" else "torch")
+    result = export_checkpoint(ckpt, args.out, format=fmt, dtype=args.dtype, model_only=args.model_only,
+                               overwrite=args.force, progress=not args.no_progress and not args.json)
+    if args.json:
+        print_json({"checkpoint": str(ckpt), **result.as_dict()})
+        return 0
+    print(f"wrote {result.path}: {result.num_tensors} tensors, {fmt_bytes(result.size_bytes)}, "
+          f"{result.format}, dtype {result.dtype or 'as saved'}, from {ckpt} in {result.seconds:.1f} s")
+    if result.skipped:
+        shown = ", ".join(result.skipped[:8]) + (", ..." if len(result.skipped) > 8 else "")
+        print(f"skipped {len(result.skipped)} non-tensor item(s) safetensors cannot hold: {shown}")
+    return 0

@@ -1,0 +1,86 @@
+"""``distckpt ls ROOT``: every checkpoint of a root with its status.
+
+Status: ``committed`` (manifest valid, files present with their sizes, ``.metadata`` readable
+as DCP metadata), ``corrupt`` (with the reason) or ``staging`` (an unfinished save). Reads no
+data files and never unpickles anything but allow-listed DCP metadata types.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..commit import find_committed
+from ..engine import read_dcp_metadata
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+from ..layout import LATEST, MANIFEST, is_staging
+from ..manifest import Manifest
+from ._common import fmt_bytes, fmt_float, fmt_time, print_json, print_table
+
+NAME = "ls"
+HELP = "list the checkpoints of a root: step, time, size, world size, wrapper, loss, status"
+EPILOG = """examples:
+  distckpt ls runs/demo/ckpt
+  distckpt ls runs/demo/ckpt --json | jq '.checkpoints[] | select(.status == "committed") | .step'
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("root", help="checkpoint root (the directory holding step-* directories)")
+
+
+def list_root(root: Path) -> list[dict]:
+    """One row per ``step-*`` (oldest first), then staging directories.
+
+    Raises:
+        CheckpointNotFoundError: ``root`` does not exist, is not a directory, or is a checkpoint.
+    """
+    if not root.exists():
+        raise CheckpointNotFoundError(f"{root}: no such checkpoint root")
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"{root}: not a directory (expected a checkpoint root)")
+    if (root / MANIFEST).exists() or (root / ".metadata").exists():
+        raise CheckpointNotFoundError(
+            f"{root} is a checkpoint directory, not a root: run `distckpt inspect {root}` "
+            f"or `distckpt ls {root.parent}`")
+    latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    rows = []
+    for step, path, result in reversed(find_committed(root)):
+        if isinstance(result, Manifest):
+            try:
+                read_dcp_metadata(path)
+            except CheckpointCorruptError as e:
+                result = e
+        row = {"name": path.name, "step": step, "status": "committed", "latest": path.name == latest}
+        if isinstance(result, Manifest):
+            row.update(time=fmt_time(result.wall_time), wall_time=result.wall_time,
+                       size_bytes=sum(f.size_bytes for f in result.files), world_size=result.world_size,
+                       state_dict_type=result.state_dict_type, wrapper=result.wrapper, loss=result.loss)
+        else:
+            row.update(status="corrupt", reason=str(result))
+        rows.append(row)
+    rows += [{"name": p.name, "step": None, "status": "staging", "latest": False}
+             for p in sorted(root.iterdir()) if is_staging(p.name)]
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    root = Path(args.root)
+    rows = list_root(root)
+    if args.json:
+        print_json({"root": str(root), "checkpoints": rows})
+        return 0
+    if not rows:
+        print(f"no checkpoints in {root}")
+        return 0
+    print_table(
+        ["NAME", "STEP", "TIME (UTC)", "SIZE", "WORLD", "TYPE", "WRAPPER", "LOSS", "STATUS"],
+        [[r["name"] + (" *" if r["latest"] else ""), r["step"], r.get("time"), fmt_bytes(r.get("size_bytes")),
+          r.get("world_size"), r.get("state_dict_type"), r.get("wrapper"), fmt_float(r.get("loss")),
+          r["status"]] for r in rows])
+    for r in rows:
+        if r["status"] == "corrupt":
+            print(f"{r['name']}: {r['reason']}")
+    if any(r["latest"] for r in rows):
+        print("* = latest")
+    return 0

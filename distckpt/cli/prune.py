@@ -1,0 +1,70 @@
+"""``distckpt prune ROOT --keep-last K``: delete older committed checkpoints.
+
+Uses the same retention rule as the manager (the newest committed checkpoint is never deleted)
+and deletes each manifest first. Corrupt and staging directories are never touched. Holds the
+root's write lock, so it refuses while a training job writes the root.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..commit import delete_checkpoint, find_committed
+from ..errors import CheckpointNotFoundError
+from ..layout import MANIFEST, checkpoint_name
+from ..lock import RootLock
+from ..manifest import Manifest
+from ..retention import steps_to_delete
+from ._common import print_json
+
+NAME = "prune"
+HELP = "delete all but the newest K committed checkpoints (never the newest; --dry-run to preview)"
+EPILOG = """examples:
+  distckpt prune runs/demo/ckpt --keep-last 2 --dry-run
+  distckpt prune runs/demo/ckpt --keep-last 3 --keep-every 1000
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("root", help="checkpoint root")
+    p.add_argument("--keep-last", type=int, required=True, metavar="K", help="committed checkpoints to keep (>= 1)")
+    p.add_argument("--keep-every", type=int, metavar="N", help="also keep steps that are multiples of N")
+    p.add_argument("--dry-run", action="store_true", help="only show what would be deleted")
+
+
+def run(args: argparse.Namespace) -> int:
+    root = Path(args.root)
+    if args.keep_last < 1:
+        raise ValueError(f"--keep-last {args.keep_last}: must be >= 1 (the newest checkpoint is always kept)")
+    if args.keep_every is not None and args.keep_every < 1:
+        raise ValueError(f"--keep-every {args.keep_every}: must be >= 1")
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"{root}: no such checkpoint root")
+    if (root / MANIFEST).exists():
+        raise CheckpointNotFoundError(f"{root} is a checkpoint directory; pass its root {root.parent}")
+    lock = None
+    if not args.dry_run:
+        lock = RootLock(root)
+        lock.acquire()
+    try:
+        found = find_committed(root)
+        committed = sorted(s for s, _, r in found if isinstance(r, Manifest))
+        corrupt = sorted(p.name for _, p, r in found if not isinstance(r, Manifest))
+        doomed = steps_to_delete(committed, keep_last=args.keep_last, keep_every_steps=args.keep_every)
+        for step in doomed if not args.dry_run else []:
+            delete_checkpoint(root / checkpoint_name(step))
+    finally:
+        if lock is not None:
+            lock.release()
+    kept = [s for s in committed if s not in doomed]
+    if args.json:
+        print_json({"root": str(root), "dry_run": args.dry_run, "deleted": [checkpoint_name(s) for s in doomed],
+                    "kept": [checkpoint_name(s) for s in kept], "corrupt_untouched": corrupt})
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    for s in doomed:
+        print(f"{verb}  {root / checkpoint_name(s)}")
+    print(f"{verb} {len(doomed)}, kept {len(kept)} committed checkpoint(s)"
+          + (f"; {len(corrupt)} corrupt left untouched: {', '.join(corrupt)}" if corrupt else ""))
+    return 0
