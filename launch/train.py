@@ -58,6 +58,52 @@ __all__ = ["main", "Job", "build_job", "train"]
 
 logger = logging.getLogger("launch.train")
 
+# Chaos-testing hooks (benchmarks/chaos.py); both are off unless their variable is set.
+CHAOS_PAUSE_ENV = "LAUNCH_CHAOS_PAUSE_S"
+CHAOS_PRESAVE_ENV = "LAUNCH_CHAOS_PRESAVE_SAMPLES"
+_CHAOS_PAUSED_PHASES = ("stage", "write", "manifest", "rename", "latest", "retention")
+
+
+def _install_chaos_pause() -> None:
+    """With ``$LAUNCH_CHAOS_PAUSE_S`` > 0, widen every intermediate on-disk state of a save.
+
+    Sleeps that long after each save-phase event distckpt emits (the event precedes the
+    phase's action) and after each directory fsync of the commit protocol (a manifest, rename,
+    ``latest`` or retention delete just became durable), so an outside SIGKILL can land in each
+    state. Timing only: what is written and trained is unchanged.
+    """
+    pause = float(os.environ.get(CHAOS_PAUSE_ENV) or 0)
+    if pause <= 0:
+        return
+    from distckpt import commit as distckpt_commit
+    from distckpt.events import EventLog
+
+    emit, fsync_dir = EventLog.emit, distckpt_commit.fsync_dir
+
+    def emit_then_pause(self: EventLog, phase: str, step: int | None = None, **fields: Any) -> None:
+        emit(self, phase, step, **fields)
+        if phase in _CHAOS_PAUSED_PHASES:
+            time.sleep(pause)
+
+    def fsync_dir_then_pause(path: str | os.PathLike) -> None:
+        fsync_dir(path)
+        time.sleep(pause)
+
+    EventLog.emit = emit_then_pause  # type: ignore[method-assign]
+    distckpt_commit.fsync_dir = fsync_dir_then_pause  # commit.py looks it up at call time
+
+
+def _chaos_presave_file(out: str | os.PathLike, rank: int) -> Any:
+    """``<out>/presave.rank<r>.jsonl`` (line-buffered) when ``$LAUNCH_CHAOS_PRESAVE_SAMPLES=1``.
+
+    ``samples.rank<r>.jsonl`` is written after ``maybe_save``: a kill after the commit but
+    before that record would lose the ids of a step the checkpoint contains. This file gets
+    the same ``{"step", "ids"}`` record before the save.
+    """
+    if os.environ.get(CHAOS_PRESAVE_ENV) != "1":
+        return None
+    return open(Path(out) / f"presave.rank{rank}.jsonl", "a", buffering=1, encoding="utf-8")
+
 
 @dataclass
 class Job:
@@ -256,6 +302,7 @@ def train(job: Job) -> int:
     """
     cfg, g = job.cfg, job.cfg.data.global_batch_size
     records = Records(cfg.train.out, job.rank)
+    presave = _chaos_presave_file(cfg.train.out, job.rank)
     job_info = {"corpus_fingerprint": corpus_fingerprint(job.dataset), "global_batch_size": g,
                 "seq_len": cfg.data.seq_len}
     manager = CheckpointManager(cfg.checkpoint, model=job.model, optimizer=job.optimizer,
@@ -288,6 +335,8 @@ def train(job: Job) -> int:
             step += 1
             step_seconds = time.perf_counter() - t_prev
             epoch, batch_in_epoch = divmod(step, job.steps_per_epoch)  # position after this step
+            if presave is not None:
+                presave.write(json.dumps({"step": step, "ids": batch["sample_id"].tolist()}) + "\n")
             saved = manager.maybe_save(step, loss=loss, last_step=step == cfg.train.steps, epoch=epoch,
                                        batch_in_epoch=batch_in_epoch, global_samples_seen=step * g,
                                        global_tokens_seen=step * g * cfg.data.seq_len)
@@ -317,6 +366,8 @@ def train(job: Job) -> int:
     manager.close()
     records.event("end", step=step, seconds=time.perf_counter() - t_start)
     records.close()
+    if presave is not None:
+        presave.close()
     return step
 
 
@@ -379,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank, world_size, device = _init_distributed(cfg.train.dist_timeout_s)
     _setup_logging(rank)
+    _install_chaos_pause()
     try:
         job = build_job(cfg, rank, world_size, device)
         if rank == 0:
