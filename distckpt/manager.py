@@ -132,6 +132,8 @@ class CheckpointManager:
         self.preemption = PreemptionWatcher(self.collective.group) if config.preemption else None
         self.preempted = False
         self.events = EventLog(config.event_log, self.rank)
+        self._run_id = self.collective.broadcast(uuid.uuid4().hex[:8])
+        self._save_count = 0
 
     @property
     def extra_state(self) -> dict[str, Any]:
@@ -330,7 +332,9 @@ class CheckpointManager:
             self._record(step, loss, counters)
         self.wait()  # at most one save in flight
         t0 = time.perf_counter()
-        save_id = self.collective.broadcast(uuid.uuid4().hex[:12])
+        # Unique per save without a collective: a run id agreed at construction + a counter.
+        self._save_count += 1
+        save_id = f"{self._run_id}{self._save_count:04x}"
         staging = self.root / staging_name(step, save_id)
         final = self.root / checkpoint_name(step)
         snapshot = dataclasses.replace(self.train_state, loss_history=list(self.train_state.loss_history))
