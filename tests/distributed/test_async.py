@@ -81,7 +81,11 @@ def async_io_fault(rank, world_size, opts):
         manager.save(3)  # the next manager call surfaces the background failure
     except CheckpointSaveError as e:
         error = str(e)
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank has handled the failure ...
     listing = sorted(n for n in os.listdir(opts["root"]) if n != ".lock")
+    dist.barrier()  # ... and listed, before any rank starts the next save
     manager.save(3)
     manager.close()
     return {"error": error, "listing": listing}

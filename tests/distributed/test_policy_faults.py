@@ -87,8 +87,12 @@ def io_fault_on_one_rank(rank, world_size, opts):
     except CheckpointSaveError as e:  # must be catchable as Exception on every rank
         error = (str(e), sorted(e.failures))
     FileSystemWriter.write_data = original
+    import torch.distributed as dist
+
     root = opts["root"]
+    dist.barrier()  # list only after every rank handled the failure, before the next save
     after_failure = sorted(n for n in os.listdir(root) if n != ".lock")
+    dist.barrier()
     train_steps(model, optimizer, scheduler, scaler, loader, 1)
     manager.save(5)  # training continues and the next save works
     manager.close()
