@@ -187,7 +187,8 @@ class CheckpointManager:
             expected = ({f.path: (f.size_bytes, f.hash) for f in manifest.files}
                         if self.config.verify_on_load else None)
             self.events.emit("load", manifest.step, path=str(path))
-            dcp_load(target, path, process_group=self.collective.group, expected_files=expected)
+            dcp_load(target, path, process_group=self.collective.group, expected_files=expected,
+                     fast=self.config.fast_load)
             train_state = self.collective.agree(
                 lambda: self.state.restore(target, saved_world_size=manifest.world_size),
                 what=f"restoring {path}", error_type=IncompatibleCheckpointError)

@@ -65,18 +65,30 @@ def dcp_load(
     *,
     process_group: dist.ProcessGroup | None,
     expected_files: dict[str, tuple[int, str | None]] | None = None,
+    fast: bool = False,
+    thread_count: int = 2,
 ) -> None:
     """``dcp.load`` in place into ``state_dict``, reading metadata and non-tensor items safely.
 
     Args:
         expected_files: ``{relative path: (size_bytes, digest)}`` from the manifest; each rank
             then checks the files it reads before reading them.
+        fast: read with :class:`~distckpt.engine.fast_reader.FastFileSystemReader` (large
+            parallel sequential reads straight into the destination tensors, hashes verified
+            from the bytes read) instead of DCP's item-by-item reader.
+        thread_count: parallel read streams per rank of the fast reader.
 
     Raises:
         CheckpointCorruptError: unreadable/unsafe/mismatching files or a missing key, naming
             the file (or the directory), on every rank.
     """
-    reader = SafeFileSystemReader(os.fspath(directory), expected_files=expected_files)
+    if fast:
+        from .fast_reader import FastFileSystemReader
+
+        reader = FastFileSystemReader(os.fspath(directory), expected_files=expected_files,
+                                      thread_count=thread_count)
+    else:
+        reader = SafeFileSystemReader(os.fspath(directory), expected_files=expected_files)
     try:
         dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group)
     except CheckpointCorruptError:

@@ -1,0 +1,416 @@
+"""FastFileSystemReader: bitwise equal to DCP's stock reader, partial reads, integrity errors."""
+
+from __future__ import annotations
+
+import io
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+from distckpt.engine import fast_reader
+from distckpt.engine.fast_reader import FastFileSystemReader, parse_torch_save_header
+from distckpt.engine.safe_io import SafeLoadPlanner
+from distckpt.errors import CheckpointCorruptError
+from distckpt.integrity import hash_file
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+SMALL_DIRECT = dict(direct_min_bytes=4096)  # forces the direct/predicted path on small items
+# Small requests: with hashes, spare threads pre-read later parts of the file (prefetch helpers).
+PREFETCH = dict(thread_count=3, max_request_bytes=1 << 20, chunk_bytes=1 << 20)
+CONFIGS = [
+    pytest.param({}, id="default"),
+    pytest.param(dict(thread_count=1), id="tc1"),
+    pytest.param(dict(thread_count=4, chunk_bytes=1 << 20, max_request_bytes=1 << 20), id="tc4-small-requests"),
+    pytest.param(SMALL_DIRECT, id="direct-small-items"),
+    pytest.param(dict(direct_min_bytes=1 << 40), id="all-through-arena"),
+]
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    big = [torch.randn(512, 600, generator=g) for _ in range(3)]  # 1.2 MB each: direct + predicted
+    return {
+        "fp32": torch.randn(10, 7, generator=g),
+        "bf16": torch.randn(300, 5, generator=g).to(torch.bfloat16),
+        "fp16": torch.randn(17, generator=g).to(torch.float16),
+        "int64": torch.arange(100, dtype=torch.int64) * 7919,
+        "int8": torch.randint(-128, 127, (33,), generator=g, dtype=torch.int8),
+        "bool": torch.rand(40, generator=g) > 0.5,
+        "scalar": torch.tensor(3.25),
+        "step": torch.tensor(12345, dtype=torch.int64),
+        "noncontig": torch.randn(64, 32, generator=g).t(),
+        "empty": torch.empty(0, 4),
+        "big0": big[0], "big1": big[1], "big2": big[2],
+        "big_f64": torch.randn(700, 300, generator=g, dtype=torch.float64),
+        "big_bf16": torch.randn(1024, 700, generator=g).to(torch.bfloat16),
+        "obj": {"epoch": 3, "name": "run-a", "lst": [1, 2.5, "x"]},
+        "blob": b"\x00\x01binary\xff" * 10,
+    }
+
+
+def _empty_like(state: dict) -> dict:
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = torch.full_like(v, 0) if v.dtype != torch.bool else torch.zeros_like(v)
+        elif isinstance(v, dict):
+            out[k] = {kk: None for kk in v}
+        else:
+            out[k] = None
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+            assert torch.equal(_bits(a[k]), _bits(b[k])), k
+        else:
+            assert a[k] == b[k], k
+
+
+def _load(state: dict, path: Path, reader) -> dict:
+    """``dcp.load`` (single process); DCP's ``CheckpointException`` (a ``BaseException``) is
+    unwrapped to the reader's own error, as ``distckpt.engine.blocking.dcp_load`` does."""
+    try:
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    except BaseException as e:  # noqa: BLE001
+        for pair in (getattr(e, "failures", None) or {}).values():
+            inner = pair[0] if isinstance(pair, tuple) else pair
+            if isinstance(inner, Exception):
+                raise inner from e
+        raise
+    return state
+
+
+def _data_file(path: Path) -> Path:
+    files = sorted(path.glob("*.distcp"))
+    assert len(files) == 1
+    return files[0]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint written by plain ``dcp.save`` (FileSystemWriter, torch.save items)."""
+    path = tmp_path_factory.mktemp("ckpt")
+    state = _state()
+    dcp.save(state, storage_writer=FileSystemWriter(str(path)), no_dist=True)
+    return path, state
+
+
+def _copy_ckpt(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+# ============================================================================ equality
+@pytest.mark.parametrize("kw", CONFIGS)
+def test_bitwise_equal_to_stock_reader(saved, kw):
+    path, state = saved
+    stock = _load(_empty_like(state), path, FileSystemReader(str(path)))
+    reader = FastFileSystemReader(path, **kw)
+    fast = _load(_empty_like(state), path, reader)
+    _assert_same(stock, state)
+    _assert_same(fast, stock)
+    # With small items on the direct path, the stored non-contiguous tensor follows contiguous
+    # ones: its predicted header misses and it is decoded again the stock way (correctly).
+    assert reader.last_stats["fallback_items"] <= (1 if kw == SMALL_DIRECT else 0), reader.last_stats
+    assert reader.last_stats["read_bytes"] >= sum(f.stat().st_size for f in path.glob("*.distcp")) * 0.99
+
+
+def test_big_items_are_read_straight_into_the_destination(saved):
+    path, state = saved
+    reader = FastFileSystemReader(path)
+    _load(_empty_like(state), path, reader)
+    big = sum(v.numel() * v.element_size() for k, v in state.items() if k.startswith("big"))
+    assert reader.last_stats["direct_bytes"] == big
+    # Six big items read in very few requests (headers predicted, items coalesced).
+    assert reader.last_stats["syscalls"] <= 4, reader.last_stats
+
+
+@pytest.mark.parametrize("kw", [{}, SMALL_DIRECT, PREFETCH], ids=["default", "direct-small-items", "prefetch"])
+def test_with_matching_hashes_loads_and_marks_files_verified(saved, kw):
+    path, state = saved
+    expected = {f.name: hash_file(f) for f in path.glob("*.distcp")}
+    reader = FastFileSystemReader(path, expected_files=expected, **kw)
+    _assert_same(_load(_empty_like(state), path, reader), state)
+    assert reader._checked == set(expected)
+    read = reader.last_stats["read_bytes"]
+    # Verified once per reader: a second load reads only what it needs, without hashing.
+    _assert_same(_load(_empty_like(state), path, reader), state)
+    assert reader.last_stats["read_bytes"] <= read
+
+
+def test_a_non_contiguous_big_tensor_is_decoded_correctly(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    state = {"a": torch.randn(600, 700, generator=g), "t": torch.randn(800, 600, generator=g).t(),
+             "b": torch.randn(600, 700, generator=g), "sl": torch.randn(900, 600, generator=g)[::2]}
+    dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path)), no_dist=True)
+    for kw in ({}, SMALL_DIRECT, dict(thread_count=1)):
+        out = _load(_empty_like(state), tmp_path, FastFileSystemReader(tmp_path, **kw))
+        _assert_same(out, state)
+
+
+# ============================================================================ partial reads
+class _StubPlanner:
+    """Resolves read items into ``dest`` the way DefaultLoadPlanner does (narrow by dest box)."""
+
+    def __init__(self, dest: dict[str, torch.Tensor]) -> None:
+        self.dest, self.committed, self.bytes = dest, [], {}
+
+    def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
+        t = self.dest[item.dest_index.fqn]
+        for d, (o, n) in enumerate(zip(item.dest_offsets, item.lengths)):
+            t = t.narrow(d, o, n)
+        return t
+
+    def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
+        self.committed.append(item.dest_index.fqn)
+
+    def load_bytes(self, item: ReadItem, value: io.BytesIO) -> None:
+        self.bytes[item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def _item(fqn: str, dest: str, stored_offsets, lengths, dest_offsets=None, ndim=2) -> ReadItem:
+    return ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(dest),
+                    dest_offsets=torch.Size(dest_offsets or [0] * ndim),
+                    storage_index=MetadataIndex(fqn, torch.Size([0] * ndim)),
+                    storage_offsets=torch.Size(stored_offsets), lengths=torch.Size(lengths))
+
+
+def _read(reader, items, dest):
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    planner = _StubPlanner(dest)
+    reader.read_data(LoadPlan(items), planner).wait()
+    return planner
+
+
+@pytest.mark.parametrize("kw", CONFIGS)
+def test_partial_reads_match_stock(saved, kw):
+    """Resharding reads: sub-boxes of stored chunks into (views of) destinations."""
+    path, state = saved
+
+    def plan_and_dest():
+        dest = {
+            "rows": torch.zeros(100, 600), "cols": torch.zeros(512, 250), "box": torch.zeros(30, 40),
+            "into": torch.zeros(200, 600), "convert": torch.zeros(512, 600, dtype=torch.bfloat16),
+            "tdest": torch.zeros(600, 512).t(), "two_a": torch.zeros(300, 600), "two_b": torch.zeros(300, 600),
+            "bf": torch.zeros(10, 700, dtype=torch.bfloat16), "f64": torch.zeros(700, 5, dtype=torch.float64),
+            "nc": torch.zeros(10, 64),
+        }
+        items = [
+            _item("big0", "rows", [200, 0], [100, 600]),            # contiguous sub-range: direct
+            _item("big1", "cols", [0, 350], [512, 250]),            # column slice: buffer + strided copy
+            _item("big2", "box", [17, 33], [30, 40]),               # box
+            _item("big0", "into", [0, 0], [100, 600], [100, 0]),    # second request on big0 (no overlap)
+            _item("big1", "convert", [0, 0], [512, 600]),           # dtype conversion fp32 -> bf16
+            _item("big2", "tdest", [0, 0], [512, 600]),             # non-contiguous destination
+            _item("big_bf16", "bf", [1000, 0], [10, 700]),          # tail rows
+            _item("big_f64", "f64", [0, 295], [700, 5]),            # last columns
+            _item("noncontig", "nc", [0, 0], [32, 64][::-1] and [10, 64]),  # stored non-contiguous, rows
+        ]
+        # Two requests over the same bytes of one stored item (overlap path).
+        items += [_item("big_f64", "two_a", [100, 0], [300, 300]), _item("big_f64", "two_b", [200, 0], [300, 300])]
+        dest["two_a"] = torch.zeros(300, 300, dtype=torch.float64)
+        dest["two_b"] = torch.zeros(300, 300, dtype=torch.float64)
+        return items, dest
+
+    items, dest_stock = plan_and_dest()
+    _read(FileSystemReader(str(path)), items, dest_stock)
+    items, dest_fast = plan_and_dest()
+    planner = _read(FastFileSystemReader(path, **kw), items, dest_fast)
+    for k in dest_stock:
+        assert torch.equal(_bits(dest_fast[k]), _bits(dest_stock[k])), k
+    assert torch.equal(dest_fast["rows"], state["big0"][200:300])
+    assert torch.equal(dest_fast["cols"], state["big1"][:, 350:])
+    assert torch.equal(dest_fast["two_b"], state["big_f64"][200:500, :300])
+    assert len(planner.committed) == len(items)
+
+
+def test_partial_read_with_hashes_still_verifies_the_whole_file(saved, tmp_path):
+    path, _ = saved
+    ck = _copy_ckpt(path, tmp_path / "ck")
+    f = _data_file(ck)
+    expected = {f.name: hash_file(f)}
+    dest = {"rows": torch.zeros(10, 600)}
+    _read(FastFileSystemReader(ck, expected_files=expected), [_item("big0", "rows", [0, 0], [10, 600])], dest)
+    # Flip a byte far from the 10 rows this "rank" needs: the file hash must still catch it.
+    data = bytearray(f.read_bytes())
+    data[-2000] ^= 0x40
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError) as err:
+        _read(FastFileSystemReader(ck, expected_files=expected), [_item("big0", "rows", [0, 0], [10, 600])],
+              {"rows": torch.zeros(10, 600)})
+    assert str(f) in str(err.value) and err.value.path == str(f)
+
+
+# ============================================================================ integrity
+def _truncate(f: Path, keep: int) -> None:
+    with open(f, "r+b") as fh:
+        fh.truncate(keep)
+
+
+@pytest.mark.parametrize("with_manifest", [False, True])
+def test_truncated_file_raises_naming_it(saved, tmp_path, with_manifest):
+    path, state = saved
+    ck = _copy_ckpt(path, tmp_path / "ck")
+    f = _data_file(ck)
+    expected = {f.name: hash_file(f)} if with_manifest else None
+    _truncate(f, f.stat().st_size // 2)
+    with pytest.raises(CheckpointCorruptError) as err:
+        _load(_empty_like(state), ck, FastFileSystemReader(ck, expected_files=expected))
+    assert err.value.path == str(f) and str(f) in str(err.value)
+    assert "truncated" in str(err.value)
+
+
+def test_short_read_is_never_accepted(saved, tmp_path, monkeypatch):
+    """The file shrinks after its size was checked: the read that ends early is an error."""
+    path, state = saved
+    ck = _copy_ckpt(path, tmp_path / "ck")
+    f = _data_file(ck)
+    full = f.stat().st_size
+    _truncate(f, full - 5000)
+    monkeypatch.setattr(fast_reader, "_file_size", lambda fd: full)
+    with pytest.raises(CheckpointCorruptError) as err:
+        _load(_empty_like(state), ck, FastFileSystemReader(ck))
+    assert err.value.path == str(f) and "short read" in str(err.value)
+
+
+def test_flipped_byte_with_hashes_raises_naming_the_file(saved, tmp_path):
+    path, state = saved
+    ck = _copy_ckpt(path, tmp_path / "ck")
+    f = _data_file(ck)
+    expected = {f.name: hash_file(f)}
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    for kw in ({}, dict(thread_count=1), SMALL_DIRECT, PREFETCH):
+        with pytest.raises(CheckpointCorruptError) as err:
+            _load(_empty_like(state), ck, FastFileSystemReader(ck, expected_files=expected, **kw))
+        assert err.value.path == str(f) and "does not match" in str(err.value)
+
+
+def test_manifest_size_mismatch_and_unlisted_file(saved):
+    path, state = saved
+    f = _data_file(path)
+    size, digest = hash_file(f)
+    with pytest.raises(CheckpointCorruptError, match="manifest expects"):
+        _load(_empty_like(state), path, FastFileSystemReader(path, expected_files={f.name: (size + 1, digest)}))
+    with pytest.raises(CheckpointCorruptError, match="does not list"):
+        _load(_empty_like(state), path, FastFileSystemReader(path, expected_files={"other.distcp": (1, None)}))
+    # A size-only entry (no digest) loads.
+    out = _load(_empty_like(state), path, FastFileSystemReader(path, expected_files={f.name: (size, None)}))
+    _assert_same(out, state)
+
+
+def test_missing_data_file_raises(saved, tmp_path):
+    path, state = saved
+    ck = _copy_ckpt(path, tmp_path / "ck")
+    f = _data_file(ck)
+    f.unlink()
+    with pytest.raises(CheckpointCorruptError) as err:
+        _load(_empty_like(state), ck, FastFileSystemReader(ck))
+    assert err.value.path == str(f)
+
+
+# ============================================================================ transforms, parser
+class _ZlibExtension(StreamTransformExtension):
+    """A stream transform (like DCP's ZStandard) so items carry transform descriptors."""
+
+    @staticmethod
+    def registry_name() -> str:
+        return "test.zlib"
+
+    @staticmethod
+    def from_descriptor(version: str) -> "_ZlibExtension":
+        return _ZlibExtension()
+
+    def get_descriptor(self) -> str:
+        return "test.zlib/1"
+
+    def transform_to(self, output):
+        class Writer(io.RawIOBase):
+            def __init__(self) -> None:
+                self.z = zlib.compressobj()
+
+            def writable(self) -> bool:
+                return True
+
+            def write(self, b) -> int:
+                output.write(self.z.compress(bytes(b)))
+                return len(b)
+
+            def close(self) -> None:
+                if not self.closed:
+                    output.write(self.z.flush())
+                super().close()
+
+        return Writer()
+
+    def transform_from(self, input):
+        return io.BytesIO(zlib.decompress(input.read()))
+
+
+def test_items_with_transform_descriptors_take_the_stock_decode(tmp_path):
+    state = {k: v for k, v in _state().items() if k in ("fp32", "bf16", "big0", "obj", "scalar")}
+    dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path), _extensions=[_ZlibExtension()]), no_dist=True)
+    registry = ExtensionRegistry()
+    registry.register(_ZlibExtension)
+    stock = _load(_empty_like(state), tmp_path, FileSystemReader(str(tmp_path), _extension_registry=registry))
+    reader = FastFileSystemReader(tmp_path, _extension_registry=registry)
+    fast = _load(_empty_like(state), tmp_path, reader)
+    _assert_same(stock, state)
+    _assert_same(fast, state)
+    assert reader.last_stats["fallback_items"] == 4  # every tensor item (the bytes item is not counted)
+
+
+@pytest.mark.parametrize("t", [
+    torch.arange(12, dtype=torch.float32).reshape(3, 4).t(),
+    torch.tensor(2.5, dtype=torch.float64),
+    torch.randn(5, 6, 7).to(torch.bfloat16)[:, 1:3],
+    torch.zeros(0, 3, dtype=torch.int32),
+    torch.nn.Parameter(torch.ones(4, 4)),
+    torch.arange(10, dtype=torch.uint8),
+    torch.ones(3, dtype=torch.complex64),
+], ids=["transposed", "scalar", "sliced-bf16", "empty", "parameter", "uint8", "complex"])
+def test_parse_header_locates_the_storage_bytes(t):
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    blob = buf.getvalue()
+    layout = parse_torch_save_header(blob)
+    storage = t.detach().untyped_storage()
+    assert layout.nbytes == storage.nbytes()
+    raw = bytes(blob[layout.data_offset:layout.data_offset + layout.nbytes])
+    assert raw == bytes(storage)
+    m = layout.meta
+    assert (m.dtype, m.shape, m.stride(), m.storage_offset()) == (t.dtype, t.shape, t.stride(), t.storage_offset())
+    # Any prefix that stops before the data is "need more", never a wrong answer.
+    with pytest.raises(fast_reader._NeedMore):
+        parse_torch_save_header(blob[:layout.data_offset - 1])
+
+
+def test_parse_header_refuses_code_in_the_pickle():
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    buf = io.BytesIO()
+    torch.save(Evil(), buf)
+    with pytest.raises(fast_reader._Unsupported):
+        parse_torch_save_header(buf.getvalue())
