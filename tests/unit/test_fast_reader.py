@@ -201,10 +201,15 @@ def _read(reader, items, dest):
     return planner
 
 
+@pytest.mark.parametrize("cold", [False, True], ids=["cached", "uncached"])
 @pytest.mark.parametrize("kw", CONFIGS)
-def test_partial_reads_match_stock(saved, kw):
-    """Resharding reads: sub-boxes of stored chunks into (views of) destinations."""
+def test_partial_reads_match_stock(saved, kw, cold, monkeypatch):
+    """Resharding reads: sub-boxes of stored chunks into (views of) destinations. Uncached
+    files read the bytes between needed ranges through (gaps up to ``gap_read_bytes``); cached
+    ones skip them."""
     path, state = saved
+    if cold:
+        monkeypatch.setattr(fast_reader, "_cached", lambda fd, start, end: False)
 
     def plan_and_dest():
         dest = {
