@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .commit import find_committed
 from .engine import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
-from .engine.blocking import describe_exception
+from .engine.blocking import raise_as_corrupt
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 from .layout import MANIFEST
 from .manifest import Manifest
@@ -213,15 +213,7 @@ class CheckpointReader:
         except CheckpointCorruptError:
             raise
         except BaseException as e:  # DCP's CheckpointException is a BaseException
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            for pair in (getattr(e, "failures", None) or {}).values():
-                inner = pair[0] if isinstance(pair, tuple) else pair
-                if isinstance(inner, CheckpointCorruptError):
-                    raise CheckpointCorruptError(str(inner), path=inner.path) from e
-            raise CheckpointCorruptError(
-                f"{self.path}: reading {sorted(target)[0]!r}: {describe_exception(e)}",
-                path=str(self.path)) from e
+            raise_as_corrupt(e, self.path, f"reading {sorted(target)[0]!r}")
         return target
 
     def iter_read(self, keys: Iterable[str], *, batch_bytes: int = _BATCH_BYTES) -> Iterator[tuple[str, Any]]:

@@ -13,7 +13,7 @@ from ..errors import CheckpointCorruptError
 from ..integrity import HashingFileSystem
 from .safe_io import SafeFileSystemReader, SafeLoadPlanner
 
-__all__ = ["dcp_save", "dcp_load", "describe_exception", "hashing_writer"]
+__all__ = ["dcp_save", "dcp_load", "describe_exception", "hashing_writer", "raise_as_corrupt"]
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -94,12 +94,22 @@ def dcp_load(
     except CheckpointCorruptError:
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        for pair in (getattr(e, "failures", None) or {}).values():
-            inner = pair[0] if isinstance(pair, tuple) else pair
-            if isinstance(inner, CheckpointCorruptError):
-                raise CheckpointCorruptError(str(inner), path=inner.path) from e
-        raise CheckpointCorruptError(
-            f"{directory}: DCP load failed ({describe_exception(e)})", path=os.fspath(directory)
-        ) from e
+        raise_as_corrupt(e, directory, "DCP load failed")
+
+
+def raise_as_corrupt(exc: BaseException, directory: str | os.PathLike, what: str) -> None:
+    """Re-raise a failed DCP read as :class:`CheckpointCorruptError` (KeyboardInterrupt and
+    SystemExit pass through). A ``CheckpointCorruptError`` raised on any rank inside DCP keeps
+    its message and path; anything else is named with ``what`` and the directory.
+
+    Raises:
+        CheckpointCorruptError: always (or the original interrupt).
+    """
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        raise exc
+    for pair in (getattr(exc, "failures", None) or {}).values():
+        inner = pair[0] if isinstance(pair, tuple) else pair
+        if isinstance(inner, CheckpointCorruptError):
+            raise CheckpointCorruptError(str(inner), path=inner.path) from exc
+    raise CheckpointCorruptError(f"{directory}: {what} ({describe_exception(exc)})",
+                                 path=os.fspath(directory)) from exc
