@@ -55,7 +55,11 @@ class CheckpointConfig:
         full_at_end: the final save (``last_step=True``) is a FULL checkpoint.
         event_log: append phase events (stage, write, manifest, rename, latest, retention,
             committed, load) as JSON lines to this file; ``$DISTCKPT_EVENT_LOG`` also works.
-        timeout_s: timeout of collectives distckpt issues on its own process group.
+        timeout_s: timeout of collectives distckpt issues on its own process groups (seconds).
+        write_timeout_s: deadline of one rank's write phase (seconds); past it the rank gives
+            up and the save fails with ``CheckpointSaveError`` on every rank, before the other
+            ranks' wait hits ``timeout_s`` (which would leave the process group unusable).
+            ``None``: ``timeout_s / 2``. Must be below ``timeout_s``.
     """
 
     root: str
@@ -81,6 +85,7 @@ class CheckpointConfig:
     full_at_end: bool = False
     event_log: str | None = None
     timeout_s: float = 600.0
+    write_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         self.root = os.fspath(self.root)
@@ -93,6 +98,11 @@ class CheckpointConfig:
         _positive("loss_history_len", self.loss_history_len)
         _positive("thread_count", self.thread_count)
         _positive("timeout_s", self.timeout_s)
+        _positive("write_timeout_s", self.write_timeout_s, allow_none=True)
+        if self.write_timeout_s is not None and self.write_timeout_s >= self.timeout_s:
+            raise ConfigError(
+                f"CheckpointConfig.write_timeout_s={self.write_timeout_s!r} must be below "
+                f"timeout_s={self.timeout_s!r}: the other ranks wait for a slow writer at most timeout_s")
         if self.async_mode not in ("off", "thread", "process"):
             raise ConfigError(
                 f"CheckpointConfig.async_mode={self.async_mode!r}: expected 'off', 'thread' or 'process'"
@@ -109,6 +119,11 @@ class CheckpointConfig:
                 f"CheckpointConfig.state_dict_type={self.state_dict_type!r}: "
                 "expected 'sharded' or 'full'"
             )
+
+    @property
+    def effective_write_timeout_s(self) -> float:
+        """``write_timeout_s``, or ``timeout_s / 2`` when unset (seconds)."""
+        return self.write_timeout_s if self.write_timeout_s is not None else self.timeout_s / 2
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "CheckpointConfig":

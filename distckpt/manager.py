@@ -121,7 +121,8 @@ class CheckpointManager:
                            if config.async_mode != "off" else None)
         self.async_writer = (AsyncWriter(config.async_mode, background_staging=config.background_staging,
                                          process_group=self.background.group,
-                                         thread_count=config.thread_count)
+                                         thread_count=config.thread_count,
+                                         write_timeout_s=config.effective_write_timeout_s)
                              if self.background is not None else None)
         self.collective.agree(self._prepare_root, what="preparing the checkpoint root",
                               error_type=ConfigError)
@@ -350,7 +351,8 @@ class CheckpointManager:
             if blocking:
                 t_stage = time.perf_counter() - t0
                 written = dcp_save(sd, staging, process_group=self.collective.group,
-                                   thread_count=self.config.thread_count)
+                                   thread_count=self.config.thread_count,
+                                   write_timeout_s=self.config.effective_write_timeout_s)
             else:
                 upload = self.async_writer.start(sd, staging)
                 t_stage = time.perf_counter() - t0

@@ -37,10 +37,13 @@ class AsyncWriter:
             :meth:`wait_staged` before mutating parameters (before ``optimizer.step()``).
         process_group: a gloo group used only by background work (never by the training loop).
         thread_count: ``FileSystemWriter`` writer threads per rank.
+        write_timeout_s: deadline of each background write on this rank (seconds), see
+            :class:`~distckpt.engine.writer.CheckedFileSystemWriter`.
     """
 
     def __init__(self, mode: AsyncMode, *, background_staging: bool,
-                 process_group: dist.ProcessGroup | None, thread_count: int) -> None:
+                 process_group: dist.ProcessGroup | None, thread_count: int,
+                 write_timeout_s: float | None = None) -> None:
         cuda = torch.cuda.is_available()
         # On CPU every CUDA-only option must be off: DefaultStager raises otherwise.
         self.stager = DefaultStager(StagingOptions(
@@ -50,6 +53,7 @@ class AsyncWriter:
                                   else AsyncCheckpointerType.THREAD)
         self.process_group = process_group
         self.thread_count = thread_count
+        self.write_timeout_s = write_timeout_s
         self._staged: Future | None = None
 
     def start(self, state_dict: dict[str, Any], directory: str | os.PathLike) -> Future:
@@ -58,7 +62,8 @@ class AsyncWriter:
         Returns:
             The upload future: done when this rank's files are written (or failed).
         """
-        writer = hashing_writer(directory, thread_count=self.thread_count)
+        writer = hashing_writer(directory, thread_count=self.thread_count,
+                                write_timeout_s=self.write_timeout_s)
         self._writer = writer
         response = dcp.async_save(state_dict, storage_writer=writer, process_group=self.process_group,
                                   async_checkpointer_type=self.checkpointer_type, async_stager=self.stager)

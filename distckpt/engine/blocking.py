@@ -7,11 +7,10 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 
 from ..errors import CheckpointCorruptError
-from ..integrity import HashingFileSystem
 from .safe_io import SafeFileSystemReader, SafeLoadPlanner
+from .writer import CheckedFileSystemWriter
 
 __all__ = ["dcp_save", "dcp_load", "describe_exception", "hashing_writer", "raise_as_corrupt"]
 
@@ -30,12 +29,13 @@ def describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
 
 
-def hashing_writer(directory: str | os.PathLike, *, thread_count: int) -> FileSystemWriter:
+def hashing_writer(directory: str | os.PathLike, *, thread_count: int,
+                   write_timeout_s: float | None = None) -> CheckedFileSystemWriter:
     """``FileSystemWriter`` with per-file fsync whose ``fs.written`` records each written file's
-    ``(size_bytes, xxh3_128)``, hashed from the bytes as they are written."""
-    writer = FileSystemWriter(os.fspath(directory), sync_files=True, thread_count=thread_count)
-    writer.fs = HashingFileSystem()
-    return writer
+    ``(size_bytes, xxh3_128)``, hashed from the bytes as they are written; any writer thread's
+    failure, or a write phase longer than ``write_timeout_s`` seconds, fails ``write_data``
+    (see :mod:`distckpt.engine.writer`)."""
+    return CheckedFileSystemWriter(directory, thread_count=thread_count, write_timeout_s=write_timeout_s)
 
 
 def dcp_save(
@@ -44,8 +44,15 @@ def dcp_save(
     *,
     process_group: dist.ProcessGroup | None,
     thread_count: int = 1,
+    write_timeout_s: float | None = None,
 ) -> dict[str, tuple[int, str]]:
     """``dcp.save`` into ``directory`` with per-file fsync. All ranks call it.
+
+    Args:
+        thread_count: writer threads (and files) of this rank.
+        write_timeout_s: this rank gives up writing after this many seconds
+            (``WriteDeadlineExceeded``), so a slow disk fails the save on every rank instead of
+            timing out the process group; ``None`` for no deadline.
 
     Returns:
         ``{file name: (size_bytes, xxh3_128 hex)}`` of the files this rank wrote.
@@ -54,7 +61,7 @@ def dcp_save(
         BaseException: whatever DCP raises on this rank; the caller gathers outcomes across
             ranks before deciding (see ``CheckpointManager.save``).
     """
-    writer = hashing_writer(directory, thread_count=thread_count)
+    writer = hashing_writer(directory, thread_count=thread_count, write_timeout_s=write_timeout_s)
     dcp.save(state_dict, storage_writer=writer, process_group=process_group)
     return dict(writer.fs.written)
 

@@ -142,3 +142,78 @@ def test_slow_disk_on_one_rank_delays_the_commit_without_corruption(tmp_path):
     assert loaded["state"].step == 2
     for k, v in expected.items():
         assert torch.equal(v, loaded["params"][k]), k
+
+
+def storage_fault(rank, world_size, opts):
+    """Save 2, then save 4 through a faulty storage layer on ``opts["victim"]``, then save 5."""
+    import contextlib
+    import threading
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from distckpt import CheckpointSaveError
+
+    manager, model, optimizer, scheduler, scaler, loader = make_manager(rank, world_size, opts)
+    train_steps(model, optimizer, scheduler, scaler, loader, 2)
+    manager.save(2)
+    train_steps(model, optimizer, scheduler, scaler, loader, 2)
+    original = FileSystem.create_stream
+
+    class SlowStream:  # a disk writing ~100x slower than it should
+        def __init__(self, raw):
+            self.raw = raw
+
+        def write(self, data):
+            time.sleep(0.25)
+            return self.raw.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.raw, name)
+
+    @contextlib.contextmanager
+    def faulty(self, path, mode):
+        if rank == opts["victim"] and "w" in mode:
+            if opts["fault"] == "enospc_in_writer_thread" and threading.current_thread() is not threading.main_thread():
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            if opts["fault"] == "slow_disk":
+                with original(self, path, mode) as raw:
+                    yield SlowStream(raw)
+                return
+        with original(self, path, mode) as raw:
+            yield raw
+
+    FileSystem.create_stream = faulty
+    error, t0 = None, time.monotonic()
+    try:
+        manager.save(4)
+        manager.wait()  # async: the background failure surfaces here
+    except CheckpointSaveError as e:
+        error = str(e)
+    seconds = time.monotonic() - t0
+    FileSystem.create_stream = original
+    dist.barrier()  # list only after every rank handled the failure, before the next save
+    after_failure = sorted(n for n in os.listdir(opts["root"]) if n != ".lock")
+    dist.barrier()
+    train_steps(model, optimizer, scheduler, scaler, loader, 1)
+    manager.save(5)  # the process group still works and the next save commits
+    manager.close()
+    return {"error": error, "after_failure": after_failure, "seconds": seconds}
+
+
+@pytest.mark.parametrize("fault,async_mode", [("enospc_in_writer_thread", "off"), ("slow_disk", "off"),
+                                              ("slow_disk", "thread")])
+def test_storage_fault_on_one_rank_fails_the_save_everywhere(tmp_path, fault, async_mode):
+    # write_timeout_s well below timeout_s: the slow rank gives up before the others' wait expires.
+    config = {"thread_count": 4, "timeout_s": 20.0, "write_timeout_s": 1.5, "async_mode": async_mode}
+    out = values(run_ranks(storage_fault, 2, {"root": str(tmp_path), "wrapper": "ddp", "victim": 1,
+                                              "fault": fault, "config": config}))
+    expected_text = "No space left on device" if fault.startswith("enospc") else "write_timeout_s=1.5"
+    for r in out:
+        assert r["error"] is not None, "every rank must raise CheckpointSaveError"
+        assert expected_text in r["error"] and "DCP rank 1: " in r["error"], r["error"]
+        assert r["after_failure"] == ["latest", "step-000000002"]  # staging removed, previous intact
+        assert r["seconds"] < 15.0  # failed by the write deadline, not by the 20 s group timeout
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == \
+        ["latest", "step-000000002", "step-000000005"]

@@ -134,7 +134,7 @@ def make_manager(rank: int, world_size: int, opts: dict[str, Any]):
                               state_dict_type=opts.get("state_dict_type", "sharded"),
                               fast_load=opts.get("fast_load", False),
                               fallback_to_older=opts.get("fallback_to_older", False),
-                              load_path=opts.get("load_path"))
+                              load_path=opts.get("load_path"), **opts.get("config", {}))
     manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                 grad_scaler=scaler, dataloader=loader if opts.get("with_loader", True) else None)
     return manager, model, optimizer, scheduler, scaler, loader

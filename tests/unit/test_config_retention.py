@@ -22,10 +22,16 @@ def test_from_yaml_reads_section(tmp_path):
 
 @pytest.mark.parametrize("field,value", [("interval_steps", -1), ("interval_seconds", 0),
                                          ("keep_last", 0), ("state_dict_type", "FULLISH"),
-                                         ("thread_count", 0)])
+                                         ("thread_count", 0), ("write_timeout_s", -1.0),
+                                         ("write_timeout_s", 600.0)])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ConfigError, match=field):
         CheckpointConfig(root="/tmp/x", **{field: value})
+
+
+def test_write_deadline_defaults_to_half_the_group_timeout():
+    assert CheckpointConfig(root="/tmp/x", timeout_s=60.0).effective_write_timeout_s == 30.0
+    assert CheckpointConfig(root="/tmp/x", timeout_s=60.0, write_timeout_s=50.0).effective_write_timeout_s == 50.0
 
 
 def test_config_is_kw_only():
