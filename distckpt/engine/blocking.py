@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -12,7 +14,28 @@ from ..errors import CheckpointCorruptError
 from .safe_io import SafeFileSystemReader, SafeLoadPlanner
 from .writer import CheckedFileSystemWriter
 
-__all__ = ["dcp_save", "dcp_load", "describe_exception", "hashing_writer", "raise_as_corrupt"]
+__all__ = ["dcp_save", "dcp_load", "describe_exception", "gc_paused", "hashing_writer", "raise_as_corrupt"]
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's automatic (cyclic) garbage collection for a blocking DCP call.
+
+    DCP's planning allocates many small containers (plans, metadata, pickled objects), which
+    triggers generation-2 collections; each scans every object of the process, ~0.2 s in a
+    torch process here, and in a multi-rank load the stalled rank holds up every other rank
+    at the next collective (measured: 1 GiB FSDP2 load at 2 ranks, a 0.17-0.22 s gen-2
+    collection in about half of the loads). Nothing a save or load allocates needs the cycle
+    collector; reference counting frees it. Same idea as torchtitan's GC handler, which
+    disables automatic GC during training and collects at chosen steps.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -62,7 +85,8 @@ def dcp_save(
             ranks before deciding (see ``CheckpointManager.save``).
     """
     writer = hashing_writer(directory, thread_count=thread_count, write_timeout_s=write_timeout_s)
-    dcp.save(state_dict, storage_writer=writer, process_group=process_group)
+    with gc_paused():
+        dcp.save(state_dict, storage_writer=writer, process_group=process_group)
     return dict(writer.fs.written)
 
 
@@ -97,7 +121,8 @@ def dcp_load(
     else:
         reader = SafeFileSystemReader(os.fspath(directory), expected_files=expected_files)
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group)
+        with gc_paused():
+            dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group)
     except CheckpointCorruptError:
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
