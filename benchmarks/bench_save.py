@@ -71,7 +71,6 @@ import argparse
 import datetime
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
 import resource
@@ -79,12 +78,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
+
+from benchmarks._ranks import BenchError, run_ranks
 
 __all__ = ["main", "SAVE_MODES", "TRAIN_MODES"]
 
@@ -420,126 +419,14 @@ _TARGETS: dict[str, Callable[[int, int, dict[str, Any]], Any]] = {
 }
 
 
-def _rank_entry(target: str, rank: int, world_size: int, init_file: str, out_dir: str,
-                spec: dict[str, Any]) -> None:
-    # This rank's (and DCP's checkpoint daemon's) stdout/stderr go to a log the parent reads
-    # on failure: DCP's daemon logs every request at INFO.
-    log_fd = os.open(os.path.join(out_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=spec["timeout_s"]))
-        result = {"ok": True, "value": _TARGETS[target](rank, world_size, spec)}
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        result = {"ok": False, "error": f"rank {rank}: {type(e).__name__}: {e}",
-                  "traceback": traceback.format_exc()}
-    tmp = os.path.join(out_dir, f"rank{rank}.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, os.path.join(out_dir, f"rank{rank}.json"))
-    try:
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - teardown only
-        pass
-
-
-# ============================================================================ parent side
-class BenchError(RuntimeError):
-    """A rank set failed or timed out."""
-
-
-_CTX: Any = None
-
-
-def _mp_context():
-    """A forkserver that has torch and distckpt imported: fresh ranks start in well under 1 s."""
-    global _CTX
-    if _CTX is None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint",
-                                    "torch.distributed.fsdp", "distckpt", "launch.model"])
-        _CTX = ctx
-    return _CTX
-
-
-def _kill_tree(pid: int) -> None:
-    try:
-        import psutil
-
-        proc = psutil.Process(pid)
-        procs = proc.children(recursive=True) + [proc]
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-    except ImportError:
-        try:
-            os.kill(pid, 9)
-        except OSError:
-            pass
-    except Exception:  # noqa: BLE001 - already gone
-        pass
+_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "distckpt",
+            "launch.model")
 
 
 def _run_ranks(target: str, world_size: int, spec: dict[str, Any], *, timeout_s: float) -> list[Any]:
     """Run ``_TARGETS[target]`` on ``world_size`` fresh ranks; their values, or ``BenchError``."""
-    ctx = _mp_context()
-    with tempfile.TemporaryDirectory(prefix="bench-ranks-") as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        spec = dict(spec, timeout_s=timeout_s)
-        procs = [ctx.Process(target=_rank_entry, args=(target, r, world_size, init_file, tmp, spec))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        timed_out = False
-        reported_at = None
-        try:
-            while any(p.is_alive() for p in procs):
-                now = time.monotonic()
-                if now > deadline:
-                    timed_out = True
-                    break
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    time.sleep(2.0)  # let the others report, then stop waiting
-                    break
-                if all(os.path.exists(os.path.join(tmp, f"rank{r}.json")) for r in range(world_size)):
-                    reported_at = reported_at or now
-                    if now - reported_at > 30.0:  # every rank reported; teardown hangs
-                        break
-                procs[0].join(0.05)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    _kill_tree(p.pid)
-            for p in procs:
-                p.join(10)
-        values, errors = [], []
-        for r, p in enumerate(procs):
-            path = os.path.join(tmp, f"rank{r}.json")
-            if not os.path.exists(path):
-                errors.append(f"rank {r} exited with {p.exitcode} before reporting; log tail:\n"
-                              + _tail(os.path.join(tmp, f"rank{r}.log")))
-                continue
-            with open(path) as f:
-                result = json.load(f)
-            if result["ok"]:
-                values.append(result["value"])
-            else:
-                errors.append(result["error"] + "\n" + result["traceback"])
-        if timed_out:
-            errors.insert(0, f"ranks still running after {timeout_s:.0f} s (killed)")
-        if errors:
-            raise BenchError(f"{target} {spec.get('mode')} world_size={world_size}: " + "\n".join(errors))
-        return values
+    return run_ranks(f"benchmarks.bench_save:{_TARGETS[target].__name__}", world_size, spec, timeout_s=timeout_s,
+                     preload=_PRELOAD, label=f"{target} {spec.get('mode')}")
 
 
 def _tail(path: str, n_bytes: int = 3000) -> str:
@@ -873,7 +760,7 @@ def _verdicts(rows: list[dict[str, Any]]) -> list[str]:
             f"({worst_r['rss_over_budget_bytes'] / max(worst_r['local_state_bytes'], 1):+.0%} of its local state); "
             f"at the largest size the worst is {big['mode']} ws={big['world_size']} "
             f"{big['rss_over_budget_bytes'] / _MIB:+.0f} MiB"
-            + (f"; over: " + ", ".join(f"{r['mode']} {r['size_mib']:g} MiB ws={r['world_size']} "
+            + ("; over: " + ", ".join(f"{r['mode']} {r['size_mib']:g} MiB ws={r['world_size']} "
                                        f"{r['rss_over_budget_bytes'] / _MIB:+.0f} MiB" for r in over) if over else ""))
     train = [r for r in rows if r["experiment"] == "train" and r["mode"] == "train_async" and "error" not in r]
     for r in train:

@@ -534,7 +534,6 @@ def main(argv: list[str] | None = None) -> int:
     prev_valid: list[int] = []
     expected_resume: int | None = None
     world_size, changed = args.ref_world_size, False
-    failure: str | None = None
 
     def compare_new(segment: Segment, valid: list[int]) -> dict[str, float]:
         """Compare the checkpoints this segment committed with the reference's."""
@@ -581,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
             events, aimed, kill_at, started = run_job(run, cmd_tail, timeout_s=args.run_timeout_s,
                                              pause_s=pause if aim else 0.0, aim=aim)
         except TimeoutError as e:
-            seg.error = failure = str(e)
+            seg.error = str(e)
             log(f"error: {e}")
             break
         seg.phase_events = events

@@ -44,7 +44,7 @@ from .errors import (
 from .integrity import hash_file
 from .layout import checkpoint_name, staging_name
 from .lock import RootLock
-from .manifest import Manifest, TensorSpec, model_fingerprint
+from .manifest import Manifest, model_fingerprint
 from .preemption import PreemptionWatcher
 from .retention import steps_to_delete
 from .schedule import SaveSchedule

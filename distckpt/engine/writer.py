@@ -103,16 +103,15 @@ class GuardedFileSystem(HashingFileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
+        writing = "w" in mode
         try:
-            self.check(os.fspath(path))
+            if writing:
+                self.check(os.fspath(path))
             with super().create_stream(path, mode) as stream:
-                yield _DeadlineStream(stream, self, os.fspath(path))
+                yield _DeadlineStream(stream, self, os.fspath(path)) if writing else stream
         except BaseException as e:
-            self.record(e)
+            if writing:
+                self.record(e)
             raise
 
     def __setstate__(self, state: dict[str, Any]) -> None:

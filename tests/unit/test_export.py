@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager, IncompatibleCheckpointError
+from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager
 from distckpt.compare import max_abs_diff
 from distckpt.errors import CheckpointNotFoundError
 from distckpt.export import export_checkpoint, import_weights

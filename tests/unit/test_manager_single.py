@@ -1,7 +1,6 @@
 """CheckpointManager in one process (no process group): errors, discovery, pitfalls."""
 
 import json
-import os
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from distckpt import (
     ConfigError,
     IncompatibleCheckpointError,
 )
-from tests.distributed.trainer import Net, build, make_manager, train_steps
+from tests.distributed.trainer import Net, build, train_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
