@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
 import uuid
@@ -134,6 +135,8 @@ class CheckpointManager:
         self.preempted = False
         self.events = EventLog(config.event_log, self.rank)
         self._run_id = self.collective.broadcast(uuid.uuid4().hex[:8])
+        hosts = self.collective.all_gather(socket.gethostname())
+        self.local_world_size = hosts.count(hosts[self.rank])  # ranks sharing this node's disk
         self._save_count = 0
 
     @property
@@ -165,8 +168,12 @@ class CheckpointManager:
 
         Raises:
             CheckpointNotFoundError: ``config.load_path`` does not exist.
-            CheckpointCorruptError: the newest checkpoint is invalid and
-                ``config.fallback_to_older`` is false; names the file.
+            CheckpointCorruptError: the newest checkpoint is invalid (a missing or truncated
+                file, or a hash mismatch found while reading it) and
+                ``config.fallback_to_older`` is false, or no committed checkpoint is loadable;
+                names the file. With ``fallback_to_older`` the next older committed checkpoint
+                is tried (a warning names the bad one), and loading it rewrites whatever the
+                failed read had written.
             IncompatibleCheckpointError: the live model/optimizer/components do not match;
                 lists every difference.
         """
@@ -174,25 +181,25 @@ class CheckpointManager:
         if not self.config.load:
             return None
         t0 = time.perf_counter()
-        path = self.collective.agree(self._choose_checkpoint, what="finding a checkpoint")
-        path = self.collective.broadcast(path)
-        if path is None:
-            logger.info("no committed checkpoint in %s: starting fresh", self.root)
-            return None
-        manifest = Manifest.read(path)
-        self._check_model(manifest, path)
-        keys = set(read_dcp_metadata(path).state_dict_metadata)
-        with self.state.model_optim.load_context():
-            target = self.collective.agree(
-                lambda: self.state.for_load(keys, manifest.world_size), what=f"planning the load of {path}")
-            expected = ({f.path: (f.size_bytes, f.hash) for f in manifest.files}
-                        if self.config.verify_on_load else None)
-            self.events.emit("load", manifest.step, path=str(path))
-            dcp_load(target, path, process_group=self.collective.group, expected_files=expected,
-                     fast=self.config.fast_load)
-            train_state = self.collective.agree(
-                lambda: self.state.restore(target, saved_world_size=manifest.world_size),
-                what=f"restoring {path}", error_type=IncompatibleCheckpointError)
+        rejected: list[str] = []
+        while True:
+            path = self.collective.agree(lambda: self._choose_checkpoint(rejected), what="finding a checkpoint")
+            path = self.collective.broadcast(path)
+            if path is None:
+                logger.info("no committed checkpoint in %s: starting fresh", self.root)
+                return None
+            try:
+                train_state, manifest = self._load_checkpoint(path)
+                break
+            except CheckpointCorruptError as e:
+                # A changed byte (same size) is only found while reading. Loading an older
+                # checkpoint rewrites every tensor the failed read may have touched.
+                if not self.config.fallback_to_older or self.config.load_path is not None:
+                    raise
+                if self.rank == 0:
+                    logger.warning("%s -- falling back to the previous committed checkpoint "
+                                   "(fallback_to_older=true)", e)
+                rejected.append(path)
         train_state.checkpoint_path = str(path)
         train_state.saved_world_size = manifest.world_size
         self.train_state = train_state
@@ -205,7 +212,26 @@ class CheckpointManager:
         # The caller's copy: later maybe_save calls update self.train_state, not this one.
         return dataclasses.replace(train_state, loss_history=list(train_state.loss_history))
 
-    def _choose_checkpoint(self) -> str | None:
+    def _load_checkpoint(self, path: str) -> tuple[TrainState, Manifest]:
+        """Read ``path`` into the live objects (every rank). Raises like :meth:`load`."""
+        manifest = Manifest.read(path)
+        self._check_model(manifest, path)
+        keys = set(read_dcp_metadata(path).state_dict_metadata)
+        with self.state.model_optim.load_context():
+            target = self.collective.agree(
+                lambda: self.state.for_load(keys, manifest.world_size), what=f"planning the load of {path}")
+            expected = ({f.path: (f.size_bytes, f.hash) for f in manifest.files}
+                        if self.config.verify_on_load else None)
+            self.events.emit("load", manifest.step, path=str(path))
+            streams = max(1, self.config.load_streams_per_node // self.local_world_size)
+            dcp_load(target, path, process_group=self.collective.group, expected_files=expected,
+                     fast=self.config.fast_load, thread_count=streams)
+            train_state = self.collective.agree(
+                lambda: self.state.restore(target, saved_world_size=manifest.world_size),
+                what=f"restoring {path}", error_type=IncompatibleCheckpointError)
+        return train_state, manifest
+
+    def _choose_checkpoint(self, rejected: list[str]) -> str | None:
         """Rank 0 picks the checkpoint; other ranks return ``None`` (then broadcast)."""
         if self.rank != 0:
             return None
@@ -219,6 +245,9 @@ class CheckpointManager:
             return str(p)
         newest_error: CheckpointCorruptError | None = None
         for step, p, result in find_committed(self.root):
+            if str(p) in rejected:
+                newest_error = newest_error or CheckpointCorruptError(f"{p}: failed to load", path=str(p))
+                continue
             if isinstance(result, Manifest):
                 if newest_error is not None:
                     logger.warning("newest checkpoint is corrupt (%s); falling back to %s "
@@ -230,6 +259,11 @@ class CheckpointManager:
                     "fallback_to_older: true to resume from the previous committed checkpoint, "
                     f"or remove {p}.", path=result.path)
             newest_error = newest_error or result
+        if newest_error is not None:  # never start fresh silently over a run's checkpoints
+            raise CheckpointCorruptError(
+                f"no committed checkpoint in {self.root} is loadable (newest problem: {newest_error}). "
+                "Restore the files, point load_path at a good copy, or move the root away to start "
+                "fresh.", path=newest_error.path)
         return None
 
     def _check_model(self, manifest: Manifest, path: str) -> None:

@@ -81,6 +81,42 @@ def test_corrupt_newest_raises_or_falls_back(tmp_path, damage, caplog):
     assert "falling back" in caplog.text and "step-000000006" in caplog.text
 
 
+def _flip_a_byte(checkpoint):
+    """Change one byte in the middle of the biggest data file (its size stays the same)."""
+    data = max(checkpoint.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    return data
+
+
+@pytest.mark.parametrize("fast_load", [False, True])
+def test_bit_flip_found_while_reading_falls_back_to_older(tmp_path, fast_load, caplog):
+    trained_manager(tmp_path, steps=(3, 6))
+    expected_manager, (expected_model, *_) = manager_for(tmp_path, load_path=str(tmp_path / "step-000000003"))
+    expected_manager.load()
+    expected = {k: v.clone() for k, v in expected_model.state_dict().items()}
+    data = _flip_a_byte(tmp_path / "step-000000006")
+
+    manager, _ = manager_for(tmp_path, fast_load=fast_load)
+    with pytest.raises(CheckpointCorruptError) as err:
+        manager.load()
+    assert err.value.path == str(data) and "does not match" in str(err.value)
+
+    manager, (model, *_) = manager_for(tmp_path, fast_load=fast_load, fallback_to_older=True)
+    with caplog.at_level("WARNING"):
+        state = manager.load()
+    assert state.step == 3 and state.checkpoint_path.endswith("step-000000003")
+    assert "falling back" in caplog.text and str(data) in caplog.text
+    for k, v in model.state_dict().items():  # every tensor the failed read touched is rewritten
+        assert torch.equal(v, expected[k]), k
+
+    _flip_a_byte(tmp_path / "step-000000003")
+    manager, _ = manager_for(tmp_path, fast_load=fast_load, fallback_to_older=True)
+    with pytest.raises(CheckpointCorruptError, match="no committed checkpoint in .* is loadable"):
+        manager.load()  # never a silent fresh start over a run's checkpoints
+
+
 def test_bad_manifest_and_load_path(tmp_path):
     trained_manager(tmp_path)
     (tmp_path / "step-000000003" / "distckpt.json").write_text("{not json")
