@@ -3,7 +3,6 @@ save and load workers, and page-cache eviction (``posix_fadvise``) with its resi
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import mmap
 import os
@@ -182,7 +181,7 @@ def _make_reader(name: str, directory: str, expected: dict[str, tuple[int, str]]
     from distckpt.engine.fast_reader import FastFileSystemReader
     from distckpt.engine.safe_io import SafeFileSystemReader
 
-    if name in ("stock", "stock_gc_paused"):
+    if name in ("stock", "stock_run_load"):
         return FileSystemReader(directory)
     if name == "safe_verify":
         return SafeFileSystemReader(directory, expected_files=expected)
@@ -262,7 +261,7 @@ def _load_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from distckpt.engine.blocking import gc_paused
+    from distckpt.engine.blocking import run_load
     from distckpt.engine.safe_io import SafeLoadPlanner
 
     baseline = _rss_bytes()
@@ -297,9 +296,10 @@ def _load_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
                 timing["s"] = time.perf_counter() - t
 
         reader.read_data = timed_read_data
-        # Every reader but "stock" runs as distckpt's dcp_load does: automatic GC paused.
-        with contextlib.nullcontext() if spec["reader"] == "stock" else gc_paused():
+        if spec["reader"] == "stock":
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=None)
+        else:  # as distckpt's dcp_load runs it: GC paused, no collectives at world size 1
+            run_load(state, reader, process_group=None, directory=spec["dir"])
         dist.barrier()
         load_s = time.perf_counter() - t0
         bad = _check(model, extra)

@@ -33,9 +33,9 @@ Cells (one line each in ``results.md``):
 
 Readers (rotated within each round so drift hits them alike; cells with the same load world
 size run back to back per reader, so paired samples are close in time): ``stock`` (torch's
-``FileSystemReader``, plain ``dcp.load``), ``stock_gc_paused`` (the same under distckpt's
-``gc_paused``, which every reader below also runs under, as ``dcp_load`` does: it separates the
-gain of pausing the cyclic GC from the reader's own), ``safe_verify`` (distckpt's current ``SafeFileSystemReader`` with the
+``FileSystemReader``, plain ``dcp.load``), ``stock_run_load`` (DCP's reader run through
+distckpt's ``run_load``, as every reader below is: cyclic GC paused, no collectives at world
+size 1; it separates those gains from the reader's own), ``safe_verify`` (distckpt's current ``SafeFileSystemReader`` with the
 manifest hashes: a ``check_file`` pass, then the stock read), ``fast`` (``FastFileSystemReader``,
 no hashes), ``fast_verify`` (``FastFileSystemReader`` with hashes, verified from the bytes read).
 All use ``SafeLoadPlanner``.
@@ -87,7 +87,7 @@ from benchmarks._ranks import BenchError, run_ranks
 
 __all__ = ["main", "READERS", "render_markdown"]
 
-READERS = ("stock", "stock_gc_paused", "safe_verify", "fast", "fast_verify")
+READERS = ("stock", "stock_run_load", "safe_verify", "fast", "fast_verify")
 _MIB = 1 << 20
 _DISK = "disk"
 

@@ -14,7 +14,13 @@ from ..errors import CheckpointCorruptError
 from .safe_io import SafeFileSystemReader, SafeLoadPlanner
 from .writer import CheckedFileSystemWriter
 
-__all__ = ["dcp_save", "dcp_load", "describe_exception", "gc_paused", "hashing_writer", "raise_as_corrupt"]
+__all__ = ["dcp_save", "dcp_load", "describe_exception", "gc_paused", "hashing_writer", "raise_as_corrupt",
+           "run_load"]
+
+
+def _single_rank(process_group: dist.ProcessGroup | None) -> bool:
+    """No process group, or one of one rank: DCP then needs no collectives (``no_dist``)."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1
 
 
 @contextlib.contextmanager
@@ -86,7 +92,8 @@ def dcp_save(
     """
     writer = hashing_writer(directory, thread_count=thread_count, write_timeout_s=write_timeout_s)
     with gc_paused():
-        dcp.save(state_dict, storage_writer=writer, process_group=process_group)
+        dcp.save(state_dict, storage_writer=writer, process_group=process_group,
+                 no_dist=_single_rank(process_group))
     return dict(writer.fs.written)
 
 
@@ -120,9 +127,23 @@ def dcp_load(
                                       thread_count=thread_count)
     else:
         reader = SafeFileSystemReader(os.fspath(directory), expected_files=expected_files)
+    run_load(state_dict, reader, process_group=process_group, directory=directory)
+
+
+def run_load(state_dict: dict[str, Any], reader: Any, *, process_group: dist.ProcessGroup | None,
+             directory: str | os.PathLike) -> None:
+    """``dcp.load`` through ``reader`` the way distckpt runs it: with :class:`SafeLoadPlanner`,
+    the cyclic GC paused (:func:`gc_paused`), no collectives for a single rank (DCP's ``no_dist``:
+    its plan exchange pickles every plan even with one rank), failures as
+    :class:`CheckpointCorruptError`.
+
+    Raises:
+        CheckpointCorruptError: on every rank, naming the file (or ``directory``).
+    """
     try:
         with gc_paused():
-            dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group)
+            dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group,
+                     no_dist=_single_rank(process_group))
     except CheckpointCorruptError:
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException

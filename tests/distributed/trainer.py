@@ -81,7 +81,7 @@ def train(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     config = CheckpointConfig(root=opts["root"], interval_steps=opts.get("interval_steps", 3),
                               keep_last=opts.get("keep_last", 3),
                               state_dict_type=opts.get("state_dict_type", "sharded"),
-                              fast_load=opts.get("fast_load", False),
+                              fast_load=opts.get("fast_load", CheckpointConfig.fast_load),
                               fallback_to_older=opts.get("fallback_to_older", False))
     manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                 grad_scaler=scaler, dataloader=loader)
@@ -132,7 +132,7 @@ def make_manager(rank: int, world_size: int, opts: dict[str, Any]):
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
     config = CheckpointConfig(root=opts["root"], interval_steps=None,
                               state_dict_type=opts.get("state_dict_type", "sharded"),
-                              fast_load=opts.get("fast_load", False),
+                              fast_load=opts.get("fast_load", CheckpointConfig.fast_load),
                               fallback_to_older=opts.get("fallback_to_older", False),
                               load_path=opts.get("load_path"), **opts.get("config", {}))
     manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler,
