@@ -158,6 +158,7 @@ def storage_fault(rank, world_size, opts):
     manager, model, optimizer, scheduler, scaler, loader = make_manager(rank, world_size, opts)
     train_steps(model, optimizer, scheduler, scaler, loader, 2)
     manager.save(2)
+    manager.wait()  # async: step 2 is committed before the storage turns faulty
     train_steps(model, optimizer, scheduler, scaler, loader, 2)
     original = FileSystem.create_stream
 
