@@ -70,11 +70,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -83,6 +81,7 @@ from typing import Any, Callable
 
 from benchmarks._load_ranks import _data_files, _evict, _load_worker, _save_worker
 from benchmarks._load_report import _cell_key, _median, _plot, _rows, _verdicts, render_markdown
+from benchmarks._output import machine_info, prepare_dirs, write_outputs
 from benchmarks._ranks import BenchError, run_ranks
 
 __all__ = ["main", "READERS", "render_markdown"]
@@ -255,23 +254,6 @@ def _load_sample(values: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _machine(data_dir: Path) -> dict[str, Any]:
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "cpu_count": os.cpu_count()}
-    try:
-        with open("/proc/meminfo") as f:
-            info["mem_total_gib"] = int(f.readline().split()[1]) / (1 << 20)
-    except OSError:
-        info["mem_total_gib"] = float("nan")
-    try:
-        out = subprocess.run(["df", "-PT", str(data_dir)], capture_output=True, text=True, timeout=10).stdout
-        fields = out.splitlines()[-1].split()
-        info["data_fs"] = f"{fields[1]} on {fields[0]}, {int(fields[4]) / (1 << 20):.0f} GiB free"
-    except Exception:  # noqa: BLE001 - informative only
-        pass
-    return info
-
-
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_load",
@@ -308,13 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     argv_list = list(sys.argv[1:] if argv is None else argv)
     t_start = time.perf_counter()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    data_dir = Path(args.data_dir) if args.data_dir else out / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    repo_root = str(Path(__file__).resolve().parents[1])
-    if repo_root not in sys.path:
-        sys.path.insert(0, repo_root)
+    out, data_dir = prepare_dirs(args)
     import torch
 
     load_start = os.getloadavg()
@@ -346,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"), "argv": argv_list,
         "size_mib": args.size_mib, "rounds": args.rounds, "readers": list(args.readers),
-        "thread_count": args.thread_count, "machine": _machine(data_dir.parent),
+        "thread_count": args.thread_count, "machine": machine_info(data_dir.parent),
         "torch_version": torch.__version__, "python": platform.python_version(),
         "data_dir": str(data_dir), "loadavg_start": tuple(round(x, 2) for x in load_start),
         "loadavg_end": tuple(round(x, 2) for x in os.getloadavg()),
@@ -356,12 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     meta["verdicts"] = _verdicts(rows, args)
     results = {"meta": meta, "results": rows}
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    md = render_markdown(results)
-    (out / "results.md").write_text(md)
-    if _plot(results, out / "plot.png"):
-        _log(f"plot: {out / 'plot.png'}")
-    print(md)
+    write_outputs(out, results, render_markdown, _plot)
     return rc
 
 

@@ -69,17 +69,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from benchmarks._output import machine_info, prepare_dirs, write_outputs
 from benchmarks._ranks import BenchError, run_ranks
 from benchmarks._save_ranks import (_DISK, _MIB, _TRAIN_MODEL, ASYNC_MODES, SAVE_MODES, TRAIN_MODES, _save_worker,
                                     _train_worker)
@@ -360,28 +358,6 @@ def _run_train(args, data_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _machine(data_dir: Path) -> dict[str, Any]:
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "cpu_count": os.cpu_count(), "processor": platform.processor()}
-    try:
-        with open("/proc/meminfo") as f:
-            info["mem_total_gib"] = int(f.readline().split()[1]) / (1 << 20)
-    except OSError:
-        info["mem_total_gib"] = float("nan")
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    try:
-        out = subprocess.run(["df", "-PT", str(data_dir)], capture_output=True, text=True, timeout=10).stdout
-        fields = out.splitlines()[-1].split()
-        info["data_fs"] = f"{fields[1]} on {fields[0]}, {int(fields[4]) / (1 << 20):.0f} GiB free"
-    except Exception:  # noqa: BLE001 - informative only
-        pass
-    return info
-
-
 # ============================================================================ CLI
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -440,14 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     argv_list = list(sys.argv[1:] if argv is None else argv)
     t_start = time.perf_counter()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    data_dir = Path(args.data_dir) if args.data_dir else out / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    # Everything the ranks import must be importable from the repository root.
-    repo_root = str(Path(__file__).resolve().parents[1])
-    if repo_root not in sys.path:
-        sys.path.insert(0, repo_root)
+    out, data_dir = prepare_dirs(args)
     import torch
 
     import distckpt
@@ -500,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"results": rows, "meta": {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "argv": argv_list, "args": vars(args), "torch_version": torch.__version__,
-        "distckpt_version": distckpt.__version__, "machine": _machine(out), "data_dir": str(data_dir),
+        "distckpt_version": distckpt.__version__, "machine": machine_info(out), "data_dir": str(data_dir),
         "wall_s": time.perf_counter() - t_start, "thread_count_finding": finding, "notes": notes,
         "loadavg_start": load_start, "loadavg_end": os.getloadavg()}}
     busy = max(load_start[0], results["meta"]["loadavg_end"][0])
@@ -509,16 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                      "the cores during this run, so absolute times are inflated and no core was truly spare; "
                      "ratios are paired within rounds to limit the damage.")
     results["meta"]["verdicts"] = _verdicts(rows)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    md = render_markdown(results)
-    (out / "results.md").write_text(md)
-    if _plot(results, out / "plot.png"):
-        results["meta"]["plot"] = str(out / "plot.png")
-    else:
-        notes.append("plot.png not written: matplotlib is not installed (pip install matplotlib).")
-        md = render_markdown(results)
-        (out / "results.md").write_text(md)
-    print(md)
+    write_outputs(out, results, render_markdown, _plot)
     failed = [r for r in rows if "error" in r]
     return 1 if failed else 0
 

@@ -73,7 +73,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -96,7 +95,8 @@ from distckpt.engine import SafeFileSystemReader, SafeLoadPlanner, read_dcp_meta
 from distckpt.layout import LATEST, MANIFEST, checkpoint_name, is_staging, parse_step  # noqa: E402
 from distckpt.manifest import Manifest  # noqa: E402
 from launch.config import load_job_config  # noqa: E402
-from launch.demo import Run, _load_records, _read_jsonl, kept_history, kill_job, sample_accounting  # noqa: E402
+from launch.demo import (Run, _load_records, _read_jsonl, check_timeout, kept_history, kill_job,  # noqa: E402
+                         sample_accounting, start_train)
 from launch.train import CHAOS_PAUSE_ENV, CHAOS_PRESAVE_ENV  # noqa: E402
 
 __all__ = ["main", "classify_phase", "lost_checkpoints", "load_model_tensors", "param_diff"]
@@ -340,42 +340,33 @@ def run_job(run: Run, cmd_tail: list[str], *, timeout_s: float, pause_s: float =
         ``(rank-0 phase events, the aimed event or None, wall-clock time of the kill call or
         None, wall-clock time torchrun was started)``; wall clock because event ``t`` is.
     """
-    run.out.mkdir(parents=True, exist_ok=True)
     phase_log = run.out / "phases.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={run.nproc}",
-           "-m", "launch.train", *cmd_tail, f"train.out={run.out}", f"checkpoint.root={run.ckpt_root}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", DISTCKPT_EVENT_LOG=str(phase_log),
-               **{CHAOS_PRESAVE_ENV: "1", CHAOS_PAUSE_ENV: str(pause_s)})
+    t0, w0 = time.monotonic(), time.time()
+    proc = start_train(run, cmd_tail, DISTCKPT_EVENT_LOG=str(phase_log),
+                       **{CHAOS_PRESAVE_ENV: "1", CHAOS_PAUSE_ENV: str(pause_s)})
     tail, events, seen = JsonlTail(phase_log), [], 0
     aimed, deadline, kill_at = None, None, None
-    t0, w0 = time.monotonic(), time.time()
-    with open(run.out / "torchrun.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            while proc.poll() is None:
-                if time.monotonic() - t0 > timeout_s:
-                    kill_job(proc)
-                    raise TimeoutError(f"{run.name}: still running after {timeout_s:.0f} s; "
-                                       f"log: {run.out / 'torchrun.log'}")
-                for e in tail.new():
-                    if e.get("rank") != 0:
-                        continue
-                    events.append(e)
-                    if aim is not None and aimed is None and e.get("phase") == aim.event:
-                        seen += 1
-                        if seen == aim.occurrence:
-                            aimed, deadline = e, e["t"] + aim.offset_s
-                if deadline is not None and time.time() >= deadline:
-                    kill_at = time.time()
-                    kill_job(proc)
-                    run.killed = True
-                    break
-                time.sleep(0.001 if aim is not None else 0.05)
-        except BaseException:
-            if proc.poll() is None:
+    try:
+        while proc.poll() is None:
+            check_timeout(proc, run, t0, timeout_s)
+            for e in tail.new():
+                if e.get("rank") != 0:
+                    continue
+                events.append(e)
+                if aim is not None and aimed is None and e.get("phase") == aim.event:
+                    seen += 1
+                    if seen == aim.occurrence:
+                        aimed, deadline = e, e["t"] + aim.offset_s
+            if deadline is not None and time.time() >= deadline:
+                kill_at = time.time()
                 kill_job(proc)
-            raise
+                run.killed = True
+                break
+            time.sleep(0.001 if aim is not None else 0.05)
+    except BaseException:
+        if proc.poll() is None:
+            kill_job(proc)
+        raise
     run.returncode, run.wall_seconds = proc.returncode, time.monotonic() - t0
     events += [e for e in tail.new() if e.get("rank") == 0]
     _load_records(run)

@@ -164,6 +164,25 @@ def _alive(pid: int) -> bool:
 KillWhen = Callable[[list[dict[str, Any]], list[dict[str, Any]]], bool]
 
 
+def start_train(run: Run, args: list[str], **env: str) -> subprocess.Popen:
+    """Start ``launch.train`` under torchrun for ``run`` (``args`` then ``train.out`` and
+    ``checkpoint.root``), in its own session so :func:`kill_job` reaches every rank; output
+    goes to ``run.out/torchrun.log``; ``env`` is added to this process's environment."""
+    run.out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={run.nproc}",
+           "-m", "launch.train", *args, f"train.out={run.out}", f"checkpoint.root={run.ckpt_root}"]
+    with open(run.out / "torchrun.log", "w") as log:
+        return subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", **env),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def check_timeout(proc: subprocess.Popen, run: Run, t0: float, timeout_s: float) -> None:
+    """Kill the job and raise ``TimeoutError`` once ``timeout_s`` passed since ``t0`` (monotonic)."""
+    if time.monotonic() - t0 > timeout_s:
+        kill_job(proc)
+        raise TimeoutError(f"{run.name}: still running after {timeout_s:.0f} s; log: {run.out / 'torchrun.log'}")
+
+
 def launch(run: Run, config: str, overrides: list[str], timeout_s: float,
            kill_when: KillWhen | None = None) -> None:
     """Run ``torchrun launch/train.py`` for ``run``; output goes to ``<run.out>/torchrun.log``.
@@ -176,33 +195,24 @@ def launch(run: Run, config: str, overrides: list[str], timeout_s: float,
         kill_when: ``f(metrics, events) -> bool`` polled while the job runs; when true the
             job is SIGKILLed as a whole.
     """
-    run.out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={run.nproc}",
-           "-m", "launch.train", "--config", config, *overrides,
-           f"train.out={run.out}", f"checkpoint.root={run.ckpt_root}"]
+    args = ["--config", config, *overrides]
     if run.load_path is not None:
-        cmd.append(f"checkpoint.load_path={run.load_path}")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+        args.append(f"checkpoint.load_path={run.load_path}")
     t0 = time.monotonic()
-    with open(run.out / "torchrun.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            while proc.poll() is None:
-                if time.monotonic() - t0 > timeout_s:
-                    kill_job(proc)
-                    raise TimeoutError(f"{run.name}: still running after {timeout_s:.0f} s; "
-                                       f"log: {run.out / 'torchrun.log'}")
-                if kill_when is not None and kill_when(_read_jsonl(run.out / "metrics.jsonl"),
-                                                       _read_jsonl(run.out / "events.jsonl")):
-                    kill_job(proc)
-                    run.killed = True
-                    break
-                time.sleep(0.01)
-        except BaseException:
-            if proc.poll() is None:
+    proc = start_train(run, args)
+    try:
+        while proc.poll() is None:
+            check_timeout(proc, run, t0, timeout_s)
+            if kill_when is not None and kill_when(_read_jsonl(run.out / "metrics.jsonl"),
+                                                   _read_jsonl(run.out / "events.jsonl")):
                 kill_job(proc)
-            raise
+                run.killed = True
+                break
+            time.sleep(0.01)
+    except BaseException:
+        if proc.poll() is None:
+            kill_job(proc)
+        raise
     run.returncode, run.wall_seconds = proc.returncode, time.monotonic() - t0
     _load_records(run)
 
