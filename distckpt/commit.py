@@ -25,6 +25,7 @@ from .manifest import FileEntry, Manifest
 
 __all__ = [
     "fsync_dir",
+    "set_aside",
     "write_atomic",
     "list_files",
     "commit",
@@ -157,8 +158,9 @@ def remove_leftovers(root: str | os.PathLike) -> list[str]:
 
     Removed: staging directories; ``step-*`` directories without a manifest (a retention
     delete removes the manifest first, so these are half-deleted, never half-committed:
-    a commit renames a directory that already holds its manifest); ``.latest.tmp-*`` files
-    of an interrupted ``latest`` update.
+    a commit renames a directory that already holds its manifest) -- except the one ``latest``
+    names, which retention never deletes: it is set aside (:func:`set_aside`), not deleted;
+    ``.latest.tmp-*`` files of an interrupted ``latest`` update.
 
     Returns:
         Names removed.
@@ -167,16 +169,39 @@ def remove_leftovers(root: str | os.PathLike) -> list[str]:
     root = Path(root)
     if not root.is_dir():
         return removed
+    try:
+        latest = (root / LATEST).read_text().strip()
+    except OSError:
+        latest = None
     for entry in os.scandir(root):
         half_deleted = parse_step(entry.name) is not None and not os.path.exists(
             os.path.join(entry.path, MANIFEST))
-        if entry.is_dir() and (is_staging(entry.name) or half_deleted):
+        if entry.is_dir() and half_deleted and entry.name == latest:
+            # Retention never deletes the newest: this one lost its manifest some other way.
+            removed.append(f"{entry.name} (set aside as {set_aside(entry.path).name}: no manifest)")
+        elif entry.is_dir() and (is_staging(entry.name) or half_deleted):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.name)
         elif entry.is_file() and entry.name.startswith(f".{LATEST}.tmp-"):
             os.remove(entry.path)
             removed.append(entry.name)
     return removed
+
+
+def set_aside(checkpoint_dir: str | os.PathLike) -> Path:
+    """Rename a corrupt checkpoint to ``corrupt-<name>-<n>`` in the same root: kept for
+    inspection, no longer a ``step-*`` directory (never loaded, and its step can be saved again).
+
+    Returns:
+        The new path.
+    """
+    src = Path(checkpoint_dir)
+    n = 0
+    while (dst := src.with_name(f"corrupt-{src.name}-{n}")).exists():
+        n += 1
+    os.rename(src, dst)
+    fsync_dir(src.parent)
+    return dst
 
 
 def delete_checkpoint(checkpoint_dir: str | os.PathLike) -> None:

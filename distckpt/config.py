@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -98,13 +99,13 @@ class CheckpointConfig:
         self.root = os.fspath(self.root)
         if not self.root:
             raise ConfigError("CheckpointConfig.root must be a non-empty directory path")
-        _positive("interval_steps", self.interval_steps, allow_none=True)
+        _positive("interval_steps", self.interval_steps, allow_none=True, integer=True)
         _positive("interval_seconds", self.interval_seconds, allow_none=True)
-        _positive("keep_last", self.keep_last, allow_none=True)
-        _positive("keep_every_steps", self.keep_every_steps, allow_none=True)
-        _positive("loss_history_len", self.loss_history_len)
-        _positive("thread_count", self.thread_count)
-        _positive("load_streams_per_node", self.load_streams_per_node)
+        _positive("keep_last", self.keep_last, allow_none=True, integer=True)
+        _positive("keep_every_steps", self.keep_every_steps, allow_none=True, integer=True)
+        _positive("loss_history_len", self.loss_history_len, integer=True)
+        _positive("thread_count", self.thread_count, integer=True)
+        _positive("load_streams_per_node", self.load_streams_per_node, integer=True)
         _positive("timeout_s", self.timeout_s)
         _positive("write_timeout_s", self.write_timeout_s, allow_none=True)
         if self.write_timeout_s is not None and self.write_timeout_s >= self.timeout_s:
@@ -165,8 +166,13 @@ class CheckpointConfig:
         return cls.from_dict(data)
 
 
-def _positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
+def _positive(name: str, value: float | None, *, allow_none: bool = False, integer: bool = False) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(f"CheckpointConfig.{name}={value!r}: must be a positive number")
+    if integer:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"CheckpointConfig.{name}={value!r}: must be a positive integer")
+        return
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value <= 0):
+        raise ConfigError(f"CheckpointConfig.{name}={value!r}: must be a positive, finite number")

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from . import __version__
 from .adapters import tensor_specs, wrapper_kind
 from .collective import Collective
-from .commit import commit, delete_checkpoint, find_committed, list_files, remove_leftovers, validate
+from .commit import commit, delete_checkpoint, find_committed, list_files, remove_leftovers, set_aside, validate
 from .config import CheckpointConfig
 from .events import EventLog
 from .engine import AsyncWriter, dcp_load, dcp_save, read_dcp_metadata
@@ -42,7 +42,7 @@ from .errors import (
     ConfigError,
     IncompatibleCheckpointError,
 )
-from .integrity import hash_file
+from .integrity import check_file, hash_file
 from .layout import checkpoint_name, staging_name
 from .lock import RootLock
 from .manifest import Manifest, model_fingerprint
@@ -127,13 +127,14 @@ class CheckpointManager:
                              if self.background is not None else None)
         self.collective.agree(self._prepare_root, what="preparing the checkpoint root",
                               error_type=ConfigError)
+        self.events = EventLog(config.event_log, self.rank)
+        self.collective.agree(self._check_event_log, what="opening the event log", error_type=ConfigError)
         self.lock = RootLock(self.root) if config.lock else None
         if self.lock is not None:
             self.collective.agree(lambda: self.lock.acquire() if self.rank == 0 else None,
                                   what="locking the checkpoint root", error_type=CheckpointLockedError)
         self.preemption = PreemptionWatcher(self.collective.group) if config.preemption else None
         self.preempted = False
-        self.events = EventLog(config.event_log, self.rank)
         self._run_id = self.collective.broadcast(uuid.uuid4().hex[:8])
         hosts = self.collective.all_gather(socket.gethostname())
         self.local_world_size = hosts.count(hosts[self.rank])  # ranks sharing this node's disk
@@ -154,6 +155,16 @@ class CheckpointManager:
             probe.unlink()
         except OSError as e:
             raise ConfigError(f"CheckpointConfig.root={str(self.root)!r} is not a writable directory: {e}") from e
+
+    def _check_event_log(self) -> None:
+        if self.events.path is None:
+            return
+        try:
+            with open(self.events.path, "a", encoding="utf-8"):
+                pass
+        except OSError as e:
+            raise ConfigError(f"CheckpointConfig.event_log={self.events.path!r} (or $DISTCKPT_EVENT_LOG) "
+                              f"cannot be appended to: {e}") from e
 
     # ------------------------------------------------------------------ load
     def load(self) -> TrainState | None:
@@ -194,8 +205,15 @@ class CheckpointManager:
             except CheckpointCorruptError as e:
                 # A changed byte (same size) is only found while reading. Loading an older
                 # checkpoint rewrites every tensor the failed read may have touched.
-                if not self.config.fallback_to_older or self.config.load_path is not None:
+                if self.config.load_path is not None:
                     raise
+                if not self.config.fallback_to_older:
+                    raise CheckpointCorruptError(
+                        f"{e} -- the newest checkpoint {path} is not loadable. Set fallback_to_older: "
+                        "true to resume from the previous committed checkpoint, or restore the file; "
+                        f"`distckpt verify {self.root}` lists every bad file. The live model and "
+                        "optimizer may be partly overwritten: load again before training.",
+                        path=e.path) from e
                 if self.rank == 0:
                     logger.warning("%s -- falling back to the previous committed checkpoint "
                                    "(fallback_to_older=true)", e)
@@ -216,6 +234,10 @@ class CheckpointManager:
         """Read ``path`` into the live objects (every rank). Raises like :meth:`load`."""
         manifest = Manifest.read(path)
         self._check_model(manifest, path)
+        if self.config.verify_on_load:  # every rank plans from .metadata: check it first
+            for f in manifest.files:
+                if f.path == ".metadata":
+                    check_file(Path(path) / f.path, size_bytes=f.size_bytes, digest=f.hash)
         keys = set(read_dcp_metadata(path).state_dict_metadata)
         with self.state.model_optim.load_context():
             target = self.collective.agree(
@@ -246,9 +268,8 @@ class CheckpointManager:
         newest_error: CheckpointCorruptError | None = None
         for step, p, result in find_committed(self.root):
             if str(p) in rejected:
-                newest_error = newest_error or CheckpointCorruptError(f"{p}: failed to load", path=str(p))
-                continue
-            if isinstance(result, Manifest):
+                result = CheckpointCorruptError(f"{p}: failed to load", path=str(p))
+            elif isinstance(result, Manifest):
                 if newest_error is not None:
                     logger.warning("newest checkpoint is corrupt (%s); falling back to %s "
                                    "(fallback_to_older=true)", newest_error, p)
@@ -259,6 +280,8 @@ class CheckpointManager:
                     "fallback_to_older: true to resume from the previous committed checkpoint, "
                     f"or remove {p}.", path=result.path)
             newest_error = newest_error or result
+            if self.lock is not None:  # the run will save this step again: move it out of the way
+                logger.warning("set aside corrupt checkpoint %s as %s", p, set_aside(p))
         if newest_error is not None:  # never start fresh silently over a run's checkpoints
             raise CheckpointCorruptError(
                 f"no committed checkpoint in {self.root} is loadable (newest problem: {newest_error}). "

@@ -1,8 +1,11 @@
 """``distckpt prune ROOT --keep-last K``: delete older committed checkpoints.
 
 Uses the same retention rule as the manager (the newest committed checkpoint is never deleted)
-and deletes each manifest first. Corrupt and staging directories are never touched. Holds the
-root's write lock, so it refuses while a training job writes the root.
+and deletes each manifest first. Before deleting anything it reads every byte of the
+checkpoints it would keep (sizes, hashes, safe ``.metadata`` read, as ``verify`` does): a kept
+checkpoint that fails counts as corrupt, so the K kept ones are K that load, and a bit flip
+in the newest never costs the older good ones. Corrupt and staging directories are never
+touched. Holds the root's write lock, so it refuses while a training job writes the root.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..audit import audit_checkpoint
 from ..commit import delete_checkpoint, find_committed
 from ..errors import CheckpointNotFoundError
 from ..layout import MANIFEST, checkpoint_name
@@ -39,8 +43,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--keep-last {args.keep_last}: must be >= 1 (the newest checkpoint is always kept)")
     if args.keep_every is not None and args.keep_every < 1:
         raise ValueError(f"--keep-every {args.keep_every}: must be >= 1")
-    if not root.is_dir():
+    if not root.exists():
         raise CheckpointNotFoundError(f"{root}: no such checkpoint root")
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"{root}: not a directory (expected a checkpoint root)")
     if (root / MANIFEST).exists():
         raise CheckpointNotFoundError(f"{root} is a checkpoint directory; pass its root {root.parent}")
     lock = None
@@ -51,6 +57,16 @@ def run(args: argparse.Namespace) -> int:
         found = find_committed(root)
         committed = sorted(s for s, _, r in found if isinstance(r, Manifest))
         corrupt = sorted(p.name for _, p, r in found if not isinstance(r, Manifest))
+        good = 0
+        for step in sorted(committed, reverse=True):  # verify newest first until K load
+            if good == args.keep_last:
+                break
+            if audit_checkpoint(root / checkpoint_name(step)).ok:
+                good += 1
+            else:
+                committed.remove(step)
+                corrupt.append(checkpoint_name(step))
+        corrupt.sort()
         doomed = steps_to_delete(committed, keep_last=args.keep_last, keep_every_steps=args.keep_every)
         for step in doomed if not args.dry_run else []:
             delete_checkpoint(root / checkpoint_name(step))

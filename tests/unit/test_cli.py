@@ -380,6 +380,19 @@ def test_prune(tmp_path, capsys):
     assert code == 2 and "newest checkpoint is always kept" in err
 
 
+def test_prune_counts_only_checkpoints_that_verify(tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    make_root(root, steps=(1, 2, 3))
+    data_file = max((root / "step-000000003").glob("*.distcp"), key=lambda f: f.stat().st_size)
+    raw = bytearray(data_file.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size: only a hash check finds it
+    data_file.write_bytes(bytes(raw))
+    code, data = run_json(capsys, "prune", root, "--keep-last", "1")
+    assert code == 0 and data["deleted"] == ["step-000000001"], data  # step 2 is the newest that loads
+    assert data["kept"] == ["step-000000002"] and data["corrupt_untouched"] == ["step-000000003"]
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-000000002", "step-000000003"]
+
+
 def test_prune_refuses_a_root_a_job_is_writing(tmp_path, capsys):
     root = tmp_path / "ckpt"
     make_root(root, steps=(1, 2))

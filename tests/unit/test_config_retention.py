@@ -23,7 +23,10 @@ def test_from_yaml_reads_section(tmp_path):
 @pytest.mark.parametrize("field,value", [("interval_steps", -1), ("interval_seconds", 0),
                                          ("keep_last", 0), ("state_dict_type", "FULLISH"),
                                          ("thread_count", 0), ("write_timeout_s", -1.0),
-                                         ("write_timeout_s", 600.0)])
+                                         ("write_timeout_s", 600.0), ("interval_steps", 1.5),
+                                         ("thread_count", 2.5), ("timeout_s", float("nan")),
+                                         ("timeout_s", float("inf")), ("interval_seconds", float("nan")),
+                                         ("load_streams_per_node", 1.5), ("keep_last", True)])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ConfigError, match=field):
         CheckpointConfig(root="/tmp/x", **{field: value})

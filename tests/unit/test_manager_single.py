@@ -110,11 +110,38 @@ def test_bit_flip_found_while_reading_falls_back_to_older(tmp_path, fast_load, c
     assert "falling back" in caplog.text and str(data) in caplog.text
     for k, v in model.state_dict().items():  # every tensor the failed read touched is rewritten
         assert torch.equal(v, expected[k]), k
+    assert (tmp_path / "corrupt-step-000000006-0").is_dir()  # set aside, kept for inspection
+    manager.save(6)  # the resumed run saves step 6 again
+    manager.close()
 
     _flip_a_byte(tmp_path / "step-000000003")
+    _flip_a_byte(tmp_path / "step-000000006")
     manager, _ = manager_for(tmp_path, fast_load=fast_load, fallback_to_older=True)
     with pytest.raises(CheckpointCorruptError, match="no committed checkpoint in .* is loadable"):
         manager.load()  # never a silent fresh start over a run's checkpoints
+
+
+def test_newest_without_manifest_is_set_aside_not_deleted(tmp_path, caplog):
+    trained_manager(tmp_path, steps=(3, 6))
+    (tmp_path / "step-000000006" / "distckpt.json").unlink()  # not how retention deletes: latest names it
+    files = sorted(p.name for p in (tmp_path / "step-000000006").iterdir())
+    manager, _ = manager_for(tmp_path)
+    with caplog.at_level("WARNING"):
+        assert manager.load().step == 3
+    assert sorted(p.name for p in (tmp_path / "corrupt-step-000000006-0").iterdir()) == files
+    assert "set aside" in caplog.text
+
+
+def test_changed_dcp_metadata_is_found_before_planning(tmp_path):
+    trained_manager(tmp_path)
+    meta = tmp_path / "step-000000003" / ".metadata"
+    raw = bytearray(meta.read_bytes())
+    raw[-20] ^= 0x01  # same size; the pickle may still load, with wrong offsets or shapes
+    meta.write_bytes(bytes(raw))
+    manager, _ = manager_for(tmp_path)
+    with pytest.raises(CheckpointCorruptError) as err:
+        manager.load()
+    assert err.value.path == str(meta) and "does not match" in str(err.value)
 
 
 def test_bad_manifest_and_load_path(tmp_path):
@@ -265,6 +292,14 @@ def test_unwritable_root_fails_at_construction(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="not a writable directory"):
         CheckpointManager(CheckpointConfig(root=str(blocker / "sub")), model=Net(), optimizer=None)
+
+
+def test_unusable_event_log_fails_at_construction(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="event_log"):
+        CheckpointManager(CheckpointConfig(root=str(tmp_path / "root"), event_log=str(blocker / "events.jsonl")),
+                          model=Net(), optimizer=None)
 
 
 def test_manifest_hashes_match_files_and_bitflip_is_caught(tmp_path):
