@@ -84,7 +84,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -249,11 +248,7 @@ class FastFileSystemReader(SafeFileSystemReader):
                 acc += st.length
             jobs += [(name, g, False, 1) for g in groups]
         self._pending_checks = checks
-        # Ranks that read the same files (replicated DDP state loaded into shards) start at
-        # different files: the disk then serves one stream per file instead of one at a time.
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        k = rank % len(jobs) if jobs else 0
-        return jobs[k:] + jobs[:k]
+        return jobs
 
     def _run_jobs(self, jobs: list[tuple[str, list[_Stored], bool, int]], results: _Results) -> None:
         if not jobs:
