@@ -194,6 +194,9 @@ def set_aside(checkpoint_dir: str | os.PathLike) -> Path:
 
     Returns:
         The new path.
+
+    Raises:
+        OSError: the rename failed (permissions, another file system).
     """
     src = Path(checkpoint_dir)
     n = 0

@@ -38,8 +38,8 @@ class CheckpointConfig:
             against the manifest: with ``fast_load`` from the bytes as they are read (one
             pass), otherwise in a pass before DCP's read.
         fast_load: read with distckpt's ``FastFileSystemReader`` (large sequential reads
-            straight into the destination tensors; 1.5-1.7x DCP's reader cold at 1 GiB here,
-            see README) instead of DCP's item-by-item ``FileSystemReader``. ``False`` falls back
+            straight into the destination tensors; 1.4-1.6x DCP's reader cold at 1 GiB in the
+            final run here, more or less in others: see README) instead of DCP's item-by-item ``FileSystemReader``. ``False`` falls back
             to DCP's reader (the checkpoint format is the same either way).
         load_streams_per_node: with ``fast_load``, parallel sequential read streams per node,
             divided among the node's ranks (at least one per rank). 2 was fastest on this
