@@ -170,7 +170,7 @@ def _save_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
     extra.update(_EXTRA)
     dist.barrier()
     t0 = time.perf_counter()
-    written = dcp_save(state, spec["dir"], process_group=None)
+    written = dcp_save(state, spec["dir"], process_group=None, thread_count=spec["save_thread_count"])
     dist.barrier()
     return {"written": written, "save_s": time.perf_counter() - t0, "state_bytes": _local_bytes(model)[1]}
 

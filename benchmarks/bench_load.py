@@ -18,7 +18,9 @@ own shard at any world size, and every load is checked **bitwise** (the target i
 each load, so a load that does nothing fails the check).
 
 Checkpoints (written once, before the loads, with distckpt's ``dcp_save``: DCP's
-``FileSystemWriter`` + per-file fsync + xxh3-128 of each file):
+``FileSystemWriter`` + per-file fsync + xxh3-128 of each file; ``--save-thread-count`` files per
+rank, by default ``CheckpointConfig.thread_count`` (4), as ``CheckpointManager`` writes them;
+1 is what a plain ``dcp.save`` writes):
 
 * ``fsdp2-ws<W>``: FSDP2 (``fully_shard`` per layer + root; a plain module at W = 1) saved by W
   ranks, for every W loaded below;
@@ -50,7 +52,11 @@ memory is touched as after model init), then does a **cold** load and a **warm**
   touched), checks with ``mincore`` that at most 2% of the pages are still resident, and only
   otherwise writes ``1`` to ``/proc/sys/vm/drop_caches`` (root). The method used and the
   resident fraction afterwards are recorded (``cold_method``, ``cold_resident_frac``). The
-  virtual disk's host may still cache: "cold" means not in this machine's page cache;
+  virtual disk's host may still cache: "cold" means not in this machine's page cache. On a VM
+  that reports free pages to its host, the run holds that reporting (``--leave-page-reporting``
+  to not), else a cold read lands in memory the host must fault in again, at ~0.5 GB/s here,
+  whatever the reader: ``benchmarks/_guest_memory.py`` has the measurement; ``page_reporting``
+  in the results records what was done;
 * warm: the target is zeroed and the same load runs again with the files in the page cache;
 * ``load_s``: from a barrier before ``dcp.load`` to a barrier after it (the slowest rank),
   including DCP's planning collectives, which are the same for every reader; ``read_data_s``:
@@ -79,10 +85,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from benchmarks._guest_memory import hold_page_reporting
 from benchmarks._load_ranks import _data_files, _evict, _load_worker, _save_worker
 from benchmarks._load_report import _cell_key, _median, _plot, _rows, _verdicts, render_markdown
 from benchmarks._output import machine_info, prepare_dirs, write_outputs
 from benchmarks._ranks import BenchError, run_ranks
+from distckpt.config import CheckpointConfig
 
 __all__ = ["main", "READERS", "render_markdown"]
 
@@ -148,7 +156,8 @@ def _save_all(args, data_dir: Path, ckpts: dict[str, tuple[str, int]]) -> dict[s
     for name, (wrapper, ws) in ckpts.items():
         d = data_dir / name
         shutil.rmtree(d, ignore_errors=True)
-        spec = {"wrapper": wrapper, "dir": str(d), "size_bytes": int(args.size_mib * _MIB)}
+        spec = {"wrapper": wrapper, "dir": str(d), "size_bytes": int(args.size_mib * _MIB),
+                "save_thread_count": args.save_thread_count}
         values = _run_ranks("save", ws, spec, timeout_s=_timeout(args, ws))
         expected: dict[str, tuple[int, str]] = {}
         for v in values:
@@ -271,10 +280,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--thread-count", type=int, default=None,
                    help="FastFileSystemReader thread_count per rank (default: as the manager, 2 streams per node "
                         "divided among the ranks, at least 1)")
+    p.add_argument("--save-thread-count", type=int, default=CheckpointConfig.thread_count,
+                   help="writer threads (files) per rank of the checkpoints loaded (default: "
+                        f"{CheckpointConfig.thread_count}, CheckpointManager's; 1 = plain dcp.save's)")
     p.add_argument("--out", default="runs/bench_load", help="output directory")
     p.add_argument("--data-dir", default=None, help="checkpoints (default: OUT/data; removed at the end)")
     p.add_argument("--keep-data", action="store_true", help="keep the checkpoints")
     p.add_argument("--timeout-s", type=float, default=600.0, help="upper limit per rank set (seconds)")
+    p.add_argument("--leave-page-reporting", action="store_true",
+                   help="do not hold a VM's free page reporting during the run (see benchmarks/_guest_memory.py)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
@@ -282,6 +296,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("world sizes must be >= 1")
     if args.size_mib <= 0:
         p.error("--size-mib must be positive")
+    if args.save_thread_count < 1:
+        p.error("--save-thread-count must be >= 1")
     return args
 
 
@@ -302,9 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     rc = 0
+    guest: dict[str, Any] = {}
     try:
-        saved = _save_all(args, data_dir, ckpts)
-        samples, disk, errors = _run_loads(args, saved, cells)
+        with hold_page_reporting(not args.leave_page_reporting) as guest:
+            _log(f"guest free page reporting: {guest['state']}")
+            saved = _save_all(args, data_dir, ckpts)
+            samples, disk, errors = _run_loads(args, saved, cells)
         rows = _rows(args, saved, cells, samples, disk, errors)
         if errors:
             rc = 1
@@ -322,13 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"), "argv": argv_list,
         "size_mib": args.size_mib, "rounds": args.rounds, "readers": list(args.readers),
-        "thread_count": args.thread_count, "machine": machine_info(data_dir.parent),
+        "thread_count": args.thread_count, "save_thread_count": args.save_thread_count, "machine": machine_info(data_dir.parent),
         "torch_version": torch.__version__, "python": platform.python_version(),
         "data_dir": str(data_dir), "loadavg_start": tuple(round(x, 2) for x in load_start),
         "loadavg_end": tuple(round(x, 2) for x in os.getloadavg()),
         "cold_method": cold[0]["cold_method"] if cold else None,
         "cold_resident_frac": _median([r.get("cold_resident_frac") for r in cold]) if cold else None,
-        "wall_s": time.perf_counter() - t_start, "notes": notes,
+        "page_reporting": guest, "wall_s": time.perf_counter() - t_start, "notes": notes,
     }
     meta["verdicts"] = _verdicts(rows, args)
     results = {"meta": meta, "results": rows}

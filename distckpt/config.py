@@ -42,9 +42,9 @@ class CheckpointConfig:
             final run here, more or less in others: see README) instead of DCP's item-by-item ``FileSystemReader``. ``False`` falls back
             to DCP's reader (the checkpoint format is the same either way).
         load_streams_per_node: with ``fast_load``, parallel sequential read streams per node,
-            divided among the node's ranks (at least one per rank). 2 was fastest on this
-            project's virtual disk (4 streams were bimodal: 2.8 or 1.0-1.7 GB/s); NVMe arrays
-            usually want more.
+            divided among the node's ranks (at least one per rank). On this project's
+            virtual disk 1 and 2 streams per rank were within noise of each other (1 GiB at 2
+            ranks, cold, 4 rounds: 0.363 s vs 0.348 s); NVMe arrays usually want more.
         loss_history_len: number of recent losses kept in the checkpoint.
         seed: base seed for deriving RNG state of ranks that did not exist at save time.
         async_mode: ``"off"`` (blocking save), ``"thread"`` or ``"process"``: ``save`` returns

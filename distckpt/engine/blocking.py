@@ -133,21 +133,40 @@ def dcp_load(
 def run_load(state_dict: dict[str, Any], reader: Any, *, process_group: dist.ProcessGroup | None,
              directory: str | os.PathLike) -> None:
     """``dcp.load`` through ``reader`` the way distckpt runs it: with :class:`SafeLoadPlanner`,
-    the cyclic GC paused (:func:`gc_paused`), no collectives for a single rank (DCP's ``no_dist``:
-    its plan exchange pickles every plan even with one rank), failures as
-    :class:`CheckpointCorruptError`.
+    the cyclic GC paused (:func:`gc_paused`), each rank planning and reading on its own, and one
+    agreement on the outcome at the end.
+
+    Why no plan exchange: DCP's load gathers every rank's pickled plan on the coordinator and
+    scatters it back, but ``DefaultLoadPlanner``'s global step returns the local plans unchanged
+    (``create_default_global_load_plan``: "no global coordination"), so each rank runs DCP's
+    ``no_dist`` load and the ranks then exchange only the outcome -- one ``all_gather_object``
+    instead of DCP's gather + scatter + final gather (measured: ~35 ms of a 0.34 s 1 GiB load at
+    2 ranks; the exchange grows with the world size on the coordinator).
 
     Raises:
-        CheckpointCorruptError: on every rank, naming the file (or ``directory``).
+        CheckpointCorruptError: on every rank when any rank failed, naming the first failing
+            rank's file (or ``directory``).
     """
+    local: CheckpointCorruptError | None = None
     try:
         with gc_paused():
-            dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group,
-                     no_dist=_single_rank(process_group))
-    except CheckpointCorruptError:
+            dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        raise_as_corrupt(e, directory, "DCP load failed")
+        try:
+            raise_as_corrupt(e, directory, "DCP load failed")
+        except CheckpointCorruptError as c:
+            local = c
+    if not _single_rank(process_group):
+        outcomes: list[Any] = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(outcomes, None if local is None else (str(local), local.path), group=process_group)
+        failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+        if failed and local is None:
+            rank, (message, path) = failed[0]
+            raise CheckpointCorruptError(f"rank {rank}: {message}", path=path)
+    if local is not None:
+        raise local
 
 
 def raise_as_corrupt(exc: BaseException, directory: str | os.PathLike, what: str) -> None:

@@ -9,20 +9,19 @@ Why the stock reader is slow
     ``FileSystemReader.read_data`` walks the plan item by item: for each item it hands a file
     view to ``torch.load`` (several small reads through Python, a fresh tensor, the storage
     copied into it), then ``copy_`` s that tensor into the destination: every byte is copied
-    twice in user space, one item at a time, with one reader. Measured here (1 GiB, one
-    process, cold page cache, quiet machine): stock ~2.6 GB/s, a plain sequential read
-    ~3.2-3.4 GB/s, two parallel sequential readers ~3.6-3.8 GB/s; on a loaded machine stock
-    drops much further (its CPU work is on the critical path). Cold reads here want large
-    requests (1 MiB requests: ~1 GB/s; 16 MiB: ~3.4 GB/s) and two streams rather than one
-    (a single stream of 64 MiB requests was bimodal, 1.1 or 3.7 GB/s). O_DIRECT is capped at
-    ~1.25 GB/s on this virtual disk whatever the queue depth, so the reader stays buffered.
+    twice in user space, one item at a time, with one reader, and the CPU work does not
+    overlap the I/O. Measured here (1 GiB, one process, cold page cache, free page reporting
+    held): stock 0.66 s (1.6 GB/s), a plain sequential read 0.30-0.32 s, this reader 0.27-0.29
+    s. Cold reads here want large requests (1 MiB requests: ~1 GB/s; 16 MiB: ~3.4 GB/s);
+    ``O_DIRECT`` reached only 1.3-2.4 GB/s (16-64 MiB requests, 1-16 threads) and
+    ``POSIX_FADV_SEQUENTIAL`` or ``WILLNEED`` made a sequential read slower, so the reader
+    stays buffered with the kernel's default readahead.
 
 How this reader reads
     * Per file, the stored items this rank needs are sorted by offset and read front to back
       by a *stream* (its own file descriptor, so the kernel's readahead sees a sequential
-      reader). Up to ``thread_count`` streams run in parallel: one per file, and spare threads
-      split the biggest files into contiguous regions (no hashes), or pre-read the later parts
-      of a file into the page cache while the stream hashes it in order (hashes).
+      reader). Up to ``thread_count`` streams run in parallel: one per file, and without
+      hashes spare threads split the biggest files into contiguous regions.
     * A stored tensor item is ``torch.save(tensor)`` bytes: an uncompressed zip whose members
       (``data.pkl``, ``byteorder``, ``data/0``, ...) are 64-byte aligned. The reader parses the
       zip local headers itself, unpickles ``data.pkl`` with torch's ``weights_only`` unpickler
@@ -84,6 +83,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -114,14 +114,13 @@ class FastFileSystemReader(SafeFileSystemReader):
         path: checkpoint directory.
         expected_files: ``{relative path: (size_bytes, digest or None)}``; sizes are checked
             before reading, digests (xxh3-128) from the bytes read; ``None`` skips both.
-        thread_count: read streams per rank (default 2): one per file; spare ones split big
-            files into regions (no hashes) or pre-read a hashed file's later parts into the
-            page cache. 2 measured best on the 2-core machine (1 GiB, cold: 2 streams ~3.3-3.8
-            GB/s vs 1 stream ~2.4-3.4 GB/s; 3-4 no better, and with hashes 1 stream + 1
-            pre-reader halved the read time of a single stream). That is per node: with 2
-            ranks on the node, 1 stream each was faster (median 0.38 s vs 0.61 s for 1 GiB;
-            4 streams were bimodal), so ``CheckpointManager`` divides
-            ``load_streams_per_node`` among the node's ranks.
+        thread_count: read streams per rank (default 2): one per file; without hashes spare
+            ones split big files into regions. Measured here (1 GiB, cold, one rank, 7 rounds,
+            free page reporting held -- see ``benchmarks/_guest_memory.py``): one file 0.29 s
+            with 1 or 2 streams (a plain sequential read: 0.30 s); four files 0.278 s with 1
+            stream, 0.274 s with 2 (a plain sequential read of the four: 0.317 s). On storage
+            with deeper queues (NVMe) parallel streams matter more. ``thread_count`` is per
+            rank: ``CheckpointManager`` divides ``load_streams_per_node`` among a node's ranks.
         chunk_bytes: arena size per stream for small items and read-through gaps (one request).
         direct_min_bytes: stored items larger than this are read into their destination
             directly; smaller ones are read whole (coalesced) and copied out of the arena.
@@ -140,12 +139,6 @@ class FastFileSystemReader(SafeFileSystemReader):
     Attributes:
         last_stats: counters of the last ``read_data`` (bytes read, direct, copied, fallbacks).
     """
-
-    # posix_fadvise advice for each stream's descriptor; None keeps the kernel's default
-    # readahead. POSIX_FADV_SEQUENTIAL (twice the readahead window) measured no better without
-    # hashes and clearly worse with them (first cold load of a fresh process, 1 GiB: 0.45-0.74 s
-    # vs 0.38-0.44 s), so it is off.
-    _advice: int | None = None
 
     def __init__(self, path: str | os.PathLike,
                  expected_files: dict[str, tuple[int, str | None]] | None = None,
@@ -207,15 +200,14 @@ class FastFileSystemReader(SafeFileSystemReader):
         return fut
 
     # -------------------------------------------------------------- jobs
-    def _make_jobs(self, per_file: dict[str, list[_Stored]]) -> list[tuple[str, list[_Stored], bool, int]]:
-        """``(relpath, items, verify, prefetch_parts)`` per stream.
+    def _make_jobs(self, per_file: dict[str, list[_Stored]]) -> list[tuple[str, list[_Stored], bool]]:
+        """``(relpath, items, verify)`` per stream.
 
-        ``thread_count`` streams in all: one per file, and the spare threads on the biggest
-        files. Without hashing a file's items are split into contiguous regions, one stream
-        each (two sequential streams keep the disk busier than one: ~3.3-3.8 vs ~2.4-3.4
-        GB/s cold here). With hashing the file is one stream (the digest needs the bytes in
-        order) and the spare threads pre-read its later parts into the page cache
-        (``prefetch_parts``), so the disk still sees parallel sequential reads.
+        ``thread_count`` streams in all: one per file, and without hashing the spare threads
+        split the biggest files into contiguous regions, one stream each. With hashing a file
+        is one stream (the digest needs the bytes in order). A pre-reader filling the page
+        cache ahead of a hashed stream was tried and removed: it added a copy and was slower
+        (one 1 GiB file, cold: 0.34 s vs 0.29 s for the lone stream, 7 rounds).
         """
         jobs = []
         checks: dict[str, tuple[int, str | None]] = {}
@@ -232,11 +224,11 @@ class FastFileSystemReader(SafeFileSystemReader):
             items = sorted(per_file[name], key=lambda s: s.offset)
             verify = name in checks and checks[name][1] is not None
             parts = 1
-            if spare > 0 and sizes[name] >= 4 * self.max_request_bytes and (verify or len(items) > 1):
-                parts = 1 + spare if verify else min(1 + spare, len(items))
+            if not verify and spare > 0 and sizes[name] >= 4 * self.max_request_bytes and len(items) > 1:
+                parts = min(1 + spare, len(items))
                 spare -= parts - 1
-            if parts == 1 or verify:
-                jobs.append((name, items, verify, parts))
+            if parts == 1:
+                jobs.append((name, items, verify))
                 continue
             share = sizes[name] / parts
             groups: list[list[_Stored]] = [[]]
@@ -246,19 +238,26 @@ class FastFileSystemReader(SafeFileSystemReader):
                     groups.append([])
                 groups[-1].append(st)
                 acc += st.length
-            jobs += [(name, g, False, 1) for g in groups]
+            jobs += [(name, g, False) for g in groups]
         self._pending_checks = checks
+        # Ranks that read parts of the same files (a reshard, replicated DDP state loaded into
+        # FSDP2 shards) start at files spread evenly over the list, so the disk serves
+        # sequential streams in different files rather than all ranks in one file. Measured
+        # (DDP at 2 -> FSDP2 at 2, 1 GiB in 8 files, cold, 3 rounds): 0.361 s vs 0.479 s.
+        if dist.is_available() and dist.is_initialized() and jobs:
+            k = dist.get_rank() * len(jobs) // dist.get_world_size()
+            jobs = jobs[k:] + jobs[:k]
         return jobs
 
-    def _run_jobs(self, jobs: list[tuple[str, list[_Stored], bool, int]], results: _Results) -> None:
+    def _run_jobs(self, jobs: list[tuple[str, list[_Stored], bool]], results: _Results) -> None:
         if not jobs:
             return
         verified: list[str] = []
         lock = threading.Lock()
 
-        def run(job: tuple[str, list[_Stored], bool, int]) -> None:
-            name, items, verify, prefetch_parts = job
-            if self._stream_file(name, items, verify, results, prefetch_parts):
+        def run(job: tuple[str, list[_Stored], bool]) -> None:
+            name, items, verify = job
+            if self._stream_file(name, items, verify, results):
                 with lock:
                     verified.append(name)
 
@@ -285,32 +284,8 @@ class FastFileSystemReader(SafeFileSystemReader):
             if digest is None:
                 self._checked.add(name)
 
-    def _prefetch(self, path: str, start: int, end: int, stream: "_Stream", stop: threading.Event) -> None:
-        """Read ``[start, end)`` into the page cache (into a discarded buffer) ahead of ``stream``."""
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            return
-        try:
-            junk = torch.empty(self.max_request_bytes, dtype=torch.uint8)
-            view = _writable_view(junk)
-            off = start
-            while off < end and not stop.is_set():
-                off = max(off, stream.pos)
-                if off >= end:
-                    break
-                n = os.preadv(fd, [view[:min(len(view), end - off)]], off)
-                if n <= 0:
-                    break
-                off += n
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
     # -------------------------------------------------------------- one stream
-    def _stream_file(self, relpath: str, items: list[_Stored], verify: bool, results: _Results,
-                     prefetch_parts: int = 1) -> bool:
+    def _stream_file(self, relpath: str, items: list[_Stored], verify: bool, results: _Results) -> bool:
         path = str(Path(self.path) / relpath)
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -319,8 +294,6 @@ class FastFileSystemReader(SafeFileSystemReader):
             raise CheckpointCorruptError(f"{path}: {what} is missing", path=path) from None
         except OSError as e:
             raise CheckpointCorruptError(f"{path}: cannot open ({e})", path=path) from e
-        helpers: list[threading.Thread] = []
-        stop = threading.Event()
         try:
             file_size = _file_size(fd)
             expected = self._pending_checks.get(relpath)
@@ -334,22 +307,11 @@ class FastFileSystemReader(SafeFileSystemReader):
                     f"{path}: truncated: the file has {file_size} bytes, but the checkpoint's "
                     f"metadata places data up to byte {need_end}", path=path)
             hasher = new_hasher() if verify else None
-            if self._advice is not None:
-                try:  # readahead hint (Linux applies it to the whole open file)
-                    os.posix_fadvise(fd, 0, 0, self._advice)
-                except (AttributeError, OSError):
-                    pass
             stream = _Stream(self, path, fd, file_size, hasher, results, 0 if verify else items[0].offset)
             if not verify and stream.gap_read_bytes > _WARM_GAP and _cached(fd, items[0].offset, need_end):
                 # Already in the page cache: reading other ranks' bytes through would only
                 # cost memcpy; skip all but tiny gaps.
                 stream.gap_read_bytes = _WARM_GAP
-            for k in range(1, prefetch_parts):
-                t = threading.Thread(target=self._prefetch, name="distckpt-prefetch", daemon=True,
-                                     args=(path, file_size * k // prefetch_parts,
-                                           file_size * (k + 1) // prefetch_parts, stream, stop))
-                t.start()
-                helpers.append(t)
             side: list[_Stored] = []
             last_end = stream.pos
             for st in items:
@@ -370,9 +332,6 @@ class FastFileSystemReader(SafeFileSystemReader):
                 self._decode_whole(st, mv, results, buf)
             return verify
         finally:
-            stop.set()
-            for t in helpers:
-                t.join()
             os.close(fd)
 
     def _pread_item(self, fd: int, path: str, st: _Stored) -> tuple[torch.Tensor, memoryview]:

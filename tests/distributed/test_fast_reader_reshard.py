@@ -176,5 +176,49 @@ def test_bench_load_smoke(tmp_path):
         assert r["load_s"] > 0 and r["read_data_s"] > 0 and r["disk_read_gbps"] > 0
     assert any("reshard_ratio" in r for r in rows) and any("speedup_vs_stock" in r for r in rows)
     assert results["meta"]["cold_method"] and results["meta"]["verdicts"]
+    assert results["meta"]["page_reporting"]["state"]
     assert "## Goals" in (out / "results.md").read_text()
     assert not (out / "data").exists()
+
+
+def _run_load(rank: int, world_size: int, path: str, expected, bad_digest_on_rank: int | None) -> dict:
+    """Load through distckpt's ``run_load`` (each rank plans alone, one outcome exchange)."""
+    from distckpt.engine.blocking import run_load
+    from distckpt.engine.fast_reader import FastFileSystemReader
+    from distckpt.errors import CheckpointCorruptError
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    with torch.device("meta"):
+        model = _net()
+    _shard(model)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().fill_(float("nan"))
+    extra = {"step": torch.tensor(0), "tag": ""}
+    state = {"model": model.state_dict(), "extra": extra}
+    if rank == bad_digest_on_rank:  # this rank alone sees a digest that cannot match
+        name = sorted(expected)[0]
+        expected = dict(expected, **{name: (expected[name][0], "0" * 32)})
+    try:
+        run_load(state, FastFileSystemReader(path, expected_files=expected), process_group=None, directory=path)
+    except CheckpointCorruptError as e:
+        return {"error": str(e), "path": e.path}
+    out = {}
+    for name, p in model.named_parameters():
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        out[name] = (tuple(offset), p.to_local().clone())
+    return {"params": out, "step": int(extra["step"]), "tag": extra["tag"]}
+
+
+def test_run_load_reshards_without_plan_exchange_and_fails_on_every_rank(tmp_path):
+    path = str(tmp_path / "ckpt")
+    written = values(run_ranks(_save, 2, path, "fsdp2", timeout_s=120))
+    expected = {k: v for w in written for k, v in w.items()}
+    loaded = values(run_ranks(_run_load, 3, path, expected, None, timeout_s=120))
+    _check(_full_state(), loaded, 3)
+    failed = values(run_ranks(_run_load, 3, path, expected, 1, timeout_s=120))
+    bad_file = str(tmp_path / "ckpt" / sorted(expected)[0])
+    assert all("error" in r and r["path"] == bad_file for r in failed), failed
+    assert "does not match" in failed[1]["error"]
+    assert failed[0]["error"].startswith("rank 1: ") and failed[2]["error"].startswith("rank 1: ")

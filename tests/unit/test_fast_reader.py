@@ -24,8 +24,8 @@ from distckpt.integrity import hash_file
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
 
 SMALL_DIRECT = dict(direct_min_bytes=4096)  # forces the direct/predicted path on small items
-# Small requests: with hashes, spare threads pre-read later parts of the file (prefetch helpers).
-PREFETCH = dict(thread_count=3, max_request_bytes=1 << 20, chunk_bytes=1 << 20)
+# Small requests, more threads than files: with hashes each file is still one ordered stream.
+SPARE_THREADS = dict(thread_count=3, max_request_bytes=1 << 20, chunk_bytes=1 << 20)
 CONFIGS = [
     pytest.param({}, id="default"),
     pytest.param(dict(thread_count=1), id="tc1"),
@@ -144,7 +144,7 @@ def test_big_items_are_read_straight_into_the_destination(saved):
     assert reader.last_stats["syscalls"] <= 4, reader.last_stats
 
 
-@pytest.mark.parametrize("kw", [{}, SMALL_DIRECT, PREFETCH], ids=["default", "direct-small-items", "prefetch"])
+@pytest.mark.parametrize("kw", [{}, SMALL_DIRECT, SPARE_THREADS], ids=["default", "direct-small-items", "spare-threads"])
 def test_with_matching_hashes_loads_and_marks_files_verified(saved, kw):
     path, state = saved
     expected = {f.name: hash_file(f) for f in path.glob("*.distcp")}
@@ -305,7 +305,7 @@ def test_flipped_byte_with_hashes_raises_naming_the_file(saved, tmp_path):
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x01
     f.write_bytes(bytes(data))
-    for kw in ({}, dict(thread_count=1), SMALL_DIRECT, PREFETCH):
+    for kw in ({}, dict(thread_count=1), SMALL_DIRECT, SPARE_THREADS):
         with pytest.raises(CheckpointCorruptError) as err:
             _load(_empty_like(state), ck, FastFileSystemReader(ck, expected_files=expected, **kw))
         assert err.value.path == str(f) and "does not match" in str(err.value)

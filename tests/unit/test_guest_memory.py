@@ -1,0 +1,48 @@
+"""The benchmarks' hold on a VM's free page reporting: held, restored, and harmless where absent."""
+
+from benchmarks._guest_memory import hold_page_reporting
+
+
+def _fake_params(tmp_path, order="9", reported="100"):
+    params = tmp_path / "parameters"
+    params.mkdir()
+    (params / "page_reporting_order").write_text(order + "\n")
+    (params / "reported_kib").write_text(reported + "\n")
+    return params
+
+
+def test_hold_raises_the_order_inside_and_restores_it_after(tmp_path):
+    params = _fake_params(tmp_path)
+    with hold_page_reporting(params=params) as info:
+        assert (params / "page_reporting_order").read_text().strip() == "11"
+        (params / "reported_kib").write_text("612\n")  # the guest handed 512 KiB back meanwhile
+    assert (params / "page_reporting_order").read_text().strip() == "9"
+    assert info == {"state": "held", "order_before": 9, "reported_kib_during": 512}
+
+
+def test_restored_even_when_the_block_raises(tmp_path):
+    params = _fake_params(tmp_path, order="7")
+    try:
+        with hold_page_reporting(params=params):
+            raise RuntimeError("benchmark failed")
+    except RuntimeError:
+        pass
+    assert (params / "page_reporting_order").read_text().strip() == "7"
+
+
+def test_missing_knob_or_opt_out_changes_nothing(tmp_path):
+    with hold_page_reporting(params=tmp_path / "absent") as info:
+        pass
+    assert info["state"].startswith("not held: no free page reporting")
+    params = _fake_params(tmp_path)
+    with hold_page_reporting(False, params=params) as info:
+        assert (params / "page_reporting_order").read_text().strip() == "9"
+    assert info["state"] == "not held: --leave-page-reporting"
+
+
+def test_unwritable_knob_is_reported_not_raised(tmp_path):
+    params = tmp_path / "parameters"
+    (params / "page_reporting_order").mkdir(parents=True)  # reading or writing it fails with OSError
+    with hold_page_reporting(params=params) as info:
+        pass
+    assert info["state"].startswith("not held: ")
