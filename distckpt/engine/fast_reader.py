@@ -96,7 +96,7 @@ from .read_stream import (_WARM_GAP, _cached, _check_sizes, _covering, _direct_o
                           _src_view, _Stored, _Stream, _strided, _typed, _writable_view)
 from .safe_io import SafeFileSystemReader
 from .torch_save_format import (_PRED_CACHE, _TRAILER_MAX, TensorLayout, _check_trailer, _NeedMore, _same_layout,
-                                _Unsupported, parse_torch_save_header)
+                                _Unsupported, parse_torch_save_header, parse_torch_save_header_cached)
 
 __all__ = ["FastFileSystemReader", "parse_torch_save_header", "TensorLayout"]
 
@@ -543,7 +543,7 @@ class FastFileSystemReader(SafeFileSystemReader):
             return
         if not st.descriptors:
             try:
-                layout = parse_torch_save_header(mv)
+                layout = parse_torch_save_header_cached(mv)
                 end = layout.data_offset + layout.nbytes
                 if end > len(mv) or not _check_trailer(mv[end:], layout):
                     raise _Unsupported("trailer")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import _weights_only_unpickler
 
-__all__ = ["TensorLayout", "parse_torch_save_header"]
+__all__ = ["TensorLayout", "parse_torch_save_header", "parse_torch_save_header_cached"]
 
 _MIB = 1 << 20
 # Trailers (and predicted trailers) longer than this are not torch.save's (~900 bytes).
@@ -244,6 +244,35 @@ def parse_torch_save_header(buf: bytes | bytearray | memoryview) -> TensorLayout
 
 
 _HEAD_CACHE: dict[bytes, tuple | None] = {}
+_LAYOUT_CACHE: dict[bytes, TensorLayout] = {}
+_HEADER_LENGTHS: dict[int, None] = {}  # data offsets seen, most recent last
+
+
+def parse_torch_save_header_cached(buf: memoryview) -> TensorLayout:
+    """:func:`parse_torch_save_header`, cached on the header bytes.
+
+    The parse reads nothing past the data offset, so equal header bytes give an equal layout;
+    items of the same dtype and shape have equal headers (a model's thousands of biases or
+    resharded pieces parse once). Lookups try the few header lengths seen so far.
+
+    Raises:
+        _NeedMore, _Unsupported: as :func:`parse_torch_save_header` (never cached).
+    """
+    for n in reversed(tuple(_HEADER_LENGTHS)):  # a snapshot: other streams may add
+        if n <= len(buf):
+            layout = _LAYOUT_CACHE.get(bytes(buf[:n]))
+            if layout is not None:
+                return layout
+    layout = parse_torch_save_header(buf)
+    if len(_LAYOUT_CACHE) >= _META_CACHE_MAX:
+        _LAYOUT_CACHE.clear()
+        _HEADER_LENGTHS.clear()
+    _LAYOUT_CACHE[bytes(buf[:layout.data_offset])] = layout
+    _HEADER_LENGTHS.pop(layout.data_offset, None)
+    _HEADER_LENGTHS[layout.data_offset] = None
+    if len(_HEADER_LENGTHS) > 8:
+        del _HEADER_LENGTHS[next(iter(_HEADER_LENGTHS))]
+    return layout
 
 
 def _same_layout(head: memoryview, predicted: TensorLayout) -> bool:

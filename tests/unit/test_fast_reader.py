@@ -419,3 +419,23 @@ def test_parse_header_refuses_code_in_the_pickle():
     torch.save(Evil(), buf)
     with pytest.raises(fast_reader._Unsupported):
         parse_torch_save_header(buf.getvalue())
+
+
+def test_cached_header_parse_equals_the_full_parse_and_is_shared_by_equal_headers():
+    from distckpt.engine.torch_save_format import _NeedMore, parse_torch_save_header_cached
+
+    def blob(t: torch.Tensor) -> memoryview:
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        return memoryview(buf.getvalue())
+
+    a, b = blob(torch.arange(7, dtype=torch.float32)), blob(torch.ones(7))
+    c, d = blob(torch.zeros(3, 5, dtype=torch.bfloat16)), blob(torch.arange(9, dtype=torch.int64))
+    for mv in (a, b, c, d):
+        cached, full = parse_torch_save_header_cached(mv), parse_torch_save_header(mv)
+        assert (cached.data_offset, cached.nbytes, cached.flags, cached.sig) == \
+               (full.data_offset, full.nbytes, full.flags, full.sig)
+    assert parse_torch_save_header_cached(b) is parse_torch_save_header_cached(a)  # same dtype and shape
+    assert parse_torch_save_header_cached(c).sig != parse_torch_save_header_cached(a).sig
+    with pytest.raises(_NeedMore):
+        parse_torch_save_header_cached(blob(torch.ones(11))[:64])  # a header cut short is never served
