@@ -22,7 +22,7 @@ import contextlib
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["hold_page_reporting"]
+__all__ = ["describe_hold", "hold_page_reporting"]
 
 _PARAMS = Path("/sys/module/page_reporting/parameters")
 _HELD_ORDER = "11"  # above MAX_PAGE_ORDER (10 on x86-64): no free block qualifies
@@ -67,3 +67,15 @@ def hold_page_reporting(enabled: bool = True, params: Path = _PARAMS) -> Iterato
         after = _reported_kib(params)
         if before is not None and after is not None:
             info["reported_kib_during"] = after - before
+
+
+def describe_hold(info: dict[str, object] | None) -> str:
+    """One line for a report from the dict :func:`hold_page_reporting` yielded."""
+    if not info:
+        return "not recorded"
+    line = str(info.get("state"))
+    if "order_before" in info:
+        line += f" (page_reporting_order {info['order_before']} -> {_HELD_ORDER}, restored at the end)"
+    if "reported_kib_during" in info:
+        line += f"; {int(info['reported_kib_during']) / 1024:.0f} MiB handed to the host during the run"
+    return line + " -- see benchmarks/_guest_memory.py"

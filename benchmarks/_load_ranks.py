@@ -298,7 +298,7 @@ def _load_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
         reader.read_data = timed_read_data
         if spec["reader"] == "stock":
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=None)
-        else:  # as distckpt's dcp_load runs it: GC paused, no collectives at world size 1
+        else:  # as distckpt's dcp_load runs it: GC paused, per-rank plans, one outcome exchange
             run_load(state, reader, process_group=None, directory=spec["dir"])
         dist.barrier()
         load_s = time.perf_counter() - t0

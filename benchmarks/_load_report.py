@@ -8,6 +8,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks._guest_memory import describe_hold
+
 
 _MIB = 1 << 20
 
@@ -143,17 +145,6 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and x != x) else format(x, spec)
 
 
-def _guest_line(info: dict[str, Any] | None) -> str:
-    if not info:
-        return "not recorded"
-    line = str(info.get("state"))
-    if "order_before" in info:
-        line += f" (page_reporting_order {info['order_before']} -> 11, restored at the end)"
-    if "reported_kib_during" in info:
-        line += f"; {info['reported_kib_during'] / 1024:.0f} MiB handed to the host during the run"
-    return line + " -- see benchmarks/_guest_memory.py"
-
-
 def render_markdown(results: dict[str, Any]) -> str:
     meta, rows = results["meta"], results["results"]
     lines = [f"# bench_load: {meta.get('size_mib', '?')} MiB, {meta['date']}", "",
@@ -164,7 +155,7 @@ def render_markdown(results: dict[str, Any]) -> str:
              f"{_fmt(meta.get('cold_resident_frac'), '.3f')}). Files per saving rank: "
              f"{meta.get('save_thread_count', 1)}. Rounds: {meta.get('rounds')}; readers rotated per "
              "round; ratios paired within a round, median over rounds.",
-             f"Guest free page reporting: {_guest_line(meta.get('page_reporting'))}.", ""]
+             f"Guest free page reporting: {describe_hold(meta.get('page_reporting'))}.", ""]
     lines += ["## Goals", ""] + [f"- {v}" for v in meta.get("verdicts", [])] + [""]
     if not rows:
         lines.append("(no load results)")

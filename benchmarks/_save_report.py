@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from benchmarks._guest_memory import describe_hold
 from benchmarks._save_ranks import _MIB, _RSS_SLACK_BYTES, _TRAIN_MODEL, SAVE_MODES, TRAIN_MODES
 
 
@@ -101,6 +102,7 @@ def render_markdown(results: dict[str, Any]) -> str:
              f"{'/'.join(f'{x:.1f}' for x in meta['loadavg_start'])}, at end "
              f"{'/'.join(f'{x:.1f}' for x in meta['loadavg_end'])}; "
              f"args `{' '.join(meta['argv']) or '(defaults)'}`", "",
+             f"Guest free page reporting: {describe_hold(meta.get('page_reporting'))}.", "",
              "Medians over rounds (each round: every mode once in a fresh set of ranks, order rotated). "
              "stall = save() + wait_staged(); e2e = save() until committed; ratios computed per round. "
              "RSS budget = baseline RSS before the state was built + 2 x local state.", ""]

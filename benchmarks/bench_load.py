@@ -36,10 +36,12 @@ Cells (one line each in ``results.md``):
 Readers (rotated within each round so drift hits them alike; cells with the same load world
 size run back to back per reader, so paired samples are close in time): ``stock`` (torch's
 ``FileSystemReader``, plain ``dcp.load``), ``stock_run_load`` (DCP's reader run through
-distckpt's ``run_load``, as every reader below is: cyclic GC paused, no collectives at world
-size 1; it separates those gains from the reader's own), ``safe_verify`` (distckpt's current ``SafeFileSystemReader`` with the
-manifest hashes: a ``check_file`` pass, then the stock read), ``fast`` (``FastFileSystemReader``,
-no hashes), ``fast_verify`` (``FastFileSystemReader`` with hashes, verified from the bytes read).
+distckpt's ``run_load``, as every reader below is: cyclic GC paused, each rank planning alone
+and one outcome exchange; it separates those gains from the reader's own), ``safe_verify``
+(``SafeFileSystemReader`` with the manifest hashes: a ``check_file`` pass, then the stock read;
+distckpt's path with ``fast_load: false``), ``fast`` (``FastFileSystemReader``, no hashes),
+``fast_verify`` (``FastFileSystemReader`` with hashes, verified from the bytes read: distckpt's
+default load path).
 All use ``SafeLoadPlanner``.
 
 How one sample is measured: a fresh set of spawned gloo ranks (forkserver with torch preloaded;

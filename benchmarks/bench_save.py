@@ -77,6 +77,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from benchmarks._guest_memory import hold_page_reporting
 from benchmarks._output import machine_info, prepare_dirs, write_outputs
 from benchmarks._ranks import BenchError, run_ranks
 from benchmarks._save_ranks import (_DISK, _MIB, _TRAIN_MODEL, ASYNC_MODES, SAVE_MODES, TRAIN_MODES, _save_worker,
@@ -383,6 +384,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data-dir", default=None,
                    help="where checkpoints are written (default: OUT/data; removed after each rank set)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="upper limit per rank set (seconds)")
+    p.add_argument("--leave-page-reporting", action="store_true",
+                   help="do not hold a VM's free page reporting during the run (see benchmarks/_guest_memory.py)")
     p.add_argument("--no-thread-count", action="store_true",
                    help="skip the blocking thread_count 1 vs 4 comparison at world size 1")
     p.add_argument("--thread-counts", type=int, nargs="+", default=[1, 4],
@@ -426,52 +429,54 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     finding = None
     default_tc = {m: 1 for m in SAVE_MODES}
-    try:
-        for size_mib in ([] if args.no_save else args.sizes_mib):
-            for ws in args.world_sizes:
-                block = _run_save_block(args, size_mib, ws, list(args.modes), default_tc, data_dir, with_disk=True)
-                rows += _save_rows(block, ws, default_tc)
-        if not args.no_thread_count and len(args.thread_counts) > 1:
-            size_mib = max(args.sizes_mib)
-            tc_modes = [f"blocking@tc{n}" for n in args.thread_counts]
-            tcs = {m: int(m.split("@tc")[1]) for m in tc_modes}
-            tc_args = argparse.Namespace(**vars(args))
-            tc_args.repeats = args.thread_count_repeats or args.repeats
-            block = _run_save_block(tc_args, size_mib, 1, tc_modes, tcs, data_dir, with_disk=False)
-            tc_rows = _save_rows(block, 1, tcs)
-            base_mode = tc_modes[0]
-            for row in tc_rows:
-                row["experiment"] = "thread_count"
-                row["mode"] = f"blocking_tc{row['thread_count']}"
-                own = block["samples"][f"blocking@tc{row['thread_count']}"]
+    guest: dict[str, Any] = {}
+    with hold_page_reporting(not args.leave_page_reporting) as guest:
+        try:
+            for size_mib in ([] if args.no_save else args.sizes_mib):
+                for ws in args.world_sizes:
+                    block = _run_save_block(args, size_mib, ws, list(args.modes), default_tc, data_dir, with_disk=True)
+                    rows += _save_rows(block, ws, default_tc)
+            if not args.no_thread_count and len(args.thread_counts) > 1:
+                size_mib = max(args.sizes_mib)
+                tc_modes = [f"blocking@tc{n}" for n in args.thread_counts]
+                tcs = {m: int(m.split("@tc")[1]) for m in tc_modes}
+                tc_args = argparse.Namespace(**vars(args))
+                tc_args.repeats = args.thread_count_repeats or args.repeats
+                block = _run_save_block(tc_args, size_mib, 1, tc_modes, tcs, data_dir, with_disk=False)
+                tc_rows = _save_rows(block, 1, tcs)
+                base_mode = tc_modes[0]
+                for row in tc_rows:
+                    row["experiment"] = "thread_count"
+                    row["mode"] = f"blocking_tc{row['thread_count']}"
+                    own = block["samples"][f"blocking@tc{row['thread_count']}"]
+                    base = block["samples"][base_mode]
+                    row["e2e_over_tc1"] = _median([a["end_to_end_s"] / b["end_to_end_s"] for a, b in zip(own, base)
+                                                   if a is not None and b is not None])
+                rows += tc_rows
+                ok = [r for r in tc_rows if "error" not in r]
                 base = block["samples"][base_mode]
-                row["e2e_over_tc1"] = _median([a["end_to_end_s"] / b["end_to_end_s"] for a, b in zip(own, base)
-                                               if a is not None and b is not None])
-            rows += tc_rows
-            ok = [r for r in tc_rows if "error" not in r]
-            base = block["samples"][base_mode]
-            if len(ok) == len(tc_rows) and len(ok) > 1:
-                best = min(ok, key=lambda r: r["e2e_over_tc1"])
-                parts = []
-                for r in ok[1:]:
-                    own = block["samples"][f"blocking@tc{r['thread_count']}"]
-                    wins = sum(a is not None and b is not None and a["end_to_end_s"] < b["end_to_end_s"]
-                               for a, b in zip(own, base))
-                    parts.append(f"thread_count={r['thread_count']} took x{r['e2e_over_tc1']:.2f} the time of "
-                                 f"thread_count={args.thread_counts[0]} (median of per-round ratios; faster in "
-                                 f"{wins}/{r['repeats']} rounds)")
-                finding = (f"Blocking save, {size_mib:g} MiB, world size 1: " + "; ".join(parts)
-                           + f". Faster by the paired ratio: thread_count={best['thread_count']}.")
-        if not args.no_train:
-            rows += _run_train(args, data_dir)
-    finally:
-        _clean(data_dir)
+                if len(ok) == len(tc_rows) and len(ok) > 1:
+                    best = min(ok, key=lambda r: r["e2e_over_tc1"])
+                    parts = []
+                    for r in ok[1:]:
+                        own = block["samples"][f"blocking@tc{r['thread_count']}"]
+                        wins = sum(a is not None and b is not None and a["end_to_end_s"] < b["end_to_end_s"]
+                                   for a, b in zip(own, base))
+                        parts.append(f"thread_count={r['thread_count']} took x{r['e2e_over_tc1']:.2f} the time of "
+                                     f"thread_count={args.thread_counts[0]} (median of per-round ratios; faster in "
+                                     f"{wins}/{r['repeats']} rounds)")
+                    finding = (f"Blocking save, {size_mib:g} MiB, world size 1: " + "; ".join(parts)
+                               + f". Faster by the paired ratio: thread_count={best['thread_count']}.")
+            if not args.no_train:
+                rows += _run_train(args, data_dir)
+        finally:
+            _clean(data_dir)
     results: dict[str, Any] = {"results": rows, "meta": {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "argv": argv_list, "args": vars(args), "torch_version": torch.__version__,
         "distckpt_version": distckpt.__version__, "machine": machine_info(out), "data_dir": str(data_dir),
         "wall_s": time.perf_counter() - t_start, "thread_count_finding": finding, "notes": notes,
-        "loadavg_start": load_start, "loadavg_end": os.getloadavg()}}
+        "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "page_reporting": guest}}
     busy = max(load_start[0], results["meta"]["loadavg_end"][0])
     if busy > (os.cpu_count() or 1):
         notes.append(f"1-min load average reached {busy:.1f} on {os.cpu_count()} CPUs: other processes shared "

@@ -46,3 +46,12 @@ def test_unwritable_knob_is_reported_not_raised(tmp_path):
     with hold_page_reporting(params=params) as info:
         pass
     assert info["state"].startswith("not held: ")
+
+
+def test_describe_hold_says_what_was_done():
+    from benchmarks._guest_memory import describe_hold
+
+    line = describe_hold({"state": "held", "order_before": 9, "reported_kib_during": 2048})
+    assert line.startswith("held (page_reporting_order 9 -> 11, restored at the end); 2 MiB handed")
+    assert describe_hold(None) == "not recorded"
+    assert describe_hold({"state": "not held: --leave-page-reporting"}).startswith("not held")
