@@ -70,8 +70,8 @@ def _verdicts(rows: list[dict[str, Any]]) -> list[str]:
         big = max(dist_rows, key=lambda r: (r["size_bytes"], r["rss_over_budget_bytes"]))
         out.append(
             f"- peak RSS <= baseline + local state + one staging copy per rank (+{slack // _MIB} MiB slack): "
-            f"**{'met' if not over else 'missed'}** in {len(dist_rows) - len(over)}/{len(dist_rows)} distckpt "
-            f"cells; worst relative: {worst_r['mode']} {worst_r['size_mib']:g} MiB ws={worst_r['world_size']} "
+            f"**{'met' if not over else 'missed'}** (within budget in {len(dist_rows) - len(over)}/{len(dist_rows)} "
+            f"distckpt cells); worst relative: {worst_r['mode']} {worst_r['size_mib']:g} MiB ws={worst_r['world_size']} "
             f"{worst_r['rss_over_budget_bytes'] / _MIB:+.0f} MiB vs budget "
             f"({worst_r['rss_over_budget_bytes'] / max(worst_r['local_state_bytes'], 1):+.0%} of its local state); "
             f"at the largest size the worst is {big['mode']} ws={big['world_size']} "
