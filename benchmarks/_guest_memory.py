@@ -19,6 +19,8 @@ where the file is missing or read-only nothing changes and the result says so.
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -26,6 +28,10 @@ __all__ = ["describe_hold", "hold_page_reporting"]
 
 _PARAMS = Path("/sys/module/page_reporting/parameters")
 _HELD_ORDER = "11"  # above MAX_PAGE_ORDER (10 on x86-64): no free block qualifies
+
+
+def _raise_system_exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _reported_kib(params: Path) -> int | None:
@@ -53,15 +59,25 @@ def hold_page_reporting(enabled: bool = True, params: Path = _PARAMS) -> Iterato
     else:
         try:
             old = order_file.read_text().strip()
-            order_file.write_text(_HELD_ORDER + "\n")
-            info.update(state="held", order_before=int(old))
+            if old == _HELD_ORDER:  # another run holds it and will restore it
+                old = None
+                info["state"] = "held (already, by another run)"
+            else:
+                order_file.write_text(_HELD_ORDER + "\n")
+                info.update(state="held", order_before=int(old))
         except OSError as e:
             old = None
             info["state"] = f"not held: {order_file}: {e.strerror or e}"
     before = _reported_kib(params)
+    # SIGTERM (a timeout, a job scheduler) would skip the restore below: make it an exception.
+    previous = None
+    if old is not None and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_system_exit)
     try:
         yield info
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if old is not None:
             order_file.write_text(old + "\n")
         after = _reported_kib(params)

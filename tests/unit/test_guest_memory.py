@@ -55,3 +55,30 @@ def test_describe_hold_says_what_was_done():
     assert line.startswith("held (page_reporting_order 9 -> 11, restored at the end); 2 MiB handed")
     assert describe_hold(None) == "not recorded"
     assert describe_hold({"state": "not held: --leave-page-reporting"}).startswith("not held")
+
+
+def test_a_second_hold_leaves_the_first_ones_value_alone(tmp_path):
+    params = _fake_params(tmp_path)
+    with hold_page_reporting(params=params):
+        with hold_page_reporting(params=params) as inner:
+            pass
+        assert inner["state"] == "held (already, by another run)"
+        assert (params / "page_reporting_order").read_text().strip() == "11"
+    assert (params / "page_reporting_order").read_text().strip() == "9"
+
+
+def test_sigterm_inside_the_hold_still_restores(tmp_path):
+    import os
+    import signal
+
+    import pytest
+
+    params = _fake_params(tmp_path)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit):
+        with hold_page_reporting(params=params):
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises at the next bytecode
+            for _ in range(1000):
+                pass
+    assert (params / "page_reporting_order").read_text().strip() == "9"
+    assert signal.getsignal(signal.SIGTERM) is before
