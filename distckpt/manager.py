@@ -232,13 +232,19 @@ class CheckpointManager:
 
     def _load_checkpoint(self, path: str) -> tuple[TrainState, Manifest]:
         """Read ``path`` into the live objects (every rank). Raises like :meth:`load`."""
-        manifest = Manifest.read(path)
-        self._check_model(manifest, path)
-        if self.config.verify_on_load:  # every rank plans from .metadata: check it first
-            for f in manifest.files:
-                if f.path == ".metadata":
-                    check_file(Path(path) / f.path, size_bytes=f.size_bytes, digest=f.hash)
-        keys = set(read_dcp_metadata(path).state_dict_metadata)
+        def read_plan_inputs() -> tuple[Manifest, set[str]]:
+            manifest = Manifest.read(path)
+            self._check_model(manifest, path)
+            if self.config.verify_on_load:  # every rank plans from .metadata: check it first
+                for f in manifest.files:
+                    if f.path == ".metadata":
+                        check_file(Path(path) / f.path, size_bytes=f.size_bytes, digest=f.hash)
+            return manifest, set(read_dcp_metadata(path).state_dict_metadata)
+
+        # Every rank reads these files itself (one node may see an I/O error the others do
+        # not): agree, so all ranks raise together, and fall back together.
+        manifest, keys = self.collective.agree(read_plan_inputs, what=f"reading {path}",
+                                               error_type=CheckpointCorruptError)
         with self.state.model_optim.load_context():
             target = self.collective.agree(
                 lambda: self.state.for_load(keys, manifest.world_size), what=f"planning the load of {path}")

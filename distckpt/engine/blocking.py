@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, DistCkptError
 from .safe_io import SafeFileSystemReader, SafeLoadPlanner
 from .writer import CheckedFileSystemWriter
 
@@ -44,18 +44,39 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def describe_exception(exc: BaseException) -> str:
+def describe_exception(exc: BaseException, *, dcp_ranks: bool = True) -> str:
     """One line ``Type: message``; DCP's ``CheckpointException`` is unwrapped to the original
-    exception of each failed rank (``DCP rank r: OSError: ...``)."""
+    exception of each failed rank (``DCP rank r: OSError: ...``; without the rank when
+    ``dcp_ranks`` is false: a ``no_dist`` call numbers every process 0). Never raises."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         parts = []
         for rank, pair in sorted(failures.items()):
             inner = pair[0] if isinstance(pair, tuple) else pair
-            parts.append(f"DCP rank {rank}: {describe_exception(inner)}")
+            text = describe_exception(inner, dcp_ranks=dcp_ranks)
+            parts.append(f"DCP rank {rank}: {text}" if dcp_ranks else text)
         return "; ".join(parts)[:1000]
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
+    lines = _safe_str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500]
+
+
+def _safe_str(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - an exception whose __str__ fails still gets a line
+        return "(its message could not be formatted)"
+
+
+# Not a property of the checkpoint: raised as they are, never counted as corruption (which
+# would make the manager set a good checkpoint aside and fall back).
+_NOT_CORRUPTION = (KeyboardInterrupt, SystemExit, MemoryError)
+
+
+def _inner_failures(exc: BaseException) -> list[BaseException]:
+    """``exc`` and, for DCP's ``CheckpointException``, each rank's original exception."""
+    inner = [pair[0] if isinstance(pair, tuple) else pair
+             for pair in (getattr(exc, "failures", None) or {}).values()]
+    return [exc] + [e for e in inner if isinstance(e, BaseException)]
 
 
 def hashing_writer(directory: str | os.PathLike, *, thread_count: int,
@@ -144,44 +165,61 @@ def run_load(state_dict: dict[str, Any], reader: Any, *, process_group: dist.Pro
     2 ranks; the exchange grows with the world size on the coordinator).
 
     Raises:
-        CheckpointCorruptError: on every rank when any rank failed, naming the first failing
-            rank's file (or ``directory``).
+        CheckpointCorruptError: on every rank when any rank's read failed, naming the first
+            failing rank and its file (or ``directory``).
+        KeyboardInterrupt, SystemExit, MemoryError: on the rank that got it (not counted as
+            corruption); the other ranks then raise ``DistCkptError`` naming it.
     """
-    local: CheckpointCorruptError | None = None
+    local: BaseException | None = None
     try:
         with gc_paused():
             dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-    except (KeyboardInterrupt, SystemExit):
-        raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        try:
-            raise_as_corrupt(e, directory, "DCP load failed")
-        except CheckpointCorruptError as c:
-            local = c
+        local = _load_error(e, directory)
     if not _single_rank(process_group):
+        rank = dist.get_rank(process_group)
+        if isinstance(local, CheckpointCorruptError):
+            local = CheckpointCorruptError(f"rank {rank}: {local}", path=local.path)
+        mine = None if local is None else (type(local).__name__, _safe_str(local)[:4000],
+                                           getattr(local, "path", None))
         outcomes: list[Any] = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(outcomes, None if local is None else (str(local), local.path), group=process_group)
+        dist.all_gather_object(outcomes, mine, group=process_group)
         failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
         if failed and local is None:
-            rank, (message, path) = failed[0]
-            raise CheckpointCorruptError(f"rank {rank}: {message}", path=path)
+            r, (kind, message, path) = failed[0]
+            if kind == CheckpointCorruptError.__name__:
+                raise CheckpointCorruptError(message, path=path)
+            raise DistCkptError(f"loading {directory} failed on rank {r}, not because of the checkpoint "
+                                f"({kind}: {message[:500]}); this rank stopped too")
     if local is not None:
         raise local
 
 
-def raise_as_corrupt(exc: BaseException, directory: str | os.PathLike, what: str) -> None:
-    """Re-raise a failed DCP read as :class:`CheckpointCorruptError` (KeyboardInterrupt and
-    SystemExit pass through). A ``CheckpointCorruptError`` raised on any rank inside DCP keeps
-    its message and path; anything else is named with ``what`` and the directory.
+def _load_error(exc: BaseException, directory: str | os.PathLike) -> BaseException:
+    """What a failed ``dcp.load`` raises on this rank: an interrupt or ``MemoryError`` as it is
+    (unwrapped from DCP), anything else as :class:`CheckpointCorruptError`. Never raises."""
+    try:
+        raise_as_corrupt(exc, directory, "DCP load failed", dcp_ranks=False)
+    except BaseException as e:  # noqa: BLE001 - returned, raised by the caller after the exchange
+        return e
+    return CheckpointCorruptError(f"{directory}: DCP load failed", path=os.fspath(directory))
+
+
+def raise_as_corrupt(exc: BaseException, directory: str | os.PathLike, what: str, *, dcp_ranks: bool = True) -> None:
+    """Re-raise a failed DCP read as :class:`CheckpointCorruptError`. ``KeyboardInterrupt``,
+    ``SystemExit`` and ``MemoryError`` -- also when DCP wrapped them -- pass through as they
+    are: they say nothing about the checkpoint. A ``CheckpointCorruptError`` raised on any rank
+    inside DCP keeps its message and path; anything else is named with ``what`` and the
+    directory (``dcp_ranks``: as :func:`describe_exception`).
 
     Raises:
-        CheckpointCorruptError: always (or the original interrupt).
+        CheckpointCorruptError: always (or the original interrupt / ``MemoryError``).
     """
-    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-        raise exc
-    for pair in (getattr(exc, "failures", None) or {}).values():
-        inner = pair[0] if isinstance(pair, tuple) else pair
+    for inner in _inner_failures(exc):
+        if isinstance(inner, _NOT_CORRUPTION):
+            raise inner
+    for inner in _inner_failures(exc)[1:]:
         if isinstance(inner, CheckpointCorruptError):
-            raise CheckpointCorruptError(str(inner), path=inner.path) from exc
-    raise CheckpointCorruptError(f"{directory}: {what} ({describe_exception(exc)})",
+            raise CheckpointCorruptError(_safe_str(inner), path=inner.path) from exc
+    raise CheckpointCorruptError(f"{directory}: {what} ({describe_exception(exc, dcp_ranks=dcp_ranks)})",
                                  path=os.fspath(directory)) from exc

@@ -69,3 +69,39 @@ def test_bit_flip_found_while_reading_falls_back_on_every_rank(tmp_path, fast_lo
     for k, v in expected.items():  # full state dict (gathered on rank 0): bitwise
         assert torch.equal(v, out[0]["params"][k]), k
     assert (tmp_path / "corrupt-step-000000006-0").is_dir() and not (tmp_path / "step-000000006").exists()
+
+
+def load_with_metadata_error_on_rank_1(rank, world_size, opts):
+    """``.metadata`` of the newest checkpoint unreadable on rank 1 only (one node's I/O error)."""
+    import distckpt.manager as manager_module
+    from distckpt.errors import CheckpointCorruptError
+
+    if rank == 1:
+        original = manager_module.read_dcp_metadata
+
+        def failing(path):
+            if "step-000000006" in str(path):
+                raise OSError(5, "Input/output error", f"{path}/.metadata")
+            return original(path)
+
+        manager_module.read_dcp_metadata = failing
+    try:
+        return {"loaded": load_report(rank, world_size, opts)["state"].step}
+    except CheckpointCorruptError as e:
+        return {"error": str(e)}
+
+
+@pytest.mark.parametrize("fallback", [True, False], ids=["fallback", "no-fallback"])
+def test_metadata_error_on_one_rank_fails_or_falls_back_on_every_rank(tmp_path, fallback):
+    from tests.distributed.trainer import save_after
+
+    opts = {"root": str(tmp_path), "wrapper": "fsdp2", "config": {"timeout_s": 60.0}}
+    values(run_ranks(save_after, 2, dict(opts, steps=3)))
+    values(run_ranks(save_after, 2, dict(opts, steps=6)))
+    out = values(run_ranks(load_with_metadata_error_on_rank_1, 2, dict(opts, fallback_to_older=fallback),
+                           timeout_s=50))  # well below the 60 s collective timeout: no rank waits it out
+    if fallback:
+        assert out == [{"loaded": 3}, {"loaded": 3}]
+    else:
+        for r in out:
+            assert "rank 1" in r["error"] and "Input/output error" in r["error"], r

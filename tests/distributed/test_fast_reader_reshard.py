@@ -181,11 +181,13 @@ def test_bench_load_smoke(tmp_path):
     assert not (out / "data").exists()
 
 
-def _run_load(rank: int, world_size: int, path: str, expected, bad_digest_on_rank: int | None) -> dict:
-    """Load through distckpt's ``run_load`` (each rank plans alone, one outcome exchange)."""
+def _run_load(rank: int, world_size: int, path: str, expected, fault: tuple[str, int] | None) -> dict:
+    """Load through distckpt's ``run_load`` (each rank plans alone, one outcome exchange);
+    ``fault = (kind, rank)``: ``"digest"`` (a digest that cannot match) or ``"interrupt"``
+    (``KeyboardInterrupt`` inside the read) on that rank alone."""
     from distckpt.engine.blocking import run_load
     from distckpt.engine.fast_reader import FastFileSystemReader
-    from distckpt.errors import CheckpointCorruptError
+    from distckpt.errors import CheckpointCorruptError, DistCkptError
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     with torch.device("meta"):
@@ -197,13 +199,20 @@ def _run_load(rank: int, world_size: int, path: str, expected, bad_digest_on_ran
             p.to_local().fill_(float("nan"))
     extra = {"step": torch.tensor(0), "tag": ""}
     state = {"model": model.state_dict(), "extra": extra}
-    if rank == bad_digest_on_rank:  # this rank alone sees a digest that cannot match
+    if fault == ("digest", rank):
         name = sorted(expected)[0]
         expected = dict(expected, **{name: (expected[name][0], "0" * 32)})
+    reader = FastFileSystemReader(path, expected_files=expected)
+    if fault == ("interrupt", rank):
+        def interrupted(plan, planner):
+            raise KeyboardInterrupt("Ctrl-C during the read")
+        reader.read_data = interrupted
     try:
-        run_load(state, FastFileSystemReader(path, expected_files=expected), process_group=None, directory=path)
+        run_load(state, reader, process_group=None, directory=path)
     except CheckpointCorruptError as e:
-        return {"error": str(e), "path": e.path}
+        return {"error": str(e), "path": e.path, "type": "CheckpointCorruptError"}
+    except (DistCkptError, KeyboardInterrupt) as e:
+        return {"error": str(e), "type": type(e).__name__}
     out = {}
     for name, p in model.named_parameters():
         shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
@@ -217,8 +226,13 @@ def test_run_load_reshards_without_plan_exchange_and_fails_on_every_rank(tmp_pat
     expected = {k: v for w in written for k, v in w.items()}
     loaded = values(run_ranks(_run_load, 3, path, expected, None, timeout_s=120))
     _check(_full_state(), loaded, 3)
-    failed = values(run_ranks(_run_load, 3, path, expected, 1, timeout_s=120))
+    failed = values(run_ranks(_run_load, 3, path, expected, ("digest", 1), timeout_s=120))
     bad_file = str(tmp_path / "ckpt" / sorted(expected)[0])
-    assert all("error" in r and r["path"] == bad_file for r in failed), failed
-    assert "does not match" in failed[1]["error"]
-    assert failed[0]["error"].startswith("rank 1: ") and failed[2]["error"].startswith("rank 1: ")
+    assert all(r.get("type") == "CheckpointCorruptError" and r["path"] == bad_file for r in failed), failed
+    assert all(r["error"].startswith("rank 1: ") and "does not match" in r["error"] for r in failed), failed
+    # An interrupt is not corruption: it reaches its rank as it is, the others stop with a plain
+    # DistCkptError (so a manager would not set the checkpoint aside).
+    stopped = values(run_ranks(_run_load, 3, path, expected, ("interrupt", 2), timeout_s=120))
+    assert stopped[2]["type"] == "KeyboardInterrupt", stopped
+    for r in stopped[:2]:
+        assert r["type"] == "DistCkptError" and "rank 2" in r["error"] and "KeyboardInterrupt" in r["error"], r
