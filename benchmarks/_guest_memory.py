@@ -12,17 +12,21 @@ memory, not the disk nor the reader, and does not exist on bare-metal training n
 load and save benchmarks hold reporting (when they may) and record that they did.
 
 Holding = raising ``page_reporting_order`` above the largest buddy order (only free blocks of
-at least that order are reported, so none are); the old value is restored on exit. Root only;
-where the file is missing or read-only nothing changes and the result says so.
+at least that order are reported, so none are); the old value is restored on exit, also on
+SIGTERM/SIGHUP, and a hold left by a killed run is repaired by the next run. Root only; where
+the file is missing or read-only nothing changes and the result says so.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import signal
+import tempfile
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 __all__ = ["describe_hold", "hold_page_reporting"]
 
@@ -41,15 +45,37 @@ def _reported_kib(params: Path) -> int | None:
         return None
 
 
+def _owner_alive(record: Path) -> bool | None:
+    """Whether the run that wrote ``record`` still runs (``None``: no readable record)."""
+    try:
+        pid = json.loads(record.read_text())["pid"]
+        os.kill(int(pid), 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 @contextlib.contextmanager
-def hold_page_reporting(enabled: bool = True, params: Path = _PARAMS) -> Iterator[dict[str, object]]:
+def hold_page_reporting(enabled: bool = True, params: Path = _PARAMS,
+                        record: Path | None = None) -> Iterator[dict[str, object]]:
     """Hold free page reporting for the ``with`` block; yields a dict recorded in the results.
 
-    The dict holds ``state`` (``"held"``, ``"not held: <why>"``), ``order_before`` and, after
-    the block, ``reported_kib_during`` (KiB the guest handed back while the block ran, from the
-    module's counter; 0 when the hold worked). Never raises for a missing or read-only knob.
+    The dict holds ``state`` (``"held"``, ``"held (already, by another run)"``, ``"not held:
+    <why>"``), ``order_before`` and, after the block, ``reported_kib_during`` (KiB the guest
+    handed back while the block ran, from the module's counter; 0 when the hold worked).
+
+    The old value and this process's pid go to ``record`` (default: beside the system's temp
+    files) for the hold's duration; SIGTERM and SIGHUP become ``SystemExit`` so the restore
+    runs. A hold left by a run that died without restoring (SIGKILL) is found by the next one
+    (the pid is gone) and its recorded value restored at that run's end. Never raises for a
+    missing or read-only knob.
     """
     order_file = params / "page_reporting_order"
+    record = record or Path(tempfile.gettempdir()) / "distckpt-page-reporting-hold.json"
     info: dict[str, object] = {}
     old: str | None = None
     if not enabled:
@@ -59,27 +85,36 @@ def hold_page_reporting(enabled: bool = True, params: Path = _PARAMS) -> Iterato
     else:
         try:
             old = order_file.read_text().strip()
-            if old == _HELD_ORDER:  # another run holds it and will restore it
-                old = None
-                info["state"] = "held (already, by another run)"
-            else:
+            if old == _HELD_ORDER:
+                alive = _owner_alive(record)
+                if alive is False:  # left by a run that died: take over its record
+                    old = str(json.loads(record.read_text())["order"])
+                    info["recovered_from_dead_run"] = True
+                else:
+                    old = None
+                    info["state"] = ("held (already, by another run)" if alive
+                                     else "held (already; no record of the value before)")
+            if old is not None:
+                record.write_text(json.dumps({"pid": os.getpid(), "order": old}))
                 order_file.write_text(_HELD_ORDER + "\n")
                 info.update(state="held", order_before=int(old))
-        except OSError as e:
+        except (OSError, ValueError, KeyError) as e:
             old = None
-            info["state"] = f"not held: {order_file}: {e.strerror or e}"
+            info["state"] = f"not held: {order_file}: {getattr(e, 'strerror', None) or e}"
     before = _reported_kib(params)
-    # SIGTERM (a timeout, a job scheduler) would skip the restore below: make it an exception.
-    previous = None
+    previous: dict[int, Any] = {}
     if old is not None and threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _raise_system_exit)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, _raise_system_exit)
     try:
         yield info
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if old is not None:
             order_file.write_text(old + "\n")
+            with contextlib.suppress(OSError):
+                record.unlink()
         after = _reported_kib(params)
         if before is not None and after is not None:
             info["reported_kib_during"] = after - before
@@ -92,6 +127,8 @@ def describe_hold(info: dict[str, object] | None) -> str:
     line = str(info.get("state"))
     if "order_before" in info:
         line += f" (page_reporting_order {info['order_before']} -> {_HELD_ORDER}, restored at the end)"
+    if info.get("recovered_from_dead_run"):
+        line += "; repaired the hold a killed run had left"
     if "reported_kib_during" in info:
         line += f"; {int(info['reported_kib_during']) / 1024:.0f} MiB handed to the host during the run"
     return line + " -- see benchmarks/_guest_memory.py"

@@ -187,7 +187,8 @@ def render_markdown(results: dict[str, Any]) -> str:
                 f"{'yes' if c.get('bitwise_equal') and w.get('bitwise_equal') else 'NO'} |")
     lines += ["", "Fields: see the module docstring of `benchmarks/bench_load.py`. `read_data` columns time the "
               "reader's `read_data` alone (slowest rank); the others the whole `dcp.load` between barriers "
-              "(DCP's planning collectives included, the same work for every reader). `extra RSS / local state` = "
+              "(planning included: DCP's plan exchange for `stock`, per-rank plans and one outcome exchange "
+              "through `run_load` for the others). `extra RSS / local state` = "
               "(peak RSS - RSS after the target state was built) / this rank's state bytes, max over ranks."]
     notes = meta.get("notes") or []
     if notes:

@@ -121,12 +121,12 @@ def run_ranks(fn_ref: str, world_size: int, spec: dict[str, Any], *, timeout_s: 
         spec = dict(spec, timeout_s=timeout_s)
         procs = [ctx.Process(target=_rank_entry, args=(fn_ref, r, world_size, init_file, tmp, spec))
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
         deadline = time.monotonic() + timeout_s
         timed_out = False
         reported_at = None
         try:
+            for p in procs:  # inside the try: an interrupt while starting still kills those started
+                p.start()
             while any(p.is_alive() for p in procs):
                 now = time.monotonic()
                 if now > deadline:
@@ -141,10 +141,11 @@ def run_ranks(fn_ref: str, world_size: int, spec: dict[str, Any], *, timeout_s: 
                         break
                 procs[0].join(0.05)
         finally:
-            for p in procs:
+            started = [p for p in procs if p.pid is not None]
+            for p in started:
                 if p.is_alive():
                     _kill_tree(p.pid)
-            for p in procs:
+            for p in started:
                 p.join(10)
         values, errors = [], []
         for r, p in enumerate(procs):

@@ -61,8 +61,9 @@ memory is touched as after model init), then does a **cold** load and a **warm**
   in the results records what was done;
 * warm: the target is zeroed and the same load runs again with the files in the page cache;
 * ``load_s``: from a barrier before ``dcp.load`` to a barrier after it (the slowest rank),
-  including DCP's planning collectives, which are the same for every reader; ``read_data_s``:
-  the reader's ``read_data`` alone (slowest rank).
+  including planning (``stock``: DCP's plan gather and scatter and final gather; the readers
+  run through ``run_load``: per-rank planning and one outcome exchange); ``read_data_s``: the
+  reader's ``read_data`` alone (slowest rank).
 
 The physical reference, per checkpoint and round: ``disk_read_gbps`` is one plain sequential
 read of all of the checkpoint's files (16 MiB ``readv``, cold, one thread) -- the "raw
