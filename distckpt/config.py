@@ -57,8 +57,10 @@ class CheckpointConfig:
             fails at construction (``CheckpointLockedError``). Without the lock the manager
             does not remove staging directories (they may belong to a live writer).
         preemption: on SIGTERM (any rank), all ranks save at the next ``maybe_save``.
-        exit_on_preemption: after that save, close and ``raise SystemExit(0)``; when false,
-            ``maybe_save`` returns and ``manager.preempted`` is true.
+        exit_on_preemption: after that save, close, destroy the process groups (distckpt's
+            and the default one, after a barrier: every rank leaves together) and ``raise
+            SystemExit(0)``; when false, ``maybe_save`` returns and ``manager.preempted`` is
+            true (the job then ends the way it chooses, as ``launch/train.py`` does).
         full_at_end: the final save (``last_step=True``) is a FULL checkpoint.
         event_log: append phase events (stage, write, manifest, rename, latest, retention,
             committed, load) as JSON lines to this file; ``$DISTCKPT_EVENT_LOG`` also works.

@@ -359,8 +359,24 @@ class CheckpointManager:
                            "exiting" if self.config.exit_on_preemption else "manager.preempted is set")
         if self.config.exit_on_preemption:
             self.close()
+            self._tear_down_for_exit()
             raise SystemExit(0)
         return saved
+
+    def _tear_down_for_exit(self) -> None:
+        """Every rank is leaving together: destroy distckpt's gloo group and the default group
+        after a barrier. gloo groups left to the interpreter's exit have aborted a rank here
+        ("terminate called without an active exception", exit code -6) after a clean save."""
+        if not self.collective.enabled:
+            return
+        try:
+            self.collective.barrier()
+            dist.destroy_process_group(self.collective.group)
+            if dist.is_initialized():
+                dist.barrier()
+                dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 - the checkpoint is committed; exiting anyway
+            logger.warning("process group teardown before the preemption exit failed: %s", describe_exception(e))
 
     def _record(self, step: int, loss: float | None, counters: dict[str, int]) -> None:
         ts = self.train_state
