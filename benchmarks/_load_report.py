@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._guest_memory import describe_hold
+from benchmarks._output import pyplot
 
 
 _MIB = 1 << 20
@@ -197,12 +198,8 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 def _plot(results: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     rows = [r for r in results["results"] if "error" not in r and r["cache"] == "cold"]
     if not rows:

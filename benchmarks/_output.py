@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["machine_info", "prepare_dirs", "write_outputs"]
+__all__ = ["machine_info", "prepare_dirs", "pyplot", "write_outputs"]
 
 
 def prepare_dirs(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -49,6 +49,19 @@ def machine_info(data_dir: Path) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - informative only
         pass
     return info
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend, or ``None`` when matplotlib is
+    not installed (the benchmarks then write no plot and say so)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
 
 
 def write_outputs(out: Path, results: dict[str, Any], render: Callable[[dict[str, Any]], str],

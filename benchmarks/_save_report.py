@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._guest_memory import describe_hold
+from benchmarks._output import pyplot
 from benchmarks._save_ranks import _MIB, _RSS_SLACK_BYTES, _TRAIN_MODEL, SAVE_MODES, TRAIN_MODES
 
 
@@ -163,12 +164,8 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 def _plot(results: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     save = [r for r in results["results"] if r["experiment"] == "save" and "error" not in r]
     train = [r for r in results["results"] if r["experiment"] == "train" and "error" not in r]

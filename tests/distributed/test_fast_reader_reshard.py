@@ -72,14 +72,8 @@ def _save(rank: int, world_size: int, path: str, wrapper: str) -> dict[str, tupl
     return {p.name: hash_file(p) for p in sorted(Path(path).glob("*.distcp"))}
 
 
-def _load(rank: int, world_size: int, path: str, reader_kw: dict, expected) -> dict:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    from distckpt.engine.fast_reader import FastFileSystemReader
-    from distckpt.engine.safe_io import SafeLoadPlanner
-
+def _nan_target():
+    """An FSDP2 target on this rank's shards, NaN-filled (a load that skips a byte shows)."""
     with torch.device("meta"):
         model = _net()
     _shard(model)
@@ -88,15 +82,33 @@ def _load(rank: int, world_size: int, path: str, reader_kw: dict, expected) -> d
         for p in model.parameters():
             p.to_local().fill_(float("nan"))
     extra = {"step": torch.tensor(0), "tag": ""}
-    state = {"model": model.state_dict(), "extra": extra}
-    reader = FastFileSystemReader(path, expected_files=expected, **reader_kw)
-    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=None)
+    return model, {"model": model.state_dict(), "extra": extra}, extra
+
+
+def _local_params(model) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
+    """``{name: (global offset, local shard)}`` of every DTensor parameter."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     out = {}
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor)
-        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        _shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
         out[name] = (tuple(offset), p.to_local().clone())
-    return {"params": out, "step": int(extra["step"]), "tag": extra["tag"], "stats": reader.last_stats}
+    return out
+
+
+def _load(rank: int, world_size: int, path: str, reader_kw: dict, expected) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from distckpt.engine.fast_reader import FastFileSystemReader
+    from distckpt.engine.safe_io import SafeLoadPlanner
+
+    model, state, extra = _nan_target()
+    reader = FastFileSystemReader(path, expected_files=expected, **reader_kw)
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=None)
+    return {"params": _local_params(model), "step": int(extra["step"]), "tag": extra["tag"],
+            "stats": reader.last_stats}
 
 
 def _check(full: dict[str, torch.Tensor], per_rank: list[dict], world_size: int) -> None:
@@ -188,17 +200,8 @@ def _run_load(rank: int, world_size: int, path: str, expected, fault: tuple[str,
     from distckpt.engine.blocking import run_load
     from distckpt.engine.fast_reader import FastFileSystemReader
     from distckpt.errors import CheckpointCorruptError, DistCkptError
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    with torch.device("meta"):
-        model = _net()
-    _shard(model)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.to_local().fill_(float("nan"))
-    extra = {"step": torch.tensor(0), "tag": ""}
-    state = {"model": model.state_dict(), "extra": extra}
+    model, state, extra = _nan_target()
     if fault == ("digest", rank):
         name = sorted(expected)[0]
         expected = dict(expected, **{name: (expected[name][0], "0" * 32)})
@@ -213,11 +216,7 @@ def _run_load(rank: int, world_size: int, path: str, expected, fault: tuple[str,
         return {"error": str(e), "path": e.path, "type": "CheckpointCorruptError"}
     except (DistCkptError, KeyboardInterrupt) as e:
         return {"error": str(e), "type": type(e).__name__}
-    out = {}
-    for name, p in model.named_parameters():
-        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        out[name] = (tuple(offset), p.to_local().clone())
-    return {"params": out, "step": int(extra["step"]), "tag": extra["tag"]}
+    return {"params": _local_params(model), "step": int(extra["step"]), "tag": extra["tag"]}
 
 
 def test_run_load_reshards_without_plan_exchange_and_fails_on_every_rank(tmp_path):
