@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import __version__
-from .adapters import tensor_specs, wrapper_kind
+from .adapters import ddp_rebuilds_buckets, tensor_specs, wrapper_kind
 from .collective import Collective
 from .commit import commit, delete_checkpoint, find_committed, list_files, remove_leftovers, set_aside, validate
 from .config import CheckpointConfig
@@ -113,6 +113,12 @@ class CheckpointManager:
                                      collective=self.collective)
         self.wrapper = wrapper_kind(model)
         self.model_specs = tensor_specs(model)
+        if self.rank == 0 and self.world_size >= 3 and ddp_rebuilds_buckets(model):
+            logger.warning(
+                "DDP on %d ranks rebuilds its gradient buckets after each process's first step, so "
+                "a same-world resume matches the uninterrupted run to float rounding, not bitwise. "
+                "For bitwise resumes build DDP with find_unused_parameters=True (no rebuild; "
+                "README: Exactness).", self.world_size)
         self.last_saved_step: int | None = None
         self.last_save_seconds = 0.0
         self._closed = False

@@ -70,6 +70,11 @@ class TrainConfig:
         grad_accum_steps: micro-batches per optimizer step; each rank splits its
             ``G / world_size`` samples into this many equal parts.
         wrapper: ``"ddp"`` or ``"fsdp2"``.
+        ddp_fixed_buckets: keep DDP's gradient-bucket layout fixed for the whole run
+            (``find_unused_parameters=True``, which turns off DDP's one-time bucket rebuild
+            after a process's first iteration). Without it, a same-world resume on 3+ ranks
+            reduces its first step with a different layout than the uninterrupted run, so the
+            gradient sums differ in the last bits. See README "Exactness".
         compile: wrap the model in ``torch.compile``.
         compile_backend: ``torch.compile`` backend (``inductor``, ``aot_eager``, ``eager``).
         amp: ``"none"`` or ``"fp16"`` (autocast + GradScaler; CUDA only, ignored with a
@@ -88,6 +93,7 @@ class TrainConfig:
     grad_clip: float | None = 1.0
     grad_accum_steps: int = 1
     wrapper: Literal["ddp", "fsdp2"] = "ddp"
+    ddp_fixed_buckets: bool = True
     compile: bool = False
     compile_backend: str = "inductor"
     amp: Literal["none", "fp16"] = "none"

@@ -11,11 +11,14 @@ b. ``killed``       2 ranks; the whole job (torchrun and every worker) is SIGKIL
 c. ``resume_2to2``  2 ranks, resumes b's newest checkpoint from b's checkpoint root.
 d. ``resume_2to4``  4 ranks, resumes the same checkpoint (from a copy of b's root).
 e. ``resume_4to2``  2 ranks, resumes a checkpoint d wrote after its resume.
+f. ``resume_4to4``  4 ranks, resumes that same checkpoint; compared with d itself, which
+                    trained on from it uninterrupted (same-world exactness at 4 ranks).
 
 By default the corpus is cut so that an epoch is ``--epoch-steps`` steps, so the runs cross
 epoch boundaries before and after the restarts. The demo prints a table, writes
 ``<out>/summary.json`` (``{"runs": [...], "requirements": [...], ...}``) and exits 1 when a
-requirement is missed: same world size ``max_abs_loss_diff == 0.0``; changed world size
+requirement is missed: same world size ``max_abs_loss_diff == 0.0`` (against the baseline, or
+for f against d); changed world size
 ``<= --tolerance``; no duplicated or skipped samples anywhere.
 
 Sample accounting. The *kept history* of a run is what its final model was trained on: for a
@@ -70,6 +73,7 @@ class Run:
     out: Path
     ckpt_root: Path
     parent: "Run | None" = None  # the run whose checkpoint this one resumes
+    reference: "Run | None" = None  # whose losses it must reproduce (default: the baseline)
     load_path: Path | None = None
     returncode: int | None = None
     wall_seconds: float = 0.0
@@ -276,8 +280,10 @@ def summarize(run: Run, baseline: Run, info: dict[str, Any], steps: int) -> dict
         "samples_match_baseline": all(history.get(s) == baseline.samples.get(s) for s in range(1, last + 1)),
     }
     if run is not baseline:
+        ref = run.reference or baseline
         own = [s for s in run.metrics if c is None or s > c]
-        diffs = [abs(run.metrics[s]["loss"] - baseline.metrics[s]["loss"]) for s in own if s in baseline.metrics]
+        diffs = [abs(run.metrics[s]["loss"] - ref.metrics[s]["loss"]) for s in own if s in ref.metrics]
+        row["compared_with"] = ref.name
         row["max_abs_loss_diff"] = max(diffs) if diffs else None
         row["compared_steps"] = len(diffs)
     return row
@@ -302,13 +308,14 @@ def check(rows: list[dict[str, Any]], steps: int, interval: int, tolerance: floa
         req(f"{r['name']}: no duplicated or skipped samples",
             r["duplicated_samples"] == 0 and r["skipped_samples"] == 0,
             [r["duplicated_samples"], r["skipped_samples"]])
-    for name, saved, now in (("resume_2to2", 2, 2), ("resume_2to4", 2, 4), ("resume_4to2", 4, 2)):
+    for name, saved, now in (("resume_2to2", 2, 2), ("resume_2to4", 2, 4), ("resume_4to2", 4, 2),
+                             ("resume_4to4", 4, 4)):
         r = by[name]
         req(f"{name}: resumed a checkpoint of {saved} ranks on {now}",
             r["saved_world_size"] == saved and r["world_size"] == now and r["resumed_from_step"] is not None,
             [r["saved_world_size"], r["world_size"], r["resumed_from_step"]])
-    for name in ("killed", "resume_2to2"):
-        req(f"{name}: loss bitwise equal to the baseline", by[name]["max_abs_loss_diff"] == 0.0,
+    for name in ("killed", "resume_2to2", "resume_4to4"):
+        req(f"{name}: loss bitwise equal to {by[name]['compared_with']}", by[name]["max_abs_loss_diff"] == 0.0,
             by[name]["max_abs_loss_diff"])
     for name in ("resume_2to4", "resume_4to2"):
         d = by[name]["max_abs_loss_diff"]
@@ -392,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
                               parent=runs["killed"])
     runs["resume_4to2"] = Run("resume_4to2", args.nproc, out / "resume_4to2", out / "resume_4to2" / "checkpoints",
                               parent=runs["resume_2to4"])
+    runs["resume_4to4"] = Run("resume_4to4", args.nproc_alt, out / "resume_4to4", out / "resume_4to4" / "checkpoints",
+                              parent=runs["resume_2to4"], reference=runs["resume_2to4"])
     for path in [r.out for r in runs.values()] + [shared, out / "ckpt_killed_copy"]:
         shutil.rmtree(path, ignore_errors=True)  # only what an earlier demo in --out made
     (out / "summary.json").unlink(missing_ok=True)
@@ -422,8 +431,9 @@ def main(argv: list[str] | None = None) -> int:
         d = runs["resume_2to4"]
         later = [s for s in _committed_steps(d.ckpt_root) if (d.resumed_from or 0) < s < n]
         if later:  # the oldest checkpoint the 4 ranks wrote after their resume
-            runs["resume_4to2"].load_path = d.ckpt_root / f"step-{later[0]:09d}"
-            go(runs["resume_4to2"])
+            for name in ("resume_4to2", "resume_4to4"):
+                runs[name].load_path = d.ckpt_root / f"step-{later[0]:09d}"
+                go(runs[name])
     except (TimeoutError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

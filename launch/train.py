@@ -161,8 +161,13 @@ def build_job(cfg: JobConfig, rank: int, world_size: int, device: torch.device) 
     model = GPT(cfg.model).to(device)
     n_params = num_parameters(model)  # before FSDP2 turns parameters into local shards
     if cfg.train.wrapper == "ddp":
+        # DDP rebuilds its buckets in gradient-ready order after a process's first iteration,
+        # so a resumed process would reduce one step with a layout the uninterrupted run never
+        # used; with 3+ ranks the sum order, and so the last bits, change. Turning the rebuild
+        # off (find_unused_parameters) keeps one layout for the whole run.
         wrapped: nn.Module = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
+            model, device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=cfg.train.ddp_fixed_buckets)
     else:
         from torch.distributed.fsdp import fully_shard
 

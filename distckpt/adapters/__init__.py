@@ -5,7 +5,7 @@ DCP's ``get_state_dict``/``set_state_dict`` already strip wrapper prefixes (DDP 
 adds wrapper detection, the FULL/SHARDED choice, and guards around DCP's optimizer helpers.
 """
 
-from .wrappers import wrapper_kind
+from .wrappers import ddp_rebuilds_buckets, wrapper_kind
 from .model_optim import ModelOptimState, tensor_specs
 
-__all__ = ["wrapper_kind", "ModelOptimState", "tensor_specs"]
+__all__ = ["ddp_rebuilds_buckets", "wrapper_kind", "ModelOptimState", "tensor_specs"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["wrapper_kind", "unwrap"]
+__all__ = ["wrapper_kind", "unwrap", "ddp_rebuilds_buckets"]
 
 
 def _is_compiled(module: nn.Module) -> bool:
@@ -49,6 +49,26 @@ def wrapper_kind(module: nn.Module) -> str:
     if kind == "plain":
         kind = _fsdp_kind(m)
     return kind + ("+compile" if compiled else "")
+
+
+def ddp_rebuilds_buckets(module: nn.Module) -> bool:
+    """Whether ``module`` is (or compiles) a DDP module that will rebuild its gradient buckets.
+
+    DDP reassigns parameters to buckets once, after a process's first iteration, in the order
+    their gradients became ready (``Reducer::should_rebuild_buckets``: unless
+    ``find_unused_parameters=True`` without ``static_graph``). A resumed process therefore
+    reduces its first step with a layout the uninterrupted run used only at its own first step;
+    with 3+ ranks the summation order of an element depends on its offset in the bucket, so
+    the gradients differ in the last bits and a same-world resume is not bitwise.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    m = module
+    while _is_compiled(m):
+        m = m._orig_mod
+    if not isinstance(m, DistributedDataParallel):
+        return False
+    return bool(getattr(m, "static_graph", False)) or not m.find_unused_parameters
 
 
 def _fsdp_kind(module: nn.Module) -> str:

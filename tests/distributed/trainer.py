@@ -50,7 +50,8 @@ def build(rank: int, world_size: int, opts: dict[str, Any]):
                 dtype=opts.get("dtype", torch.float32))
     wrapper = opts.get("wrapper", "plain")
     if wrapper == "ddp":
-        model = nn.parallel.DistributedDataParallel(model)
+        model = nn.parallel.DistributedDataParallel(
+            model, find_unused_parameters=opts.get("ddp_fixed_buckets", False))
     elif wrapper == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -80,9 +81,11 @@ def train(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
     config = CheckpointConfig(root=opts["root"], interval_steps=opts.get("interval_steps", 3),
                               keep_last=opts.get("keep_last", 3),
+                              keep_every_steps=opts.get("keep_every_steps"),
                               state_dict_type=opts.get("state_dict_type", "sharded"),
                               fast_load=opts.get("fast_load", CheckpointConfig.fast_load),
-                              fallback_to_older=opts.get("fallback_to_older", False))
+                              fallback_to_older=opts.get("fallback_to_older", False),
+                              load_path=opts.get("load_path"))
     manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                 grad_scaler=scaler, dataloader=loader)
     state = manager.load()

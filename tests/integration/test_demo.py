@@ -94,20 +94,25 @@ def test_demo_kill_and_resume_across_world_sizes(tmp_path: pathlib.Path) -> None
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     summary = json.loads((out / "summary.json").read_text())
     rows = {r["name"]: r for r in summary["runs"]}
-    assert list(rows) == ["baseline", "killed", "resume_2to2", "resume_2to4", "resume_4to2"]
+    assert list(rows) == ["baseline", "killed", "resume_2to2", "resume_2to4", "resume_4to2", "resume_4to4"]
     assert all(r["ok"] for r in summary["requirements"])
 
     base, killed = rows["baseline"], rows["killed"]
     assert base["resumed_from_step"] is None and base["max_abs_loss_diff"] is None
     ckpt = rows["resume_2to2"]["resumed_from_step"]
     assert ckpt == INTERVAL and INTERVAL < killed["last_step"] < 2 * INTERVAL  # between checkpoints
-    for name, saved, now in (("resume_2to2", 2, 2), ("resume_2to4", 2, 4), ("resume_4to2", 4, 2)):
+    for name, saved, now in (("resume_2to2", 2, 2), ("resume_2to4", 2, 4), ("resume_4to2", 4, 2),
+                             ("resume_4to4", 4, 4)):
         r = rows[name]
         assert (r["saved_world_size"], r["world_size"], r["last_step"]) == (saved, now, STEPS), r
         assert r["steps_replayed"] >= 1 and r["samples_match_baseline"], r
     assert rows["resume_2to4"]["resumed_from_step"] == ckpt
     assert ckpt < rows["resume_4to2"]["resumed_from_step"] < STEPS  # a checkpoint the 4 ranks wrote
     assert rows["resume_2to2"]["max_abs_loss_diff"] == 0.0  # bitwise, same world size
+    r44 = rows["resume_4to4"]  # bitwise against the 4-rank run that went on from the same checkpoint
+    assert r44["resumed_from_step"] == rows["resume_4to2"]["resumed_from_step"]
+    assert r44["compared_with"] == "resume_2to4" and r44["max_abs_loss_diff"] == 0.0
+    assert r44["compared_steps"] == STEPS - r44["resumed_from_step"]
     assert rows["resume_2to4"]["max_abs_loss_diff"] <= 1e-4
     assert rows["resume_4to2"]["max_abs_loss_diff"] <= 1e-4
     for r in rows.values():
