@@ -187,7 +187,11 @@ class CheckpointManager:
                 failed read had written.
             IncompatibleCheckpointError: the live model/optimizer/components do not match;
                 lists every difference.
+            CollectiveMismatchError: not every rank called ``load()`` within
+                ``config.arrival_timeout_s``; names the ranks.
         """
+        self._check_open()
+        self.collective.arrive("load()", timeout_s=self.config.effective_arrival_timeout_s)
         self.wait()
         if not self.config.load:
             return None
@@ -335,6 +339,8 @@ class CheckpointManager:
         Raises:
             CheckpointSaveError: the save failed on some rank (raised on every rank); the
                 previous checkpoint is intact and training may continue.
+            CollectiveMismatchError: a save is due here but not every rank saved this step
+                (see :meth:`save`).
         """
         self._check_open()
         self._record(step, loss, counters)
@@ -407,8 +413,11 @@ class CheckpointManager:
 
         Raises:
             CheckpointSaveError: on every rank if any rank failed; nothing was committed.
+            CollectiveMismatchError: not every rank called ``save`` with this ``step`` within
+                ``config.arrival_timeout_s`` (names the ranks); nothing was written.
         """
         self._check_open()
+        self.collective.arrive(f"save(step={step})", timeout_s=self.config.effective_arrival_timeout_s)
         if loss is not None or counters or step != self.train_state.step:
             self._record(step, loss, counters)
         self.wait()  # at most one save in flight
