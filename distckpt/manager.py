@@ -304,7 +304,9 @@ class CheckpointManager:
         if manifest.model_fingerprint == model_fingerprint(self.model_specs):
             return
         saved, live = manifest.model, self.model_specs
-        missing = sorted(set(live) - set(saved))
+        ties = self.state.model_optim.ties  # a tied key is loaded from its saved twin
+        missing = sorted(k for k in set(live) - set(saved)
+                         if not any(saved.get(t) == live[k] for t in ties.get(k, [])))
         unexpected = sorted(set(saved) - set(live))
         mismatched = []
         for key in sorted(set(saved) & set(live)):
@@ -312,6 +314,8 @@ class CheckpointManager:
                 a, b = getattr(saved[key], what), getattr(live[key], what)
                 if list(a) != list(b) if what == "shape" else a != b:
                     mismatched.append((key, what, str(a), str(b)))
+        if not (missing or unexpected or mismatched):
+            return
         lines = [f"checkpoint {path} does not fit the live model:"]
         lines += [f"  missing in checkpoint: {k}" for k in missing]
         lines += [f"  unexpected (in checkpoint, not in model): {k}" for k in unexpected]
