@@ -87,8 +87,11 @@ class Collective:
             return
         from torch.distributed import distributed_c10d
 
-        # No public accessor for the default store in torch 2.13; new_group uses the same one.
-        store = dist.PrefixStore(f"distckpt/{self.group.group_name}/", distributed_c10d._get_default_store())
+        try:  # no public accessor for the default store in torch 2.13; new_group uses the same one
+            default_store = distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError):  # a group without a store: the collectives' timeout applies
+            return
+        store = dist.PrefixStore(f"distckpt/{self.group.group_name}/", default_store)
         gen, self._arrivals = self._arrivals, self._arrivals + 1
         self._calls[gen] = call
         store.set(f"{gen}/rank{self.rank}", call)

@@ -9,7 +9,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 from distckpt import CheckpointConfig, CheckpointManager, IncompatibleCheckpointError
-from distckpt.adapters import tied_keys
 from distckpt.export import import_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -32,6 +31,8 @@ class TinyLM(nn.Module):
 
 
 def test_tied_keys_groups_one_tensor_under_every_name():
+    from distckpt.adapters import tied_keys
+
     assert tied_keys(TinyLM()) == {"embed.weight": ["lm_head.weight"], "lm_head.weight": ["embed.weight"]}
     assert tied_keys(TinyLM(tied=False)) == {}
 
