@@ -8,6 +8,7 @@ waiting in a later collective. Without an initialised process group it degrades 
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
@@ -18,6 +19,29 @@ __all__ = ["Collective"]
 
 T = TypeVar("T")
 
+# Added to an arrival counter by a rank that stopped waiting: any later arrival sees it.
+_GAVE_UP = 1 << 40
+
+
+def _check_single_process(process_group: dist.ProcessGroup | None) -> None:
+    """Refuse a one-process setup that is really one rank of many (``torchrun`` without
+    ``init_process_group``): each rank would write its own "world size 1" checkpoints."""
+    if process_group is not None:
+        raise errors.ConfigError(
+            "a process_group was passed but torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group() before building the CheckpointManager")
+    try:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if world_size > 1:
+        raise errors.ConfigError(
+            f"WORLD_SIZE={world_size} in the environment (rank {os.environ.get('RANK', '?')}, as "
+            "torchrun sets it) but torch.distributed is not initialised, so every rank would act as "
+            "a separate one-process job writing its own checkpoints. Call "
+            "torch.distributed.init_process_group() before building the CheckpointManager (or pass "
+            "process_group=...); unset WORLD_SIZE for a single-process run.")
+
 
 class Collective:
     """Object collectives over a dedicated gloo group (works beside an NCCL training group).
@@ -25,11 +49,19 @@ class Collective:
     Args:
         process_group: the training group whose ranks take part; ``None`` = default group.
         timeout_s: timeout of the gloo group's collectives (seconds).
+
+    Raises:
+        ConfigError: ``torch.distributed`` is not initialised but the environment says this is
+            one of several ranks (``WORLD_SIZE > 1``, as set by ``torchrun``), or a
+            ``process_group`` is passed without an initialised default group.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None, *, timeout_s: float) -> None:
         self.enabled = dist.is_available() and dist.is_initialized()
+        self._arrivals = 0  # entry checks made so far (see arrive)
+        self._calls: dict[int, str] = {}  # recent entry checks' calls, for removing their keys
         if not self.enabled:
+            _check_single_process(process_group)
             self.group, self.rank, self.world_size = None, 0, 1
             return
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
@@ -37,6 +69,79 @@ class Collective:
         self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+
+    def arrive(self, call: str, *, timeout_s: float) -> None:
+        """Entry check of a collective call: every rank must make the same ``call`` (e.g.
+        ``"save(step=10)"``) within ``timeout_s`` seconds of each other.
+
+        Uses the default group's key-value store, not a process group, so a rank that never
+        comes costs the others ``timeout_s`` (not the groups' timeout) and leaves every
+        process group usable. Cost when all ranks arrive: four small store requests per rank.
+
+        Raises:
+            CollectiveMismatchError: some rank did not make ``call`` in time; names the ranks
+                that made no call and the calls the others made instead (on every rank that
+                waited; a rank arriving after the others gave up raises at once).
+        """
+        if not self.enabled or self.world_size == 1:
+            return
+        from torch.distributed import distributed_c10d
+
+        try:  # no public accessor for the default store in torch 2.13; new_group uses the same one
+            default_store = distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError):  # a group without a store: the collectives' timeout applies
+            return
+        store = dist.PrefixStore(f"distckpt/{self.group.group_name}/", default_store)
+        gen, self._arrivals = self._arrivals, self._arrivals + 1
+        self._calls[gen] = call
+        store.set(f"{gen}/rank{self.rank}", call)
+        arrived = store.add(f"{gen}/{call}/arrived", 1)
+        if arrived == self.world_size:
+            store.set(f"{gen}/{call}/done", "")
+        elif arrived < _GAVE_UP:
+            try:
+                store.wait([f"{gen}/{call}/done"], datetime.timedelta(seconds=timeout_s))
+                arrived = 0
+            except RuntimeError:  # DistStoreError: "Wait timeout"
+                # Give up, atomically with the arrivals: a rank arriving later sees it and raises.
+                arrived = store.add(f"{gen}/{call}/arrived", _GAVE_UP)
+                if arrived % _GAVE_UP == self.world_size:
+                    arrived = 0  # the last rank arrived just before we gave up
+        if arrived >= _GAVE_UP:
+            raise self._mismatch(store, gen, call, timeout_s)
+        if gen >= 2:  # every rank is past call gen - 1, so past gen - 2: its keys are unused
+            old = gen - 2
+            store.delete_key(f"{old}/rank{self.rank}")
+            old_call = self._calls.pop(old)
+            if self.rank == 0:
+                store.delete_key(f"{old}/{old_call}/arrived")
+                store.delete_key(f"{old}/{old_call}/done")
+
+    def _mismatch(self, store: Any, gen: int, call: str, timeout_s: float) -> errors.CollectiveMismatchError:
+        missing, others = [], {}
+        for r in range(self.world_size):
+            key = f"{gen}/rank{r}"
+            theirs = store.get(key).decode() if store.check([key]) else None
+            global_rank = dist.get_global_rank(self.group, r)
+            if theirs is None:
+                missing.append(global_rank)
+            elif theirs != call:
+                others[global_rank] = theirs
+        me = dist.get_global_rank(self.group, self.rank)
+        parts = []
+        if missing:
+            parts.append(f"rank(s) {missing} did not make this call (nor any other manager call at this point)")
+        if others:
+            parts.append("; ".join(f"rank {r} called {c} instead" for r, c in sorted(others.items())))
+        if not parts:
+            parts.append("every rank arrived, but only after the others had given up")
+        return errors.CollectiveMismatchError(
+            f"rank {me} called CheckpointManager.{call}, but within arrival_timeout_s={timeout_s:g} s "
+            + ", ".join(parts) + ". Every rank must call the manager's collective methods (save, load, "
+            "maybe_save, wait, close) in the same order with the same step; a rank doing long work "
+            "of its own before the call (evaluation on rank 0) needs a larger arrival_timeout_s. "
+            "The ranks are now out of step: end the job.",
+            call=call, missing_ranks=missing, other_calls=others)
 
     def barrier(self) -> None:
         if self.enabled:

@@ -69,6 +69,13 @@ class CheckpointConfig:
             up and the save fails with ``CheckpointSaveError`` on every rank, before the other
             ranks' wait hits ``timeout_s`` (which would leave the process group unusable).
             ``None``: ``timeout_s / 2``. Must be below ``timeout_s``.
+        arrival_timeout_s: how long ``save`` and ``load`` (also through ``maybe_save``) wait
+            at entry for every rank to make the same call (seconds). A rank that skipped the
+            call, passed another step or made another call then gives
+            ``CollectiveMismatchError`` naming the ranks, instead of a hang of ``timeout_s``
+            ending in a gloo error. Raise it when a rank does long work of its own before a
+            save (evaluation on rank 0 only). ``None``: ``timeout_s / 5``. Must be below
+            ``timeout_s``.
     """
 
     root: str
@@ -96,8 +103,11 @@ class CheckpointConfig:
     event_log: str | None = None
     timeout_s: float = 600.0
     write_timeout_s: float | None = None
+    arrival_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.root, (str, os.PathLike)):
+            raise ConfigError(f"CheckpointConfig.root={self.root!r}: must be a directory path")
         self.root = os.fspath(self.root)
         if not self.root:
             raise ConfigError("CheckpointConfig.root must be a non-empty directory path")
@@ -114,6 +124,11 @@ class CheckpointConfig:
             raise ConfigError(
                 f"CheckpointConfig.write_timeout_s={self.write_timeout_s!r} must be below "
                 f"timeout_s={self.timeout_s!r}: the other ranks wait for a slow writer at most timeout_s")
+        _positive("arrival_timeout_s", self.arrival_timeout_s, allow_none=True)
+        if self.arrival_timeout_s is not None and self.arrival_timeout_s >= self.timeout_s:
+            raise ConfigError(
+                f"CheckpointConfig.arrival_timeout_s={self.arrival_timeout_s!r} must be below "
+                f"timeout_s={self.timeout_s!r}: it exists to fail before the collectives time out")
         if self.async_mode not in ("off", "thread", "process"):
             raise ConfigError(
                 f"CheckpointConfig.async_mode={self.async_mode!r}: expected 'off', 'thread' or 'process'"
@@ -136,15 +151,31 @@ class CheckpointConfig:
         """``write_timeout_s``, or ``timeout_s / 2`` when unset (seconds)."""
         return self.write_timeout_s if self.write_timeout_s is not None else self.timeout_s / 2
 
+    @property
+    def effective_arrival_timeout_s(self) -> float:
+        """``arrival_timeout_s``, or ``timeout_s / 5`` when unset (seconds)."""
+        return self.arrival_timeout_s if self.arrival_timeout_s is not None else self.timeout_s / 5
+
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "CheckpointConfig":
-        """Build from a mapping; an unknown key raises ``ConfigError`` naming the valid ones."""
+        """Build from a mapping.
+
+        Raises:
+            ConfigError: an unknown key (names the valid ones), a missing required key
+                (``root``), or an invalid value.
+        """
         valid = sorted(f.name for f in dataclasses.fields(cls))
         unknown = sorted(set(values) - set(valid))
         if unknown:
             raise ConfigError(
                 f"unknown CheckpointConfig key(s) {unknown}; valid keys: {', '.join(valid)}"
             )
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if name not in values]
+        if missing:
+            raise ConfigError(f"CheckpointConfig: missing required key(s) {missing} (e.g. root: "
+                              "runs/my_run/ckpt)")
         return cls(**values)
 
     @classmethod
@@ -152,7 +183,8 @@ class CheckpointConfig:
         """Read a YAML file. With ``section``, the config is that top-level mapping if present.
 
         Raises:
-            ConfigError: unreadable YAML, not a mapping, or unknown keys.
+            ConfigError: unreadable YAML, not a mapping, unknown keys or a missing ``root``
+                (the message names the file).
         """
         import yaml
 
@@ -165,7 +197,10 @@ class CheckpointConfig:
             data = data[section]
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of CheckpointConfig fields")
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from e
 
 
 def _positive(name: str, value: float | None, *, allow_none: bool = False, integer: bool = False) -> None:

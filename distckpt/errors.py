@@ -15,6 +15,7 @@ __all__ = [
     "IncompatibleCheckpointError",
     "CheckpointLockedError",
     "CheckpointSaveError",
+    "CollectiveMismatchError",
 ]
 
 
@@ -79,3 +80,23 @@ class CheckpointSaveError(DistCkptError, RuntimeError):
     def __init__(self, message: str, *, failures: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.failures = failures or {}
+
+
+class CollectiveMismatchError(DistCkptError, RuntimeError):
+    """Not every rank entered the same collective ``CheckpointManager`` call (``save``,
+    ``load``) within ``CheckpointConfig.arrival_timeout_s``: a rank skipped the call, made it
+    with another step, or made another call. distckpt's process groups are not used by the
+    check, but the ranks are out of step: end the job and fix the calling code.
+
+    Attributes:
+        call: the call this rank made, e.g. ``"save(step=10)"``.
+        missing_ranks: global ranks that did not reach any call at this point.
+        other_calls: ``{global rank: call}`` of ranks that made a different call instead.
+    """
+
+    def __init__(self, message: str, *, call: str = "", missing_ranks: list[int] | None = None,
+                 other_calls: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.call = call
+        self.missing_ranks = missing_ranks or []
+        self.other_calls = other_calls or {}

@@ -134,6 +134,7 @@ def export_checkpoint(
         CheckpointNotFoundError: ``checkpoint_dir`` is not a directory.
         CheckpointCorruptError: unsafe or damaged metadata, or a file failing its check.
         FileExistsError: ``out_path`` exists and ``overwrite`` is false.
+        FileNotFoundError: ``out_path``'s directory does not exist (checked before any read).
         ValueError: unknown format/dtype, nothing to export, or a dtype safetensors cannot hold.
     """
     t0 = time.perf_counter()
@@ -143,7 +144,9 @@ def export_checkpoint(
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)} or None")
     out_path = Path(out_path)
     if out_path.exists() and not overwrite:
-        raise FileExistsError(f"{out_path} exists; pass overwrite=True (CLI: --force) to replace it")
+        raise FileExistsError(f"{out_path} exists; pass overwrite=True to replace it")
+    if not out_path.parent.is_dir():  # before any reading: not after a progress bar
+        raise FileNotFoundError(f"output directory {out_path.parent} does not exist; create it first")
     reader = CheckpointReader(checkpoint_dir, check_files=check_files)
     keys = reader.keys("model") if model_only else reader.keys()
     tensor_keys = [k for k in keys if reader.items[k].kind == "tensor"]

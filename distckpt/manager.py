@@ -193,7 +193,11 @@ class CheckpointManager:
                 failed read had written.
             IncompatibleCheckpointError: the live model/optimizer/components do not match;
                 lists every difference.
+            CollectiveMismatchError: not every rank called ``load()`` within
+                ``config.arrival_timeout_s``; names the ranks.
         """
+        self._check_open()
+        self.collective.arrive("load()", timeout_s=self.config.effective_arrival_timeout_s)
         self.wait()
         if not self.config.load:
             return None
@@ -306,7 +310,9 @@ class CheckpointManager:
         if manifest.model_fingerprint == model_fingerprint(self.model_specs):
             return
         saved, live = manifest.model, self.model_specs
-        missing = sorted(set(live) - set(saved))
+        ties = self.state.model_optim.ties  # a tied key is loaded from its saved twin
+        missing = sorted(k for k in set(live) - set(saved)
+                         if not any(saved.get(t) == live[k] for t in ties.get(k, [])))
         unexpected = sorted(set(saved) - set(live))
         mismatched = []
         for key in sorted(set(saved) & set(live)):
@@ -314,6 +320,8 @@ class CheckpointManager:
                 a, b = getattr(saved[key], what), getattr(live[key], what)
                 if list(a) != list(b) if what == "shape" else a != b:
                     mismatched.append((key, what, str(a), str(b)))
+        if not (missing or unexpected or mismatched):
+            return
         lines = [f"checkpoint {path} does not fit the live model:"]
         lines += [f"  missing in checkpoint: {k}" for k in missing]
         lines += [f"  unexpected (in checkpoint, not in model): {k}" for k in unexpected]
@@ -341,6 +349,8 @@ class CheckpointManager:
         Raises:
             CheckpointSaveError: the save failed on some rank (raised on every rank); the
                 previous checkpoint is intact and training may continue.
+            CollectiveMismatchError: a save is due here but not every rank saved this step
+                (see :meth:`save`).
         """
         self._check_open()
         self._record(step, loss, counters)
@@ -413,8 +423,11 @@ class CheckpointManager:
 
         Raises:
             CheckpointSaveError: on every rank if any rank failed; nothing was committed.
+            CollectiveMismatchError: not every rank called ``save`` with this ``step`` within
+                ``config.arrival_timeout_s`` (names the ranks); nothing was written.
         """
         self._check_open()
+        self.collective.arrive(f"save(step={step})", timeout_s=self.config.effective_arrival_timeout_s)
         if loss is not None or counters or step != self.train_state.step:
             self._record(step, loss, counters)
         self.wait()  # at most one save in flight

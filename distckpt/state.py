@@ -117,6 +117,7 @@ class CheckpointState:
         self.world_size = world_size
         self.seed = seed
         self.weights_only = False  # set by for_load: an imported checkpoint (model weights only)
+        self.tied_from: dict[str, str] = {}  # set by for_load: {tied key the checkpoint lacks: twin}
 
     # ------------------------------------------------------------------ save
     def for_save(self, train_state: TrainState, *, full_state_dict: bool) -> dict[str, Any]:
@@ -168,9 +169,11 @@ class CheckpointState:
         self.weights_only = WEIGHTS_ONLY_KEY in checkpoint_keys
         if self.weights_only:
             sd = {"model": self.model_optim.model_target_for_load(), "train_state": b""}
+            self._read_tied_from_twins(sd["model"], checkpoint_keys)
             _check_keys(sd, checkpoint_keys, rank=self.rank)
             return sd
         model_sd, optim_sd = self.model_optim.target_for_load()
+        self._read_tied_from_twins(model_sd, checkpoint_keys)
         sd: dict[str, Any] = {"model": model_sd}
         if self.model_optim.optimizer is not None:
             _prune_uninitialised_optim_state(optim_sd, checkpoint_keys)
@@ -188,8 +191,26 @@ class CheckpointState:
         _check_keys(sd, checkpoint_keys, rank=self.rank)
         return sd
 
+    def _read_tied_from_twins(self, model_sd: dict[str, Any], checkpoint_keys: set[str]) -> None:
+        """Drop from the load target each tied key the checkpoint lacks when it has the key's
+        twin (Hugging Face ``save_pretrained`` writes ``lm_head.weight`` only as the embedding):
+        both names are one tensor, so reading the twin fills it. :meth:`restore` puts it back."""
+        self.tied_from = {}
+        for key in list(model_sd):
+            if f"model.{key}" in checkpoint_keys:
+                continue
+            twin = next((t for t in self.model_optim.ties.get(key, []) if f"model.{t}" in checkpoint_keys), None)
+            if twin is not None and twin in model_sd:
+                del model_sd[key]
+                self.tied_from[key] = twin
+        if self.tied_from and self.rank == 0:
+            logger.info("tied weights absent from the checkpoint, read from their twin: %s",
+                        ", ".join(f"{k} <- {t}" for k, t in self.tied_from.items()))
+
     def restore(self, sd: dict[str, Any], *, saved_world_size: int) -> TrainState:
         """Apply a loaded state_dict to the live objects; call inside ``load_context()``."""
+        for key, twin in self.tied_from.items():  # the same tensor under both names (strict apply)
+            sd["model"][key] = sd["model"][twin]
         if self.weights_only:
             return self._restore_weights_only(sd)
         self.model_optim.apply(sd["model"], sd.get("optim", {}))

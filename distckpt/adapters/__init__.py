@@ -6,6 +6,6 @@ adds wrapper detection, the FULL/SHARDED choice, and guards around DCP's optimiz
 """
 
 from .wrappers import ddp_rebuilds_buckets, wrapper_kind
-from .model_optim import ModelOptimState, tensor_specs
+from .model_optim import ModelOptimState, tensor_specs, tied_keys
 
-__all__ = ["ddp_rebuilds_buckets", "wrapper_kind", "ModelOptimState", "tensor_specs"]
+__all__ = ["ddp_rebuilds_buckets", "wrapper_kind", "ModelOptimState", "tensor_specs", "tied_keys"]

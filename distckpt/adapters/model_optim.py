@@ -16,6 +16,7 @@ Guards against DCP helper behaviour seen on torch 2.13:
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any, Iterator
 
 import torch
@@ -28,8 +29,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..manifest import TensorSpec
+from .wrappers import unwrap
 
-__all__ = ["ModelOptimState", "tensor_specs"]
+__all__ = ["ModelOptimState", "tensor_specs", "tied_keys"]
+
+# Module names wrappers insert below the root (FSDP1, activation checkpointing, nested compile);
+# DCP's state_dict keys leave them out.
+_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 def tensor_specs(model: nn.Module) -> dict[str, TensorSpec]:
@@ -39,6 +45,22 @@ def tensor_specs(model: nn.Module) -> dict[str, TensorSpec]:
         if isinstance(value, torch.Tensor):
             specs[key] = TensorSpec(shape=list(value.size()), dtype=str(value.dtype))
     return dict(sorted(specs.items()))
+
+
+def tied_keys(model: nn.Module) -> dict[str, list[str]]:
+    """``{fqn: [other fqns]}`` for every tensor registered under several names (tied weights,
+    e.g. a language model's ``lm_head.weight`` and its input embedding); the same Parameter or
+    buffer object. Names are cleaned like DCP's state_dict keys; untied tensors are absent."""
+    groups: dict[int, list[str]] = {}
+    inner = unwrap(model)
+    for name, tensor in itertools.chain(inner.named_parameters(remove_duplicate=False),
+                                        inner.named_buffers(remove_duplicate=False)):
+        for segment in _WRAPPER_SEGMENTS:
+            name = name.replace(segment, "")
+        names = groups.setdefault(id(tensor), [])
+        if name not in names:
+            names.append(name)
+    return {k: [o for o in names if o != k] for names in groups.values() if len(names) > 1 for k in names}
 
 
 class ModelOptimState:
@@ -55,6 +77,7 @@ class ModelOptimState:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.ties = tied_keys(model)
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [self.optimizer] if self.optimizer is not None else []

@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if Path(args.out).exists() and not args.force:
+        raise FileExistsError(f"{args.out} exists; pass --force to replace it")
     ckpt = resolve_checkpoint(args.checkpoint)
     fmt = args.format or ("safetensors" if Path(args.out).suffix == ".safetensors" else "torch")
     result = export_checkpoint(ckpt, args.out, format=fmt, dtype=args.dtype, model_only=args.model_only,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import warnings
 from typing import Any, Iterator
 
 import torch.distributed as dist
@@ -21,6 +22,17 @@ __all__ = ["dcp_save", "dcp_load", "describe_exception", "gc_paused", "hashing_w
 def _single_rank(process_group: dist.ProcessGroup | None) -> bool:
     """No process group, or one of one rank: DCP then needs no collectives (``no_dist``)."""
     return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1
+
+
+@contextlib.contextmanager
+def _no_single_process_warning(action: str) -> Iterator[None]:
+    """Silence DCP's "torch.distributed is disabled, unavailable or uninitialized, assuming the
+    intent is to ``action`` in a single process" warning around a ``no_dist`` call distckpt
+    makes on purpose (one process, or each rank planning alone); nothing else is filtered."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=f".*assuming the intent is to {action} in a single process",
+                                category=UserWarning)
+        yield
 
 
 @contextlib.contextmanager
@@ -112,7 +124,7 @@ def dcp_save(
             ranks before deciding (see ``CheckpointManager.save``).
     """
     writer = hashing_writer(directory, thread_count=thread_count, write_timeout_s=write_timeout_s)
-    with gc_paused():
+    with gc_paused(), _no_single_process_warning("save"):
         dcp.save(state_dict, storage_writer=writer, process_group=process_group,
                  no_dist=_single_rank(process_group))
     return dict(writer.fs.written)
@@ -172,7 +184,7 @@ def run_load(state_dict: dict[str, Any], reader: Any, *, process_group: dist.Pro
     """
     local: BaseException | None = None
     try:
-        with gc_paused():
+        with gc_paused(), _no_single_process_warning("load"):
             dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         local = _load_error(e, directory)

@@ -70,7 +70,7 @@ def test_model_only_keys_and_overwrite(tmp_path):
     export_checkpoint(path, out, model_only=True, dtype="bf16")
     loaded = load_file(out)
     assert sorted(loaded) == sorted(model.state_dict())
-    with pytest.raises(FileExistsError, match="--force"):
+    with pytest.raises(FileExistsError, match="overwrite=True"):
         export_checkpoint(path, out, model_only=True)
     export_checkpoint(path, out, model_only=True, dtype="fp32", overwrite=True)
     assert load_file(out).keys() == loaded.keys()

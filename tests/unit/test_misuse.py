@@ -1,0 +1,84 @@
+"""Misuse in one process: torchrun without a process group, configs without root, export into a
+missing directory, and which option the overwrite error names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from distckpt import CheckpointConfig, CheckpointManager, ConfigError
+from distckpt.cli import main
+from distckpt.export import export_checkpoint
+from tests.distributed.trainer import Net
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def test_torchrun_without_init_process_group_is_refused(tmp_path, monkeypatch):
+    # What torchrun --nproc-per-node 2 sets; the script forgot init_process_group.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    config = CheckpointConfig(root=str(tmp_path / "ckpt"), interval_steps=None)
+    with pytest.raises(ConfigError, match="init_process_group") as err:
+        CheckpointManager(config, model=Net(), optimizer=None)
+    assert "WORLD_SIZE=2" in str(err.value) and "process_group=" in str(err.value)
+    assert not (tmp_path / "ckpt").exists()  # refused before touching the root
+    # A one-process torchrun job (WORLD_SIZE=1) is a single process: allowed.
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    with CheckpointManager(config, model=Net(), optimizer=None) as manager:
+        assert manager.world_size == 1 and manager.save(1).is_dir()
+
+
+def test_yaml_without_root_names_the_missing_field(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("checkpoint:\n  interval_steps: 5\n")
+    with pytest.raises(ConfigError, match=r"missing required key\(s\) \['root'\]") as err:
+        CheckpointConfig.from_yaml(path)
+    assert str(path) in str(err.value)
+    path.write_text("checkpoint:\n  root:\n")  # present but empty (None)
+    with pytest.raises(ConfigError, match="root=None"):
+        CheckpointConfig.from_yaml(path)
+
+
+def _checkpoint(tmp_path):
+    model = Net()
+    with CheckpointManager(CheckpointConfig(root=str(tmp_path / "ckpt"), interval_steps=None),
+                           model=model, optimizer=None) as manager:
+        return manager.save(1), model
+
+
+def test_export_into_a_missing_directory_fails_before_reading(tmp_path, capsys):
+    ckpt, _ = _checkpoint(tmp_path)
+    out = tmp_path / "absent" / "w.safetensors"
+    with pytest.raises(FileNotFoundError, match=f"output directory {tmp_path / 'absent'} does not exist"):
+        export_checkpoint(ckpt, out, progress=True)
+    assert not (tmp_path / "absent").exists()
+    code = main(["export", str(ckpt), str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1  # one line: no progress bar before it
+    assert "output directory" in err and "tmp-" not in err
+
+
+def test_overwrite_error_names_only_the_option_of_its_context(tmp_path, capsys):
+    ckpt, model = _checkpoint(tmp_path)
+    out = tmp_path / "w.safetensors"
+    export_checkpoint(ckpt, out, model_only=True)
+    with pytest.raises(FileExistsError) as err:
+        export_checkpoint(ckpt, out, model_only=True)
+    assert "overwrite=True" in str(err.value) and "--force" not in str(err.value)
+    assert main(["export", str(ckpt), str(out), "--model-only"]) == 2
+    err_line = capsys.readouterr().err
+    assert "--force" in err_line and "overwrite=True" not in err_line
+    assert main(["export", str(ckpt), str(out), "--model-only", "--force", "--no-progress"]) == 0
+    loaded = load_file(out)
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+
+
+def test_arrival_timeout_defaults_to_a_fifth_of_the_group_timeout_and_stays_below_it():
+    assert CheckpointConfig(root="/tmp/x", timeout_s=60.0).effective_arrival_timeout_s == 12.0
+    assert CheckpointConfig(root="/tmp/x", arrival_timeout_s=5.0).effective_arrival_timeout_s == 5.0
+    for bad in (0, -1.0, 600.0, float("nan")):
+        with pytest.raises(ConfigError, match="arrival_timeout_s"):
+            CheckpointConfig(root="/tmp/x", arrival_timeout_s=bad)
