@@ -138,7 +138,7 @@ def test_import_into_a_root_with_checkpoints_refuses_unless_archive_existing(tmp
 
 
 # ------------------------------------------------------------------ item 2: rollback
-def test_rollback_with_load_path_sets_newer_checkpoints_aside_at_the_first_save(tmp_path, caplog):
+def test_rollback_with_load_path_sets_newer_checkpoints_aside_at_the_first_save(tmp_path, caplog, capsys):
     root = tmp_path / "ckpt"
     manager, objs = manager_for(root, keep_last=None)
     train_saving(manager, objs, range(1, 10), save_at=(3, 6, 9))
@@ -171,6 +171,12 @@ def test_rollback_with_load_path_sets_newer_checkpoints_aside_at_the_first_save(
     mine = {f"model.{k}": v for k, v in objs[0].state_dict().items()}
     saved = model_tensors(root / "step-000000012")
     assert all(torch.equal(saved[k], mine[k]) for k in mine)
+    capsys.readouterr()
+    assert main(["ls", str(root), "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert rows["rolledback-step-000000009-0"] == {"name": "rolledback-step-000000009-0", "step": 9,
+                                                   "status": "set aside", "reason": "rolledback", "latest": False}
+    assert rows["step-000000012"]["status"] == "committed" and rows["step-000000012"]["latest"]
 
 
 # ------------------------------------------------------------------ item 3: directories distckpt did not write
@@ -178,7 +184,7 @@ def _plain_dcp(path, state):
     dcp.save(state, checkpoint_id=str(path), no_dist=True)
 
 
-def test_step_dir_without_manifest_is_never_deleted(tmp_path, caplog):
+def test_step_dir_without_manifest_is_never_deleted(tmp_path, caplog, capsys):
     root = tmp_path / "ckpt"
     run_a(root, steps=(3,))
     plain = root / "step-000000005"
@@ -194,6 +200,10 @@ def test_step_dir_without_manifest_is_never_deleted(tmp_path, caplog):
         manager.load()
     manager.close()
     assert listing(root)[plain.name] == files  # used to be deleted, then reported missing
+    capsys.readouterr()
+    assert main(["ls", str(root), "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert rows[plain.name]["status"] == "unmanaged" and "distckpt import" in rows[plain.name]["reason"]
 
 
 def test_retention_delete_is_marked_so_only_its_leftover_is_removed(tmp_path, monkeypatch):
