@@ -78,6 +78,10 @@ def test_fresh_run_in_a_used_root_refuses_or_archives_and_never_loses_its_commit
     assert "step-000000040" in str(err.value) and "on_existing: archive" in str(err.value)
     assert "load: true" in str(err.value)
     assert listing(root) == before and not (root / ".lock").exists()  # nothing touched, lock released
+    with pytest.raises(ConfigError, match="would be archived"):
+        CheckpointConfig(root=str(root), on_existing="archive")  # load: true: it would be ignored
+    with pytest.raises(ConfigError, match="on_existing='keep'"):
+        CheckpointConfig(root=str(root), load=False, on_existing="keep")
 
     with caplog.at_level("WARNING"):
         manager, objs = manager_for(root, load=False, on_existing="archive", keep_last=2)
