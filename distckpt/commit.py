@@ -21,7 +21,16 @@ from typing import Callable
 
 from .errors import CheckpointCorruptError
 from .integrity import check_file
-from .layout import LATEST, MANIFEST, SET_ASIDE_REASONS, checkpoint_dirs, deleting_name, is_deleting, is_staging, parse_step
+from .layout import (
+    LATEST,
+    MANIFEST,
+    SET_ASIDE_REASONS,
+    checkpoint_dirs,
+    deleting_name,
+    is_deleting,
+    is_staging,
+    parse_step,
+)
 from .manifest import FileEntry, Manifest
 
 __all__ = [

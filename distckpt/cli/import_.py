@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from pathlib import Path
-
 from ..commit import existing_checkpoints
 from ..errors import ConfigError
 from ..export import import_weights
