@@ -59,9 +59,9 @@ Checks (``DIR/report.json``; the process exits 1 when one fails):
   reached ``--kills``.
 
 Reported, not required: ``orphaned_checkpoint_dirs`` (``step-*`` directories without a
-manifest at the end: a kill inside a retention delete after the manifest's removal leaves the
-data files, and nothing removes them later) and ``leftover_entries`` (other names in the root,
-e.g. a ``latest`` tmp file).
+manifest at the end; a retention delete first renames the checkpoint ``.deleting-step-*``,
+which the next start removes, so none are expected) and ``leftover_entries`` (other names in
+the root, e.g. a ``latest`` tmp file).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa:
 from distckpt import ConfigError  # noqa: E402
 from distckpt.commit import find_committed, verify  # noqa: E402
 from distckpt.engine import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata  # noqa: E402
-from distckpt.layout import LATEST, MANIFEST, checkpoint_name, is_staging, parse_step  # noqa: E402
+from distckpt.layout import LATEST, MANIFEST, checkpoint_name, is_deleting, is_staging, parse_step  # noqa: E402
 from distckpt.manifest import Manifest  # noqa: E402
 from launch.config import load_job_config  # noqa: E402
 from launch.demo import (Run, _load_records, _read_jsonl, check_timeout, kept_history, kill_job,  # noqa: E402
@@ -198,7 +198,8 @@ def inspect_root(root: Path) -> dict[str, Any]:
 
     Returns:
         ``{"valid": [steps], "invalid": {step: reason}, "staging": [{name, step, files,
-        metadata, manifest, manifest_tmp}], "latest": name or None, "other": [names]}``;
+        metadata, manifest, manifest_tmp}], "latest": name or None, "other": [names],
+        "deleting": [steps of .deleting- directories]}``;
         ``valid`` per :func:`distckpt.commit.find_committed` (manifest readable, every listed
         file present with its size).
     """
@@ -208,10 +209,12 @@ def inspect_root(root: Path) -> dict[str, Any]:
             valid.append(step)
         else:
             invalid[step] = str(result)[:200]
-    staging, other = [], []
+    staging, other, deleting = [], [], []
     if root.is_dir():
         for entry in sorted(os.scandir(root), key=lambda e: e.name):
-            if entry.is_dir() and is_staging(entry.name):
+            if entry.is_dir() and is_deleting(entry.name):  # a retention delete in progress
+                deleting.append(int(entry.name.split("-")[2]))
+            elif entry.is_dir() and is_staging(entry.name):
                 names = set(os.listdir(entry.path))
                 staging.append({
                     "name": entry.name, "step": int(entry.name.split("-")[2]), "files": len(names),
@@ -224,7 +227,8 @@ def inspect_root(root: Path) -> dict[str, Any]:
         latest = (root / LATEST).read_text().strip()
     except OSError:
         pass
-    return {"valid": sorted(valid), "invalid": invalid, "staging": staging, "latest": latest, "other": other}
+    return {"valid": sorted(valid), "invalid": invalid, "staging": staging, "latest": latest, "other": other,
+            "deleting": deleting}
 
 
 def classify_phase(disk: dict[str, Any], save_step: int | None, last_event: tuple[str, int | None] | None,
@@ -254,8 +258,8 @@ def classify_phase(disk: dict[str, Any], save_step: int | None, last_event: tupl
         return "latest"
     if last_event is not None and last_event[0] == "retention" and last_event[1] is not None:
         victim = last_event[1]
-        if victim in disk["valid"] or victim in disk["invalid"]:
-            return "retention"  # before the delete, or manifest gone and files still there
+        if victim in disk["valid"] or victim in disk["invalid"] or victim in disk.get("deleting", ()):
+            return "retention"  # before the delete, or renamed .deleting- and files still there
     if len([v for v in disk["valid"] if v <= save_step]) > keep_last:
         return "retention"  # latest replaced, retention has more to delete
     return "train"
@@ -432,7 +436,7 @@ def _choose_aim(rng: random.Random, resume: int | None, steps: int, interval: in
     u = rng.random()
     if phase == "write":  # the pause, then DCP writes for ~write_s
         offset, event = pause + u * write_s, "write"
-    elif phase == "retention":  # before the delete, then after the manifest's removal
+    elif phase == "retention":  # before the delete, then after its .deleting- rename
         offset, event = u * 2 * pause, "retention"
     elif phase == "train":  # the steps after a commit, before the next save
         offset, event = u * max(0.005, (interval - 1) * step_s), "committed"

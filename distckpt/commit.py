@@ -15,12 +15,22 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Callable
 
 from .errors import CheckpointCorruptError
 from .integrity import check_file
-from .layout import LATEST, MANIFEST, checkpoint_dirs, is_staging, parse_step
+from .layout import (
+    LATEST,
+    MANIFEST,
+    SET_ASIDE_REASONS,
+    checkpoint_dirs,
+    deleting_name,
+    is_deleting,
+    is_staging,
+    parse_step,
+)
 from .manifest import FileEntry, Manifest
 
 __all__ = [
@@ -33,6 +43,9 @@ __all__ = [
     "verify",
     "find_committed",
     "remove_leftovers",
+    "unmanaged_step_dirs",
+    "existing_checkpoints",
+    "repair_latest",
     "delete_checkpoint",
 ]
 
@@ -96,6 +109,9 @@ def commit(staging_dir: str | os.PathLike, final_dir: str | os.PathLike, manifes
     """
     staging_dir, final_dir = Path(staging_dir), Path(final_dir)
     if final_dir.exists():
+        if not (final_dir / MANIFEST).exists():
+            raise FileExistsError(f"{final_dir} exists and is not a distckpt checkpoint (no {MANIFEST}); "
+                                  "distckpt never overwrites or deletes it: move it out of the root")
         raise FileExistsError(f"{final_dir} already exists; refusing to overwrite a committed checkpoint")
     phase = on_phase or (lambda name: None)
     phase("manifest")
@@ -153,17 +169,18 @@ def find_committed(root: str | os.PathLike) -> list[tuple[int, Path, Manifest | 
 
 
 def remove_leftovers(root: str | os.PathLike) -> list[str]:
-    """Delete what a crash can leave behind, never a committed checkpoint. Rank 0, at start,
-    while holding the root's lock.
+    """Delete what a crash of distckpt can leave behind, and only what distckpt provably wrote.
+    Rank 0, at start, while holding the root's lock.
 
-    Removed: staging directories; ``step-*`` directories without a manifest (a retention
-    delete removes the manifest first, so these are half-deleted, never half-committed:
-    a commit renames a directory that already holds its manifest) -- except the one ``latest``
-    names, which retention never deletes: it is set aside (:func:`set_aside`), not deleted;
-    ``.latest.tmp-*`` files of an interrupted ``latest`` update.
+    Removed: staging directories (``.staging-step-*``), deletions in progress
+    (``.deleting-step-*``: retention renames a checkpoint so before deleting its files) and
+    ``.latest.tmp-*`` files of an interrupted ``latest`` update. A ``step-*`` directory
+    without a manifest is never deleted: the one ``latest`` names (distckpt committed it, then
+    it lost its manifest) is set aside (:func:`set_aside`); any other is left alone (see
+    :func:`unmanaged_step_dirs`: e.g. a plain ``dcp.save``).
 
     Returns:
-        Names removed.
+        Names removed (or set aside, with a note).
     """
     removed = []
     root = Path(root)
@@ -174,12 +191,11 @@ def remove_leftovers(root: str | os.PathLike) -> list[str]:
     except OSError:
         latest = None
     for entry in os.scandir(root):
-        half_deleted = parse_step(entry.name) is not None and not os.path.exists(
+        no_manifest = parse_step(entry.name) is not None and not os.path.exists(
             os.path.join(entry.path, MANIFEST))
-        if entry.is_dir() and half_deleted and entry.name == latest:
-            # Retention never deletes the newest: this one lost its manifest some other way.
+        if entry.is_dir() and no_manifest and entry.name == latest:
             removed.append(f"{entry.name} (set aside as {set_aside(entry.path).name}: no manifest)")
-        elif entry.is_dir() and (is_staging(entry.name) or half_deleted):
+        elif entry.is_dir() and (is_staging(entry.name) or is_deleting(entry.name)):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.name)
         elif entry.is_file() and entry.name.startswith(f".{LATEST}.tmp-"):
@@ -188,19 +204,64 @@ def remove_leftovers(root: str | os.PathLike) -> list[str]:
     return removed
 
 
-def set_aside(checkpoint_dir: str | os.PathLike) -> Path:
-    """Rename a corrupt checkpoint to ``corrupt-<name>-<n>`` in the same root: kept for
-    inspection, no longer a ``step-*`` directory (never loaded, and its step can be saved again).
+def unmanaged_step_dirs(root: str | os.PathLike) -> list[Path]:
+    """``step-*`` directories without a manifest, oldest first: not distckpt checkpoints
+    (a plain ``dcp.save``, a copy, or a delete interrupted by a distckpt older than the
+    ``.deleting-`` rename). distckpt never loads, deletes or overwrites them."""
+    return [p for _, p in checkpoint_dirs(root) if not (p / MANIFEST).exists()]
+
+
+def existing_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step-*`` directory holding a manifest (committed, or
+    damaged after its commit), oldest first: the checkpoints of whatever run wrote the root."""
+    return [(s, p) for s, p in checkpoint_dirs(root) if (p / MANIFEST).exists()]
+
+
+def repair_latest(root: str | os.PathLike) -> str | None:
+    """Make ``latest`` name an existing checkpoint after some were set aside: if it names a
+    missing directory, point it at the newest committed checkpoint, or remove it when there is
+    none (it is distckpt's own hint; nothing is lost). Rank 0 holding the lock.
+
+    Returns:
+        The name ``latest`` now holds, or ``None`` when absent.
+    """
+    root = Path(root)
+    try:
+        name = (root / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    if name and (root / name / MANIFEST).is_file():
+        return name
+    for _, path, result in find_committed(root):
+        if isinstance(result, Manifest):
+            write_atomic(root / LATEST, path.name + "\n")
+            return path.name
+    os.remove(root / LATEST)
+    fsync_dir(root)
+    return None
+
+
+def set_aside(checkpoint_dir: str | os.PathLike, reason: str = "corrupt") -> Path:
+    """Rename a checkpoint to ``<reason>-<name>-<n>`` in the same root (``n`` the first free
+    number): kept, no longer a ``step-*`` directory (never loaded, never counted or deleted by
+    retention, and its step can be saved again).
+
+    Args:
+        checkpoint_dir: the ``step-*`` directory.
+        reason: ``corrupt``, ``rolledback`` or ``archived`` (see :data:`SET_ASIDE_REASONS`).
 
     Returns:
         The new path.
 
     Raises:
+        ValueError: an unknown reason.
         OSError: the rename failed (permissions, another file system).
     """
+    if reason not in SET_ASIDE_REASONS:
+        raise ValueError(f"reason={reason!r}: expected one of {SET_ASIDE_REASONS}")
     src = Path(checkpoint_dir)
     n = 0
-    while (dst := src.with_name(f"corrupt-{src.name}-{n}")).exists():
+    while (dst := src.with_name(f"{reason}-{src.name}-{n}")).exists():
         n += 1
     os.rename(src, dst)
     fsync_dir(src.parent)
@@ -208,12 +269,18 @@ def set_aside(checkpoint_dir: str | os.PathLike) -> Path:
 
 
 def delete_checkpoint(checkpoint_dir: str | os.PathLike) -> None:
-    """Delete a committed checkpoint: the manifest first, so a crash mid-delete never leaves a
-    directory that looks committed but lacks files."""
-    checkpoint_dir = Path(checkpoint_dir)
+    """Delete a committed checkpoint: first rename it to ``.deleting-<name>-<id>`` (durable),
+    so a crash mid-delete leaves a directory that is provably distckpt's deletion (removed at
+    the next start) and never a ``step-*`` directory that lacks files.
+
+    Raises:
+        OSError: the rename failed (the checkpoint is then untouched).
+    """
+    src = Path(checkpoint_dir)
+    doomed = src.with_name(deleting_name(src.name, uuid.uuid4().hex[:8]))
     try:
-        os.remove(checkpoint_dir / MANIFEST)
-        fsync_dir(checkpoint_dir)
+        os.rename(src, doomed)
     except FileNotFoundError:
-        pass
-    shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        return
+    fsync_dir(src.parent)
+    shutil.rmtree(doomed, ignore_errors=True)

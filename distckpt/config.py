@@ -32,6 +32,14 @@ class CheckpointConfig:
             (model/optimizer gathered to rank 0 with CPU offload, rank 0 writes them).
         load: ``True`` resumes from the newest committed checkpoint in ``root`` if any.
         load_path: resume from this checkpoint directory instead of the newest in ``root``.
+            A ``step-N`` of ``root`` itself is a rollback: at the run's first save, the root's
+            newer checkpoints are renamed ``rolledback-step-M-<n>`` (kept, never loaded or
+            deleted), so its steps and ``latest`` are the rolled-back run's.
+        on_existing: what a run that does not resume from ``root`` (``load: false``, or a
+            ``load_path`` outside ``root``) does when ``root`` already holds checkpoints:
+            ``"refuse"`` (``ConfigError`` at construction, naming the newest) or
+            ``"archive"`` (rename them ``archived-step-N-<n>``, nothing deleted). A run that
+            resumes from ``root`` never needs it.
         fallback_to_older: when the newest checkpoint is corrupt, load the next older
             committed one (with a warning) instead of raising ``CheckpointCorruptError``.
         verify_on_load: each rank checks size and xxh3-128 hash of every file it reads
@@ -87,6 +95,7 @@ class CheckpointConfig:
     state_dict_type: StateDictType = "sharded"
     load: bool = True
     load_path: str | None = None
+    on_existing: Literal["refuse", "archive"] = "refuse"
     fallback_to_older: bool = False
     verify_on_load: bool = True
     fast_load: bool = True
@@ -140,6 +149,13 @@ class CheckpointConfig:
             )
         if self.background_staging and self.async_mode == "off":
             raise ConfigError("CheckpointConfig.background_staging=true needs async_mode 'thread' or 'process'")
+        if self.on_existing not in ("refuse", "archive"):
+            raise ConfigError(f"CheckpointConfig.on_existing={self.on_existing!r}: expected 'refuse' or 'archive'")
+        if self.on_existing == "archive" and self.load and self.load_path is None:
+            raise ConfigError(
+                "CheckpointConfig.on_existing='archive' with load: true and no load_path: this run "
+                "resumes from the root's checkpoints, so nothing would be archived. Set load: false "
+                "to start fresh and archive them, or drop on_existing")
         if self.state_dict_type not in ("sharded", "full"):
             raise ConfigError(
                 f"CheckpointConfig.state_dict_type={self.state_dict_type!r}: "

@@ -1,5 +1,6 @@
 """Checkpoint <-> single file: export a DCP checkpoint as safetensors or ``torch.save`` FULL
-tensors, and import a weights file as a committed step-0 checkpoint.
+tensors, and import a weights file (or a plain DCP directory's model weights) as a committed
+step-0 checkpoint.
 
 Both run in one process with no process group. Export reads a batch of items at a time
 (:class:`~distckpt.reader.CheckpointReader`) and streams them into the output file
@@ -21,8 +22,8 @@ from typing import Any, Literal, Mapping
 
 import torch
 
-from .commit import commit, list_files
-from .errors import CheckpointNotFoundError
+from .commit import commit, existing_checkpoints, list_files, repair_latest, set_aside
+from .errors import CheckpointNotFoundError, ConfigError
 from .integrity import hash_file
 from .layout import checkpoint_name, staging_name
 from .manifest import Manifest, TensorSpec, model_fingerprint
@@ -224,16 +225,20 @@ def _has_tensor(value: Any) -> bool:
 
 # ---------------------------------------------------------------------------------- import
 def load_weights(weights_path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Read ``{name: tensor}`` from a safetensors file or a ``torch.save`` state dict.
+    """Read ``{name: tensor}`` from a safetensors file, a ``torch.save`` state dict, or a DCP
+    directory (see :func:`load_dcp_model_weights`).
 
     The torch file is read with ``weights_only=True`` (memory-mapped when it is a zip file).
 
     Raises:
-        CheckpointNotFoundError: no such file.
+        CheckpointNotFoundError: no such file or DCP directory.
+        CheckpointCorruptError: a DCP directory with unsafe or damaged metadata or files.
         ValueError: not a flat mapping of names to tensors (names the offending entry).
         ImportError: a safetensors file without the ``safetensors`` package.
     """
     path = Path(weights_path)
+    if path.is_dir():
+        return load_dcp_model_weights(path)
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path}: no such weights file")
     with open(path, "rb") as f:
@@ -264,7 +269,47 @@ def load_weights(weights_path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return dict(obj)
 
 
-def import_weights(weights_path: str | os.PathLike, root: str | os.PathLike, *, step: int = 0) -> Path:
+def load_dcp_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model weights of a DCP directory (``dcp.save`` output, any world size, sharded or
+    not) as FULL CPU tensors ``{fqn: tensor}``, read in this process with distckpt's safe
+    reader (allow-listed metadata unpickler; a distckpt manifest, if present, is checked).
+
+    Supported layouts: ``model.<fqn>`` items (a training state such as ``{"model": ...,
+    "optim": ...}``: only the model's tensors are taken, the rest is listed in the log), or,
+    without any ``model.`` item, bare ``<fqn>`` items that are all tensors (a model
+    ``state_dict`` saved on its own).
+
+    Raises:
+        CheckpointNotFoundError: not a DCP directory (no ``.metadata``).
+        CheckpointCorruptError: unsafe or damaged metadata, or a file that cannot be read.
+        ValueError: no ``model.`` item and some items are not tensors, or no tensors at all.
+    """
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise CheckpointNotFoundError(f"{path}: a directory without DCP .metadata: not a DCP checkpoint")
+    reader = CheckpointReader(path)
+    model_keys = [k for k in reader.keys("model") if reader.items[k].kind == "tensor"]
+    if model_keys:
+        names = {k: k[len("model."):] for k in model_keys}
+        ignored = [k for k in reader.keys() if k not in names]
+        if ignored:
+            logger.info("import %s: takes the %d model.* tensors; ignores %d other item(s): %s", path,
+                        len(names), len(ignored), ", ".join(ignored[:10]) + (" ..." if len(ignored) > 10 else ""))
+    else:
+        objects = [k for k in reader.keys() if reader.items[k].kind != "tensor"]
+        if objects:
+            raise ValueError(
+                f"{path}: no model.* items, and not a bare model state_dict: {len(objects)} item(s) are not "
+                f"tensors ({', '.join(objects[:5])}). distckpt imports the model.* tensors of a DCP "
+                "checkpoint, or a DCP directory holding only a model's tensors")
+        names = {k: k for k in reader.keys()}
+    if not names:
+        raise ValueError(f"{path}: holds no tensors")
+    return {names[k]: v for k, v in reader.iter_read(list(names))}
+
+
+def import_weights(weights_path: str | os.PathLike, root: str | os.PathLike, *, step: int = 0,
+                   on_existing: Literal["refuse", "archive"] = "refuse") -> Path:
     """Commit a weights file as checkpoint ``<root>/step-<step>`` that ``CheckpointManager``
     loads into the same architecture under any wrapper at any world size.
 
@@ -274,11 +319,17 @@ def import_weights(weights_path: str | os.PathLike, root: str | os.PathLike, *, 
     source. It has no optimizer, scheduler, scaler or dataloader state: load it with those
     left out of the manager (``optimizer=None``), then build them.
 
+    A DCP directory (a plain ``dcp.save``, any world size) is imported the same way: its model
+    tensors (:func:`load_dcp_model_weights`) are read FULL and written as a new checkpoint,
+    hashed, with a manifest; the directory itself is never changed.
+
     Args:
-        weights_path: safetensors file or ``torch.save`` state dict ``{fqn: tensor}``; names
-            must be the model's state_dict keys without wrapper prefixes.
+        weights_path: safetensors file, ``torch.save`` state dict ``{fqn: tensor}``, or DCP
+            directory; names must be the model's state_dict keys without wrapper prefixes.
         root: checkpoint root (created if absent; its write lock is held meanwhile).
         step: global step recorded for the checkpoint.
+        on_existing: when ``root`` already holds checkpoints: ``"refuse"`` (raise) or
+            ``"archive"`` (rename them ``archived-step-N-<n>`` first; nothing is deleted).
 
     Returns:
         The committed checkpoint directory.
@@ -287,6 +338,8 @@ def import_weights(weights_path: str | os.PathLike, root: str | os.PathLike, *, 
         CheckpointNotFoundError: no such weights file.
         ValueError: not a flat ``{name: tensor}`` mapping.
         FileExistsError: ``<root>/step-<step>`` already exists.
+        ConfigError: ``root`` holds checkpoints and ``on_existing`` is ``"refuse"`` (a later
+            ``load`` would resume those, not the import).
         CheckpointLockedError: another job writes this root.
     """
     import torch.distributed.checkpoint as dcp
@@ -297,16 +350,28 @@ def import_weights(weights_path: str | os.PathLike, root: str | os.PathLike, *, 
     from .state import TrainState, pack
 
     t0 = time.perf_counter()
+    if on_existing not in ("refuse", "archive"):
+        raise ValueError(f"on_existing={on_existing!r}: expected 'refuse' or 'archive'")
     weights = load_weights(weights_path)
     root = Path(root)
     final = root / checkpoint_name(step)
-    if final.exists():
-        raise FileExistsError(f"{final} already exists; import into another root or pick another step")
     root.mkdir(parents=True, exist_ok=True)
     lock = RootLock(root)
     lock.acquire()
     staging = root / staging_name(step, uuid.uuid4().hex[:12])
     try:
+        existing = existing_checkpoints(root)
+        if existing and on_existing != "archive":
+            raise ConfigError(
+                f"{root} already holds {len(existing)} checkpoint(s), newest {existing[-1][1].name}: a "
+                "load: true run would resume those, not the import. Import into another root, or "
+                "archive them first (on_existing='archive': renamed archived-step-N-<n>, nothing deleted)")
+        if existing:
+            moved = [f"{p.name} -> {set_aside(p, 'archived').name}" for _, p in existing]
+            repair_latest(root)
+            logger.warning("import: set aside the %d checkpoint(s) of %s: %s", len(moved), root, ", ".join(moved))
+        if final.exists():
+            raise FileExistsError(f"{final} already exists; import into another root or pick another step")
         state = {
             "model": weights,
             "train_state": pack(TrainState(step=step).to_saved()),

@@ -1,4 +1,5 @@
-"""Names on disk (DESIGN section 3): ``step-%09d``, ``.staging-step-%09d-<id>``, ``latest``."""
+"""Names on disk (DESIGN section 3): ``step-%09d``, ``.staging-step-%09d-<id>``,
+``.deleting-step-%09d-<id>``, ``latest``, and set-aside checkpoints ``<reason>-step-%09d-<n>``."""
 
 from __future__ import annotations
 
@@ -13,12 +14,21 @@ __all__ = [
     "staging_name",
     "parse_step",
     "is_staging",
+    "deleting_name",
+    "is_deleting",
+    "SET_ASIDE_REASONS",
+    "parse_set_aside",
 ]
 
 LATEST = "latest"
 MANIFEST = "distckpt.json"
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
 _STAGING_RE = re.compile(r"^\.staging-step-(\d{9,})-([0-9a-f]+)$")
+_DELETING_RE = re.compile(r"^\.deleting-step-(\d{9,})-([0-9a-f]+)$")
+SET_ASIDE_REASONS = ("corrupt", "rolledback", "archived")
+"""Why a checkpoint was renamed out of the way (never deleted): damaged, newer than a rollback's
+``load_path``, or moved aside for a fresh run (``on_existing: archive``)."""
+_SET_ASIDE_RE = re.compile(rf"^({'|'.join(SET_ASIDE_REASONS)})-step-(\d{{9,}})-(\d+)$")
 
 
 def checkpoint_name(step: int) -> str:
@@ -42,6 +52,23 @@ def parse_step(name: str) -> int | None:
 def is_staging(name: str) -> bool:
     """Whether ``name`` is an in-progress (never loadable) staging directory."""
     return _STAGING_RE.match(name) is not None
+
+
+def deleting_name(step_dir_name: str, delete_id: str) -> str:
+    """Name a checkpoint directory is renamed to before retention deletes its files: a crash
+    mid-delete leaves a directory that is provably distckpt's (removed at the next start)."""
+    return f".deleting-{step_dir_name}-{delete_id}"
+
+
+def is_deleting(name: str) -> bool:
+    """Whether ``name`` is a checkpoint whose deletion by distckpt was in progress."""
+    return _DELETING_RE.match(name) is not None
+
+
+def parse_set_aside(name: str) -> tuple[str, int] | None:
+    """``(reason, step)`` of a set-aside checkpoint name (``rolledback-step-000000040-0``)."""
+    m = _SET_ASIDE_RE.match(name)
+    return (m.group(1), int(m.group(2))) if m else None
 
 
 def checkpoint_dirs(root: str | os.PathLike) -> list[tuple[int, Path]]:

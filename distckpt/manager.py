@@ -29,7 +29,18 @@ import torch.distributed as dist
 from . import __version__
 from .adapters import ddp_rebuilds_buckets, tensor_specs, wrapper_kind
 from .collective import Collective
-from .commit import commit, delete_checkpoint, find_committed, list_files, remove_leftovers, set_aside, validate
+from .commit import (
+    commit,
+    delete_checkpoint,
+    existing_checkpoints,
+    find_committed,
+    list_files,
+    remove_leftovers,
+    repair_latest,
+    set_aside,
+    unmanaged_step_dirs,
+    validate,
+)
 from .config import CheckpointConfig
 from .events import EventLog
 from .engine import AsyncWriter, dcp_load, dcp_save, read_dcp_metadata
@@ -43,7 +54,7 @@ from .errors import (
     IncompatibleCheckpointError,
 )
 from .integrity import check_file, hash_file
-from .layout import checkpoint_name, staging_name
+from .layout import LATEST, MANIFEST, checkpoint_name, parse_step, staging_name
 from .lock import RootLock
 from .manifest import Manifest, model_fingerprint
 from .preemption import PreemptionWatcher
@@ -83,7 +94,9 @@ class CheckpointManager:
             single process when ``torch.distributed`` is not initialised).
 
     Raises:
-        ConfigError: the root directory cannot be created or written (on every rank).
+        ConfigError: the root directory cannot be created or written (on every rank); or the
+            run does not resume from the root (``load: false``, or ``load_path`` outside it)
+            while the root holds checkpoints, and ``on_existing`` is not ``archive``.
     """
 
     def __init__(
@@ -139,12 +152,20 @@ class CheckpointManager:
         if self.lock is not None:
             self.collective.agree(lambda: self.lock.acquire() if self.rank == 0 else None,
                                   what="locking the checkpoint root", error_type=CheckpointLockedError)
+        try:
+            self.collective.agree(self._check_existing, what="checking the root's existing checkpoints",
+                                  error_type=ConfigError)
+        except Exception:
+            if self.lock is not None and self.rank == 0:
+                self.lock.release()
+            raise
         self.preemption = PreemptionWatcher(self.collective.group) if config.preemption else None
         self.preempted = False
         self._run_id = self.collective.broadcast(uuid.uuid4().hex[:8])
         hosts = self.collective.all_gather(socket.gethostname())
         self.local_world_size = hosts.count(hosts[self.rank])  # ranks sharing this node's disk
         self._save_count = 0
+        self._rollback_from: int | None = None  # rank 0: set aside newer checkpoints at the next commit
 
     @property
     def extra_state(self) -> dict[str, Any]:
@@ -162,6 +183,70 @@ class CheckpointManager:
         except OSError as e:
             raise ConfigError(f"CheckpointConfig.root={str(self.root)!r} is not a writable directory: {e}") from e
 
+    def _rollback_step(self) -> int | None:
+        """N when ``load_path`` is ``<root>/step-N``: a resume from within this root."""
+        if self.config.load_path is None:
+            return None
+        p = Path(self.config.load_path)
+        step = parse_step(p.name)
+        return step if step is not None and p.resolve().parent == self.root.resolve() else None
+
+    def _check_existing(self) -> None:
+        """Rank 0: a run that does not resume from the root must not write among the root's
+        checkpoints (retention, ``latest`` and the next resume would mix two runs)."""
+        if self.rank != 0:
+            return
+        fresh = not self.config.load
+        if not fresh and (self.config.load_path is None or self._rollback_step() is not None):
+            return  # resumes from the root
+        existing = existing_checkpoints(self.root)
+        if not existing:
+            return
+        why = ("load: false" if fresh
+               else f"load_path={self.config.load_path!r} is not a step-* directory of the root")
+        if self.config.on_existing != "archive":
+            raise ConfigError(
+                f"CheckpointConfig.root={str(self.root)!r} already holds {len(existing)} checkpoint(s), "
+                f"newest {existing[-1][1].name}, and this run does not resume from them ({why}). "
+                "Choose: resume them (load: true, with no load_path or one naming a step-* of the "
+                "root); on_existing: archive to rename them archived-step-N-<n> (nothing is deleted); "
+                "or another root.")
+        if self.lock is None:
+            raise ConfigError("CheckpointConfig.on_existing='archive' needs lock: true: it renames "
+                              "checkpoints that another job could be writing")
+        moved = [f"{p.name} -> {set_aside(p, 'archived').name}" for _, p in existing]
+        repair_latest(self.root)
+        logger.warning("on_existing=archive (%s): set aside the %d checkpoint(s) in %s, nothing deleted: %s",
+                       why, len(moved), self.root, ", ".join(moved))
+
+    def _plan_rollback(self, step: int) -> None:
+        """Rank 0, after loading ``load_path`` = ``<root>/step-<step>``: the root's newer
+        checkpoints are set aside at this run's first commit (:meth:`_set_aside_newer`), not
+        now, so a manager that only loads (an evaluation) changes nothing."""
+        if self.rank != 0:
+            return
+        newer = [p.name for s, p in existing_checkpoints(self.root) if s > step]
+        if not newer:
+            return
+        if self.lock is None:
+            raise ConfigError(f"load_path={self.config.load_path!r} rolls back {self.root}, whose newer "
+                              "checkpoints must be set aside before this run saves: that needs lock: true")
+        self._rollback_from = step
+        logger.warning("rollback to %s: the root's %d newer checkpoint(s) (%s) will be renamed "
+                       "rolledback-step-M-<n> at this run's first save (kept, never loaded or deleted)",
+                       self.config.load_path, len(newer), ", ".join(newer))
+
+    def _set_aside_newer(self, step: int) -> None:
+        """Rank 0, before the first commit after a rollback to ``step``: rename the root's newer
+        checkpoints ``rolledback-step-M-<n>`` so this run's steps and ``latest`` are its own."""
+        moved = [f"{p.name} -> {set_aside(p, 'rolledback').name}"
+                 for s, p in existing_checkpoints(self.root) if s > step]
+        repair_latest(self.root)
+        if moved:
+            logger.warning("rollback to %s: set aside %d newer checkpoint(s), kept: %s. Remove load_path "
+                           "from the config now: a restart with it rolls back again.",
+                           checkpoint_name(step), len(moved), ", ".join(moved))
+
     def _check_event_log(self) -> None:
         if self.events.path is None:
             return
@@ -176,15 +261,19 @@ class CheckpointManager:
     def load(self) -> TrainState | None:
         """Resume from the newest valid committed checkpoint (or ``config.load_path``).
 
-        Rank 0 first removes staging directories left by a crash. A checkpoint is valid when
-        its manifest is readable and every listed file exists with the recorded size.
+        Rank 0 first removes staging directories and deletions left by a crash. A checkpoint is
+        valid when its manifest is readable and every listed file exists with the recorded size.
+        A ``load_path`` naming ``step-N`` of the root is a rollback: the root's newer checkpoints
+        are renamed ``rolledback-step-M-<n>`` (kept; a warning lists them) at this run's first
+        save, so a manager that only loads changes nothing.
 
         Returns:
             The restored :class:`TrainState`, or ``None`` when there is nothing to load (or
             ``config.load`` is false).
 
         Raises:
-            CheckpointNotFoundError: ``config.load_path`` does not exist.
+            CheckpointNotFoundError: ``config.load_path`` does not exist, or is a DCP directory
+                without a distckpt manifest (import it with ``distckpt import``).
             CheckpointCorruptError: the newest checkpoint is invalid (a missing or truncated
                 file, or a hash mismatch found while reading it) and
                 ``config.fallback_to_older`` is false, or no committed checkpoint is loadable;
@@ -228,6 +317,10 @@ class CheckpointManager:
                     logger.warning("%s -- falling back to the previous committed checkpoint "
                                    "(fallback_to_older=true)", e)
                 rejected.append(path)
+        rollback = self._rollback_step()
+        if rollback is not None:
+            self.collective.agree(lambda: self._plan_rollback(rollback), what=f"rolling back to {path}",
+                                  error_type=ConfigError)
         train_state.checkpoint_path = str(path)
         train_state.saved_world_size = manifest.world_size
         self.train_state = train_state
@@ -273,22 +366,42 @@ class CheckpointManager:
         """Rank 0 picks the checkpoint; other ranks return ``None`` (then broadcast)."""
         if self.rank != 0:
             return None
-        for name in (remove_leftovers(self.root) if self.lock is not None else []):
-            logger.warning("removed %s left by an interrupted save or delete", self.root / name)
+        if self.lock is not None:
+            for name in remove_leftovers(self.root):
+                logger.warning("removed %s left by an interrupted save or delete", self.root / name)
+            repair_latest(self.root)
+        for p in unmanaged_step_dirs(self.root):
+            logger.warning("ignoring %s: it has no %s (not written by distckpt, e.g. a plain dcp.save); "
+                           "distckpt never loads or deletes it, and a save of its step fails while it is "
+                           "there. To use it: `distckpt import %s NEW_ROOT`", p, MANIFEST, p)
         if self.config.load_path is not None:
             p = Path(self.config.load_path)
             if not p.is_dir():
                 raise CheckpointNotFoundError(f"CheckpointConfig.load_path={str(p)!r} does not exist")
+            if not (p / MANIFEST).exists() and (p / ".metadata").exists():
+                raise CheckpointNotFoundError(
+                    f"CheckpointConfig.load_path={str(p)!r} is a DCP directory without a distckpt "
+                    f"manifest ({MANIFEST}), not a distckpt checkpoint. Import its model weights: "
+                    f"`distckpt import {p} NEW_ROOT [--step N]`, then set root: NEW_ROOT (or "
+                    "load_path: NEW_ROOT/step-...)")
             validate(p)
             return str(p)
         newest_error: CheckpointCorruptError | None = None
         for step, p, result in find_committed(self.root):
+            if not (p / MANIFEST).exists():
+                continue  # not distckpt's: warned about above, never loaded
             if str(p) in rejected:
                 result = CheckpointCorruptError(f"{p}: failed to load", path=str(p))
             elif isinstance(result, Manifest):
                 if newest_error is not None:
                     logger.warning("newest checkpoint is corrupt (%s); falling back to %s "
                                    "(fallback_to_older=true)", newest_error, p)
+                latest = self.root / LATEST
+                last = latest.read_text().strip() if latest.is_file() else p.name
+                if newest_error is None and last != p.name and (self.root / last / MANIFEST).is_file():
+                    logger.warning("resuming from %s, the newest checkpoint in %s, although the last "
+                                   "commit was %s (named by %s): the newer one is another run's or "
+                                   "was saved without a load", p.name, self.root, last, LATEST)
                 return str(p)
             if not self.config.fallback_to_older:
                 raise CheckpointCorruptError(
@@ -298,6 +411,7 @@ class CheckpointManager:
             newest_error = newest_error or result
             if self.lock is not None:  # the run will save this step again: move it out of the way
                 logger.warning("set aside corrupt checkpoint %s as %s", p, set_aside(p))
+                repair_latest(self.root)
         if newest_error is not None:  # never start fresh silently over a run's checkpoints
             raise CheckpointCorruptError(
                 f"no committed checkpoint in {self.root} is loadable (newest problem: {newest_error}). "
@@ -545,19 +659,28 @@ class CheckpointManager:
                     logger.warning("no writer reported a hash for %s; hashing it on rank 0", entry.path)
                     entry.hash = hash_file(staging / entry.path)[1]
             timings["commit"] = time.perf_counter() - t0  # up to the manifest write
+            if self._rollback_from is not None:
+                self._set_aside_newer(self._rollback_from)
+                self._rollback_from = None
             commit(staging, final, manifest, on_phase=lambda phase: self.events.emit(phase, step))
         except Exception as e:  # noqa: BLE001 - broadcast to every rank
             return describe_exception(e)
         try:
-            self._apply_retention()
+            self._apply_retention(step)
         except OSError as e:  # a failed delete never fails the save that just committed
             logger.error("retention failed in %s: %s", self.root, e)
         return None
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, just_committed: int) -> None:
         committed = [s for s, _, r in find_committed(self.root) if isinstance(r, Manifest)]
+        newer = [s for s in committed if s > just_committed]
+        if newer:  # not this run's (a save without a load in a used root): never deleted
+            logger.warning("%s holds checkpoints newer than the step-%d just committed (steps %s); "
+                           "retention leaves them, and a later load: true resumes from step %d",
+                           self.root, just_committed, newer, max(newer))
         for step in steps_to_delete(committed, keep_last=self.config.keep_last,
-                                    keep_every_steps=self.config.keep_every_steps):
+                                    keep_every_steps=self.config.keep_every_steps,
+                                    just_committed=just_committed):
             self.events.emit("retention", step)
             delete_checkpoint(self.root / checkpoint_name(step))
             logger.info("retention: deleted %s", self.root / checkpoint_name(step))

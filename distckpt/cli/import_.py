@@ -4,32 +4,49 @@ from __future__ import annotations
 
 import argparse
 
+from ..commit import existing_checkpoints
+from ..errors import ConfigError
 from ..export import import_weights
 from ..manifest import Manifest
 from ._common import fmt_bytes, print_json
 
 NAME = "import"
-HELP = "commit a safetensors or torch.save state dict as a step-0 checkpoint that CheckpointManager loads"
-EPILOG = """Names in WEIGHTS must be the model's state_dict keys (no 'module.' prefix). The checkpoint
-holds model weights only: load it with a CheckpointManager built without optimizer, scheduler,
-scaler or dataloader, at any world size and with any wrapper.
+HELP = ("commit a safetensors file, torch.save state dict or plain DCP directory as a step-0 checkpoint "
+        "that CheckpointManager loads")
+EPILOG = """Names in WEIGHTS must be the model's state_dict keys (no 'module.' prefix). A DCP directory
+(a plain dcp.save, any world size) gives its model.<fqn> tensors, or, when it has no model.*
+items, its tensors under their own names; other items (optimizer, ...) are not imported. The
+source is never changed. The checkpoint holds model weights only: the manager loads it at any
+world size and with any wrapper, and starts optimizer, scheduler, scaler and data fresh.
+ROOT must hold no checkpoints (a resume would take those, not the import) unless
+--archive-existing renames them archived-step-N-<n> (nothing is deleted).
 
 examples:
   distckpt import model.safetensors runs/finetune/ckpt
   distckpt import pretrained.pt runs/finetune/ckpt --step 1000 --json
+  distckpt import runs/plain_dcp/step-000000500 runs/finetune/ckpt --step 500
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("weights", help="safetensors file or torch.save {name: tensor} file")
+    p.add_argument("weights", help="safetensors file, torch.save {name: tensor} file or DCP directory")
     p.add_argument("root", help="checkpoint root (created if absent)")
     p.add_argument("--step", type=int, default=0, help="step to record (default 0)")
+    p.add_argument("--archive-existing", action="store_true",
+                   help="rename the checkpoints ROOT holds archived-step-N-<n> first (default: refuse)")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.step < 0:
         raise ValueError(f"--step {args.step}: must be >= 0")
-    path = import_weights(args.weights, args.root, step=args.step)
+    existing = existing_checkpoints(args.root)
+    if existing and not args.archive_existing:  # checked again under the root's lock
+        raise ConfigError(
+            f"{args.root} already holds {len(existing)} checkpoint(s), newest {existing[-1][1].name}: a "
+            "resume would take those, not the import. Import into another root, or pass "
+            "--archive-existing to rename them archived-step-N-<n> (nothing is deleted)")
+    path = import_weights(args.weights, args.root, step=args.step,
+                          on_existing="archive" if args.archive_existing else "refuse")
     m = Manifest.read(path)
     size = sum(f.size_bytes for f in m.files)
     if args.json:

@@ -1,8 +1,11 @@
 """``distckpt ls ROOT``: every checkpoint of a root with its status.
 
 Status: ``committed`` (manifest valid, files present with their sizes, ``.metadata`` readable
-as DCP metadata), ``corrupt`` (with the reason) or ``staging`` (an unfinished save). Reads no
-data files and never unpickles anything but allow-listed DCP metadata types.
+as DCP metadata), ``corrupt`` (with the reason), ``unmanaged`` (a ``step-*`` directory without
+a manifest, e.g. a plain ``dcp.save``: the manager ignores it), ``staging`` (an unfinished
+save), ``deleting`` (a retention delete in progress) or ``set aside`` (renamed
+``corrupt-``/``rolledback-``/``archived-step-*``: kept, never loaded). Reads no data files and
+never unpickles anything but allow-listed DCP metadata types.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from pathlib import Path
 from ..commit import find_committed
 from ..engine import read_dcp_metadata
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
-from ..layout import LATEST, MANIFEST, is_staging
+from ..layout import LATEST, MANIFEST, is_deleting, is_staging, parse_set_aside
 from ..manifest import Manifest
 from ._common import fmt_bytes, fmt_float, fmt_time, print_json, print_table
 
@@ -30,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def list_root(root: Path) -> list[dict]:
-    """One row per ``step-*`` (oldest first), then staging directories.
+    """One row per ``step-*`` (oldest first), then staging, deleting and set-aside directories.
 
     Raises:
         CheckpointNotFoundError: ``root`` does not exist, is not a directory, or is a checkpoint.
@@ -56,11 +59,19 @@ def list_root(root: Path) -> list[dict]:
             row.update(time=fmt_time(result.wall_time), wall_time=result.wall_time,
                        size_bytes=sum(f.size_bytes for f in result.files), world_size=result.world_size,
                        state_dict_type=result.state_dict_type, wrapper=result.wrapper, loss=result.loss)
+        elif not (path / MANIFEST).exists():
+            row.update(status="unmanaged", reason=f"no {MANIFEST}: not written by distckpt, ignored by the "
+                                                  f"manager; `distckpt import {path} NEW_ROOT` to use it")
         else:
             row.update(status="corrupt", reason=str(result))
         rows.append(row)
+    others = sorted(root.iterdir())
     rows += [{"name": p.name, "step": None, "status": "staging", "latest": False}
-             for p in sorted(root.iterdir()) if is_staging(p.name)]
+             for p in others if is_staging(p.name)]
+    rows += [{"name": p.name, "step": None, "status": "deleting", "latest": False}
+             for p in others if is_deleting(p.name)]
+    rows += [{"name": p.name, "step": aside[1], "status": "set aside", "reason": aside[0], "latest": False}
+             for p in others if (aside := parse_set_aside(p.name)) is not None]
     return rows
 
 
@@ -79,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
           r.get("world_size"), r.get("state_dict_type"), r.get("wrapper"), fmt_float(r.get("loss")),
           r["status"]] for r in rows])
     for r in rows:
-        if r["status"] == "corrupt":
+        if r["status"] in ("corrupt", "unmanaged"):
             print(f"{r['name']}: {r['reason']}")
     if any(r["latest"] for r in rows):
         print("* = latest")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager
 from distckpt.compare import max_abs_diff
-from distckpt.errors import CheckpointNotFoundError
+from distckpt.errors import CheckpointNotFoundError, ConfigError
 from distckpt.export import export_checkpoint, import_weights
 from distckpt.reader import CheckpointReader
 from distckpt.single_file import SafetensorsWriter, TorchZipWriter
@@ -196,6 +196,9 @@ def test_import_errors(tmp_path):
         import_weights(tmp_path / "junk.bin", tmp_path / "root")
     save_file(Net().state_dict(), tmp_path / "w.safetensors")
     import_weights(tmp_path / "w.safetensors", tmp_path / "root")
-    with pytest.raises(FileExistsError, match="step-000000000 already exists"):
+    with pytest.raises(ConfigError, match="holds 1 checkpoint.*newest step-000000000"):
         import_weights(tmp_path / "w.safetensors", tmp_path / "root")
+    (tmp_path / "other" / "step-000000000").mkdir(parents=True)  # not distckpt's: never replaced
+    with pytest.raises(FileExistsError, match="step-000000000 already exists"):
+        import_weights(tmp_path / "w.safetensors", tmp_path / "other")
     assert not [p for p in (tmp_path / "root").iterdir() if p.name.startswith(".staging")]

@@ -398,12 +398,19 @@ def test_phase_events_are_logged_in_order(tmp_path):
                       ("retention", 1), ("committed", 2)]
 
 
-def test_leftovers_of_interrupted_delete_and_latest_update_are_removed(tmp_path):
+def test_leftovers_of_interrupted_delete_and_latest_update_are_removed(tmp_path, caplog):
     trained_manager(tmp_path, steps=(3, 6))
-    half_deleted = tmp_path / "step-000000003"
-    (half_deleted / "distckpt.json").unlink()  # retention died after removing the manifest
+    deleting = tmp_path / ".deleting-step-000000003-0a1b2c3d"
+    (tmp_path / "step-000000003").rename(deleting)  # retention died after its rename
+    no_manifest = tmp_path / "step-000000002"
+    no_manifest.mkdir()
+    (no_manifest / "__0_0.distcp").write_bytes(b"not distckpt's")
     (tmp_path / ".latest.tmp-4242").write_text("step-000000009\n")
     manager, _ = manager_for(tmp_path)
-    assert manager.load().step == 6
-    assert not half_deleted.exists() and not (tmp_path / ".latest.tmp-4242").exists()
+    with caplog.at_level("WARNING"):
+        assert manager.load().step == 6
+    assert not deleting.exists() and not (tmp_path / ".latest.tmp-4242").exists()
     assert (tmp_path / "step-000000006").exists()
+    # Not provably distckpt's: kept, with a warning.
+    assert (no_manifest / "__0_0.distcp").read_bytes() == b"not distckpt's"
+    assert f"ignoring {no_manifest}" in caplog.text

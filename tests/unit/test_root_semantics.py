@@ -1,0 +1,261 @@
+"""What a checkpoint root holds and who may change it (issue 12, items 1-3), in one process:
+a fresh run in a used root, a rollback with load_path, and directories distckpt did not write."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from distckpt import CheckpointConfig, CheckpointManager, CheckpointNotFoundError, ConfigError
+from distckpt.cli import main
+from distckpt.commit import delete_checkpoint, remove_leftovers
+from distckpt.manifest import Manifest
+from distckpt.reader import CheckpointReader
+from distckpt.retention import steps_to_delete
+from tests.distributed.trainer import Net, build, train_steps
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def manager_for(root, **kw):
+    objs = build(0, 1, kw.pop("build", {}))
+    model, optimizer, scheduler, scaler, loader = objs
+    cfg = CheckpointConfig(root=str(root), interval_steps=None, **kw)
+    return CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                             grad_scaler=scaler, dataloader=loader), objs
+
+
+def run_a(root, steps=(30, 35, 40)):
+    """Another run's checkpoints in ``root`` (trained one step between saves)."""
+    manager, objs = manager_for(root, keep_last=None)
+    for s in steps:
+        train_steps(*objs, 1)
+        manager.save(s)
+    manager.close()
+
+
+def listing(root):
+    """``{dir name: {file: bytes}}`` of every directory under ``root``."""
+    return {d.name: {f.name: f.read_bytes() for f in sorted(d.iterdir()) if f.is_file()}
+            for d in sorted(root.iterdir()) if d.is_dir()}
+
+
+def model_tensors(checkpoint):
+    reader = CheckpointReader(checkpoint)
+    return reader.read(reader.keys("model"))
+
+
+def train_saving(manager, objs, steps, save_at):
+    """Train ``steps`` (global step numbers) from one loader iterator, saving at ``save_at``."""
+    model, optimizer, scheduler, scaler, loader = objs
+    it = iter(loader)
+    for step in steps:
+        batch = next(it)
+        loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        scheduler.step()
+        if step in save_at:
+            manager.save(step)
+
+
+def latest(root):
+    return (root / "latest").read_text().strip()
+
+
+# ------------------------------------------------------------------ item 1: fresh run, used root
+def test_fresh_run_in_a_used_root_refuses_or_archives_and_never_loses_its_commits(tmp_path, caplog):
+    root = tmp_path / "ckpt"
+    run_a(root)
+    before = listing(root)
+    with pytest.raises(ConfigError) as err:
+        manager_for(root, load=False)
+    assert "step-000000040" in str(err.value) and "on_existing: archive" in str(err.value)
+    assert "load: true" in str(err.value)
+    assert listing(root) == before and not (root / ".lock").exists()  # nothing touched, lock released
+    with pytest.raises(ConfigError, match="would be archived"):
+        CheckpointConfig(root=str(root), on_existing="archive")  # load: true: it would be ignored
+    with pytest.raises(ConfigError, match="on_existing='keep'"):
+        CheckpointConfig(root=str(root), load=False, on_existing="keep")
+
+    with caplog.at_level("WARNING"):
+        manager, objs = manager_for(root, load=False, on_existing="archive", keep_last=2)
+    assert "on_existing=archive" in caplog.text
+    for step in (30, 35, 40):  # renamed with every byte, not deleted
+        assert listing(root)[f"archived-step-{step:09d}-0"] == before[f"step-{step:09d}"]
+    assert not (root / "latest").exists()  # it named an archived checkpoint
+    for s in (5, 10, 15):
+        train_steps(*objs, 1)
+        manager.save(s)
+        assert latest(root) == f"step-{s:09d}" and (root / latest(root) / "distckpt.json").is_file()
+    manager.close()
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-000000010", "step-000000015"]
+    mine = {f"model.{k}": v for k, v in objs[0].state_dict().items()}
+    resumed, _ = manager_for(root)
+    assert resumed.load().step == 15  # this run's, not the archived step 40
+    saved = model_tensors(root / "step-000000015")
+    assert saved.keys() == mine.keys() and all(torch.equal(saved[k], mine[k]) for k in mine)
+    resumed.close()
+
+
+def test_retention_never_deletes_a_just_committed_checkpoint(tmp_path, caplog):
+    root = tmp_path / "ckpt"
+    run_a(root)
+    before = listing(root)
+    manager, objs = manager_for(root, keep_last=2)  # load: true, but saves without loading
+    train_steps(*objs, 1)
+    with caplog.at_level("WARNING"):
+        manager.save(5)
+    assert latest(root) == "step-000000005" and (root / "step-000000005" / "distckpt.json").is_file()
+    assert "retention leaves them" in caplog.text
+    assert {k: v for k, v in listing(root).items() if k != "step-000000005"} == before
+    manager.close()
+    caplog.clear()
+    manager, _ = manager_for(root)
+    with caplog.at_level("WARNING"):
+        assert manager.load().step == 40
+    assert "although the last commit was step-000000005" in caplog.text  # said, not silent
+    manager.close()
+    assert steps_to_delete([30, 35, 40, 5], keep_last=2, keep_every_steps=None, just_committed=5) == []
+    assert steps_to_delete([1, 2, 3, 30, 35], keep_last=2, keep_every_steps=None, just_committed=3) == [1]
+
+
+def test_import_into_a_root_with_checkpoints_refuses_unless_archive_existing(tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    run_a(root, steps=(30, 40))
+    before = listing(root)
+    torch.save(Net().state_dict(), tmp_path / "w.pt")
+    code = main(["import", str(tmp_path / "w.pt"), str(root)])
+    err = capsys.readouterr().err
+    assert code == 2 and "step-000000040" in err and "--archive-existing" in err
+    assert listing(root) == before
+    code = main(["import", str(tmp_path / "w.pt"), str(root), "--archive-existing", "--json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["step"] == 0
+    assert listing(root)["archived-step-000000040-0"] == before["step-000000040"]
+    assert latest(root) == "step-000000000"
+    assert [p.name for p in root.glob("step-*")] == ["step-000000000"]
+
+
+# ------------------------------------------------------------------ item 2: rollback
+def test_rollback_with_load_path_sets_newer_checkpoints_aside_at_the_first_save(tmp_path, caplog, capsys):
+    root = tmp_path / "ckpt"
+    manager, objs = manager_for(root, keep_last=None)
+    train_saving(manager, objs, range(1, 10), save_at=(3, 6, 9))
+    manager.close()
+    before = listing(root)
+
+    evaluation, _ = manager_for(root, load_path=str(root / "step-000000003"))
+    assert evaluation.load().step == 3
+    evaluation.close()
+    assert listing(root) == before  # a manager that only loads changes nothing
+
+    manager, objs = manager_for(root, load_path=str(root / "step-000000003"), keep_last=2)
+    with caplog.at_level("WARNING"):
+        assert manager.load().step == 3
+        train_saving(manager, objs, range(4, 7), save_at=(6,))  # used to fail: step-000000006 already exists
+    assert "will be renamed rolledback-step-M-<n>" in caplog.text and "set aside 2 newer" in caplog.text
+    for step in (6, 9):
+        assert listing(root)[f"rolledback-step-{step:09d}-0"] == before[f"step-{step:09d}"]
+    assert latest(root) == "step-000000006"
+    # Same-world resume is exact: the retrained step 6 equals the first run's, bitwise.
+    old, new = model_tensors(root / "rolledback-step-000000006-0"), model_tensors(root / "step-000000006")
+    assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)
+    train_steps(*objs, 3)
+    manager.save(9)
+    manager.save(12)
+    manager.close()
+    # Retention counts only step-* directories: step 3 goes, the rolled-back ones stay.
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-000000009", "step-000000012"]
+    assert (root / "rolledback-step-000000006-0").is_dir() and (root / "rolledback-step-000000009-0").is_dir()
+    mine = {f"model.{k}": v for k, v in objs[0].state_dict().items()}
+    saved = model_tensors(root / "step-000000012")
+    assert all(torch.equal(saved[k], mine[k]) for k in mine)
+    capsys.readouterr()
+    assert main(["ls", str(root), "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert rows["rolledback-step-000000009-0"] == {"name": "rolledback-step-000000009-0", "step": 9,
+                                                   "status": "set aside", "reason": "rolledback", "latest": False}
+    assert rows["step-000000012"]["status"] == "committed" and rows["step-000000012"]["latest"]
+
+
+# ------------------------------------------------------------------ item 3: directories distckpt did not write
+def _plain_dcp(path, state):
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+
+
+def test_step_dir_without_manifest_is_never_deleted(tmp_path, caplog, capsys):
+    root = tmp_path / "ckpt"
+    run_a(root, steps=(3,))
+    plain = root / "step-000000005"
+    _plain_dcp(plain, {"model": Net().state_dict()})
+    files = listing(root)[plain.name]
+    manager, _ = manager_for(root)
+    with caplog.at_level("WARNING"):
+        assert manager.load().step == 3
+    manager.close()
+    assert f"ignoring {plain}" in caplog.text and listing(root)[plain.name] == files
+    manager, _ = manager_for(root, load_path=str(plain))
+    with pytest.raises(CheckpointNotFoundError, match="without a distckpt manifest.*distckpt import"):
+        manager.load()
+    manager.close()
+    assert listing(root)[plain.name] == files  # used to be deleted, then reported missing
+    capsys.readouterr()
+    assert main(["ls", str(root), "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert rows[plain.name]["status"] == "unmanaged" and "distckpt import" in rows[plain.name]["reason"]
+
+
+def test_retention_delete_is_marked_so_only_its_leftover_is_removed(tmp_path, monkeypatch):
+    root = tmp_path / "ckpt"
+    run_a(root, steps=(3, 6))
+    files = listing(root)["step-000000003"]
+    monkeypatch.setattr("distckpt.commit.shutil.rmtree", lambda *a, **k: None)  # crash after the rename
+    delete_checkpoint(root / "step-000000003")
+    monkeypatch.undo()
+    (doomed,) = root.glob(".deleting-step-000000003-*")
+    assert listing(root)[doomed.name] == files and not (root / "step-000000003").exists()
+    assert remove_leftovers(root) == [doomed.name] and not doomed.exists()
+    assert (root / "step-000000006" / "distckpt.json").is_file()
+
+
+@pytest.mark.parametrize("layout", ["bare", "prefixed"])
+def test_import_a_plain_dcp_directory(tmp_path, capsys, layout):
+    torch.manual_seed(3)
+    model = Net()
+    weights = model.state_dict()
+    src = tmp_path / "plain"
+    if layout == "bare":
+        _plain_dcp(src, dict(weights))
+    else:
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        _plain_dcp(src, {"model": model.state_dict(), "optim": opt.state_dict()})
+        weights = model.state_dict()
+    before = listing(tmp_path)["plain"]
+    code = main(["import", str(src), str(tmp_path / "root"), "--step", "5", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["step"] == 5 and data["tensors"] == len(weights)
+    assert listing(tmp_path)["plain"] == before  # the source is never changed
+    assert main(["verify", str(tmp_path / "root")]) == 0
+    capsys.readouterr()
+    manifest = Manifest.read(tmp_path / "root" / "step-000000005")
+    assert sorted(manifest.model) == sorted(weights)
+    target = Net()
+    manager = CheckpointManager(CheckpointConfig(root=str(tmp_path / "root")), model=target, optimizer=None)
+    assert manager.load().step == 5
+    manager.close()
+    assert all(torch.equal(v, weights[k]) for k, v in target.state_dict().items())
+
+
+def test_import_refuses_a_dcp_directory_it_cannot_read_as_model_weights(tmp_path, capsys):
+    _plain_dcp(tmp_path / "plain", {"w": torch.ones(2), "note": {"x": 1}})
+    code = main(["import", str(tmp_path / "plain"), str(tmp_path / "root")])
+    err = capsys.readouterr().err
+    assert code == 2 and "no model.* items" in err and "note" in err
+    assert not list((tmp_path / "root").glob("step-*"))
