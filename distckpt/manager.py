@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import socket
 import threading
 import time
@@ -26,41 +25,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import __version__
 from .adapters import ddp_rebuilds_buckets, tensor_specs, wrapper_kind
 from .collective import Collective
-from .commit import (
-    commit,
-    delete_checkpoint,
-    existing_checkpoints,
-    find_committed,
-    list_files,
-    remove_leftovers,
-    repair_latest,
-    set_aside,
-    unmanaged_step_dirs,
-    validate,
-)
+from .discovery import CheckpointDiscovery, check_model_fits
 from .config import CheckpointConfig
 from .events import EventLog
-from .engine import AsyncWriter, dcp_load, dcp_save, read_dcp_metadata
+from .engine import AsyncWriter, dcp_load, read_dcp_metadata
 from .engine.blocking import describe_exception
-from .errors import (
-    CheckpointCorruptError,
-    CheckpointLockedError,
-    CheckpointNotFoundError,
-    CheckpointSaveError,
-    ConfigError,
-    IncompatibleCheckpointError,
-)
-from .integrity import check_file, hash_file
-from .layout import LATEST, MANIFEST, checkpoint_name, parse_step, staging_name
+from .errors import CheckpointCorruptError, CheckpointLockedError, ConfigError, IncompatibleCheckpointError
+from .integrity import check_file
 from .lock import RootLock
-from .manifest import Manifest, model_fingerprint
+from .manifest import Manifest
 from .preemption import PreemptionWatcher
-from .retention import steps_to_delete
 from .schedule import SaveSchedule
 from .state import CheckpointState, TrainState
+from .transaction import PhaseHook, SaveContext, SaveTransaction
 
 __all__ = ["CheckpointManager"]
 
@@ -92,6 +71,10 @@ class CheckpointManager:
             plain values are in ``manager.extra_state``.
         process_group: ranks that checkpoint together; ``None`` = default group (or a
             single process when ``torch.distributed`` is not initialised).
+        on_phase: ``on_phase(phase, step, rank)``, called on every rank before each phase of
+            a save acts (``stage``, ``write``, ``manifest``, ``rename``, ``latest``,
+            ``retention``, ``committed``; see :mod:`distckpt.transaction`): tracing and
+            fault injection. It runs on the background thread for async saves.
 
     Raises:
         ConfigError: the root directory cannot be created or written (on every rank); or the
@@ -110,6 +93,7 @@ class CheckpointManager:
         dataloader: Any = None,
         extra_state: dict[str, Any] | None = None,
         process_group: dist.ProcessGroup | None = None,
+        on_phase: PhaseHook | None = None,
     ) -> None:
         self.config = config
         self.root = Path(config.root)
@@ -152,8 +136,9 @@ class CheckpointManager:
         if self.lock is not None:
             self.collective.agree(lambda: self.lock.acquire() if self.rank == 0 else None,
                                   what="locking the checkpoint root", error_type=CheckpointLockedError)
+        self.discovery = CheckpointDiscovery(self.root, config, rank=self.rank, locked=self.lock is not None)
         try:
-            self.collective.agree(self._check_existing, what="checking the root's existing checkpoints",
+            self.collective.agree(self.discovery.check_existing, what="checking the root's existing checkpoints",
                                   error_type=ConfigError)
         except Exception:
             if self.lock is not None and self.rank == 0:
@@ -166,6 +151,11 @@ class CheckpointManager:
         self.local_world_size = hosts.count(hosts[self.rank])  # ranks sharing this node's disk
         self._save_count = 0
         self._rollback_from: int | None = None  # rank 0: set aside newer checkpoints at the next commit
+        self._save_ctx = SaveContext(
+            root=self.root, rank=self.rank, world_size=self.world_size, wrapper=self.wrapper,
+            model_specs=self.model_specs, events=self.events, on_phase=on_phase, keep_last=config.keep_last,
+            keep_every_steps=config.keep_every_steps, thread_count=config.thread_count,
+            write_timeout_s=config.effective_write_timeout_s, before_commit=self._before_commit)
 
     @property
     def extra_state(self) -> dict[str, Any]:
@@ -182,70 +172,6 @@ class CheckpointManager:
             probe.unlink()
         except OSError as e:
             raise ConfigError(f"CheckpointConfig.root={str(self.root)!r} is not a writable directory: {e}") from e
-
-    def _rollback_step(self) -> int | None:
-        """N when ``load_path`` is ``<root>/step-N``: a resume from within this root."""
-        if self.config.load_path is None:
-            return None
-        p = Path(self.config.load_path)
-        step = parse_step(p.name)
-        return step if step is not None and p.resolve().parent == self.root.resolve() else None
-
-    def _check_existing(self) -> None:
-        """Rank 0: a run that does not resume from the root must not write among the root's
-        checkpoints (retention, ``latest`` and the next resume would mix two runs)."""
-        if self.rank != 0:
-            return
-        fresh = not self.config.load
-        if not fresh and (self.config.load_path is None or self._rollback_step() is not None):
-            return  # resumes from the root
-        existing = existing_checkpoints(self.root)
-        if not existing:
-            return
-        why = ("load: false" if fresh
-               else f"load_path={self.config.load_path!r} is not a step-* directory of the root")
-        if self.config.on_existing != "archive":
-            raise ConfigError(
-                f"CheckpointConfig.root={str(self.root)!r} already holds {len(existing)} checkpoint(s), "
-                f"newest {existing[-1][1].name}, and this run does not resume from them ({why}). "
-                "Choose: resume them (load: true, with no load_path or one naming a step-* of the "
-                "root); on_existing: archive to rename them archived-step-N-<n> (nothing is deleted); "
-                "or another root.")
-        if self.lock is None:
-            raise ConfigError("CheckpointConfig.on_existing='archive' needs lock: true: it renames "
-                              "checkpoints that another job could be writing")
-        moved = [f"{p.name} -> {set_aside(p, 'archived').name}" for _, p in existing]
-        repair_latest(self.root)
-        logger.warning("on_existing=archive (%s): set aside the %d checkpoint(s) in %s, nothing deleted: %s",
-                       why, len(moved), self.root, ", ".join(moved))
-
-    def _plan_rollback(self, step: int) -> None:
-        """Rank 0, after loading ``load_path`` = ``<root>/step-<step>``: the root's newer
-        checkpoints are set aside at this run's first commit (:meth:`_set_aside_newer`), not
-        now, so a manager that only loads (an evaluation) changes nothing."""
-        if self.rank != 0:
-            return
-        newer = [p.name for s, p in existing_checkpoints(self.root) if s > step]
-        if not newer:
-            return
-        if self.lock is None:
-            raise ConfigError(f"load_path={self.config.load_path!r} rolls back {self.root}, whose newer "
-                              "checkpoints must be set aside before this run saves: that needs lock: true")
-        self._rollback_from = step
-        logger.warning("rollback to %s: the root's %d newer checkpoint(s) (%s) will be renamed "
-                       "rolledback-step-M-<n> at this run's first save (kept, never loaded or deleted)",
-                       self.config.load_path, len(newer), ", ".join(newer))
-
-    def _set_aside_newer(self, step: int) -> None:
-        """Rank 0, before the first commit after a rollback to ``step``: rename the root's newer
-        checkpoints ``rolledback-step-M-<n>`` so this run's steps and ``latest`` are its own."""
-        moved = [f"{p.name} -> {set_aside(p, 'rolledback').name}"
-                 for s, p in existing_checkpoints(self.root) if s > step]
-        repair_latest(self.root)
-        if moved:
-            logger.warning("rollback to %s: set aside %d newer checkpoint(s), kept: %s. Remove load_path "
-                           "from the config now: a restart with it rolls back again.",
-                           checkpoint_name(step), len(moved), ", ".join(moved))
 
     def _check_event_log(self) -> None:
         if self.events.path is None:
@@ -293,7 +219,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         rejected: list[str] = []
         while True:
-            path = self.collective.agree(lambda: self._choose_checkpoint(rejected), what="finding a checkpoint")
+            path = self.collective.agree(lambda: self.discovery.choose(rejected), what="finding a checkpoint")
             path = self.collective.broadcast(path)
             if path is None:
                 logger.info("no committed checkpoint in %s: starting fresh", self.root)
@@ -317,10 +243,11 @@ class CheckpointManager:
                     logger.warning("%s -- falling back to the previous committed checkpoint "
                                    "(fallback_to_older=true)", e)
                 rejected.append(path)
-        rollback = self._rollback_step()
-        if rollback is not None:
-            self.collective.agree(lambda: self._plan_rollback(rollback), what=f"rolling back to {path}",
-                                  error_type=ConfigError)
+        rollback = self.discovery.rollback_step()
+        if rollback is not None and self.collective.agree(
+                lambda: self.discovery.plan_rollback(rollback), what=f"rolling back to {path}",
+                error_type=ConfigError):
+            self._rollback_from = rollback  # rank 0 sets the newer ones aside at its first commit
         train_state.checkpoint_path = str(path)
         train_state.saved_world_size = manifest.world_size
         self.train_state = train_state
@@ -337,7 +264,7 @@ class CheckpointManager:
         """Read ``path`` into the live objects (every rank). Raises like :meth:`load`."""
         def read_plan_inputs() -> tuple[Manifest, set[str]]:
             manifest = Manifest.read(path)
-            self._check_model(manifest, path)
+            check_model_fits(manifest, path, self.model_specs, self.state.model_optim.ties)
             if self.config.verify_on_load:  # every rank plans from .metadata: check it first
                 for f in manifest.files:
                     if f.path == ".metadata":
@@ -361,89 +288,6 @@ class CheckpointManager:
                 lambda: self.state.restore(target, saved_world_size=manifest.world_size),
                 what=f"restoring {path}", error_type=IncompatibleCheckpointError)
         return train_state, manifest
-
-    def _choose_checkpoint(self, rejected: list[str]) -> str | None:
-        """Rank 0 picks the checkpoint; other ranks return ``None`` (then broadcast)."""
-        if self.rank != 0:
-            return None
-        if self.lock is not None:
-            for name in remove_leftovers(self.root):
-                logger.warning("removed %s left by an interrupted save or delete", self.root / name)
-            repair_latest(self.root)
-        for p in unmanaged_step_dirs(self.root):
-            logger.warning("ignoring %s: it has no %s (not written by distckpt, e.g. a plain dcp.save); "
-                           "distckpt never loads or deletes it, and a save of its step fails while it is "
-                           "there. To use it: `distckpt import %s NEW_ROOT`", p, MANIFEST, p)
-        if self.config.load_path is not None:
-            p = Path(self.config.load_path)
-            if not p.is_dir():
-                raise CheckpointNotFoundError(f"CheckpointConfig.load_path={str(p)!r} does not exist")
-            if not (p / MANIFEST).exists() and (p / ".metadata").exists():
-                raise CheckpointNotFoundError(
-                    f"CheckpointConfig.load_path={str(p)!r} is a DCP directory without a distckpt "
-                    f"manifest ({MANIFEST}), not a distckpt checkpoint. Import its model weights: "
-                    f"`distckpt import {p} NEW_ROOT [--step N]`, then set root: NEW_ROOT (or "
-                    "load_path: NEW_ROOT/step-...)")
-            validate(p)
-            return str(p)
-        newest_error: CheckpointCorruptError | None = None
-        for step, p, result in find_committed(self.root):
-            if not (p / MANIFEST).exists():
-                continue  # not distckpt's: warned about above, never loaded
-            if str(p) in rejected:
-                result = CheckpointCorruptError(f"{p}: failed to load", path=str(p))
-            elif isinstance(result, Manifest):
-                if newest_error is not None:
-                    logger.warning("newest checkpoint is corrupt (%s); falling back to %s "
-                                   "(fallback_to_older=true)", newest_error, p)
-                latest = self.root / LATEST
-                last = latest.read_text().strip() if latest.is_file() else p.name
-                if newest_error is None and last != p.name and (self.root / last / MANIFEST).is_file():
-                    logger.warning("resuming from %s, the newest checkpoint in %s, although the last "
-                                   "commit was %s (named by %s): the newer one is another run's or "
-                                   "was saved without a load", p.name, self.root, last, LATEST)
-                return str(p)
-            if not self.config.fallback_to_older:
-                raise CheckpointCorruptError(
-                    f"{result} -- the newest checkpoint {p} is not loadable. Set "
-                    "fallback_to_older: true to resume from the previous committed checkpoint, "
-                    f"or remove {p}.", path=result.path)
-            newest_error = newest_error or result
-            if self.lock is not None:  # the run will save this step again: move it out of the way
-                logger.warning("set aside corrupt checkpoint %s as %s", p, set_aside(p))
-                repair_latest(self.root)
-        if newest_error is not None:  # never start fresh silently over a run's checkpoints
-            raise CheckpointCorruptError(
-                f"no committed checkpoint in {self.root} is loadable (newest problem: {newest_error}). "
-                "Restore the files, point load_path at a good copy, or move the root away to start "
-                "fresh.", path=newest_error.path)
-        return None
-
-    def _check_model(self, manifest: Manifest, path: str) -> None:
-        """Compare the manifest's fingerprint with the live model before touching anything."""
-        if manifest.model_fingerprint == model_fingerprint(self.model_specs):
-            return
-        saved, live = manifest.model, self.model_specs
-        ties = self.state.model_optim.ties  # a tied key is loaded from its saved twin
-        missing = sorted(k for k in set(live) - set(saved)
-                         if not any(saved.get(t) == live[k] for t in ties.get(k, [])))
-        unexpected = sorted(set(saved) - set(live))
-        mismatched = []
-        for key in sorted(set(saved) & set(live)):
-            for what in ("shape", "dtype"):
-                a, b = getattr(saved[key], what), getattr(live[key], what)
-                if list(a) != list(b) if what == "shape" else a != b:
-                    mismatched.append((key, what, str(a), str(b)))
-        if not (missing or unexpected or mismatched):
-            return
-        lines = [f"checkpoint {path} does not fit the live model:"]
-        lines += [f"  missing in checkpoint: {k}" for k in missing]
-        lines += [f"  unexpected (in checkpoint, not in model): {k}" for k in unexpected]
-        lines += [f"  {what} mismatch for {k}: checkpoint {a}, model {b}" for k, what, a, b in mismatched]
-        lines.append("Load into the same architecture (a renamed layer or changed size/dtype needs "
-                     "an explicit conversion; distckpt never casts or drops weights silently).")
-        raise IncompatibleCheckpointError("\n".join(lines), missing=missing, unexpected=unexpected,
-                                          mismatched=mismatched)
 
     # ------------------------------------------------------------------ save
     def maybe_save(self, step: int, *, loss: float | None = None, last_step: bool = False,
@@ -473,7 +317,7 @@ class CheckpointManager:
         due = self.schedule.is_due(step) or (last_step and self.config.save_at_end)
         if not due or self.last_saved_step == step:
             return False
-        self.save(step, _full=last_step and self.config.full_at_end)
+        self._save(step, full=last_step and self.config.full_at_end)
         return True
 
     def _save_for_preemption(self, step: int) -> bool:
@@ -481,7 +325,7 @@ class CheckpointManager:
         self.wait()  # the in-flight save completes and commits first
         saved = self.last_saved_step != step
         if saved:
-            self.save(step, _blocking=True)
+            self._save(step, blocking=True)
         self.preempted = True
         if self.rank == 0:
             logger.warning("preempted (SIGTERM): saved step %d in %.2f s; %s", step,
@@ -520,17 +364,17 @@ class CheckpointManager:
             ts.loss_history.append((step, float(loss)))
             del ts.loss_history[: -self.config.loss_history_len]
 
-    def save(self, step: int, *, loss: float | None = None, _blocking: bool = False, _full: bool = False,
-             **counters: int) -> Path:
+    def save(self, step: int, *, loss: float | None = None, **counters: int) -> Path:
         """Save the whole training state as ``step-<step>``.
 
-        Protocol (DESIGN section 4): every rank writes into a staging directory; outcomes are
-        gathered; on any failure the staging directory is removed and every rank raises; else
-        rank 0 writes the manifest last, renames staging -> final, updates ``latest`` and
-        applies retention; a final barrier. With ``async_mode`` off this all happens before
-        the call returns; otherwise the call returns once the state is staged and the write
-        and commit finish in the background (at most one save in flight: the next ``save``,
-        :meth:`wait` or :meth:`close` waits for it and raises its error, on every rank).
+        Protocol (:mod:`distckpt.transaction`): every rank writes into a staging directory;
+        outcomes are gathered; on any failure the staging directory is removed and every rank
+        raises; else rank 0 writes the manifest last, renames staging -> final, updates
+        ``latest`` and applies retention; a final barrier. With ``async_mode`` off this all
+        happens before the call returns; otherwise the call returns once the state is staged
+        and the write and commit finish in the background (at most one save in flight: the
+        next ``save``, :meth:`wait` or :meth:`close` waits for it and raises its error, on
+        every rank).
 
         Returns:
             The checkpoint directory (committed when blocking; committed later when async).
@@ -540,155 +384,53 @@ class CheckpointManager:
             CollectiveMismatchError: not every rank called ``save`` with this ``step`` within
                 ``config.arrival_timeout_s`` (names the ranks); nothing was written.
         """
+        return self._save(step, loss=loss, counters=counters)
+
+    def _save(self, step: int, *, loss: float | None = None, counters: dict[str, int] | None = None,
+              blocking: bool = False, full: bool = False) -> Path:
         self._check_open()
         self.collective.arrive(f"save(step={step})", timeout_s=self.config.effective_arrival_timeout_s)
         if loss is not None or counters or step != self.train_state.step:
-            self._record(step, loss, counters)
+            self._record(step, loss, counters or {})
         self.wait()  # at most one save in flight
-        t0 = time.perf_counter()
         # Unique per save without a collective: a run id agreed at construction + a counter.
         self._save_count += 1
-        save_id = f"{self._run_id}{self._save_count:04x}"
-        staging = self.root / staging_name(step, save_id)
-        final = self.root / checkpoint_name(step)
         snapshot = dataclasses.replace(self.train_state, loss_history=list(self.train_state.loss_history))
-        error, t_stage, upload, written = None, 0.0, None, {}
-        blocking = self.async_writer is None or _blocking
-        full = self.config.state_dict_type == "full" or _full
-        try:
-            self.events.emit("stage", step)
-            sd = self.state.for_save(snapshot, full_state_dict=full)
-            self.events.emit("write", step, staging=str(staging), blocking=blocking)
-            staging.mkdir(parents=True, exist_ok=True)
-            if blocking:
-                t_stage = time.perf_counter() - t0
-                written = dcp_save(sd, staging, process_group=self.collective.group,
-                                   thread_count=self.config.thread_count,
-                                   write_timeout_s=self.config.effective_write_timeout_s)
-            else:
-                upload = self.async_writer.start(sd, staging)
-                t_stage = time.perf_counter() - t0
-        except Exception as e:  # noqa: BLE001 - gathered below
-            error = describe_exception(e)
-        except BaseException as e:  # DCP's CheckpointException is a BaseException
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            error = describe_exception(e)
+        full = full or self.config.state_dict_type == "full"
+        tx = SaveTransaction(self._save_ctx, step=step, save_id=f"{self._run_id}{self._save_count:04x}",
+                             train_state=snapshot, full=full)
+
+        def build() -> dict[str, Any]:
+            return self.state.for_save(snapshot, full_state_dict=full)
+
         self.last_saved_step = step
         self.schedule.mark_saved()
-        if blocking:
-            self._finalize(self.collective, step, staging, final, snapshot, t0,
-                           (error, t_stage, time.perf_counter() - t0 - t_stage, written), full)
-            self.last_save_seconds = time.perf_counter() - t0
-            return final
-        # Failures before the background part are agreed on now, on the main group.
-        failures = {r: e for r, e in enumerate(self.collective.all_gather(error)) if e is not None}
-        if failures:
-            self._abort(self.collective, staging)
-            raise self._save_error(step, failures)
+        if self.async_writer is None or blocking:
+            tx.finish(self.collective, tx.write(build, self.collective))
+            self.last_save_seconds = time.perf_counter() - tx.t0
+            return tx.final
+        upload, started = tx.start(build, self.async_writer)
+        tx.agree_started(self.collective, started)  # a failure to start is raised now, on every rank
         inflight = _InFlight(step=step)
-        inflight.thread = threading.Thread(
-            target=self._finalize_in_background, name=f"distckpt-commit-{step}", daemon=True,
-            args=(inflight, upload, step, staging, final, snapshot, t0, t_stage, full))
+
+        def finish_in_background() -> None:
+            try:
+                tx.finish(self.background, tx.upload_outcome(upload, self.async_writer, started))
+            except Exception as e:  # noqa: BLE001 - raised on the training thread by wait()
+                inflight.error = e
+
+        inflight.thread = threading.Thread(target=finish_in_background, name=f"distckpt-commit-{step}",
+                                           daemon=True)
         inflight.thread.start()
         self._inflight = inflight
-        self.last_save_seconds = time.perf_counter() - t0
-        return final
+        self.last_save_seconds = time.perf_counter() - tx.t0
+        return tx.final
 
-    def _finalize_in_background(self, inflight, upload, step, staging, final, snapshot, t0, t_stage,
-                                full) -> None:
-        error, written = None, {}
-        try:
-            upload.result()
-            written = self.async_writer.written_files(staging, self.rank)
-        except BaseException as e:  # noqa: BLE001 - DCP raises BaseException subclasses
-            error = describe_exception(e)
-        try:
-            self._finalize(self.background, step, staging, final, snapshot, t0,
-                           (error, t_stage, time.perf_counter() - t0 - t_stage, written), full)
-        except Exception as e:  # noqa: BLE001 - raised on the training thread by wait()
-            inflight.error = e
-
-    def _finalize(self, collective: Collective, step: int, staging: Path, final: Path,
-                  snapshot: TrainState, t0: float,
-                  outcome: tuple[str | None, float, float, dict[str, tuple[int, str]]],
-                  full: bool) -> None:
-        """Steps 2-4 of the commit protocol over ``collective``; raises on every rank."""
-        outcomes = collective.all_gather(outcome)
-        failures = {r: o[0] for r, o in enumerate(outcomes) if o[0] is not None}
-        if failures:
-            self._abort(collective, staging)
-            raise self._save_error(step, failures)
-        timings = {"stage": max(o[1] for o in outcomes), "write": max(o[2] for o in outcomes)}
-        written = {name: entry for o in outcomes for name, entry in o[3].items()}
-        commit_error = (self._commit(step, staging, final, snapshot, timings, written, full)
-                        if self.rank == 0 else None)
-        commit_error = collective.broadcast(commit_error)
-        if commit_error is not None:
-            self._abort(collective, staging)
-            raise self._save_error(step, {0: f"commit: {commit_error}"})
-        collective.barrier()
-        self.events.emit("committed", step, seconds=time.perf_counter() - t0)
-        if self.rank == 0:
-            logger.info("committed %s: %.3f s after the save call (stage %.3f s, write %.3f s)",
-                        final, time.perf_counter() - t0, timings["stage"], timings["write"])
-
-    def _save_error(self, step: int, failures: dict[int, str]) -> CheckpointSaveError:
-        return CheckpointSaveError(
-            f"save of step {step} failed on rank(s) {sorted(failures)}: "
-            + "; ".join(f"rank {r}: {m}" for r, m in failures.items())
-            + f". Nothing was committed; previous checkpoints in {self.root} are intact.",
-            failures=failures)
-
-    def _commit(self, step: int, staging: Path, final: Path, ts: TrainState,
-                timings: dict[str, float], written: dict[str, tuple[int, str]], full: bool) -> str | None:
-        """Rank 0: manifest, rename, ``latest``, retention. Returns an error string or ``None``."""
-        t0 = time.perf_counter()
-        try:
-            timings = dict(timings, commit=0.0)
-            manifest = Manifest(
-                step=step, epoch=ts.epoch, global_samples_seen=ts.global_samples_seen,
-                wall_time=time.time(), world_size=self.world_size, wrapper=self.wrapper,
-                state_dict_type="full" if full else "sharded", torch_version=torch.__version__,
-                distckpt_version=__version__, model=self.model_specs,
-                model_fingerprint=model_fingerprint(self.model_specs),
-                loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == step else None,
-                timings_s=timings, files=list_files(staging, written))
-            for entry in manifest.files:
-                if entry.hash is None:  # no writer reported it: hash it here rather than skip it
-                    logger.warning("no writer reported a hash for %s; hashing it on rank 0", entry.path)
-                    entry.hash = hash_file(staging / entry.path)[1]
-            timings["commit"] = time.perf_counter() - t0  # up to the manifest write
-            if self._rollback_from is not None:
-                self._set_aside_newer(self._rollback_from)
-                self._rollback_from = None
-            commit(staging, final, manifest, on_phase=lambda phase: self.events.emit(phase, step))
-        except Exception as e:  # noqa: BLE001 - broadcast to every rank
-            return describe_exception(e)
-        try:
-            self._apply_retention(step)
-        except OSError as e:  # a failed delete never fails the save that just committed
-            logger.error("retention failed in %s: %s", self.root, e)
-        return None
-
-    def _apply_retention(self, just_committed: int) -> None:
-        committed = [s for s, _, r in find_committed(self.root) if isinstance(r, Manifest)]
-        newer = [s for s in committed if s > just_committed]
-        if newer:  # not this run's (a save without a load in a used root): never deleted
-            logger.warning("%s holds checkpoints newer than the step-%d just committed (steps %s); "
-                           "retention leaves them, and a later load: true resumes from step %d",
-                           self.root, just_committed, newer, max(newer))
-        for step in steps_to_delete(committed, keep_last=self.config.keep_last,
-                                    keep_every_steps=self.config.keep_every_steps,
-                                    just_committed=just_committed):
-            self.events.emit("retention", step)
-            delete_checkpoint(self.root / checkpoint_name(step))
-            logger.info("retention: deleted %s", self.root / checkpoint_name(step))
-
-    def _abort(self, collective: Collective, staging: Path) -> None:
-        if self.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        collective.barrier()
+    def _before_commit(self) -> None:
+        """Rank 0, at the first commit after a rollback: set the root's newer checkpoints aside."""
+        if self._rollback_from is not None:
+            self.discovery.set_aside_newer(self._rollback_from)
+            self._rollback_from = None
 
     # ------------------------------------------------------------------ lifecycle
     def wait_staged(self) -> None:

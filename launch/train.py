@@ -39,7 +39,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 if __package__ in (None, ""):  # run as a script path: make the `launch` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -61,36 +61,24 @@ logger = logging.getLogger("launch.train")
 # Chaos-testing hooks (benchmarks/chaos.py); both are off unless their variable is set.
 CHAOS_PAUSE_ENV = "LAUNCH_CHAOS_PAUSE_S"
 CHAOS_PRESAVE_ENV = "LAUNCH_CHAOS_PRESAVE_SAMPLES"
-_CHAOS_PAUSED_PHASES = ("stage", "write", "manifest", "rename", "latest", "retention")
+_CHAOS_PAUSED_PHASES = ("stage", "write", "manifest", "rename", "latest", "retention", "committed")
 
 
-def _install_chaos_pause() -> None:
-    """With ``$LAUNCH_CHAOS_PAUSE_S`` > 0, widen every intermediate on-disk state of a save.
-
-    Sleeps that long after each save-phase event distckpt emits (the event precedes the
-    phase's action) and after each directory fsync of the commit protocol (a manifest, rename,
-    ``latest`` or retention delete just became durable), so an outside SIGKILL can land in each
-    state. Timing only: what is written and trained is unchanged.
-    """
+def chaos_pause_hook() -> Callable[[str, int, int], None] | None:
+    """With ``$LAUNCH_CHAOS_PAUSE_S`` > 0, a ``CheckpointManager(on_phase=...)`` hook that widens
+    every intermediate on-disk state of a save: it sleeps that long before each phase acts
+    (stage, write, manifest, rename, latest, each retention delete, committed), so the state
+    the previous phase left lasts long enough for an outside SIGKILL to land in it. Timing
+    only: what is written and trained is unchanged. ``None`` when the variable is unset."""
     pause = float(os.environ.get(CHAOS_PAUSE_ENV) or 0)
     if pause <= 0:
-        return
-    from distckpt import commit as distckpt_commit
-    from distckpt.events import EventLog
+        return None
 
-    emit, fsync_dir = EventLog.emit, distckpt_commit.fsync_dir
-
-    def emit_then_pause(self: EventLog, phase: str, step: int | None = None, **fields: Any) -> None:
-        emit(self, phase, step, **fields)
+    def pause_before(phase: str, step: int, rank: int) -> None:
         if phase in _CHAOS_PAUSED_PHASES:
             time.sleep(pause)
 
-    def fsync_dir_then_pause(path: str | os.PathLike) -> None:
-        fsync_dir(path)
-        time.sleep(pause)
-
-    EventLog.emit = emit_then_pause  # type: ignore[method-assign]
-    distckpt_commit.fsync_dir = fsync_dir_then_pause  # commit.py looks it up at call time
+    return pause_before
 
 
 def _chaos_presave_file(out: str | os.PathLike, rank: int) -> Any:
@@ -313,7 +301,8 @@ def train(job: Job) -> int:
     manager = CheckpointManager(cfg.checkpoint, model=job.model, optimizer=job.optimizer,
                                 lr_scheduler=job.scheduler, grad_scaler=job.scaler,
                                 dataloader=job.loader,
-                                extra_state={"sample_seeds": job.seed_stream, "job": job_info})
+                                extra_state={"sample_seeds": job.seed_stream, "job": job_info},
+                                on_phase=chaos_pause_hook())
     records.event("start", world_size=job.world_size, dataset_len=len(job.dataset),
                   steps_per_epoch=job.steps_per_epoch, num_parameters=job.num_parameters,
                   config=cfg.to_dict(), **job_info)
@@ -435,7 +424,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank, world_size, device = _init_distributed(cfg.train.dist_timeout_s)
     _setup_logging(rank)
-    _install_chaos_pause()
     try:
         job = build_job(cfg, rank, world_size, device)
         if rank == 0:

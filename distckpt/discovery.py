@@ -1,0 +1,216 @@
+"""Which checkpoint of a root a run resumes, and what a run may do among the root's
+checkpoints (rank 0's decisions; the manager broadcasts them).
+
+* Resume discovery: the newest committed checkpoint (or ``load_path``), skipping directories
+  distckpt did not write, falling back to older ones when allowed, never starting fresh over
+  a run's unloadable checkpoints.
+* Claims on the root: a run that does not resume from a root holding checkpoints is refused
+  (or archives them with ``on_existing: archive``); a ``load_path`` naming ``step-N`` of the
+  root is a rollback, whose newer checkpoints are set aside at its first commit.
+* The model check: a checkpoint's model specs against the live model's, before any tensor is
+  touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from .commit import (
+    existing_checkpoints,
+    find_committed,
+    remove_leftovers,
+    repair_latest,
+    set_aside,
+    unmanaged_step_dirs,
+    validate,
+)
+from .config import CheckpointConfig
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, IncompatibleCheckpointError
+from .layout import LATEST, MANIFEST, checkpoint_name, parse_step
+from .manifest import Manifest, TensorSpec, model_fingerprint
+
+__all__ = ["CheckpointDiscovery", "check_model_fits"]
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointDiscovery:
+    """Rank 0's decisions about one checkpoint root; on other ranks every method is a no-op
+    returning ``None`` / ``False``.
+
+    Args:
+        root: the checkpoint root.
+        config: the manager's config (``load``, ``load_path``, ``on_existing``,
+            ``fallback_to_older``).
+        rank: this process's rank.
+        locked: whether this job holds the root's lock: only then may it remove crash
+            leftovers or rename (set aside) checkpoints.
+    """
+
+    def __init__(self, root: Path, config: CheckpointConfig, *, rank: int, locked: bool) -> None:
+        self.root, self.config, self.rank, self.locked = root, config, rank, locked
+
+    def check_existing(self) -> None:
+        """Rank 0: a run that does not resume from the root must not write among the root's
+        checkpoints (retention, ``latest`` and the next resume would mix two runs)."""
+        if self.rank != 0:
+            return
+        fresh = not self.config.load
+        if not fresh and (self.config.load_path is None or self.rollback_step() is not None):
+            return  # resumes from the root
+        existing = existing_checkpoints(self.root)
+        if not existing:
+            return
+        why = ("load: false" if fresh
+               else f"load_path={self.config.load_path!r} is not a step-* directory of the root")
+        if self.config.on_existing != "archive":
+            raise ConfigError(
+                f"CheckpointConfig.root={str(self.root)!r} already holds {len(existing)} checkpoint(s), "
+                f"newest {existing[-1][1].name}, and this run does not resume from them ({why}). "
+                "Choose: resume them (load: true, with no load_path or one naming a step-* of the "
+                "root); on_existing: archive to rename them archived-step-N-<n> (nothing is deleted); "
+                "or another root.")
+        if not self.locked:
+            raise ConfigError("CheckpointConfig.on_existing='archive' needs lock: true: it renames "
+                              "checkpoints that another job could be writing")
+        moved = [f"{p.name} -> {set_aside(p, 'archived').name}" for _, p in existing]
+        repair_latest(self.root)
+        logger.warning("on_existing=archive (%s): set aside the %d checkpoint(s) in %s, nothing deleted: %s",
+                       why, len(moved), self.root, ", ".join(moved))
+
+
+    def rollback_step(self) -> int | None:
+        """N when ``load_path`` is ``<root>/step-N``: a resume from within this root."""
+        if self.config.load_path is None:
+            return None
+        p = Path(self.config.load_path)
+        step = parse_step(p.name)
+        return step if step is not None and p.resolve().parent == self.root.resolve() else None
+
+
+    def plan_rollback(self, step: int) -> bool:
+        """Rank 0, after loading ``load_path`` = ``<root>/step-<step>``: the root's newer
+        checkpoints are set aside at this run's first commit (:meth:`set_aside_newer`), not
+        now, so a manager that only loads (an evaluation) changes nothing."""
+        if self.rank != 0:
+            return False
+        newer = [p.name for s, p in existing_checkpoints(self.root) if s > step]
+        if not newer:
+            return False
+        if not self.locked:
+            raise ConfigError(f"load_path={self.config.load_path!r} rolls back {self.root}, whose newer "
+                              "checkpoints must be set aside before this run saves: that needs lock: true")
+        logger.warning("rollback to %s: the root's %d newer checkpoint(s) (%s) will be renamed "
+                       "rolledback-step-M-<n> at this run's first save (kept, never loaded or deleted)",
+                       self.config.load_path, len(newer), ", ".join(newer))
+        return True
+
+
+    def set_aside_newer(self, step: int) -> None:
+        """Rank 0, before the first commit after a rollback to ``step``: rename the root's newer
+        checkpoints ``rolledback-step-M-<n>`` so this run's steps and ``latest`` are its own."""
+        moved = [f"{p.name} -> {set_aside(p, 'rolledback').name}"
+                 for s, p in existing_checkpoints(self.root) if s > step]
+        repair_latest(self.root)
+        if moved:
+            logger.warning("rollback to %s: set aside %d newer checkpoint(s), kept: %s. Remove load_path "
+                           "from the config now: a restart with it rolls back again.",
+                           checkpoint_name(step), len(moved), ", ".join(moved))
+
+
+    def choose(self, rejected: list[str]) -> str | None:
+        """Rank 0 picks the checkpoint; other ranks return ``None`` (then broadcast)."""
+        if self.rank != 0:
+            return None
+        if self.locked:
+            for name in remove_leftovers(self.root):
+                logger.warning("removed %s left by an interrupted save or delete", self.root / name)
+            repair_latest(self.root)
+        for p in unmanaged_step_dirs(self.root):
+            logger.warning("ignoring %s: it has no %s (not written by distckpt, e.g. a plain dcp.save); "
+                           "distckpt never loads or deletes it, and a save of its step fails while it is "
+                           "there. To use it: `distckpt import %s NEW_ROOT`", p, MANIFEST, p)
+        if self.config.load_path is not None:
+            p = Path(self.config.load_path)
+            if not p.is_dir():
+                raise CheckpointNotFoundError(f"CheckpointConfig.load_path={str(p)!r} does not exist")
+            if not (p / MANIFEST).exists() and (p / ".metadata").exists():
+                raise CheckpointNotFoundError(
+                    f"CheckpointConfig.load_path={str(p)!r} is a DCP directory without a distckpt "
+                    f"manifest ({MANIFEST}), not a distckpt checkpoint. Import its model weights: "
+                    f"`distckpt import {p} NEW_ROOT [--step N]`, then set root: NEW_ROOT (or "
+                    "load_path: NEW_ROOT/step-...)")
+            validate(p)
+            return str(p)
+        newest_error: CheckpointCorruptError | None = None
+        for step, p, result in find_committed(self.root):
+            if not (p / MANIFEST).exists():
+                continue  # not distckpt's: warned about above, never loaded
+            if str(p) in rejected:
+                result = CheckpointCorruptError(f"{p}: failed to load", path=str(p))
+            elif isinstance(result, Manifest):
+                if newest_error is not None:
+                    logger.warning("newest checkpoint is corrupt (%s); falling back to %s "
+                                   "(fallback_to_older=true)", newest_error, p)
+                latest = self.root / LATEST
+                last = latest.read_text().strip() if latest.is_file() else p.name
+                if newest_error is None and last != p.name and (self.root / last / MANIFEST).is_file():
+                    logger.warning("resuming from %s, the newest checkpoint in %s, although the last "
+                                   "commit was %s (named by %s): the newer one is another run's or "
+                                   "was saved without a load", p.name, self.root, last, LATEST)
+                return str(p)
+            if not self.config.fallback_to_older:
+                raise CheckpointCorruptError(
+                    f"{result} -- the newest checkpoint {p} is not loadable. Set "
+                    "fallback_to_older: true to resume from the previous committed checkpoint, "
+                    f"or remove {p}.", path=result.path)
+            newest_error = newest_error or result
+            if self.locked:  # the run will save this step again: move it out of the way
+                logger.warning("set aside corrupt checkpoint %s as %s", p, set_aside(p))
+                repair_latest(self.root)
+        if newest_error is not None:  # never start fresh silently over a run's checkpoints
+            raise CheckpointCorruptError(
+                f"no committed checkpoint in {self.root} is loadable (newest problem: {newest_error}). "
+                "Restore the files, point load_path at a good copy, or move the root away to start "
+                "fresh.", path=newest_error.path)
+        return None
+
+
+def check_model_fits(manifest: Manifest, path: str, live: dict[str, TensorSpec],
+                     ties: dict[str, list[str]]) -> None:
+    """Compare a checkpoint's model (its manifest) with the live model before touching anything.
+
+    Args:
+        manifest: the checkpoint's manifest.
+        path: the checkpoint directory (for the message).
+        live: ``{fqn: TensorSpec}`` of the live model.
+        ties: ``{fqn: [fqns sharing its tensor]}``; a key missing from the checkpoint whose tied
+            twin was saved with the same spec is not a difference (it is loaded from the twin).
+
+    Raises:
+        IncompatibleCheckpointError: every missing / unexpected key and shape / dtype mismatch.
+    """
+    if manifest.model_fingerprint == model_fingerprint(live):
+        return
+    saved = manifest.model
+    missing = sorted(k for k in set(live) - set(saved)
+                     if not any(saved.get(t) == live[k] for t in ties.get(k, [])))
+    unexpected = sorted(set(saved) - set(live))
+    mismatched = []
+    for key in sorted(set(saved) & set(live)):
+        for what in ("shape", "dtype"):
+            a, b = getattr(saved[key], what), getattr(live[key], what)
+            if list(a) != list(b) if what == "shape" else a != b:
+                mismatched.append((key, what, str(a), str(b)))
+    if not (missing or unexpected or mismatched):
+        return
+    lines = [f"checkpoint {path} does not fit the live model:"]
+    lines += [f"  missing in checkpoint: {k}" for k in missing]
+    lines += [f"  unexpected (in checkpoint, not in model): {k}" for k in unexpected]
+    lines += [f"  {what} mismatch for {k}: checkpoint {a}, model {b}" for k, what, a, b in mismatched]
+    lines.append("Load into the same architecture (a renamed layer or changed size/dtype needs "
+                 "an explicit conversion; distckpt never casts or drops weights silently).")
+    raise IncompatibleCheckpointError("\n".join(lines), missing=missing, unexpected=unexpected,
+                                      mismatched=mismatched)
+
