@@ -4,8 +4,7 @@ Public API: :class:`CheckpointConfig`, :class:`CheckpointManager`, :class:`Train
 reshardable data sampler, and the typed errors.
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .config import CheckpointConfig
 from .data import ReshardableSampler
 from .errors import (

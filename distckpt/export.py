@@ -288,7 +288,7 @@ def import_weights(weights_path: str | os.PathLike, root: str | os.PathLike, *, 
     """
     import torch.distributed.checkpoint as dcp
 
-    from . import __version__
+    from ._version import __version__
     from .engine.blocking import hashing_writer
     from .lock import RootLock
     from .state import TrainState, pack

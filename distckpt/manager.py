@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import __version__
+from ._version import __version__
 from .adapters import ddp_rebuilds_buckets, tensor_specs, wrapper_kind
 from .collective import Collective
 from .commit import commit, delete_checkpoint, find_committed, list_files, remove_leftovers, set_aside, validate
