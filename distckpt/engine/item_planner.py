@@ -169,7 +169,8 @@ class ItemPlanner:
                 wants.append((a, a + src.numel() * isz, req, None, src))
             else:
                 lo, hi = covering_range(src)
-                wants.append((data_abs + lo * isz, data_abs + hi * isz, req, torch.empty((hi - lo) * isz, dtype=torch.uint8), src))
+                buf = torch.empty((hi - lo) * isz, dtype=torch.uint8)
+                wants.append((data_abs + lo * isz, data_abs + hi * isz, req, buf, src))
         wants.sort(key=lambda w: w[0])
         overlapping = any(wants[i][0] < wants[i - 1][1] for i in range(1, len(wants)))
         if overlapping or any(w[0] < data_abs or w[1] > data_abs + layout.nbytes for w in wants):

@@ -204,6 +204,15 @@ class ReadStream:
     Segments are added in increasing file order; ``flush`` reads all pending ones, merging
     contiguous segments (and short gaps) into single requests, feeds the hasher in file order,
     then runs the segments' callbacks.
+
+    Args:
+        path: the file's path (in error messages); ``fd``: its open descriptor;
+            ``file_size``: its size when opened.
+        hasher: fed every byte from ``start`` on, in file order (``None``: no hashing).
+        results: where byte counts and syscalls are counted.
+        start: file offset of the first byte this stream reads (or hashes).
+        chunk_bytes, max_request_bytes, gap_read_bytes: the reader's settings of the same
+            names (:class:`~distckpt.engine.fast_reader.FastFileSystemReader`).
     """
 
     def __init__(self, path: str, fd: int, file_size: int, hasher: Any, results: ReadResults, start: int, *,

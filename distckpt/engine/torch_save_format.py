@@ -24,8 +24,8 @@ from typing import Any, Hashable
 import torch
 from torch import _weights_only_unpickler
 
-__all__ = ["TRAILER_MAX", "HeaderCache", "LruCache", "NeedMoreBytes", "TensorLayout", "UnsupportedLayout",
-           "check_trailer", "parse_torch_save_header"]
+__all__ = ["CACHE_ENTRIES", "TRAILER_MAX", "HeaderCache", "LruCache", "NeedMoreBytes", "TensorLayout",
+           "UnsupportedLayout", "check_trailer", "parse_torch_save_header"]
 
 _MIB = 1 << 20
 # Trailers (and predicted trailers) longer than this are not torch.save's (~900 bytes).
@@ -80,7 +80,11 @@ _MISSING = object()
 
 class LruCache:
     """A mapping bounded to ``max_entries`` that forgets its least recently used entry; safe to
-    share between the reader's stream threads."""
+    share between the reader's stream threads.
+
+    Raises:
+        ValueError: ``max_entries`` is less than 1.
+    """
 
     def __init__(self, max_entries: int = CACHE_ENTRIES) -> None:
         if max_entries < 1:
@@ -90,6 +94,7 @@ class LruCache:
         self._lock = threading.Lock()
 
     def get(self, key: Hashable, default: Any = None) -> Any:
+        """The value of ``key`` (now the most recently used), or ``default``."""
         with self._lock:
             value = self._data.get(key, _MISSING)
             if value is _MISSING:
@@ -98,6 +103,7 @@ class LruCache:
             return value
 
     def put(self, key: Hashable, value: Any) -> None:
+        """Set ``key``; the least recently used entry goes when that makes one too many."""
         with self._lock:
             self._data[key] = value
             self._data.move_to_end(key)
