@@ -5,7 +5,6 @@ reshardable data sampler, and the typed errors.
 """
 
 from ._version import __version__
-
 from .config import CheckpointConfig
 from .data import ReshardableSampler
 from .errors import (
@@ -13,7 +12,6 @@ from .errors import (
     CheckpointLockedError,
     CheckpointNotFoundError,
     CheckpointSaveError,
-    CollectiveMismatchError,
     ConfigError,
     DistCkptError,
     IncompatibleCheckpointError,
@@ -33,5 +31,4 @@ __all__ = [
     "IncompatibleCheckpointError",
     "CheckpointLockedError",
     "CheckpointSaveError",
-    "CollectiveMismatchError",
 ]

@@ -1,3 +1,3 @@
-"""The package version, in one place (read by pyproject.toml and the manifest)."""
+"""distckpt's version, the one place it is written (``pyproject.toml`` reads it from here)."""
 
 __version__ = "0.1.0"

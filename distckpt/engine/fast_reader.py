@@ -10,18 +10,16 @@ Why the stock reader is slow
     view to ``torch.load`` (several small reads through Python, a fresh tensor, the storage
     copied into it), then ``copy_`` s that tensor into the destination: every byte is copied
     twice in user space, one item at a time, with one reader, and the CPU work does not
-    overlap the I/O. Measured here (1 GiB, one process, cold page cache, free page reporting
-    held): stock 0.66 s (1.6 GB/s), a plain sequential read 0.30-0.32 s, this reader 0.27-0.29
-    s. Cold reads here want large requests (1 MiB requests: ~1 GB/s; 16 MiB: ~3.4 GB/s);
-    ``O_DIRECT`` reached only 1.3-2.4 GB/s (16-64 MiB requests, 1-16 threads) and
-    ``POSIX_FADV_SEQUENTIAL`` or ``WILLNEED`` made a sequential read slower, so the reader
-    stays buffered with the kernel's default readahead.
+    overlap the I/O. Cold reads want large requests; ``O_DIRECT`` and ``POSIX_FADV_SEQUENTIAL``
+    / ``WILLNEED`` hints were slower than plain buffered reads with the kernel's default
+    readahead, so the reader stays buffered (figures: ``benchmarks/README.md``).
 
-How this reader reads
+How this reader reads (one module per part)
     * Per file, the stored items this rank needs are sorted by offset and read front to back
       by a *stream* (its own file descriptor, so the kernel's readahead sees a sequential
       reader). Up to ``thread_count`` streams run in parallel: one per file, and without
-      hashes spare threads split the biggest files into contiguous regions.
+      hashes spare threads split the biggest files into contiguous regions (this module; the
+      stream itself: :mod:`~distckpt.engine.read_stream`).
     * A stored tensor item is ``torch.save(tensor)`` bytes: an uncompressed zip whose members
       (``data.pkl``, ``byteorder``, ``data/0``, ...) are 64-byte aligned. The reader parses the
       zip local headers itself, unpickles ``data.pkl`` with torch's ``weights_only`` unpickler
@@ -33,21 +31,24 @@ How this reader reads
       and shape -- the common case, also for FSDP2 resharding (dim-0 shards: a partial read
       of a shard is a contiguous sub-range). Otherwise (a column slice, a dtype change, a
       non-contiguous or non-CPU destination, a stored non-contiguous tensor) the covering byte
-      range is read into a buffer and ``copy_`` d through a strided view of it.
-    * The first big item of a stream is located by reading its first ``_PEEK`` bytes; later
+      range is read into a buffer and ``copy_`` d through a strided view of it (the parser:
+      :mod:`~distckpt.engine.torch_save_format`).
+    * The first big item of a stream is located by reading its first ``PEEK_BYTES``; later
       ones are *predicted* (same header length as the previous item, a compact storage of the
       chunk size and dtype that DCP's metadata records -- DCP clones views before saving) and
       checked after the read against their real header and zip data descriptor. So one
       ``preadv`` carries many items: header bytes into the arena, data into the destinations,
       trailers into the arena, small items (up to ``direct_min_bytes``) whole into the arena
       (decoded from memory: a memcpy), bytes other ranks need (gaps up to ``gap_read_bytes``)
-      into the arena -- up to ``max_request_bytes`` per request, never re-reading a byte.
+      into the arena -- up to ``max_request_bytes`` per request, never re-reading a byte
+      (:mod:`~distckpt.engine.item_planner`).
     * An item whose header or trailer does not match the prediction or the parsed layout is
       decoded again the stock way (``torch.load`` of the whole item, read apart). Any item the
       parser does not fully understand (an unexpected zip layout, a pickle with more or fewer
       than one storage, big-endian data, transform descriptors / extensions) is decoded from
       its bytes the way ``FileSystemReader`` does (transforms, then
-      ``torch.load(weights_only=True)``); ``BYTE_IO`` items go to ``planner.load_bytes``.
+      ``torch.load(weights_only=True)``); ``BYTE_IO`` items go to ``planner.load_bytes``
+      (:mod:`~distckpt.engine.item_decode`).
 
 Integrity
     * Without hashes: the file size is compared with the manifest (when given) and with the
@@ -80,30 +81,26 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
 from ..errors import CheckpointCorruptError
 from ..integrity import HASH_ALGORITHM, new_hasher
-from .read_stream import (_WARM_GAP, _cached, _check_sizes, _covering, _direct_ok, _file_size, _Req, _Results,
-                          _src_view, _Stored, _Stream, _strided, _typed, _writable_view)
+from .item_decode import ItemDecoder
+from .item_planner import PEEK_BYTES, ChunkIndex, ItemPlanner
+from .read_stream import (WARM_GAP_BYTES, ReadRequest, ReadResults, ReadStream, StoredItem, fstat_size, page_cached,
+                          read_item)
 from .safe_io import SafeFileSystemReader
-from .torch_save_format import (_PRED_CACHE, _TRAILER_MAX, TensorLayout, _check_trailer, _NeedMore, _same_layout,
-                                _Unsupported, parse_torch_save_header, parse_torch_save_header_cached)
+from .torch_save_format import HeaderCache, TensorLayout, parse_torch_save_header
 
 __all__ = ["FastFileSystemReader", "parse_torch_save_header", "TensorLayout"]
 
 _MIB = 1 << 20
-# Bytes of a big item read before its data: holds the zip local headers, data.pkl and the
-# small records (the data of a tensor saved by torch 2.x starts at byte 704).
-_PEEK = 4096
+
 
 # ============================================================================ the reader
 class FastFileSystemReader(SafeFileSystemReader):
@@ -115,12 +112,10 @@ class FastFileSystemReader(SafeFileSystemReader):
         expected_files: ``{relative path: (size_bytes, digest or None)}``; sizes are checked
             before reading, digests (xxh3-128) from the bytes read; ``None`` skips both.
         thread_count: read streams per rank (default 2): one per file; without hashes spare
-            ones split big files into regions. Measured here (1 GiB, cold, one rank, 7 rounds,
-            free page reporting held -- see ``benchmarks/_guest_memory.py``): one file 0.29 s
-            with 1 or 2 streams (a plain sequential read: 0.30 s); four files 0.278 s with 1
-            stream, 0.274 s with 2 (a plain sequential read of the four: 0.317 s). On storage
-            with deeper queues (NVMe) parallel streams matter more. ``thread_count`` is per
-            rank: ``CheckpointManager`` divides ``load_streams_per_node`` among a node's ranks.
+            ones split big files into regions. On a disk with a shallow queue a second stream
+            gains little; on storage with deeper queues (NVMe) parallel streams matter more.
+            ``thread_count`` is per rank: ``CheckpointManager`` divides
+            ``load_streams_per_node`` among a node's ranks.
         chunk_bytes: arena size per stream for small items and read-through gaps (one request).
         direct_min_bytes: stored items larger than this are read into their destination
             directly; smaller ones are read whole (coalesced) and copied out of the arena.
@@ -129,15 +124,17 @@ class FastFileSystemReader(SafeFileSystemReader):
             shard) are read through, into the arena, when the gap is at most this long, so the
             stream stays one sequential reader; longer gaps are skipped (or, when hashing, read
             in ``chunk_bytes`` pieces only to be hashed). Small holes skipped make each read a
-            small random read, which costs ~3x per byte on a cold cache here; the bytes read
-            through are usually read by the rank that needs them at the same time, so the disk
-            sees them once (page cache). When a stream's range is already in the page cache
-            (``RWF_NOWAIT`` probes), only gaps up to 64 KiB are read through.
+            small random read, which costs several times more per byte on a cold cache; the
+            bytes read through are usually read by the rank that needs them at the same time,
+            so the disk sees them once (page cache). When a stream's range is already in the
+            page cache (``RWF_NOWAIT`` probes), only gaps up to 64 KiB are read through.
         _extension_registry: as ``FileSystemReader``'s (experimental): decodes items saved with
             stream transforms (those items take the stock decode path).
 
     Attributes:
         last_stats: counters of the last ``read_data`` (bytes read, direct, copied, fallbacks).
+        header_cache: this reader's bounded cache of parsed item headers (not shared with
+            other readers).
     """
 
     def __init__(self, path: str | os.PathLike,
@@ -152,38 +149,49 @@ class FastFileSystemReader(SafeFileSystemReader):
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         self.thread_count = int(thread_count)
         self.chunk_bytes = max(int(chunk_bytes), _MIB)
-        self.direct_min_bytes = max(int(direct_min_bytes), _PEEK)
+        self.direct_min_bytes = max(int(direct_min_bytes), PEEK_BYTES)
         self.max_request_bytes = max(int(max_request_bytes), _MIB)
         self.gap_read_bytes = max(int(gap_read_bytes), 0)
         self.last_stats: dict[str, int] = {}
+        self.header_cache = HeaderCache()
+        self._chunks = ChunkIndex(None)
 
     # -------------------------------------------------------------- public StorageReader API
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        stored: dict[Any, _Stored] = {}
-        tensor_reqs: list[_Req] = []
+        """Read every item of ``plan`` into the tensors ``planner`` resolves (see the module
+        docstring for the order of planner calls).
+
+        Raises:
+            CheckpointCorruptError: a file is missing, shorter than the metadata or manifest
+                says, not listed in the manifest, or its digest does not match.
+        """
+        stored: dict[Any, StoredItem] = {}
+        tensor_reqs: list[ReadRequest] = []
         for item in plan.items:
             md = self.storage_data[item.storage_index]
             key = (md.relative_path, md.offset, md.length)
             st = stored.get(key)
             if st is None:
-                st = stored[key] = _Stored(md.relative_path, md.offset, md.length,
-                                           tuple(getattr(md, "transform_descriptors", None) or ()),
-                                           item.type == LoadItemType.BYTE_IO)
+                st = stored[key] = StoredItem(md.relative_path, md.offset, md.length,
+                                              tuple(getattr(md, "transform_descriptors", None) or ()),
+                                              item.type == LoadItemType.BYTE_IO)
             if item.type == LoadItemType.BYTE_IO:
-                st.reqs.append(_Req(item, None))
+                st.reqs.append(ReadRequest(item, None))
             else:
-                req = _Req(item, planner.resolve_tensor(item).detach())
+                req = ReadRequest(item, planner.resolve_tensor(item).detach())
                 st.reqs.append(req)
                 tensor_reqs.append(req)
-        per_file: dict[str, list[_Stored]] = {}
+        per_file: dict[str, list[StoredItem]] = {}
         for st in stored.values():
             per_file.setdefault(st.relpath, []).append(st)
 
-        results = _Results()
+        results = ReadResults()
+        decoder = ItemDecoder(self.transforms, self.header_cache, results)
+        item_planner = ItemPlanner(decoder, self._chunks, self.header_cache, self.direct_min_bytes, results)
         jobs = self._make_jobs(per_file)
-        self._run_jobs(jobs, results)
+        self._run_jobs(jobs, item_planner, results)
         for st in results.redo:  # trailer did not match the parsed layout: decode the stock way
-            self._redo(st, results)
+            self._redo(st, decoder)
         # Planner callbacks in the calling thread, in plan order.
         bytes_by_item = {id(req): data for req, data in results.bytes_items}
         for item in plan.items:
@@ -200,14 +208,13 @@ class FastFileSystemReader(SafeFileSystemReader):
         return fut
 
     # -------------------------------------------------------------- jobs
-    def _make_jobs(self, per_file: dict[str, list[_Stored]]) -> list[tuple[str, list[_Stored], bool]]:
+    def _make_jobs(self, per_file: dict[str, list[StoredItem]]) -> list[tuple[str, list[StoredItem], bool]]:
         """``(relpath, items, verify)`` per stream.
 
         ``thread_count`` streams in all: one per file, and without hashing the spare threads
         split the biggest files into contiguous regions, one stream each. With hashing a file
         is one stream (the digest needs the bytes in order). A pre-reader filling the page
-        cache ahead of a hashed stream was tried and removed: it added a copy and was slower
-        (one 1 GiB file, cold: 0.34 s vs 0.29 s for the lone stream, 7 rounds).
+        cache ahead of a hashed stream was tried and removed: it added a copy and was slower.
         """
         jobs = []
         checks: dict[str, tuple[int, str | None]] = {}
@@ -231,7 +238,7 @@ class FastFileSystemReader(SafeFileSystemReader):
                 jobs.append((name, items, verify))
                 continue
             share = sizes[name] / parts
-            groups: list[list[_Stored]] = [[]]
+            groups: list[list[StoredItem]] = [[]]
             acc = 0
             for st in items:
                 if groups[-1] and len(groups) < parts and acc >= share * len(groups):
@@ -249,15 +256,16 @@ class FastFileSystemReader(SafeFileSystemReader):
             jobs = jobs[k:] + jobs[:k]
         return jobs
 
-    def _run_jobs(self, jobs: list[tuple[str, list[_Stored], bool]], results: _Results) -> None:
+    def _run_jobs(self, jobs: list[tuple[str, list[StoredItem], bool]], planner: ItemPlanner,
+                  results: ReadResults) -> None:
         if not jobs:
             return
         verified: list[str] = []
         lock = threading.Lock()
 
-        def run(job: tuple[str, list[_Stored], bool]) -> None:
+        def run(job: tuple[str, list[StoredItem], bool]) -> None:
             name, items, verify = job
-            if self._stream_file(name, items, verify, results):
+            if self._stream_file(name, items, verify, planner, results):
                 with lock:
                     verified.append(name)
 
@@ -285,7 +293,10 @@ class FastFileSystemReader(SafeFileSystemReader):
                 self._checked.add(name)
 
     # -------------------------------------------------------------- one stream
-    def _stream_file(self, relpath: str, items: list[_Stored], verify: bool, results: _Results) -> bool:
+    def _stream_file(self, relpath: str, items: list[StoredItem], verify: bool, planner: ItemPlanner,
+                     results: ReadResults) -> bool:
+        """Read ``items`` (of one file, in offset order) as one stream; ``True`` when the
+        file's digest was checked."""
         path = str(Path(self.path) / relpath)
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -295,7 +306,7 @@ class FastFileSystemReader(SafeFileSystemReader):
         except OSError as e:
             raise CheckpointCorruptError(f"{path}: cannot open ({e})", path=path) from e
         try:
-            file_size = _file_size(fd)
+            file_size = fstat_size(fd)
             expected = self._pending_checks.get(relpath)
             if expected is not None and file_size != expected[0]:
                 raise CheckpointCorruptError(
@@ -307,18 +318,20 @@ class FastFileSystemReader(SafeFileSystemReader):
                     f"{path}: truncated: the file has {file_size} bytes, but the checkpoint's "
                     f"metadata places data up to byte {need_end}", path=path)
             hasher = new_hasher() if verify else None
-            stream = _Stream(self, path, fd, file_size, hasher, results, 0 if verify else items[0].offset)
-            if not verify and stream.gap_read_bytes > _WARM_GAP and _cached(fd, items[0].offset, need_end):
+            stream = ReadStream(path, fd, file_size, hasher, results, 0 if verify else items[0].offset,
+                                chunk_bytes=self.chunk_bytes, max_request_bytes=self.max_request_bytes,
+                                gap_read_bytes=self.gap_read_bytes)
+            if not verify and stream.gap_read_bytes > WARM_GAP_BYTES and page_cached(fd, items[0].offset, need_end):
                 # Already in the page cache: reading other ranks' bytes through would only
                 # cost memcpy; skip all but tiny gaps.
-                stream.gap_read_bytes = _WARM_GAP
-            side: list[_Stored] = []
+                stream.gap_read_bytes = WARM_GAP_BYTES
+            side: list[StoredItem] = []
             last_end = stream.pos
             for st in items:
                 if st.offset < last_end:  # overlapping items (not written by DCP): read apart
                     side.append(st)
                     continue
-                self._add_item(stream, st, results)
+                planner.add_item(stream, st)
                 last_end = st.end
             stream.finish_to(file_size if verify else stream.pos)
             if verify:
@@ -328,256 +341,23 @@ class FastFileSystemReader(SafeFileSystemReader):
                         f"{path}: {HASH_ALGORITHM} {digest} does not match the manifest's {expected[1]} "
                         "(bytes changed after the commit)", path=path)
             for st in side:
-                buf, mv = self._pread_item(fd, path, st)
-                self._decode_whole(st, mv, results, buf)
+                buf, mv = read_item(fd, path, st)
+                planner.decoder.decode_whole(st, mv, buf)
             return verify
         finally:
             os.close(fd)
 
-    def _pread_item(self, fd: int, path: str, st: _Stored) -> tuple[torch.Tensor, memoryview]:
-        buf = torch.empty(st.length, dtype=torch.uint8)
-        mv = _writable_view(buf)
-        done = 0
-        while done < st.length:
-            n = os.preadv(fd, [mv[done:]], st.offset + done)
-            if n <= 0:
-                raise CheckpointCorruptError(
-                    f"{path}: truncated: short read at byte {st.offset + done} (item needs bytes up to "
-                    f"{st.end})", path=path)
-            done += n
-        return buf, mv
-
-    # -------------------------------------------------------------- per item
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """As ``FileSystemReader``'s; also indexes the chunks ``metadata`` records (predictions)."""
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]] | None = None
-        self._metadata = metadata
+        self._chunks = ChunkIndex(metadata)
 
-    def _chunk_info(self, index: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
-        """Saved size and dtype of the chunk ``index`` names, from DCP's metadata."""
-        if getattr(self, "_chunks", None) is None:
-            chunks: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]] = {}
-            for fqn, md in getattr(getattr(self, "_metadata", None), "state_dict_metadata", {}).items():
-                if isinstance(md, TensorStorageMetadata):
-                    for ch in md.chunks:
-                        chunks[(fqn, tuple(ch.offsets))] = (tuple(ch.sizes), md.properties.dtype)
-            self._chunks = chunks
-        if index.offset is None:
-            return None
-        return self._chunks.get((index.fqn, tuple(index.offset)))
-
-    def _predict(self, stream: _Stream, st: _Stored) -> TensorLayout | None:
-        """The layout of ``st`` if it is like the stream's previous item: same header length,
-        a compact storage of the chunk's size (DCP clones views before saving)."""
-        if stream.hint is None:
-            return None
-        info = self._chunk_info(st.reqs[0].item.storage_index)
-        if info is None:
-            return None
-        sizes, dtype = info
-        data_offset, flags = stream.hint
-        numel = 1
-        for d in sizes:
-            numel *= d
-        nbytes = numel * torch._utils._element_size(dtype)
-        if not 16 <= st.length - data_offset - nbytes <= _TRAILER_MAX:
-            return None
-        strides, acc = [], 1
-        for d in reversed(sizes):
-            strides.append(acc)
-            acc *= max(d, 1)
-        sig = (dtype, tuple(sizes), tuple(reversed(strides)), 0)
-        meta = _PRED_CACHE.get(sig)
-        if meta is None:
-            meta = _PRED_CACHE[sig] = torch.empty(sizes, dtype=dtype, device="meta")
-        return TensorLayout(meta=meta, data_offset=data_offset, nbytes=nbytes, flags=flags, sig=sig)
-
-    def _add_item(self, stream: _Stream, st: _Stored, results: _Results) -> None:
-        if st.is_bytes or st.descriptors or st.length <= self.direct_min_bytes:
-            stream.add_scratch(st.offset, st.length,
-                               lambda t, mv, st=st: self._decode_whole(st, mv, results, t))
-            return
-        layout = self._predict(stream, st)
-        if layout is not None:
-            # Header predicted from the previous item of this stream and DCP's chunk metadata:
-            # no extra request; the header is read in the same request as the data and
-            # checked afterwards (a mismatch re-decodes the item the stock way).
-            predicted = layout
-
-            def verify(_t, mv, st=st, predicted=predicted) -> None:
-                if not _same_layout(mv, predicted):
-                    stream.hint = None
-                    with results.lock:
-                        results.redo.append(st)
-
-            stream.add_scratch(st.offset, layout.data_offset, verify)
-            peek, peek_len = b"", 0
-        else:
-            peek_len = min(_PEEK, st.length)
-            holder: dict[str, bytes] = {}
-            stream.add_scratch(st.offset, peek_len, lambda t, mv: holder.__setitem__("peek", bytes(mv)))
-            stream.flush()
-            peek = holder["peek"]
-            try:
-                layout = parse_torch_save_header(peek)
-            except (_NeedMore, _Unsupported):
-                layout = None
-            if layout is not None and layout.data_offset + layout.nbytes > st.length:
-                layout = None
-            if layout is None:  # the rest of the item into one buffer, then the stock decode
-                rest = torch.empty(st.length, dtype=torch.uint8)
-                rest_mv = _writable_view(rest)
-                rest_mv[:peek_len] = peek
-
-                def whole(_t, _mv, st=st, rest=rest, rest_mv=rest_mv) -> None:
-                    self._decode_whole(st, rest_mv, results, rest)
-
-                if st.length > peek_len:
-                    stream.add_view(st.offset + peek_len, rest_mv[peek_len:], keep=rest, cb=whole)
-                else:
-                    whole(None, rest_mv)
-                return
-            stream.hint = (layout.data_offset, layout.flags)
-        peek_end = st.offset + peek_len
-        data_abs = st.offset + layout.data_offset
-        isz = layout.meta.element_size()
-        # Needed byte ranges, one per request: direct into the destination, or a buffer.
-        wants: list[tuple[int, int, _Req, torch.Tensor | None, torch.Tensor]] = []
-        for req in st.reqs:
-            src = _src_view(layout, req.item)
-            _check_sizes(req.item, req.target, src.size())
-            if src.numel() == 0:
-                continue
-            if _direct_ok(src, req.target):
-                a = data_abs + src.storage_offset() * isz
-                wants.append((a, a + src.numel() * isz, req, None, src))
-            else:
-                lo, hi = _covering(src)
-                wants.append((data_abs + lo * isz, data_abs + hi * isz, req, torch.empty((hi - lo) * isz, dtype=torch.uint8), src))
-        wants.sort(key=lambda w: w[0])
-        overlapping = any(wants[i][0] < wants[i - 1][1] for i in range(1, len(wants)))
-        if overlapping or any(w[0] < data_abs or w[1] > data_abs + layout.nbytes for w in wants):
-            # Two requests read the same bytes: one buffer for the item's data.
-            wants = []
-            buf = torch.empty(layout.nbytes, dtype=torch.uint8)
-
-            def all_reqs(_t, _mv, st=st, buf=buf, layout=layout) -> None:
-                for req in st.reqs:
-                    self._copy_from(layout, buf, 0, req, results)
-
-            self._add_range(stream, data_abs, data_abs + layout.nbytes, buf, peek, st.offset, peek_end,
-                            cb=all_reqs)
-        for a, b, req, buf, src in wants:
-            if buf is None:
-                dst = _writable_view(req.target)
-                results.count(direct_bytes=b - a)
-                self._add_range(stream, a, b, req.target, peek, st.offset, peek_end, view=dst)
-            else:
-                lo = (a - data_abs) // isz
-
-                def copy_out(_t, _mv, req=req, buf=buf, src=src, lo=lo) -> None:
-                    view = _strided(_typed(buf, src.dtype), src, lo)
-                    req.target.copy_(view)
-                    results.count(copied_bytes=buf.numel())
-
-                self._add_range(stream, a, b, buf, peek, st.offset, peek_end, cb=copy_out)
-        data_end = data_abs + layout.nbytes
-        trailer = st.end - data_end
-        if 0 < trailer <= _TRAILER_MAX:
-            def check(_t, mv, st=st, layout=layout) -> None:
-                if not _check_trailer(mv, layout):
-                    with results.lock:
-                        results.redo.append(st)
-
-            if data_end >= peek_end:
-                stream.add_scratch(data_end, trailer, check)
-            else:  # tiny item fully inside the peek (only when _PEEK >= item)
-                check(None, memoryview(peek)[data_end - st.offset:])
-
-    def _add_range(self, stream: _Stream, a: int, b: int, keep: torch.Tensor, peek: bytes, peek_off: int,
-                   peek_end: int, view: memoryview | None = None,
-                   cb: Callable[[torch.Tensor | None, memoryview], None] | None = None) -> None:
-        """Fill ``[a, b)`` of the file into ``view`` (default: all of ``keep``): the part already
-        in the peek is copied, the rest is added to the stream."""
-        if view is None:
-            view = _writable_view(keep)
-        head = max(min(b, peek_end) - a, 0)
-        if head:
-            view[:head] = memoryview(peek)[a - peek_off:a - peek_off + head]
-        if b - a > head:
-            stream.add_view(a + head, view[head:], keep=keep, cb=cb)
-        elif cb is not None:
-            cb(None, view)
-
-    # -------------------------------------------------------------- decoding from memory
-    def _copy_from(self, layout: TensorLayout, base: torch.Tensor, base_data_off: int, req: _Req,
-                   results: _Results) -> None:
-        """Copy what ``req`` needs from the item data in ``base[base_data_off:]`` into its target."""
-        src = _src_view(layout, req.item)
-        _check_sizes(req.item, req.target, src.size())
-        if src.numel() == 0:
-            return
-        isz = layout.meta.element_size()
-        if _direct_ok(src, req.target):
-            a = base_data_off + src.storage_offset() * isz
-            n = src.numel() * isz
-            _writable_view(req.target)[:] = _writable_view(base)[a:a + n]
-            results.count(copied_bytes=n)
-            return
-        lo, hi = _covering(src)
-        u8 = base[base_data_off + lo * isz:base_data_off + hi * isz]
-        view = _strided(_typed(u8, src.dtype), src, lo)
-        req.target.copy_(view)
-        results.count(copied_bytes=(hi - lo) * isz)
-
-    def _decode_whole(self, st: _Stored, mv: memoryview, results: _Results, t: torch.Tensor) -> None:
-        """Decode a whole stored item held in memory (``mv``; ``t``: the same bytes as a uint8
-        tensor)."""
-        if st.is_bytes:
-            if st.descriptors:
-                data = self._transformed(st, mv).read(-1)
-            else:
-                data = bytes(mv)
-            for req in st.reqs:
-                results.add_bytes(req.item, data)
-            return
-        if not st.descriptors:
-            try:
-                layout = parse_torch_save_header_cached(mv)
-                end = layout.data_offset + layout.nbytes
-                if end > len(mv) or not _check_trailer(mv[end:], layout):
-                    raise _Unsupported("trailer")
-            except (_NeedMore, _Unsupported):
-                layout = None
-            if layout is not None:
-                for req in st.reqs:
-                    self._copy_from(layout, t, layout.data_offset, req, results)
-                return
-        self._stock_decode(st, mv, results)
-
-    def _transformed(self, st: _Stored, mv: memoryview) -> Any:
-        raw = io.BytesIO(bytes(mv))
-        return self.transforms.transform_load_stream(st.reqs[0].item, st.descriptors, raw)
-
-    def _stock_decode(self, st: _Stored, mv: memoryview, results: _Results) -> None:
-        """What ``FileSystemReader.read_data`` does with an item, from bytes in memory."""
-        results.count(fallback_items=1)
-        stream = self._transformed(st, mv)
-        if not stream.seekable():
-            stream = io.BytesIO(stream.read(-1))
-            stream.seek(0)
-        tensor = torch.load(stream, map_location="cpu", weights_only=True)
-        for req in st.reqs:
-            view = narrow_tensor_by_index(tensor, req.item.storage_offsets, req.item.lengths)
-            _check_sizes(req.item, req.target, view.size())
-            req.target.copy_(view)
-
-    def _redo(self, st: _Stored, results: _Results) -> None:
+    def _redo(self, st: StoredItem, decoder: ItemDecoder) -> None:
+        """Read ``st`` again, apart, and decode it the stock way."""
         path = str(Path(self.path) / st.relpath)
         fd = os.open(path, os.O_RDONLY)
         try:
-            _buf, mv = self._pread_item(fd, path, st)
+            _buf, mv = read_item(fd, path, st)
         finally:
             os.close(fd)
-        self._stock_decode(st, mv, results)
-
+        decoder.stock_decode(st, mv)

@@ -1,6 +1,9 @@
 """The stream engine of :class:`~distckpt.engine.fast_reader.FastFileSystemReader`: one file
 (or one region of it) read front to back with coalesced ``preadv`` calls straight into the
 destination tensors, hashed in file order; plus the plan structures and tensor helpers it uses.
+
+Internal to :mod:`distckpt.engine` (used by the fast reader's modules); the engine package does
+not re-export these names and they may change without notice.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ import ctypes
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -18,21 +21,21 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..errors import CheckpointCorruptError
 from .torch_save_format import TensorLayout
 
-if TYPE_CHECKING:
-    from .fast_reader import FastFileSystemReader
-
-# Internal to the fast reader: no public names.
-__all__: list[str] = []
+__all__ = ["WARM_GAP_BYTES", "ReadRequest", "ReadResults", "ReadStream", "StoredItem", "check_sizes",
+           "covering_range", "direct_ok", "fstat_size", "page_cached", "read_item", "src_view", "strided_view",
+           "typed_view", "writable_view"]
 
 
-def _file_size(fd: int) -> int:
+def fstat_size(fd: int) -> int:
+    """Size in bytes of the open file ``fd``."""
     return os.fstat(fd).st_size
 
 
-_WARM_GAP = 64 * 1024
+# Gaps read through when the stream's range is already in the page cache.
+WARM_GAP_BYTES = 64 * 1024
 
 
-def _cached(fd: int, start: int, end: int, probes: int = 5) -> bool:
+def page_cached(fd: int, start: int, end: int, probes: int = 5) -> bool:
     """Whether ``[start, end)`` looks page-cache resident: one-byte ``RWF_NOWAIT`` reads (which
     fail with ``EAGAIN`` instead of doing I/O) at a few points all succeed."""
     flag = getattr(os, "RWF_NOWAIT", None)
@@ -57,7 +60,7 @@ except (AttributeError, ValueError, OSError):
 
 
 # ============================================================================ tensor helpers
-def _writable_view(t: torch.Tensor) -> memoryview:
+def writable_view(t: torch.Tensor) -> memoryview:
     """Writable byte view of a contiguous CPU tensor's memory (the caller keeps ``t`` alive)."""
     n = t.numel() * t.element_size()
     if n == 0:
@@ -65,9 +68,9 @@ def _writable_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def _typed(u8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def typed_view(u8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``u8`` (1-D uint8) reinterpreted as ``dtype``; copies into an aligned buffer if needed."""
-    isz = torch._utils._element_size(dtype)
+    isz = dtype.itemsize
     if isz == 1 or u8.data_ptr() % isz == 0:
         try:
             return u8.view(dtype)
@@ -78,17 +81,18 @@ def _typed(u8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _strided(typed: torch.Tensor, src: torch.Tensor, lo: int) -> torch.Tensor:
+def strided_view(typed: torch.Tensor, src: torch.Tensor, lo: int) -> torch.Tensor:
     """``src``'s view over ``typed``, which holds storage elements ``[lo, ...)`` (``as_strided``
     offsets count from the start of the underlying storage, not of the view)."""
     return typed.as_strided(src.size(), src.stride(), typed.storage_offset() + src.storage_offset() - lo)
 
 
-def _src_view(layout: TensorLayout, req: ReadItem) -> torch.Tensor:
+def src_view(layout: TensorLayout, req: ReadItem) -> torch.Tensor:
+    """The part of the stored tensor (a meta view of ``layout``) that ``req`` reads."""
     return narrow_tensor_by_index(layout.meta, req.storage_offsets, req.lengths)
 
 
-def _covering(src: torch.Tensor) -> tuple[int, int]:
+def covering_range(src: torch.Tensor) -> tuple[int, int]:
     """Element range ``[lo, hi)`` of the storage that ``src`` (a meta view) touches."""
     if src.numel() == 0:
         return src.storage_offset(), src.storage_offset()
@@ -97,26 +101,55 @@ def _covering(src: torch.Tensor) -> tuple[int, int]:
     return lo, hi
 
 
-def _direct_ok(src: torch.Tensor, target: torch.Tensor) -> bool:
+def direct_ok(src: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether the bytes of ``src`` can be read straight into ``target``: both contiguous, same
+    dtype, and ``target`` a plain CPU tensor."""
     return (src.is_contiguous() and target.device.type == "cpu" and target.dtype == src.dtype
             and target.is_contiguous() and not target.is_quantized and not target.is_conj()
             and not target.is_neg() and target.layout == torch.strided and type(target) is torch.Tensor)
 
 
-def _check_sizes(req: ReadItem, target: torch.Tensor, src_size: Sequence[int]) -> None:
+def check_sizes(req: ReadItem, target: torch.Tensor, src_size: Sequence[int]) -> None:
+    """DCP's own check that the destination has the size of what is read.
+
+    Raises:
+        AssertionError: the sizes differ (the message ``FileSystemReader`` gives).
+    """
     if tuple(target.size()) != tuple(src_size):
         raise AssertionError(f"req {req.storage_index} mismatch sizes {tuple(target.size())} vs {tuple(src_size)}")
 
 
+def read_item(fd: int, path: str, st: StoredItem) -> tuple[torch.Tensor, memoryview]:
+    """The whole stored item ``st`` of the open file ``fd`` (named ``path``) as a new uint8
+    tensor and a writable view of it.
+
+    Raises:
+        CheckpointCorruptError: the file ends before the item does.
+    """
+    buf = torch.empty(st.length, dtype=torch.uint8)
+    mv = writable_view(buf)
+    done = 0
+    while done < st.length:
+        n = os.preadv(fd, [mv[done:]], st.offset + done)
+        if n <= 0:
+            raise CheckpointCorruptError(
+                f"{path}: truncated: short read at byte {st.offset + done} (item needs bytes up to "
+                f"{st.end})", path=path)
+        done += n
+    return buf, mv
+
+
 # ============================================================================ plan structures
 @dataclass
-class _Req:
+class ReadRequest:
+    """One ``ReadItem`` of the plan and where its data goes."""
+
     item: ReadItem
     target: torch.Tensor | None  # resolved destination (tensor requests)
 
 
 @dataclass
-class _Stored:
+class StoredItem:
     """One stored item (a ``_StorageInfo``) and the requests of this rank that read it."""
 
     relpath: str
@@ -124,7 +157,7 @@ class _Stored:
     length: int
     descriptors: tuple[str, ...]
     is_bytes: bool
-    reqs: list[_Req] = field(default_factory=list)
+    reqs: list[ReadRequest] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -144,13 +177,13 @@ class _Seg:
         return self.off + self.length
 
 
-class _Results:
+class ReadResults:
     """What the streams hand back to the calling thread (guarded by a lock)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.bytes_items: list[tuple[ReadItem, bytes]] = []
-        self.redo: list[_Stored] = []
+        self.redo: list[StoredItem] = []
         self.stats = {"direct_bytes": 0, "copied_bytes": 0, "fallback_items": 0, "read_bytes": 0,
                       "syscalls": 0}
 
@@ -165,24 +198,34 @@ class _Results:
 
 
 # ============================================================================ the stream engine
-class _Stream:
+class ReadStream:
     """Reads one file (or one region of it) front to back with coalesced ``preadv`` calls.
 
     Segments are added in increasing file order; ``flush`` reads all pending ones, merging
     contiguous segments (and short gaps) into single requests, feeds the hasher in file order,
     then runs the segments' callbacks.
+
+    Args:
+        path: the file's path (in error messages); ``fd``: its open descriptor;
+            ``file_size``: its size when opened.
+        hasher: fed every byte from ``start`` on, in file order (``None``: no hashing).
+        results: where byte counts and syscalls are counted.
+        start: file offset of the first byte this stream reads (or hashes).
+        chunk_bytes, max_request_bytes, gap_read_bytes: the reader's settings of the same
+            names (:class:`~distckpt.engine.fast_reader.FastFileSystemReader`).
     """
 
-    def __init__(self, reader: "FastFileSystemReader", path: str, fd: int, file_size: int,
-                 hasher: Any, results: _Results, start: int) -> None:
-        self.reader, self.path, self.fd, self.file_size = reader, path, fd, file_size
+    def __init__(self, path: str, fd: int, file_size: int, hasher: Any, results: ReadResults, start: int, *,
+                 chunk_bytes: int, max_request_bytes: int, gap_read_bytes: int) -> None:
+        self.path, self.fd, self.file_size = path, fd, file_size
         self.hasher, self.results = hasher, results
+        self.chunk_bytes, self.max_request_bytes = chunk_bytes, max_request_bytes
         self.pending: list[_Seg] = []
         self.pending_scratch = 0
         self.pending_total = 0
         self.pos = start  # end of the last byte handed to a read (or skipped)
         self.hint: tuple[int, int] | None = None  # (data offset, zip flags) of the last parsed item
-        self.gap_read_bytes = reader.gap_read_bytes
+        self.gap_read_bytes = gap_read_bytes
         self._arena: torch.Tensor | None = None
         self._junk: memoryview | None = None
 
@@ -201,13 +244,13 @@ class _Stream:
         self.pending_total += seg.length
         if seg.view is None:
             self.pending_scratch += seg.length
-        if self.pending_scratch >= self.reader.chunk_bytes or self.pending_total >= self.reader.max_request_bytes:
+        if self.pending_scratch >= self.chunk_bytes or self.pending_total >= self.max_request_bytes:
             self.flush()
 
     def add_view(self, off: int, view: memoryview, keep: Any = None,
                  cb: Callable[[torch.Tensor | None, memoryview], None] | None = None) -> None:
         # Big destinations are split so hashing and callbacks interleave with the reads.
-        step = self.reader.max_request_bytes
+        step = self.max_request_bytes
         n = len(view)
         for s in range(0, n, step):
             last = s + step >= n
@@ -225,8 +268,8 @@ class _Stream:
 
     def _junk_view(self) -> memoryview:
         if self._junk is None:
-            self._junk_t = torch.empty(self.reader.chunk_bytes, dtype=torch.uint8)
-            self._junk = _writable_view(self._junk_t)
+            self._junk_t = torch.empty(self.chunk_bytes, dtype=torch.uint8)
+            self._junk = writable_view(self._junk_t)
         return self._junk
 
     def _truncated(self, at: int) -> CheckpointCorruptError:
@@ -284,7 +327,7 @@ class _Stream:
                 arena_need += s.length
             pos = s.end
         arena = self._arena_for(arena_need) if arena_need else None
-        arena_mv = _writable_view(arena) if arena is not None else None
+        arena_mv = writable_view(arena) if arena is not None else None
         a = 0
 
         def scratch(n: int) -> tuple[torch.Tensor, memoryview]:

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from distckpt.engine import fast_reader
 from distckpt.engine.fast_reader import FastFileSystemReader, parse_torch_save_header
 from distckpt.engine.safe_io import SafeLoadPlanner
+from distckpt.engine.torch_save_format import HeaderCache, LruCache, NeedMoreBytes, UnsupportedLayout
 from distckpt.errors import CheckpointCorruptError
 from distckpt.integrity import hash_file
 
@@ -209,7 +210,7 @@ def test_partial_reads_match_stock(saved, kw, cold, monkeypatch):
     ones skip them."""
     path, state = saved
     if cold:
-        monkeypatch.setattr(fast_reader, "_cached", lambda fd, start, end: False)
+        monkeypatch.setattr(fast_reader, "page_cached", lambda fd, start, end: False)
 
     def plan_and_dest():
         dest = {
@@ -291,7 +292,7 @@ def test_short_read_is_never_accepted(saved, tmp_path, monkeypatch):
     f = _data_file(ck)
     full = f.stat().st_size
     _truncate(f, full - 5000)
-    monkeypatch.setattr(fast_reader, "_file_size", lambda fd: full)
+    monkeypatch.setattr(fast_reader, "fstat_size", lambda fd: full)
     with pytest.raises(CheckpointCorruptError) as err:
         _load(_empty_like(state), ck, FastFileSystemReader(ck))
     assert err.value.path == str(f) and "short read" in str(err.value)
@@ -406,7 +407,7 @@ def test_parse_header_locates_the_storage_bytes(t):
     m = layout.meta
     assert (m.dtype, m.shape, m.stride(), m.storage_offset()) == (t.dtype, t.shape, t.stride(), t.storage_offset())
     # Any prefix that stops before the data is "need more", never a wrong answer.
-    with pytest.raises(fast_reader._NeedMore):
+    with pytest.raises(NeedMoreBytes):
         parse_torch_save_header(blob[:layout.data_offset - 1])
 
 
@@ -417,12 +418,12 @@ def test_parse_header_refuses_code_in_the_pickle():
 
     buf = io.BytesIO()
     torch.save(Evil(), buf)
-    with pytest.raises(fast_reader._Unsupported):
+    with pytest.raises(UnsupportedLayout):
         parse_torch_save_header(buf.getvalue())
 
 
 def test_cached_header_parse_equals_the_full_parse_and_is_shared_by_equal_headers():
-    from distckpt.engine.torch_save_format import _NeedMore, parse_torch_save_header_cached
+    cache = HeaderCache()
 
     def blob(t: torch.Tensor) -> memoryview:
         buf = io.BytesIO()
@@ -432,10 +433,43 @@ def test_cached_header_parse_equals_the_full_parse_and_is_shared_by_equal_header
     a, b = blob(torch.arange(7, dtype=torch.float32)), blob(torch.ones(7))
     c, d = blob(torch.zeros(3, 5, dtype=torch.bfloat16)), blob(torch.arange(9, dtype=torch.int64))
     for mv in (a, b, c, d):
-        cached, full = parse_torch_save_header_cached(mv), parse_torch_save_header(mv)
+        cached, full = cache.parse(mv), parse_torch_save_header(mv)
         assert (cached.data_offset, cached.nbytes, cached.flags, cached.sig) == \
                (full.data_offset, full.nbytes, full.flags, full.sig)
-    assert parse_torch_save_header_cached(b) is parse_torch_save_header_cached(a)  # same dtype and shape
-    assert parse_torch_save_header_cached(c).sig != parse_torch_save_header_cached(a).sig
-    with pytest.raises(_NeedMore):
-        parse_torch_save_header_cached(blob(torch.ones(11))[:64])  # a header cut short is never served
+    assert cache.parse(b) is cache.parse(a)  # same dtype and shape
+    assert cache.parse(c).sig != cache.parse(a).sig
+    with pytest.raises(NeedMoreBytes):
+        cache.parse(blob(torch.ones(11))[:64])  # a header cut short is never served
+
+
+def test_header_caches_are_per_reader_and_bounded(saved):
+    """Parse caches live on the reader (none at module level, shared by every reader), each
+    bounded; a cache far smaller than the checkpoint's distinct headers still loads bitwise."""
+    from distckpt.engine import item_decode, item_planner, read_stream, torch_save_format
+
+    for mod in (fast_reader, item_decode, item_planner, read_stream, torch_save_format):
+        shared = [n for n, v in vars(mod).items()
+                  if isinstance(v, (dict, list, set)) and not (n.startswith("__") and n.endswith("__"))]
+        assert shared == [], f"{mod.__name__}: module-level mutable state {shared}"
+    path, state = saved
+    tiny = FastFileSystemReader(path, **SMALL_DIRECT)
+    tiny.header_cache = HeaderCache(max_entries=2)
+    other = FastFileSystemReader(path, **SMALL_DIRECT)
+    _assert_same(_load(_empty_like(state), path, tiny), state)
+    caches = [tiny.header_cache.pickles, tiny.header_cache.layouts, tiny.header_cache.heads,
+              tiny.header_cache.predicted]
+    assert all(len(c) <= 2 for c in caches) and len(tiny.header_cache.pickles) == 2
+    assert [len(c) for c in (other.header_cache.pickles, other.header_cache.layouts)] == [0, 0]  # not shared
+    _assert_same(_load(_empty_like(state), path, other), state)
+    assert len(other.header_cache.pickles) > 2 and len(other.header_cache.predicted) > 0
+
+
+def test_lru_cache_forgets_the_least_recently_used():
+    cache = LruCache(2)
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.get("a") == 1  # "a" is now the most recently used
+    cache.put("c", 3)
+    assert (cache.get("a"), cache.get("b", "gone"), cache.get("c"), len(cache)) == (1, "gone", 3, 2)
+    with pytest.raises(ValueError):
+        LruCache(0)
