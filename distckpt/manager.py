@@ -105,6 +105,7 @@ class CheckpointManager:
             world_size=self.world_size,
             seed=config.seed)
         self.train_state = TrainState()
+        self._explicit_counters: set[str] = set()  # passed by the caller: never derived
         self.schedule = SaveSchedule(interval_steps=config.interval_steps,
                                      interval_seconds=config.interval_seconds,
                                      collective=self.collective)
@@ -299,7 +300,9 @@ class CheckpointManager:
             loss: this step's loss; pass the same (e.g. all-reduced) value on every rank.
             last_step: the final step of training: saves if ``config.save_at_end``.
             **counters: ``epoch``, ``batch_in_epoch``, ``global_samples_seen``,
-                ``global_tokens_seen`` to record in :class:`TrainState`.
+                ``global_tokens_seen`` to record in :class:`TrainState`. With a
+                ``ReshardableSampler`` the first three are derived from its consumed position
+                at each save unless passed here (once passed, always the caller's).
 
         Returns:
             Whether a checkpoint was committed at this call.
@@ -358,6 +361,7 @@ class CheckpointManager:
         if unknown:
             raise TypeError(f"unknown counter(s) {sorted(unknown)}")
         ts.step = step
+        self._explicit_counters.update(counters)
         for k, v in counters.items():
             setattr(ts, k, int(v))
         if loss is not None:
@@ -395,6 +399,7 @@ class CheckpointManager:
         self.wait()  # at most one save in flight
         # Unique per save without a collective: a run id agreed at construction + a counter.
         self._save_count += 1
+        self.state.derive_counters(self.train_state, explicit=self._explicit_counters)
         snapshot = dataclasses.replace(self.train_state, loss_history=list(self.train_state.loss_history))
         full = full or self.config.state_dict_type == "full"
         tx = SaveTransaction(self._save_ctx, step=step, save_id=f"{self._run_id}{self._save_count:04x}",

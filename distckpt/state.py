@@ -154,6 +154,25 @@ class CheckpointState:
             }
         return sd
 
+    def derive_counters(self, train_state: TrainState, *, explicit: set[str]) -> None:
+        """Set ``epoch``, ``batch_in_epoch`` and ``global_samples_seen`` of ``train_state`` from
+        the loader's consumed :class:`~distckpt.data.ReshardableSampler` position, except those
+        in ``explicit`` (passed by the caller). No-op without a ReshardableSampler.
+
+        Never raises: a loader whose state cannot be read fails in :meth:`for_save`, where the
+        failure is gathered from every rank.
+        """
+        if self.data is None or self.data.sampler() is None:
+            return
+        try:
+            counters = self.data.counters() or {}
+        except Exception as e:  # noqa: BLE001 - reported by for_save on every rank
+            logger.debug("counters not derived from the sampler: %s", e)
+            return
+        for name, value in counters.items():
+            if name not in explicit:
+                setattr(train_state, name, value)
+
     # ------------------------------------------------------------------ load
     def for_load(self, checkpoint_keys: set[str], saved_world_size: int) -> dict[str, Any]:
         """Target state_dict for ``dcp.load``; call inside ``self.model_optim.load_context()``.
@@ -172,6 +191,8 @@ class CheckpointState:
             self._read_tied_from_twins(sd["model"], checkpoint_keys)
             _check_keys(sd, checkpoint_keys, rank=self.rank)
             return sd
+        if self.data is not None:
+            self.data.check_no_live_iterator(self.rank)
         model_sd, optim_sd = self.model_optim.target_for_load()
         self._read_tied_from_twins(model_sd, checkpoint_keys)
         sd: dict[str, Any] = {"model": model_sd}
@@ -181,7 +202,7 @@ class CheckpointState:
         sd.update(self._global_parts(for_load=True))
         sd["train_state"] = b""
         same_world = saved_world_size == self.world_size
-        if self.data is not None and not same_world and "data" in checkpoint_keys:
+        if self.data is not None and "data" in checkpoint_keys:  # also for a num_workers change
             sd["data"] = b""
         if self.rank < saved_world_size:
             own: dict[str, Any] = {"rng": b""}
@@ -228,13 +249,10 @@ class CheckpointState:
         train_state.loss_history = [tuple(x) for x in train_state.loss_history]
         own = sd.get("rank_state", {}).get(f"rank{self.rank}")
         if self.data is not None:
-            if own is not None and "dataloader" in own:
-                self.data.load_local_state(unpack(own["dataloader"]))
-            else:
-                self.data.load_global_state(unpack(sd["data"]), rank=self.rank, world_size=self.world_size)
-                logger.info(
-                    "rank %d: world size %d -> %d: dataloader position rebuilt from the global "
-                    "sampler state", self.rank, saved_world_size, self.world_size)
+            local = unpack(own["dataloader"]) if own is not None and "dataloader" in own else None
+            global_ = unpack(sd["data"]) if "data" in sd else None
+            self.data.restore(local, global_, rank=self.rank, world_size=self.world_size,
+                              saved_world_size=saved_world_size)
         # RNG last: nothing above may consume random numbers after it.
         if own is not None:
             restore_rng(unpack(own["rng"]))
