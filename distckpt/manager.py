@@ -32,6 +32,7 @@ from .collective import Collective
 from .commit import commit, delete_checkpoint, find_committed, list_files, remove_leftovers, set_aside, validate
 from .config import CheckpointConfig
 from .events import EventLog
+from .grace import PreemptionPlan, SaveDurations, plan_preemption
 from .engine import AsyncWriter, dcp_load, dcp_save, read_dcp_metadata
 from .engine.blocking import describe_exception
 from .errors import (
@@ -59,6 +60,7 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass
 class _InFlight:
     step: int
+    started: float = 0.0  # time.perf_counter() at the save call
     thread: threading.Thread | None = None
     error: Exception | None = None
 
@@ -115,6 +117,7 @@ class CheckpointManager:
         self.model_specs = tensor_specs(model)
         self.last_saved_step: int | None = None
         self.last_save_seconds = 0.0
+        self.save_durations = SaveDurations()  # predicts the preemption save (grace window)
         self._closed = False
         self._inflight: _InFlight | None = None
         # Background work gets its own gloo group so it never interleaves with the loop's.
@@ -348,20 +351,41 @@ class CheckpointManager:
 
     def _save_for_preemption(self, step: int) -> bool:
         t0 = time.perf_counter()
+        plan = self._plan_preemption(step)
+        if self.rank == 0:
+            logger.warning("preempted (SIGTERM) at step %d: %s", step, plan.reason)
         self.wait()  # the in-flight save completes and commits first
-        saved = self.last_saved_step != step
+        saved = plan.action == "save" and self.last_saved_step != step
         if saved:
             self.save(step, _blocking=True)
         self.preempted = True
         if self.rank == 0:
-            logger.warning("preempted (SIGTERM): saved step %d in %.2f s; %s", step,
-                           time.perf_counter() - t0,
+            logger.warning("preempted (SIGTERM): %s in %.2f s; %s",
+                           f"saved step {step}" if saved else f"no save of step {step} (last saved: "
+                           f"{self.last_saved_step})", time.perf_counter() - t0,
                            "exiting" if self.config.exit_on_preemption else "manager.preempted is set")
         if self.config.exit_on_preemption:
             self.close()
             self._tear_down_for_exit()
             raise SystemExit(0)
         return saved
+
+    def _plan_preemption(self, step: int) -> PreemptionPlan:
+        """The grace-window decision (:mod:`distckpt.grace`), the same on every rank: each
+        rank's figures are gathered and the worst case of each is used."""
+        inflight = self._inflight
+        predicted = self.save_durations.predict()
+        left = None
+        if inflight is not None:
+            left = max(0.0, (predicted or 0.0) - (time.perf_counter() - inflight.started))
+        mine = (self.preemption.seconds_since_signal(), predicted, left)
+        every = self.collective.all_gather(mine)
+        known = [p for _, p, _ in every if p is not None]
+        lefts = [x for _, _, x in every if x is not None]
+        return plan_preemption(
+            grace_s=self.config.preemption_grace_s, elapsed_s=max(e for e, _, _ in every),
+            predicted_s=max(known) if known else None, inflight_left_s=max(lefts) if lefts else None,
+            step_saved=self.last_saved_step == step)
 
     def _tear_down_for_exit(self) -> None:
         """Every rank is leaving together: destroy distckpt's gloo group and the default group
@@ -453,7 +477,7 @@ class CheckpointManager:
         if failures:
             self._abort(self.collective, staging)
             raise self._save_error(step, failures)
-        inflight = _InFlight(step=step)
+        inflight = _InFlight(step=step, started=t0)
         inflight.thread = threading.Thread(
             target=self._finalize_in_background, name=f"distckpt-commit-{step}", daemon=True,
             args=(inflight, upload, step, staging, final, snapshot, t0, t_stage, full))
@@ -495,6 +519,7 @@ class CheckpointManager:
             self._abort(collective, staging)
             raise self._save_error(step, {0: f"commit: {commit_error}"})
         collective.barrier()
+        self.save_durations.record(time.perf_counter() - t0)
         self.events.emit("committed", step, seconds=time.perf_counter() - t0)
         if self.rank == 0:
             logger.info("committed %s: %.3f s after the save call (stage %.3f s, write %.3f s)",
