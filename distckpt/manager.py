@@ -132,7 +132,7 @@ class CheckpointManager:
                               error_type=ConfigError)
         self.events = EventLog(config.event_log, self.rank)
         self.collective.agree(self._check_event_log, what="opening the event log", error_type=ConfigError)
-        self.lock = RootLock(self.root) if config.lock else None
+        self.lock = RootLock(self.root, lease_s=config.lock_lease_s, renew=True) if config.lock else None
         if self.lock is not None:
             self.collective.agree(lambda: self.lock.acquire() if self.rank == 0 else None,
                                   what="locking the checkpoint root", error_type=CheckpointLockedError)
