@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import socket
 import threading
 import time
 import uuid
@@ -51,6 +50,7 @@ from .preemption import PreemptionWatcher
 from .retention import steps_to_delete
 from .schedule import SaveSchedule
 from .state import CheckpointState, TrainState
+from .topology import check_shared_root, local_world_size
 
 __all__ = ["CheckpointManager"]
 
@@ -130,6 +130,7 @@ class CheckpointManager:
                              if self.background is not None else None)
         self.collective.agree(self._prepare_root, what="preparing the checkpoint root",
                               error_type=ConfigError)
+        check_shared_root(self.collective, self.root)  # node-local disks: ConfigError on every rank
         self.events = EventLog(config.event_log, self.rank)
         self.collective.agree(self._check_event_log, what="opening the event log", error_type=ConfigError)
         self.lock = RootLock(self.root, lease_s=config.lock_lease_s, renew=True) if config.lock else None
@@ -139,8 +140,7 @@ class CheckpointManager:
         self.preemption = PreemptionWatcher(self.collective.group) if config.preemption else None
         self.preempted = False
         self._run_id = self.collective.broadcast(uuid.uuid4().hex[:8])
-        hosts = self.collective.all_gather(socket.gethostname())
-        self.local_world_size = hosts.count(hosts[self.rank])  # ranks sharing this node's disk
+        self.local_world_size = local_world_size(self.collective)  # ranks sharing this node's disk
         self._save_count = 0
 
     @property
