@@ -227,6 +227,12 @@ def check(summary: dict[str, Any], steps: int, tolerance: float, expect: list[st
     return reqs
 
 
+def _first_step_at(timeline: Timeline, world_size: int) -> int:
+    """The first step completed at ``world_size`` (a checkpoint of it or later was written by
+    those ranks)."""
+    return next(r["step"] for r in timeline.records if r["world_size"] == world_size)
+
+
 def run_elastic(out: Path, train_args: list[str], *, interval: int, steps: int, join_at: int,
                 lose_node: bool, timeout_s: float) -> tuple[Timeline, list[tuple[str, float]], int | None]:
     """Node A alone, node B joins once A reached ``join_at``; with ``lose_node``, B is SIGKILLed
@@ -256,8 +262,9 @@ def run_elastic(out: Path, train_args: list[str], *, interval: int, steps: int, 
                 triggers.append(("node_join", b.started))
             elif (lose_node and b is not None and len(triggers) == 1 and last is not None
                   and last["world_size"] == 4 and last["step"] % interval == interval // 2
-                  and any(e["event"] == "checkpoint" and e["step"] % interval == 0 and e["step"] < last["step"]
-                          and e["step"] > join_at for e in read_jsonl(out / "events.jsonl"))):
+                  and any(e["event"] == "checkpoint" and e["step"] % interval == 0
+                          and _first_step_at(timeline, 4) <= e["step"] < last["step"]
+                          for e in read_jsonl(out / "events.jsonl"))):
                 print(f"[elastic] step {last['step']}: SIGKILL node B (agent and workers)", flush=True)
                 triggers.append(("node_loss", time.monotonic()))
                 kill_job(b.proc)
