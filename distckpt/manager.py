@@ -376,8 +376,9 @@ class CheckpointManager:
         inflight = self._inflight
         predicted = self.save_durations.predict()
         left = None
-        if inflight is not None:
-            left = max(0.0, (predicted or 0.0) - (time.perf_counter() - inflight.started))
+        if inflight is not None:  # committed already when its thread is done
+            left = (max(0.0, (predicted or 0.0) - (time.perf_counter() - inflight.started))
+                    if inflight.thread is not None and inflight.thread.is_alive() else 0.0)
         mine = (self.preemption.seconds_since_signal(), predicted, left)
         every = self.collective.all_gather(mine)
         known = [p for _, p, _ in every if p is not None]

@@ -13,7 +13,9 @@ import time
 
 import pytest
 
+from distckpt.data import ReshardableSampler
 from launch.demo import Run, committed_steps, kept_history, kill_job, launch, load_records, start_train
+from launch.elastic_demo import Timeline, analyze, check
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "launch" / "configs" / "ddp.yaml")
@@ -120,3 +122,43 @@ def test_elastic_scale_up_then_node_loss(tmp_path: pathlib.Path) -> None:
     assert not loss["saved_on_sigterm"] and loss["resumed_from_step"] % 10 == 0
     assert 0 < loss["steps_replayed"] < 10 and loss["resumed_from_step"] > join["resumed_from_step"]
     assert summary["world_sizes"] == [2, 4, 2]
+
+
+def test_elastic_accounting_flags_a_replayed_join_and_uses_each_steps_last_execution(tmp_path: pathlib.Path) -> None:
+    """No processes: records as train.py appends them (ranks renumbered at each world size)."""
+    g, per_epoch, n = 4, 3, 13
+    sampler = ReshardableSampler(n, global_batch_size=g, rank=0, world_size=1, seed=0)
+    batch = {s: sampler.permutation((s - 1) // per_epoch)[((s - 1) % per_epoch) * g:][:g].tolist() for s in range(1, 7)}
+
+    def write(runs: list[tuple[int, list[int]]]) -> None:  # (world size, steps) per worker round
+        for ws, steps in runs:
+            for s in steps:
+                with open(tmp_path / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps({"step": s, "world_size": ws, "loss": 1.0 / s}) + "\n")
+                for r in range(ws):
+                    part = batch[s][r * g // ws:(r + 1) * g // ws]
+                    with open(tmp_path / f"samples.rank{r}.jsonl", "a") as f:
+                        f.write(json.dumps({"step": s, "ids": part}) + "\n")
+
+    # 2 ranks to step 3, 4 ranks replay step 3 (resumed from 2) to 5, 2 ranks replay 5 and finish at 6.
+    write([(2, [1, 2, 3]), (4, [3, 4, 5]), (2, [5, 6])])
+    (tmp_path / "events.jsonl").write_text("\n".join(json.dumps(e) for e in [
+        {"event": "preempted", "step": 3}, {"event": "resumed", "step": 2, "saved_world_size": 2, "world_size": 4},
+        {"event": "resumed", "step": 4, "saved_world_size": 4, "world_size": 2}]) + "\n")
+    timeline = Timeline(tmp_path / "metrics.jsonl")
+    timeline.poll()
+    timeline.seen = [float(i) for i in range(len(timeline.records))]  # one record a second
+    base = Run("base", 2, tmp_path, tmp_path, metrics={s: {"loss": 1.0 / s} for s in range(1, 7)},
+               samples=dict(batch))
+    info = {"global_batch_size": g, "steps_per_epoch": per_epoch, "dataset_len": n, "sampler_seed": 0}
+    summary = analyze(tmp_path, timeline, [("node_join", 2.5), ("node_loss", 5.5)], base, info, 6)
+    summary["returncode"] = 0
+    join, loss = summary["events"]
+    assert (join["world_size_before"], join["world_size_after"], join["resumed_from_step"],
+            join["steps_replayed"], join["saved_on_sigterm"]) == (2, 4, 2, 1, False)
+    assert (loss["resumed_from_step"], loss["steps_replayed"]) == (4, 1)
+    assert (join["seconds_to_resume"], loss["seconds_to_resume"]) == (0.5, 0.5)
+    # Each step's last execution is kept, whatever ranks wrote before: nothing lost or doubled.
+    assert (summary["duplicated_samples"], summary["skipped_samples"], summary["samples_match_baseline"]) == (0, 0, True)
+    failed = [r["what"] for r in check(summary, 6, 1e-4, ["node_join", "node_loss"]) if not r["ok"]]
+    assert failed == ["node_join: resumed from the checkpoint saved on SIGTERM, no step replayed"]
