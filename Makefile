@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo demo-elastic test test-slow bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ setup: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) -m launch.demo --out runs/demo
+
+# Two torchrun agents on this machine as two nodes: 2 -> 4 ranks on a join, 4 -> 2 on a node loss.
+demo-elastic: $(VENV)/.installed
+	$(PY) -m launch.elastic_demo --out runs/elastic
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -m "not slow and not gpu" -q

@@ -95,7 +95,7 @@ from distckpt.engine import SafeFileSystemReader, SafeLoadPlanner, read_dcp_meta
 from distckpt.layout import LATEST, MANIFEST, checkpoint_name, is_deleting, is_staging, parse_step  # noqa: E402
 from distckpt.manifest import Manifest  # noqa: E402
 from launch.config import load_job_config  # noqa: E402
-from launch.demo import (Run, _load_records, _read_jsonl, check_timeout, kept_history, kill_job,  # noqa: E402
+from launch.demo import (Run, load_records, read_jsonl, check_timeout, kept_history, kill_job,  # noqa: E402
                          sample_accounting, start_train)
 from launch.train import CHAOS_PAUSE_ENV, CHAOS_PRESAVE_ENV  # noqa: E402
 
@@ -323,7 +323,7 @@ def param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 # ---------------------------------------------------------------- jobs
 def _presave_samples(run: Run) -> dict[int, list[int]]:
     """Global sample ids per step every rank recorded before its save (see module doc)."""
-    per_rank = [{r["step"]: r["ids"] for r in _read_jsonl(run.out / f"presave.rank{rank}.jsonl")}
+    per_rank = [{r["step"]: r["ids"] for r in read_jsonl(run.out / f"presave.rank{rank}.jsonl")}
                 for rank in range(run.nproc)]
     complete = set.intersection(*(set(p) for p in per_rank)) if per_rank else set()
     return {s: [i for p in per_rank for i in p[s]] for s in sorted(complete)}
@@ -373,7 +373,7 @@ def run_job(run: Run, cmd_tail: list[str], *, timeout_s: float, pause_s: float =
         raise
     run.returncode, run.wall_seconds = proc.returncode, time.monotonic() - t0
     events += [e for e in tail.new() if e.get("rank") == 0]
-    _load_records(run)
+    load_records(run)
     run.samples = _presave_samples(run)
     return events, aimed, kill_at, w0
 

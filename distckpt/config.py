@@ -64,11 +64,18 @@ class CheckpointConfig:
         lock: hold ``<root>/.lock`` while the manager is open, so a second job on the same root
             fails at construction (``CheckpointLockedError``). Without the lock the manager
             does not remove staging directories (they may belong to a live writer).
+        lock_lease_s: rank 0 renews the lock every ``lock_lease_s / 3`` seconds; another job
+            (on another host, where the holder's process cannot be checked) takes a lock over
+            once it was not renewed for this long. The same scheduler job takes it over at once.
         preemption: on SIGTERM (any rank), all ranks save at the next ``maybe_save``.
         exit_on_preemption: after that save, close, destroy the process groups (distckpt's
             and the default one, after a barrier: every rank leaves together) and ``raise
             SystemExit(0)``; when false, ``maybe_save`` returns and ``manager.preempted`` is
             true (the job then ends the way it chooses, as ``launch/train.py`` does).
+        preemption_grace_s: seconds between SIGTERM and the launcher's SIGKILL (torchelastic: 30;
+            SLURM: ``KillWait``). The preemption save starts only when its predicted duration
+            (the longest of this manager's last 4 saves) fits in what is left of it; an async
+            save in flight is finished instead of starting another when both do not fit.
         full_at_end: the final save (``last_step=True``) is a FULL checkpoint.
         event_log: append phase events (stage, write, manifest, rename, latest, retention,
             committed, load) as JSON lines to this file; ``$DISTCKPT_EVENT_LOG`` also works.
@@ -106,8 +113,10 @@ class CheckpointConfig:
     background_staging: bool = False
     thread_count: int = 4
     lock: bool = True
+    lock_lease_s: float = 300.0
     preemption: bool = True
     exit_on_preemption: bool = True
+    preemption_grace_s: float = 30.0
     full_at_end: bool = False
     event_log: str | None = None
     timeout_s: float = 600.0
@@ -128,6 +137,8 @@ class CheckpointConfig:
         _positive("thread_count", self.thread_count, integer=True)
         _positive("load_streams_per_node", self.load_streams_per_node, integer=True)
         _positive("timeout_s", self.timeout_s)
+        _positive("preemption_grace_s", self.preemption_grace_s)
+        _positive("lock_lease_s", self.lock_lease_s)
         _positive("write_timeout_s", self.write_timeout_s, allow_none=True)
         if self.write_timeout_s is not None and self.write_timeout_s >= self.timeout_s:
             raise ConfigError(

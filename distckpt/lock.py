@@ -1,9 +1,18 @@
-"""One writer per checkpoint root: ``<root>/.lock`` holds the writer's host, pid and job id.
+"""One writer per checkpoint root: ``<root>/.lock`` holds the writer's host, pid, job id and lease.
 
-Created atomically with ``O_CREAT | O_EXCL``. A lock whose holder is a dead process on this host
-(a crashed or killed job) is stale and is taken over with a warning; a lock of a live process,
-or of another host (whose liveness cannot be checked from here), raises
-:class:`~distckpt.errors.CheckpointLockedError` naming the holder.
+Created atomically with ``O_CREAT | O_EXCL``. An existing lock is taken over, with a warning, when
+
+* its holder is a dead process on this host (a crashed or killed job);
+* it was written by the same scheduler job (``SLURM_JOB_ID``, ``TORCHELASTIC_RUN_ID`` other than
+  torchrun's default ``none``, ``JOB_ID``), on any host, unless by another live process on
+  this host: the job's workers were restarted, possibly on another node (an elastic restart
+  moves rank 0), and the old writer is gone;
+* its lease expired: a holder that renews (the manager's rank 0 rewrites ``renewed`` every
+  ``lease_s / 3`` seconds) and has not renewed for ``lease_s`` (the larger of the holder's and
+  ours) is dead or cut off. Host clocks must agree to well within the lease.
+
+Otherwise (a live process on this host, or another host's lock with a live lease or none at
+all) :class:`~distckpt.errors.CheckpointLockedError` names the holder.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -24,10 +34,15 @@ LOCK_NAME = ".lock"
 
 
 def job_id() -> str:
-    """Scheduler job id when there is one (SLURM, torchrun), else ``""``."""
+    """Scheduler job id when there is one (SLURM, torchrun, SGE), else ``""``.
+
+    torchrun's ``TORCHELASTIC_RUN_ID`` is its ``--rdzv-id`` (the same on every node and across
+    restarts; a fresh one with ``--standalone``); its default ``none`` names no job.
+    """
     for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "JOB_ID"):
-        if os.environ.get(var):
-            return f"{var}={os.environ[var]}"
+        value = os.environ.get(var)
+        if value and not (var == "TORCHELASTIC_RUN_ID" and value == "none"):
+            return f"{var}={value}"
     return ""
 
 
@@ -46,13 +61,21 @@ class RootLock:
 
     Args:
         root: checkpoint root directory (must exist).
+        lease_s: a lock not renewed for this long (seconds) is taken over by another job.
+        renew: renew the lease from a background thread every ``lease_s / 3`` while held
+            (the manager does; short-lived holders such as ``distckpt prune`` need not).
     """
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, *, lease_s: float = 300.0, renew: bool = False) -> None:
         self.path = Path(root) / LOCK_NAME
+        now = time.time()
+        self.lease_s = float(lease_s)
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job_id": job_id(),
-                   "since": time.time()}
+                   "since": now, "renewed": now, "lease_s": self.lease_s}
         self.held = False
+        self._renew = renew
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
 
     def acquire(self) -> None:
         """Take the lock, or take over a stale one.
@@ -67,21 +90,28 @@ class RootLock:
                 holder = self._holder()
                 if holder is None:
                     continue  # vanished or half-written: retry
-                if not self._is_stale(holder):
+                why = self._takeover_reason(holder)
+                if why is None:
                     raise CheckpointLockedError(
                         f"{self.path}: checkpoint root is locked by host={holder.get('host')} "
-                        f"pid={holder.get('pid')} job={holder.get('job_id') or '-'}. Two jobs must "
-                        "not write one root: use another CheckpointConfig.root, stop the other job, "
-                        f"or, if that job is gone, delete {self.path}.")
-                logger.warning("taking over stale checkpoint lock %s of dead process %s on %s",
-                               self.path, holder.get("pid"), holder.get("host"))
+                        f"pid={holder.get('pid')} job={holder.get('job_id') or '-'}{self._lease_text(holder)}. "
+                        "Two jobs must not write one root: use another CheckpointConfig.root, stop the "
+                        f"other job, wait for its lease to expire, or, if that job is gone, delete {self.path}.")
+                logger.warning("taking over checkpoint lock %s of pid %s on %s (job %s): %s", self.path,
+                               holder.get("pid"), holder.get("host"), holder.get("job_id") or "-", why)
                 self.path.unlink(missing_ok=True)
                 continue
+            self.me["renewed"] = time.time()
             with os.fdopen(fd, "w") as f:
                 json.dump(self.me, f)
                 f.flush()
                 os.fsync(f.fileno())
             self.held = True
+            if self._renew:
+                self._stop.clear()
+                self._renewer = threading.Thread(target=self._renew_loop, name="distckpt-lock-lease",
+                                                 daemon=True)
+                self._renewer.start()
             return
         raise CheckpointLockedError(f"{self.path}: could not acquire the checkpoint lock (contended)")
 
@@ -91,15 +121,70 @@ class RootLock:
         except (FileNotFoundError, ValueError):
             return None
 
-    def _is_stale(self, holder: dict) -> bool:
-        if holder.get("host") != self.me["host"]:
+    def _takeover_reason(self, holder: dict) -> str | None:
+        """Why ``holder``'s lock may be taken over, or ``None`` when it must be respected."""
+        here = holder.get("host") == self.me["host"]
+        if here and holder.get("pid") == self.me["pid"]:
+            return "an earlier manager of this process that was not closed"
+        alive_here = here and _pid_alive(int(holder.get("pid", -1)))
+        if here and not alive_here:
+            return "the process is dead"
+        if self.me["job_id"] and holder.get("job_id") == self.me["job_id"] and not alive_here:
+            return f"the same scheduler job ({self.me['job_id']}) restarted its workers"
+        if not here and self._lease_expired(holder):
+            return f"its lease expired{self._lease_text(holder)}"
+        return None
+
+    def _lease_expired(self, holder: dict) -> bool:
+        renewed = holder.get("renewed")
+        if not isinstance(renewed, (int, float)):
+            return False  # a holder that never renews (older distckpt): no lease to expire
+        lease = max(self.lease_s, float(holder.get("lease_s") or 0))
+        return time.time() - renewed > lease
+
+    def _lease_text(self, holder: dict) -> str:
+        renewed = holder.get("renewed")
+        if not isinstance(renewed, (int, float)):
+            return ""
+        lease = max(self.lease_s, float(holder.get("lease_s") or 0))
+        return f" (lease renewed {time.time() - renewed:.0f} s ago, expires after {lease:g} s)"
+
+    def renew(self) -> bool:
+        """Rewrite ``renewed`` in the lock file if this process still holds it (atomic replace).
+
+        Returns:
+            Whether the lease was renewed (false: the lock is not ours any more; logged).
+        """
+        holder = self._holder()
+        if holder is None or holder.get("pid") != self.me["pid"] or holder.get("host") != self.me["host"]:
+            logger.error("checkpoint lock %s is no longer held by this process (now: %s); not renewing",
+                         self.path, holder)
             return False
-        if holder.get("pid") == self.me["pid"]:
-            return True  # this process: an earlier manager that was not closed
-        return not _pid_alive(int(holder.get("pid", -1)))
+        self.me["renewed"] = time.time()
+        tmp = self.path.with_name(f"{LOCK_NAME}.renew-{os.getpid()}")
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.me, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            logger.warning("could not renew the checkpoint lock lease %s: %s", self.path, e)
+            tmp.unlink(missing_ok=True)
+            return False
+        return True
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            if not self.renew():
+                return
 
     def release(self) -> None:
-        """Remove the lock if this process holds it."""
+        """Stop renewing; remove the lock if this process holds it."""
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+            self._renewer = None
         if self.held:
             holder = self._holder()
             if holder is not None and holder.get("pid") == self.me["pid"] and holder.get("host") == self.me["host"]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -30,6 +29,7 @@ from .collective import Collective
 from .discovery import CheckpointDiscovery, check_model_fits
 from .config import CheckpointConfig
 from .events import EventLog
+from .grace import PreemptionPlan, SaveDurations, plan_preemption
 from .engine import AsyncWriter, dcp_load, read_dcp_metadata
 from .engine.blocking import describe_exception
 from .errors import CheckpointCorruptError, CheckpointLockedError, ConfigError, IncompatibleCheckpointError
@@ -39,6 +39,7 @@ from .manifest import Manifest
 from .preemption import PreemptionWatcher
 from .schedule import SaveSchedule
 from .state import CheckpointState, TrainState
+from .topology import check_shared_root, local_world_size
 from .transaction import PhaseHook, SaveContext, SaveTransaction
 
 __all__ = ["CheckpointManager"]
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass
 class _InFlight:
     step: int
+    started: float = 0.0  # time.perf_counter() at the save call
     thread: threading.Thread | None = None
     error: Exception | None = None
 
@@ -119,6 +121,7 @@ class CheckpointManager:
                 "README: Exactness).", self.world_size)
         self.last_saved_step: int | None = None
         self.last_save_seconds = 0.0
+        self.save_durations = SaveDurations()  # predicts the preemption save (grace window)
         self._closed = False
         self._inflight: _InFlight | None = None
         # Background work gets its own gloo group so it never interleaves with the loop's.
@@ -131,9 +134,10 @@ class CheckpointManager:
                              if self.background is not None else None)
         self.collective.agree(self._prepare_root, what="preparing the checkpoint root",
                               error_type=ConfigError)
+        check_shared_root(self.collective, self.root)  # node-local disks: ConfigError on every rank
         self.events = EventLog(config.event_log, self.rank)
         self.collective.agree(self._check_event_log, what="opening the event log", error_type=ConfigError)
-        self.lock = RootLock(self.root) if config.lock else None
+        self.lock = RootLock(self.root, lease_s=config.lock_lease_s, renew=True) if config.lock else None
         if self.lock is not None:
             self.collective.agree(lambda: self.lock.acquire() if self.rank == 0 else None,
                                   what="locking the checkpoint root", error_type=CheckpointLockedError)
@@ -148,8 +152,7 @@ class CheckpointManager:
         self.preemption = PreemptionWatcher(self.collective.group) if config.preemption else None
         self.preempted = False
         self._run_id = self.collective.broadcast(uuid.uuid4().hex[:8])
-        hosts = self.collective.all_gather(socket.gethostname())
-        self.local_world_size = hosts.count(hosts[self.rank])  # ranks sharing this node's disk
+        self.local_world_size = local_world_size(self.collective)  # ranks sharing this node's disk
         self._save_count = 0
         self._rollback_from: int | None = None  # rank 0: set aside newer checkpoints at the next commit
         self._save_ctx = SaveContext(
@@ -325,20 +328,42 @@ class CheckpointManager:
 
     def _save_for_preemption(self, step: int) -> bool:
         t0 = time.perf_counter()
+        plan = self._plan_preemption(step)
+        if self.rank == 0:
+            logger.warning("preempted (SIGTERM) at step %d: %s", step, plan.reason)
         self.wait()  # the in-flight save completes and commits first
-        saved = self.last_saved_step != step
+        saved = plan.action == "save" and self.last_saved_step != step
         if saved:
             self._save(step, blocking=True)
         self.preempted = True
         if self.rank == 0:
-            logger.warning("preempted (SIGTERM): saved step %d in %.2f s; %s", step,
-                           time.perf_counter() - t0,
+            logger.warning("preempted (SIGTERM): %s in %.2f s; %s",
+                           f"saved step {step}" if saved else f"no save of step {step} (last saved: "
+                           f"{self.last_saved_step})", time.perf_counter() - t0,
                            "exiting" if self.config.exit_on_preemption else "manager.preempted is set")
         if self.config.exit_on_preemption:
             self.close()
             self._tear_down_for_exit()
             raise SystemExit(0)
         return saved
+
+    def _plan_preemption(self, step: int) -> PreemptionPlan:
+        """The grace-window decision (:mod:`distckpt.grace`), the same on every rank: each
+        rank's figures are gathered and the worst case of each is used."""
+        inflight = self._inflight
+        predicted = self.save_durations.predict()
+        left = None
+        if inflight is not None:  # committed already when its thread is done
+            left = (max(0.0, (predicted or 0.0) - (time.perf_counter() - inflight.started))
+                    if inflight.thread is not None and inflight.thread.is_alive() else 0.0)
+        mine = (self.preemption.seconds_since_signal(), predicted, left)
+        every = self.collective.all_gather(mine)
+        known = [p for _, p, _ in every if p is not None]
+        lefts = [x for _, _, x in every if x is not None]
+        return plan_preemption(
+            grace_s=self.config.preemption_grace_s, elapsed_s=max(e for e, _, _ in every),
+            predicted_s=max(known) if known else None, inflight_left_s=max(lefts) if lefts else None,
+            step_saved=self.last_saved_step == step)
 
     def _tear_down_for_exit(self) -> None:
         """Every rank is leaving together: destroy distckpt's gloo group and the default group
@@ -412,15 +437,17 @@ class CheckpointManager:
         self.schedule.mark_saved()
         if self.async_writer is None or blocking:
             tx.finish(self.collective, tx.write(build, self.collective))
+            self.save_durations.record(time.perf_counter() - tx.t0)
             self.last_save_seconds = time.perf_counter() - tx.t0
             return tx.final
         upload, started = tx.start(build, self.async_writer)
         tx.agree_started(self.collective, started)  # a failure to start is raised now, on every rank
-        inflight = _InFlight(step=step)
+        inflight = _InFlight(step=step, started=tx.t0)
 
         def finish_in_background() -> None:
             try:
                 tx.finish(self.background, tx.upload_outcome(upload, self.async_writer, started))
+                self.save_durations.record(time.perf_counter() - tx.t0)
             except Exception as e:  # noqa: BLE001 - raised on the training thread by wait()
                 inflight.error = e
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ class PreemptionWatcher:
     def __init__(self, group: Any) -> None:
         self.group = group
         self.requested = False
+        self.signal_time: float | None = None  # time.monotonic() of the first SIGTERM here
         self._previous: Any = None
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
@@ -40,6 +42,12 @@ class PreemptionWatcher:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.requested = True
+        if self.signal_time is None:
+            self.signal_time = time.monotonic()
+
+    def seconds_since_signal(self) -> float:
+        """Seconds since this rank's first SIGTERM (0 when it got none)."""
+        return 0.0 if self.signal_time is None else time.monotonic() - self.signal_time
 
     def agreed(self) -> bool:
         """Whether any rank was asked to stop. Collective: all ranks call it at each step."""

@@ -96,7 +96,7 @@ class Run:
 
 
 # ---------------------------------------------------------------- processes
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Records of a JSONL file; a torn last line (the writer was killed) is ignored."""
     if not path.exists():
         return []
@@ -207,8 +207,8 @@ def launch(run: Run, config: str, overrides: list[str], timeout_s: float,
     try:
         while proc.poll() is None:
             check_timeout(proc, run, t0, timeout_s)
-            if kill_when is not None and kill_when(_read_jsonl(run.out / "metrics.jsonl"),
-                                                   _read_jsonl(run.out / "events.jsonl")):
+            if kill_when is not None and kill_when(read_jsonl(run.out / "metrics.jsonl"),
+                                                   read_jsonl(run.out / "events.jsonl")):
                 kill_job(proc)
                 run.killed = True
                 break
@@ -218,13 +218,13 @@ def launch(run: Run, config: str, overrides: list[str], timeout_s: float,
             kill_job(proc)
         raise
     run.returncode, run.wall_seconds = proc.returncode, time.monotonic() - t0
-    _load_records(run)
+    load_records(run)
 
 
-def _load_records(run: Run) -> None:
-    run.metrics = {m["step"]: m for m in _read_jsonl(run.out / "metrics.jsonl")}
-    run.events = _read_jsonl(run.out / "events.jsonl")
-    per_rank = [{r["step"]: r["ids"] for r in _read_jsonl(run.out / f"samples.rank{rank}.jsonl")}
+def load_records(run: Run) -> None:
+    run.metrics = {m["step"]: m for m in read_jsonl(run.out / "metrics.jsonl")}
+    run.events = read_jsonl(run.out / "events.jsonl")
+    per_rank = [{r["step"]: r["ids"] for r in read_jsonl(run.out / f"samples.rank{rank}.jsonl")}
                 for rank in range(run.nproc)]
     complete = set.intersection(*(set(p) for p in per_rank)) if per_rank else set()
     run.samples = {s: [i for p in per_rank for i in p[s]] for s in sorted(complete)}
@@ -347,7 +347,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 # ---------------------------------------------------------------- driver
-def _committed_steps(root: Path) -> list[int]:
+def committed_steps(root: Path) -> list[int]:
     """Steps of committed checkpoints in ``root`` (a ``step-*`` directory with its manifest)."""
     return sorted(int(p.parent.name.split("-")[1]) for p in root.glob("step-*/distckpt.json"))
 
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         go(runs["resume_2to2"])
         go(runs["resume_2to4"])
         d = runs["resume_2to4"]
-        later = [s for s in _committed_steps(d.ckpt_root) if (d.resumed_from or 0) < s < n]
+        later = [s for s in committed_steps(d.ckpt_root) if (d.resumed_from or 0) < s < n]
         if later:  # the oldest checkpoint the 4 ranks wrote after their resume
             for name in ("resume_4to2", "resume_4to4"):
                 runs[name].load_path = d.ckpt_root / f"step-{later[0]:09d}"

@@ -46,6 +46,8 @@ import torch
 from torch.utils.data import Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from .workers import SigtermSafeWorkerInit
+
 _KEYS = ("seed", "epoch", "samples_consumed", "global_batch_size", "dataset_len")
 
 
@@ -243,6 +245,13 @@ def global_state_from_loader_state(loader_state: Dict[str, Any]) -> Dict[str, An
 
 def make_stateful_dataloader(dataset: Dataset, sampler: ReshardableSampler,
                              num_workers: int = 0, **kwargs: Any) -> StatefulDataLoader:
-    """``StatefulDataLoader`` with ``batch_size = G // W`` for ``sampler``; ``kwargs`` pass through."""
+    """``StatefulDataLoader`` with ``batch_size = G // W`` for ``sampler``; ``kwargs`` pass through.
+
+    With ``num_workers > 0`` the workers ignore SIGTERM (``SigtermSafeWorkerInit`` wraps any
+    ``worker_init_fn`` given): a SIGTERM to the process group, as torchrun sends it, leaves
+    them alive until the preemption save is done and the loader shuts them down.
+    """
+    if num_workers > 0:
+        kwargs["worker_init_fn"] = SigtermSafeWorkerInit(kwargs.get("worker_init_fn"))
     return StatefulDataLoader(dataset, batch_size=sampler.local_batch_size, sampler=sampler,
                               num_workers=num_workers, **kwargs)

@@ -1,0 +1,69 @@
+"""Facts about the job's nodes, from the launcher and the file system rather than guesses.
+
+* Ranks per node: torchrun (and most launchers) export ``LOCAL_WORLD_SIZE``; only without it
+  are ranks counted by host name (which is wrong when several agents share a host, as in
+  ``launch/elastic_demo.py``, or when containers on one host report one name).
+* A shared root: every rank reads and writes ``<root>`` directly, so it must be the same
+  storage on every node. Rank 0 writes a token file there at construction; a rank that does
+  not see it (node-local disks mounted at the same path) makes every rank raise ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+
+from .collective import Collective
+from .errors import ConfigError
+
+__all__ = ["PROBE_PREFIX", "local_world_size", "check_shared_root"]
+
+PROBE_PREFIX = ".shared-probe-"
+
+
+def local_world_size(collective: Collective) -> int:
+    """Ranks on this rank's node: ``$LOCAL_WORLD_SIZE`` when set (a positive integer), else the
+    ranks whose host name equals this one's. Collective (all ranks call it)."""
+    hosts = collective.all_gather(socket.gethostname())
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return hosts.count(hosts[collective.rank])
+
+
+def check_shared_root(collective: Collective, root: Path) -> None:
+    """Check that every rank sees the files rank 0 writes in ``root``. Collective.
+
+    Raises:
+        ConfigError: on every rank, naming the ranks and hosts that do not see rank 0's token.
+    """
+    if not collective.enabled or collective.world_size == 1:
+        return
+    token = collective.broadcast(uuid.uuid4().hex if collective.rank == 0 else None)
+    probe = root / f"{PROBE_PREFIX}{token}"
+    write_error = None
+    if collective.rank == 0:
+        try:
+            probe.write_text(token)
+        except OSError as e:  # raised on every rank below, not here: the others wait in the barrier
+            write_error = f"rank 0 cannot write {probe}: {e}"
+    collective.barrier()
+    try:
+        seen = probe.read_text() == token
+    except OSError:
+        seen = False
+    views = collective.all_gather((seen, socket.gethostname(), write_error))
+    if collective.rank == 0:
+        probe.unlink(missing_ok=True)
+    if views[0][2] is not None:
+        raise ConfigError(f"CheckpointConfig.root={str(root)!r}: {views[0][2]}")
+    blind = {r: host for r, (ok, host, _) in enumerate(views) if not ok}
+    if blind:
+        raise ConfigError(
+            f"CheckpointConfig.root={str(root)!r} is not the same storage on every node: rank(s) "
+            + ", ".join(f"{r} (host {h})" for r, h in blind.items())
+            + f" do not see the file {probe.name} that rank 0 (host {views[0][1]}) wrote there. Every rank "
+            "writes its shards into the root and rank 0 commits them: use a shared file system (NFS, "
+            "Lustre, GPFS, a mounted bucket) at the same path on every node, not a node-local disk.")
