@@ -12,7 +12,6 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-
 _MIB = 1 << 20
 _EXTRA = {"note": "bench_load", "epoch": 3}
 

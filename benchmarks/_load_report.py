@@ -11,7 +11,6 @@ from typing import Any
 from benchmarks._guest_memory import describe_hold
 from benchmarks._output import pyplot
 
-
 _MIB = 1 << 20
 
 
@@ -75,7 +74,7 @@ def _rows(args, saved, cells, samples, disk, errors) -> list[dict[str, Any]]:
                     row["error"] = "loaded state differs from the saved one: " + ", ".join(
                         sorted({b for s in ok for b in s["bad"]})[:5])
 
-                def paired(other: list, f: str, mine_over_other: bool) -> float:
+                def paired(other: list, f: str, mine_over_other: bool, per_round: list = per_round) -> float:
                     vals = [(s[f] / other[i][f]) if mine_over_other else (other[i][f] / s[f])
                             for i, s in enumerate(per_round)
                             if s is not None and i < len(other) and other[i] is not None]
@@ -120,7 +119,8 @@ def _verdicts(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]
         fv = _find(rows, scenario="same", world_size=ws, reader="fast_verify", cache="cold")
         if fv is not None and "read_over_disk" in fv:
             out.append(f"  (fast_verify at ws={ws}, hashes checked: x{fv.get('speedup_vs_stock', nan):.2f} of stock "
-                       f"[read_data x{fv.get('speedup_vs_stock_read_data', nan):.2f}], {fv['read_over_disk']:.0%} of raw "
+                       f"[read_data x{fv.get('speedup_vs_stock_read_data', nan):.2f}], "
+                       f"{fv['read_over_disk']:.0%} of raw "
                        f"[read_data {fv.get('read_data_over_disk', nan):.0%}])")
     rr = [r for r in rows if r["reader"] == "fast" and "reshard_ratio" in r and "error" not in r]
     if rr:
@@ -176,10 +176,12 @@ def render_markdown(results: dict[str, Any]) -> str:
                 lines.append(f"| {cell} | {reader} | ERROR: {str(c.get('error', ''))[:80]} |||||||||||||||||")
                 continue
             lines.append(
-                f"| {cell} | {reader} | {_fmt(c['load_s'])} | {_fmt(c.get('read_data_s'))} | {_fmt(c['read_gbps'], '.2f')} | "
+                f"| {cell} | {reader} | {_fmt(c['load_s'])} | {_fmt(c.get('read_data_s'))} | "
+                f"{_fmt(c['read_gbps'], '.2f')} | "
                 f"{_fmt(w.get('load_s'))} | {_fmt(w.get('read_data_s'))} | {_fmt(w.get('read_gbps'), '.2f')} | "
                 f"{_fmt(c.get('speedup_vs_stock'), '.2f')} / {_fmt(w.get('speedup_vs_stock'), '.2f')} | "
-                f"{_fmt(c.get('speedup_vs_stock_read_data'), '.2f')} / {_fmt(w.get('speedup_vs_stock_read_data'), '.2f')} | "
+                f"{_fmt(c.get('speedup_vs_stock_read_data'), '.2f')} / "
+                f"{_fmt(w.get('speedup_vs_stock_read_data'), '.2f')} | "
                 f"{_fmt(c.get('read_over_disk'), '.2f')} / {_fmt(c.get('read_data_over_disk'), '.2f')} | "
                 f"{_fmt(c['disk_read_gbps'], '.2f')} | {_fmt(c['disk_read_par_gbps'], '.2f')} | "
                 f"{_fmt(c.get('reshard_ratio'), '.2f')} / {_fmt(w.get('reshard_ratio'), '.2f')} | "

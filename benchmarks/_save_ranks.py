@@ -12,8 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-
 SAVE_MODES = ("naive_torch_save", "blocking", "async_thread", "async_process", "async_thread_bgstage")
 ASYNC_MODES = ("async_thread", "async_process", "async_thread_bgstage")
 TRAIN_MODES = ("train_none", "train_async", "train_blocking")

@@ -11,7 +11,6 @@ from benchmarks._output import pyplot
 from benchmarks._save_ranks import _MIB, _RSS_SLACK_BYTES, _TRAIN_MODEL, SAVE_MODES, TRAIN_MODES
 
 
-
 # ============================================================================ report
 def _fmt(x: Any, spec: str = ".3f") -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
@@ -72,7 +71,8 @@ def _verdicts(rows: list[dict[str, Any]]) -> list[str]:
         out.append(
             f"- peak RSS <= baseline + local state + one staging copy per rank (+{slack // _MIB} MiB slack): "
             f"**{'met' if not over else 'missed'}** (within budget in {len(dist_rows) - len(over)}/{len(dist_rows)} "
-            f"distckpt cells); worst relative: {worst_r['mode']} {worst_r['size_mib']:g} MiB ws={worst_r['world_size']} "
+            f"distckpt cells); worst relative: {worst_r['mode']} {worst_r['size_mib']:g} MiB "
+            f"ws={worst_r['world_size']} "
             f"{worst_r['rss_over_budget_bytes'] / _MIB:+.0f} MiB vs budget "
             f"({worst_r['rss_over_budget_bytes'] / max(worst_r['local_state_bytes'], 1):+.0%} of its local state); "
             f"at the largest size the worst is {big['mode']} ws={big['world_size']} "

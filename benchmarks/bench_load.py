@@ -344,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"), "argv": argv_list,
         "size_mib": args.size_mib, "rounds": args.rounds, "readers": list(args.readers),
-        "thread_count": args.thread_count, "save_thread_count": args.save_thread_count, "machine": machine_info(data_dir.parent),
+        "thread_count": args.thread_count, "save_thread_count": args.save_thread_count,
+        "machine": machine_info(data_dir.parent),
         "torch_version": torch.__version__, "python": platform.python_version(),
         "data_dir": str(data_dir), "loadavg_start": tuple(round(x, 2) for x in load_start),
         "loadavg_end": tuple(round(x, 2) for x in os.getloadavg()),

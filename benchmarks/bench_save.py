@@ -80,8 +80,16 @@ from typing import Any, Callable
 from benchmarks._guest_memory import hold_page_reporting
 from benchmarks._output import machine_info, prepare_dirs, write_outputs
 from benchmarks._ranks import BenchError, run_ranks
-from benchmarks._save_ranks import (_DISK, _MIB, _TRAIN_MODEL, ASYNC_MODES, SAVE_MODES, TRAIN_MODES, _save_worker,
-                                    _train_worker)
+from benchmarks._save_ranks import (
+    _DISK,
+    _MIB,
+    _TRAIN_MODEL,
+    ASYNC_MODES,
+    SAVE_MODES,
+    TRAIN_MODES,
+    _save_worker,
+    _train_worker,
+)
 from benchmarks._save_report import _plot, _verdicts, render_markdown
 
 __all__ = ["main", "SAVE_MODES", "TRAIN_MODES"]
@@ -429,7 +437,6 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     finding = None
     default_tc = {m: 1 for m in SAVE_MODES}
-    guest: dict[str, Any] = {}
     with hold_page_reporting(not args.leave_page_reporting) as guest:
         try:
             for size_mib in ([] if args.no_save else args.sizes_mib):

@@ -95,8 +95,16 @@ from distckpt.engine import SafeFileSystemReader, SafeLoadPlanner, read_dcp_meta
 from distckpt.layout import LATEST, MANIFEST, checkpoint_name, is_deleting, is_staging, parse_step  # noqa: E402
 from distckpt.manifest import Manifest  # noqa: E402
 from launch.config import load_job_config  # noqa: E402
-from launch.demo import (Run, load_records, read_jsonl, check_timeout, kept_history, kill_job,  # noqa: E402
-                         sample_accounting, start_train)
+from launch.demo import (  # noqa: E402
+    Run,
+    check_timeout,
+    kept_history,
+    kill_job,
+    load_records,
+    read_jsonl,
+    sample_accounting,
+    start_train,
+)
 from launch.train import CHAOS_PAUSE_ENV, CHAOS_PRESAVE_ENV  # noqa: E402
 
 __all__ = ["main", "classify_phase", "lost_checkpoints", "load_model_tensors", "param_diff"]

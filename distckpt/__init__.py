@@ -20,6 +20,7 @@ from .manager import CheckpointManager
 from .state import TrainState
 
 __all__ = [
+    "__version__",
     "CheckpointConfig",
     "CheckpointManager",
     "TrainState",

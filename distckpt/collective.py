@@ -8,12 +8,14 @@ waiting in a later collective. Without an initialised process group it degrades 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
 from . import errors
+from .engine.blocking import describe_exception
 
 __all__ = ["Collective"]
 
@@ -192,3 +194,20 @@ class Collective:
         if local_exc is not None:
             raise exc from local_exc
         raise exc
+
+    def tear_down_for_exit(self) -> None:
+        """Every rank is leaving together (a preemption exit): destroy this group and the
+        default group after a barrier. gloo groups left to the interpreter's exit have aborted
+        a rank here ("terminate called without an active exception", exit code -6) after a
+        clean save. A failure is logged, never raised: the caller exits anyway."""
+        if not self.enabled:
+            return
+        try:
+            self.barrier()
+            dist.destroy_process_group(self.group)
+            if dist.is_initialized():
+                dist.barrier()
+                dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 - the checkpoint is committed; exiting anyway
+            logging.getLogger(__name__).warning("process group teardown before the preemption exit failed: %s",
+                                                describe_exception(e))

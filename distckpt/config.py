@@ -46,9 +46,9 @@ class CheckpointConfig:
             against the manifest: with ``fast_load`` from the bytes as they are read (one
             pass), otherwise in a pass before DCP's read.
         fast_load: read with distckpt's ``FastFileSystemReader`` (large sequential reads
-            straight into the destination tensors; 1.4-1.6x DCP's reader cold at 1 GiB in the
-            final run here, more or less in others: see README) instead of DCP's item-by-item ``FileSystemReader``. ``False`` falls back
-            to DCP's reader (the checkpoint format is the same either way).
+            straight into the destination tensors; README "Benchmarks" has the figures) instead
+            of DCP's item-by-item ``FileSystemReader``. ``False`` falls back to DCP's reader (the
+            checkpoint format is the same either way).
         load_streams_per_node: with ``fast_load``, parallel sequential read streams per node,
             divided among the node's ranks (at least one per rank). On this project's
             virtual disk 1 and 2 streams per rank were within noise of each other (1 GiB at 2

@@ -14,6 +14,7 @@ checkpoints (rank 0's decisions; the manager broadcasts them).
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from .commit import (
@@ -50,6 +51,22 @@ class CheckpointDiscovery:
 
     def __init__(self, root: Path, config: CheckpointConfig, *, rank: int, locked: bool) -> None:
         self.root, self.config, self.rank, self.locked = root, config, rank, locked
+
+    def prepare_root(self) -> None:
+        """Rank 0: create the root and check that a file can be written in it.
+
+        Raises:
+            ConfigError: the root cannot be created or written (names the OS error).
+        """
+        if self.rank != 0:
+            return
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".write-probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(f"CheckpointConfig.root={str(self.root)!r} is not a writable directory: {e}") from e
 
     def check_existing(self) -> None:
         """Rank 0: a run that does not resume from the root must not write among the root's
@@ -144,7 +161,7 @@ class CheckpointDiscovery:
             validate(p)
             return str(p)
         newest_error: CheckpointCorruptError | None = None
-        for step, p, result in find_committed(self.root):
+        for _step, p, result in find_committed(self.root):
             if not (p / MANIFEST).exists():
                 continue  # not distckpt's: warned about above, never loaded
             if str(p) in rejected:

@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any
 
+from .errors import ConfigError
+
 __all__ = ["EventLog"]
 
 logger = logging.getLogger("distckpt.events")
@@ -42,3 +44,18 @@ class EventLog:
         with self._lock, open(self.path, "a", encoding="utf-8") as f:
             f.write(line)
             f.flush()
+
+    def check_appendable(self) -> None:
+        """Fail early (at the manager's construction) when the log file cannot be appended to.
+
+        Raises:
+            ConfigError: naming the path and the OS error.
+        """
+        if self.path is None:
+            return
+        try:
+            with open(self.path, "a", encoding="utf-8"):
+                pass
+        except OSError as e:
+            raise ConfigError(f"CheckpointConfig.event_log={self.path!r} (or $DISTCKPT_EVENT_LOG) "
+                              f"cannot be appended to: {e}") from e

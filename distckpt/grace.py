@@ -14,7 +14,9 @@ import collections
 import dataclasses
 from typing import Literal
 
-__all__ = ["SaveDurations", "PreemptionPlan", "plan_preemption"]
+from .collective import Collective
+
+__all__ = ["SaveDurations", "PreemptionPlan", "plan_preemption", "agree_preemption_plan"]
 
 Action = Literal["save", "finish_inflight", "skip", "none"]
 
@@ -83,3 +85,17 @@ def plan_preemption(*, grace_s: float, elapsed_s: float, predicted_s: float | No
     return PreemptionPlan("finish_inflight", f"finishing the in-flight save ({inflight_left_s:.2f} s to go) "
                                              f"instead of a new one: {fig}; the job resumes from the in-flight "
                                              "save's step")
+
+
+def agree_preemption_plan(collective: Collective, *, grace_s: float, elapsed_s: float,
+                          predicted_s: float | None, inflight_left_s: float | None,
+                          step_saved: bool) -> PreemptionPlan:
+    """:func:`plan_preemption` on the worst case of every rank's figures (gathered over
+    ``collective``), so all ranks take the same decision. Arguments are this rank's, in
+    seconds, as :func:`plan_preemption` takes them."""
+    every = collective.all_gather((elapsed_s, predicted_s, inflight_left_s))
+    known = [p for _, p, _ in every if p is not None]
+    lefts = [x for _, _, x in every if x is not None]
+    return plan_preemption(grace_s=grace_s, elapsed_s=max(e for e, _, _ in every),
+                           predicted_s=max(known) if known else None,
+                           inflight_left_s=max(lefts) if lefts else None, step_saved=step_saved)

@@ -86,7 +86,7 @@ class RootLock:
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
+            except FileExistsError as exists:
                 holder = self._holder()
                 if holder is None:
                     continue  # vanished or half-written: retry
@@ -96,7 +96,8 @@ class RootLock:
                         f"{self.path}: checkpoint root is locked by host={holder.get('host')} "
                         f"pid={holder.get('pid')} job={holder.get('job_id') or '-'}{self._lease_text(holder)}. "
                         "Two jobs must not write one root: use another CheckpointConfig.root, stop the "
-                        f"other job, wait for its lease to expire, or, if that job is gone, delete {self.path}.")
+                        f"other job, wait for its lease to expire, or, if that job is gone, delete {self.path}."
+                    ) from exists
                 logger.warning("taking over checkpoint lock %s of pid %s on %s (job %s): %s", self.path,
                                holder.get("pid"), holder.get("host"), holder.get("job_id") or "-", why)
                 self.path.unlink(missing_ok=True)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -24,35 +22,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .adapters import ddp_rebuilds_buckets, tensor_specs, wrapper_kind
+from .adapters import ddp_resume_not_bitwise, tensor_specs, wrapper_kind
 from .collective import Collective
-from .discovery import CheckpointDiscovery, check_model_fits
 from .config import CheckpointConfig
+from .discovery import CheckpointDiscovery
+from .engine import AsyncWriter
+from .errors import CheckpointLockedError, ConfigError
 from .events import EventLog
-from .grace import PreemptionPlan, SaveDurations, plan_preemption
-from .engine import AsyncWriter, dcp_load, read_dcp_metadata
-from .engine.blocking import describe_exception
-from .errors import CheckpointCorruptError, CheckpointLockedError, ConfigError, IncompatibleCheckpointError
-from .integrity import check_file
+from .grace import PreemptionPlan, SaveDurations, agree_preemption_plan
+from .loading import CheckpointLoader
 from .lock import RootLock
-from .manifest import Manifest
 from .preemption import PreemptionWatcher
 from .schedule import SaveSchedule
 from .state import CheckpointState, TrainState
 from .topology import check_shared_root, local_world_size
-from .transaction import PhaseHook, SaveContext, SaveTransaction
+from .transaction import BackgroundSave, PhaseHook, SaveContext, SaveTransaction
 
 __all__ = ["CheckpointManager"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _InFlight:
-    step: int
-    started: float = 0.0  # time.perf_counter() at the save call
-    thread: threading.Thread | None = None
-    error: Exception | None = None
 
 
 class CheckpointManager:
@@ -113,17 +101,13 @@ class CheckpointManager:
                                      collective=self.collective)
         self.wrapper = wrapper_kind(model)
         self.model_specs = tensor_specs(model)
-        if self.rank == 0 and self.world_size >= 3 and ddp_rebuilds_buckets(model):
-            logger.warning(
-                "DDP on %d ranks rebuilds its gradient buckets after each process's first step, so "
-                "a same-world resume matches the uninterrupted run to float rounding, not bitwise. "
-                "For bitwise resumes build DDP with find_unused_parameters=True (no rebuild; "
-                "README: Exactness).", self.world_size)
+        if self.rank == 0 and (why := ddp_resume_not_bitwise(model, self.world_size)):
+            logger.warning("%s", why)
         self.last_saved_step: int | None = None
         self.last_save_seconds = 0.0
         self.save_durations = SaveDurations()  # predicts the preemption save (grace window)
         self._closed = False
-        self._inflight: _InFlight | None = None
+        self._inflight: BackgroundSave | None = None
         # Background work gets its own gloo group so it never interleaves with the loop's.
         self.background = (Collective(process_group, timeout_s=config.timeout_s)
                            if config.async_mode != "off" else None)
@@ -132,16 +116,16 @@ class CheckpointManager:
                                          thread_count=config.thread_count,
                                          write_timeout_s=config.effective_write_timeout_s)
                              if self.background is not None else None)
-        self.collective.agree(self._prepare_root, what="preparing the checkpoint root",
+        self.discovery = CheckpointDiscovery(self.root, config, rank=self.rank, locked=config.lock)
+        self.collective.agree(self.discovery.prepare_root, what="preparing the checkpoint root",
                               error_type=ConfigError)
         check_shared_root(self.collective, self.root)  # node-local disks: ConfigError on every rank
         self.events = EventLog(config.event_log, self.rank)
-        self.collective.agree(self._check_event_log, what="opening the event log", error_type=ConfigError)
+        self.collective.agree(self.events.check_appendable, what="opening the event log", error_type=ConfigError)
         self.lock = RootLock(self.root, lease_s=config.lock_lease_s, renew=True) if config.lock else None
         if self.lock is not None:
             self.collective.agree(lambda: self.lock.acquire() if self.rank == 0 else None,
                                   what="locking the checkpoint root", error_type=CheckpointLockedError)
-        self.discovery = CheckpointDiscovery(self.root, config, rank=self.rank, locked=self.lock is not None)
         try:
             self.collective.agree(self.discovery.check_existing, what="checking the root's existing checkpoints",
                                   error_type=ConfigError)
@@ -160,33 +144,15 @@ class CheckpointManager:
             model_specs=self.model_specs, events=self.events, on_phase=on_phase, keep_last=config.keep_last,
             keep_every_steps=config.keep_every_steps, thread_count=config.thread_count,
             write_timeout_s=config.effective_write_timeout_s, before_commit=self._before_commit)
+        self.loader = CheckpointLoader(collective=self.collective, state=self.state, config=config,
+                                       events=self.events, model_specs=self.model_specs,
+                                       local_world_size=self.local_world_size)
 
     @property
     def extra_state(self) -> dict[str, Any]:
         return self.state.extra_state
 
     # ------------------------------------------------------------------ setup
-    def _prepare_root(self) -> None:
-        if self.rank != 0:
-            return
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / f".write-probe-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            raise ConfigError(f"CheckpointConfig.root={str(self.root)!r} is not a writable directory: {e}") from e
-
-    def _check_event_log(self) -> None:
-        if self.events.path is None:
-            return
-        try:
-            with open(self.events.path, "a", encoding="utf-8"):
-                pass
-        except OSError as e:
-            raise ConfigError(f"CheckpointConfig.event_log={self.events.path!r} (or $DISTCKPT_EVENT_LOG) "
-                              f"cannot be appended to: {e}") from e
-
     # ------------------------------------------------------------------ load
     def load(self) -> TrainState | None:
         """Resume from the newest valid committed checkpoint (or ``config.load_path``).
@@ -221,32 +187,11 @@ class CheckpointManager:
         if not self.config.load:
             return None
         t0 = time.perf_counter()
-        rejected: list[str] = []
-        while True:
-            path = self.collective.agree(lambda: self.discovery.choose(rejected), what="finding a checkpoint")
-            path = self.collective.broadcast(path)
-            if path is None:
-                logger.info("no committed checkpoint in %s: starting fresh", self.root)
-                return None
-            try:
-                train_state, manifest = self._load_checkpoint(path)
-                break
-            except CheckpointCorruptError as e:
-                # A changed byte (same size) is only found while reading. Loading an older
-                # checkpoint rewrites every tensor the failed read may have touched.
-                if self.config.load_path is not None:
-                    raise
-                if not self.config.fallback_to_older:
-                    raise CheckpointCorruptError(
-                        f"{e} -- the newest checkpoint {path} is not loadable. Set fallback_to_older: "
-                        "true to resume from the previous committed checkpoint, or restore the file; "
-                        f"`distckpt verify {self.root}` lists every bad file. The live model and "
-                        "optimizer may be partly overwritten: load again before training.",
-                        path=e.path) from e
-                if self.rank == 0:
-                    logger.warning("%s -- falling back to the previous committed checkpoint "
-                                   "(fallback_to_older=true)", e)
-                rejected.append(path)
+        found = self.loader.load(self.discovery)
+        if found is None:
+            logger.info("no committed checkpoint in %s: starting fresh", self.root)
+            return None
+        path, train_state, manifest = found
         rollback = self.discovery.rollback_step()
         if rollback is not None and self.collective.agree(
                 lambda: self.discovery.plan_rollback(rollback), what=f"rolling back to {path}",
@@ -263,35 +208,6 @@ class CheckpointManager:
                         self.world_size, self.wrapper, time.perf_counter() - t0)
         # The caller's copy: later maybe_save calls update self.train_state, not this one.
         return dataclasses.replace(train_state, loss_history=list(train_state.loss_history))
-
-    def _load_checkpoint(self, path: str) -> tuple[TrainState, Manifest]:
-        """Read ``path`` into the live objects (every rank). Raises like :meth:`load`."""
-        def read_plan_inputs() -> tuple[Manifest, set[str]]:
-            manifest = Manifest.read(path)
-            check_model_fits(manifest, path, self.model_specs, self.state.model_optim.ties)
-            if self.config.verify_on_load:  # every rank plans from .metadata: check it first
-                for f in manifest.files:
-                    if f.path == ".metadata":
-                        check_file(Path(path) / f.path, size_bytes=f.size_bytes, digest=f.hash)
-            return manifest, set(read_dcp_metadata(path).state_dict_metadata)
-
-        # Every rank reads these files itself (one node may see an I/O error the others do
-        # not): agree, so all ranks raise together, and fall back together.
-        manifest, keys = self.collective.agree(read_plan_inputs, what=f"reading {path}",
-                                               error_type=CheckpointCorruptError)
-        with self.state.model_optim.load_context():
-            target = self.collective.agree(
-                lambda: self.state.for_load(keys, manifest.world_size), what=f"planning the load of {path}")
-            expected = ({f.path: (f.size_bytes, f.hash) for f in manifest.files}
-                        if self.config.verify_on_load else None)
-            self.events.emit("load", manifest.step, path=str(path))
-            streams = max(1, self.config.load_streams_per_node // self.local_world_size)
-            dcp_load(target, path, process_group=self.collective.group, expected_files=expected,
-                     fast=self.config.fast_load, thread_count=streams)
-            train_state = self.collective.agree(
-                lambda: self.state.restore(target, saved_world_size=manifest.world_size),
-                what=f"restoring {path}", error_type=IncompatibleCheckpointError)
-        return train_state, manifest
 
     # ------------------------------------------------------------------ save
     def maybe_save(self, step: int, *, loss: float | None = None, last_step: bool = False,
@@ -343,55 +259,25 @@ class CheckpointManager:
                            "exiting" if self.config.exit_on_preemption else "manager.preempted is set")
         if self.config.exit_on_preemption:
             self.close()
-            self._tear_down_for_exit()
+            self.collective.tear_down_for_exit()
             raise SystemExit(0)
         return saved
 
     def _plan_preemption(self, step: int) -> PreemptionPlan:
-        """The grace-window decision (:mod:`distckpt.grace`), the same on every rank: each
-        rank's figures are gathered and the worst case of each is used."""
-        inflight = self._inflight
-        predicted = self.save_durations.predict()
+        """The grace-window decision (:mod:`distckpt.grace`), the same on every rank."""
+        inflight, predicted = self._inflight, self.save_durations.predict()
         left = None
         if inflight is not None:  # committed already when its thread is done
             left = (max(0.0, (predicted or 0.0) - (time.perf_counter() - inflight.started))
-                    if inflight.thread is not None and inflight.thread.is_alive() else 0.0)
-        mine = (self.preemption.seconds_since_signal(), predicted, left)
-        every = self.collective.all_gather(mine)
-        known = [p for _, p, _ in every if p is not None]
-        lefts = [x for _, _, x in every if x is not None]
-        return plan_preemption(
-            grace_s=self.config.preemption_grace_s, elapsed_s=max(e for e, _, _ in every),
-            predicted_s=max(known) if known else None, inflight_left_s=max(lefts) if lefts else None,
+                    if inflight.running() else 0.0)
+        return agree_preemption_plan(
+            self.collective, grace_s=self.config.preemption_grace_s,
+            elapsed_s=self.preemption.seconds_since_signal(), predicted_s=predicted, inflight_left_s=left,
             step_saved=self.last_saved_step == step)
 
-    def _tear_down_for_exit(self) -> None:
-        """Every rank is leaving together: destroy distckpt's gloo group and the default group
-        after a barrier. gloo groups left to the interpreter's exit have aborted a rank here
-        ("terminate called without an active exception", exit code -6) after a clean save."""
-        if not self.collective.enabled:
-            return
-        try:
-            self.collective.barrier()
-            dist.destroy_process_group(self.collective.group)
-            if dist.is_initialized():
-                dist.barrier()
-                dist.destroy_process_group()
-        except Exception as e:  # noqa: BLE001 - the checkpoint is committed; exiting anyway
-            logger.warning("process group teardown before the preemption exit failed: %s", describe_exception(e))
-
     def _record(self, step: int, loss: float | None, counters: dict[str, int]) -> None:
-        ts = self.train_state
-        unknown = set(counters) - {"epoch", "batch_in_epoch", "global_samples_seen", "global_tokens_seen"}
-        if unknown:
-            raise TypeError(f"unknown counter(s) {sorted(unknown)}")
-        ts.step = step
+        self.train_state.record(step, loss, counters, history_len=self.config.loss_history_len)
         self._explicit_counters.update(counters)
-        for k, v in counters.items():
-            setattr(ts, k, int(v))
-        if loss is not None:
-            ts.loss_history.append((step, float(loss)))
-            del ts.loss_history[: -self.config.loss_history_len]
 
     def save(self, step: int, *, loss: float | None = None, **counters: int) -> Path:
         """Save the whole training state as ``step-<step>``.
@@ -442,19 +328,8 @@ class CheckpointManager:
             return tx.final
         upload, started = tx.start(build, self.async_writer)
         tx.agree_started(self.collective, started)  # a failure to start is raised now, on every rank
-        inflight = _InFlight(step=step, started=tx.t0)
-
-        def finish_in_background() -> None:
-            try:
-                tx.finish(self.background, tx.upload_outcome(upload, self.async_writer, started))
-                self.save_durations.record(time.perf_counter() - tx.t0)
-            except Exception as e:  # noqa: BLE001 - raised on the training thread by wait()
-                inflight.error = e
-
-        inflight.thread = threading.Thread(target=finish_in_background, name=f"distckpt-commit-{step}",
-                                           daemon=True)
-        inflight.thread.start()
-        self._inflight = inflight
+        self._inflight = tx.finish_in_background(self.background, upload, self.async_writer, started,
+                                                 on_committed=self.save_durations.record)
         self.last_save_seconds = time.perf_counter() - tx.t0
         return tx.final
 
@@ -483,9 +358,7 @@ class CheckpointManager:
         if inflight is None:
             return
         self.wait_staged()
-        inflight.thread.join()
-        if inflight.error is not None:
-            raise inflight.error
+        inflight.join()
 
     def close(self) -> None:
         """Drain the in-flight save and release staging memory. Idempotent.

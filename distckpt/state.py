@@ -77,6 +77,24 @@ class TrainState:
 
     _SAVED = ("step", "epoch", "batch_in_epoch", "global_samples_seen", "global_tokens_seen", "loss_history")
 
+    COUNTERS = ("epoch", "batch_in_epoch", "global_samples_seen", "global_tokens_seen")
+
+    def record(self, step: int, loss: float | None, counters: dict[str, int], *, history_len: int) -> None:
+        """Set ``step`` and the given counters; append ``(step, loss)`` to the bounded history.
+
+        Raises:
+            TypeError: a counter name not in :attr:`COUNTERS`.
+        """
+        unknown = set(counters) - set(self.COUNTERS)
+        if unknown:
+            raise TypeError(f"unknown counter(s) {sorted(unknown)}; known: {list(self.COUNTERS)}")
+        self.step = step
+        for k, v in counters.items():
+            setattr(self, k, int(v))
+        if loss is not None:
+            self.loss_history.append((step, float(loss)))
+            del self.loss_history[:-history_len]
+
     def to_saved(self) -> dict[str, Any]:
         d = asdict(self)
         return {k: d[k] for k in self._SAVED}
@@ -269,8 +287,9 @@ class CheckpointState:
         train_state = TrainState(**unpack(sd["train_state"]))
         train_state.loss_history = [tuple(x) for x in train_state.loss_history]
         derived = derive_rng(self.seed, self.rank, train_state.step)
-        fresh = [name for name, obj in (("optimizer", self.model_optim.optimizer), ("lr_scheduler", self.lr_scheduler),
-                                        ("grad_scaler", self.grad_scaler), ("dataloader", self.data)) if obj is not None]
+        parts = (("optimizer", self.model_optim.optimizer), ("lr_scheduler", self.lr_scheduler),
+                 ("grad_scaler", self.grad_scaler), ("dataloader", self.data))
+        fresh = [name for name, obj in parts if obj is not None]
         fresh += [f"extra_state[{name!r}]" for name in self.extra_state]
         logger.warning("rank %d: checkpoint holds model weights only (made by `distckpt import`): %s start "
                        "fresh; RNG derived from (seed=%d, rank=%d, step=%d) -> %d", self.rank,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -42,7 +43,7 @@ from .manifest import Manifest, TensorSpec, model_fingerprint
 from .retention import steps_to_delete
 from .state import TrainState
 
-__all__ = ["PhaseHook", "RankOutcome", "SaveContext", "SaveTransaction"]
+__all__ = ["BackgroundSave", "PhaseHook", "RankOutcome", "SaveContext", "SaveTransaction"]
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +179,14 @@ class SaveTransaction:
             self._abort(collective)
             raise self.error(failures)
 
+    def finish_in_background(self, collective: Collective, upload: Any, async_writer: Any,
+                             started: RankOutcome,
+                             on_committed: Callable[[float], None] | None = None) -> "BackgroundSave":
+        """Wait for the upload and :meth:`finish` over ``collective`` on a daemon thread;
+        ``on_committed(seconds from the save call)`` runs there after the commit."""
+        return BackgroundSave(self, lambda: self.finish(collective, self.upload_outcome(upload, async_writer, started)),
+                              on_committed)
+
     def upload_outcome(self, upload: Any, async_writer: Any, started: RankOutcome) -> RankOutcome:
         """Wait for the background write (background thread); never raises."""
         try:
@@ -276,3 +285,52 @@ class SaveTransaction:
         if self.ctx.rank == 0:
             shutil.rmtree(self.staging, ignore_errors=True)
         collective.barrier()
+
+
+class BackgroundSave:
+    """The write and commit of an async save, running on a daemon thread (at most one per
+    manager). Its error is kept and raised by :meth:`join` on the training thread.
+
+    Attributes:
+        step: the step being saved.
+        started: ``time.perf_counter()`` at the save call.
+        seconds: save call to commit (seconds), once committed.
+    """
+
+    def __init__(self, tx: SaveTransaction, finish: Callable[[], None],
+                 on_committed: Callable[[float], None] | None = None) -> None:
+        self.step, self.started = tx.step, tx.t0
+        self.seconds: float | None = None
+        self._error: Exception | None = None
+
+        def run() -> None:
+            try:
+                finish()
+                self.seconds = time.perf_counter() - tx.t0
+                if on_committed is not None:
+                    on_committed(self.seconds)
+            except Exception as e:  # noqa: BLE001 - raised on the training thread by join()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name=f"distckpt-commit-{tx.step}", daemon=True)
+        self._thread.start()
+
+    def running(self) -> bool:
+        """Whether the write or commit is still going on."""
+        return self._thread.is_alive()
+
+    def done(self, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` (``None``: forever) for the thread; never raises.
+        Returns whether it finished (committed or failed)."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def join(self) -> None:
+        """Wait for the commit.
+
+        Raises:
+            CheckpointSaveError: the background save failed (on every rank).
+        """
+        self._thread.join()
+        if self._error is not None:
+            raise self._error

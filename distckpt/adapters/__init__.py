@@ -5,7 +5,8 @@ DCP's ``get_state_dict``/``set_state_dict`` already strip wrapper prefixes (DDP 
 adds wrapper detection, the FULL/SHARDED choice, and guards around DCP's optimizer helpers.
 """
 
-from .wrappers import ddp_rebuilds_buckets, wrapper_kind
 from .model_optim import ModelOptimState, tensor_specs, tied_keys
+from .wrappers import ddp_rebuilds_buckets, ddp_resume_not_bitwise, wrapper_kind
 
-__all__ = ["ddp_rebuilds_buckets", "wrapper_kind", "ModelOptimState", "tensor_specs", "tied_keys"]
+__all__ = ["ddp_rebuilds_buckets", "ddp_resume_not_bitwise", "wrapper_kind", "ModelOptimState", "tensor_specs",
+           "tied_keys"]

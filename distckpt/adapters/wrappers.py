@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["wrapper_kind", "unwrap", "ddp_rebuilds_buckets"]
+__all__ = ["wrapper_kind", "unwrap", "ddp_rebuilds_buckets", "ddp_resume_not_bitwise"]
 
 
 def _is_compiled(module: nn.Module) -> bool:
-    return hasattr(module, "_orig_mod") and isinstance(getattr(module, "_orig_mod"), nn.Module)
+    return hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module)
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -69,6 +69,17 @@ def ddp_rebuilds_buckets(module: nn.Module) -> bool:
     if not isinstance(m, DistributedDataParallel):
         return False
     return bool(getattr(m, "static_graph", False)) or not m.find_unused_parameters
+
+
+def ddp_resume_not_bitwise(module: nn.Module, world_size: int) -> str | None:
+    """Why a same-world resume of ``module`` on ``world_size`` ranks will not be bitwise
+    (:func:`ddp_rebuilds_buckets` with 3+ ranks), or ``None``. With 2 ranks the bucket layout
+    does not matter: ``a + b == b + a``."""
+    if world_size < 3 or not ddp_rebuilds_buckets(module):
+        return None
+    return (f"DDP on {world_size} ranks rebuilds its gradient buckets after each process's first step, "
+            "so a same-world resume matches the uninterrupted run to float rounding, not bitwise. For "
+            "bitwise resumes build DDP with find_unused_parameters=True (no rebuild; README: Exactness).")
 
 
 def _fsdp_kind(module: nn.Module) -> str:

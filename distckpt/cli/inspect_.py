@@ -72,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
     for g, info in groups.items():
         print(f"\n{g}: {info['items']} items, {fmt_bytes(info['size_bytes'])}")
         print_table(["KEY", "SHAPE", "DTYPE", "BYTES", "SHARDS"],
-                    [[e["key"], "x".join(map(str, e["shape"])) if e["shape"] else ("scalar" if e["kind"] == "tensor" else "object"),
+                    [[e["key"],
+                      "x".join(map(str, e["shape"])) if e["shape"]
+                      else ("scalar" if e["kind"] == "tensor" else "object"),
                       (e["dtype"] or "").replace("torch.", "") or None, fmt_bytes(e["size_bytes"]), e["shards"]]
                      for e in info["entries"]], indent="  ")
     return 0

@@ -92,8 +92,16 @@ from ..errors import CheckpointCorruptError
 from ..integrity import HASH_ALGORITHM, new_hasher
 from .item_decode import ItemDecoder
 from .item_planner import PEEK_BYTES, ChunkIndex, ItemPlanner
-from .read_stream import (WARM_GAP_BYTES, ReadRequest, ReadResults, ReadStream, StoredItem, fstat_size, page_cached,
-                          read_item)
+from .read_stream import (
+    WARM_GAP_BYTES,
+    ReadRequest,
+    ReadResults,
+    ReadStream,
+    StoredItem,
+    fstat_size,
+    page_cached,
+    read_item,
+)
 from .safe_io import SafeFileSystemReader
 from .torch_save_format import HeaderCache, TensorLayout, parse_torch_save_header
 

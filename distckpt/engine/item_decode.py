@@ -15,8 +15,18 @@ from typing import Any
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
-from .read_stream import (ReadRequest, ReadResults, StoredItem, check_sizes, covering_range, direct_ok, src_view,
-                          strided_view, typed_view, writable_view)
+from .read_stream import (
+    ReadRequest,
+    ReadResults,
+    StoredItem,
+    check_sizes,
+    covering_range,
+    direct_ok,
+    src_view,
+    strided_view,
+    typed_view,
+    writable_view,
+)
 from .torch_save_format import HeaderCache, NeedMoreBytes, TensorLayout, UnsupportedLayout, check_trailer
 
 __all__ = ["ItemDecoder"]

@@ -20,10 +20,28 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .item_decode import ItemDecoder
-from .read_stream import (ReadRequest, ReadResults, ReadStream, StoredItem, check_sizes, covering_range, direct_ok,
-                          src_view, strided_view, typed_view, writable_view)
-from .torch_save_format import (TRAILER_MAX, HeaderCache, NeedMoreBytes, TensorLayout, UnsupportedLayout,
-                                check_trailer, parse_torch_save_header)
+from .read_stream import (
+    ReadRequest,
+    ReadResults,
+    ReadStream,
+    StoredItem,
+    check_sizes,
+    covering_range,
+    direct_ok,
+    src_view,
+    strided_view,
+    typed_view,
+    writable_view,
+)
+from .torch_save_format import (
+    TRAILER_MAX,
+    HeaderCache,
+    NeedMoreBytes,
+    TensorLayout,
+    UnsupportedLayout,
+    check_trailer,
+    parse_torch_save_header,
+)
 
 __all__ = ["PEEK_BYTES", "ChunkIndex", "ItemPlanner"]
 

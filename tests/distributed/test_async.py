@@ -73,7 +73,7 @@ def async_io_fault(rank, world_size, opts):
     train_steps(model, optimizer, scheduler, scaler, loader, 1)
     manager.save(2)  # returns: the failure happens in the background
     manager.async_writer.wait_staged()
-    manager._inflight.thread.join()  # let the background write fail before un-patching
+    assert manager._inflight.done(timeout_s=120)  # let the background write fail before un-patching
     FileSystemWriter.write_data = original
     train_steps(model, optimizer, scheduler, scaler, loader, 1)
     error = None
@@ -98,7 +98,8 @@ def test_async_io_failure_raises_on_every_rank(tmp_path, victim):
     for r in out:
         assert r["error"] is not None and "Input/output error" in r["error"] and f"rank {victim}" in r["error"]
         assert r["listing"] == ["latest", "step-000000001"]
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == ["latest", "step-000000001", "step-000000003"]
+    listing = sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock")
+    assert listing == ["latest", "step-000000001", "step-000000003"]
 
 
 def async_then_die(rank, world_size, opts):

@@ -19,7 +19,7 @@ def test_exact_resume_world_size_2(tmp_path, wrapper):
                                            "interval_steps": j}))
     assert resumed[0]["resumed_from"] == j
     for rank in range(2):
-        expected = {s: l for s, l in base[rank]["losses"].items() if s > j}
+        expected = {s: loss for s, loss in base[rank]["losses"].items() if s > j}
         assert resumed[rank]["losses"] == expected  # bitwise: float equality of every step
         assert {s: i for s, i in base[rank]["ids"].items() if s > j} == resumed[rank]["ids"]
     for k, v in base[0]["params"].items():

@@ -106,7 +106,8 @@ def test_io_error_on_one_rank_raises_everywhere(tmp_path, victim):
         assert r["error"] is not None, "every rank must raise CheckpointSaveError"
         assert "No space left on device" in r["error"][0] and "Nothing was committed" in r["error"][0]
         assert r["after_failure"] == ["latest", "step-000000002"]  # staging removed, previous intact
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == ["latest", "step-000000002", "step-000000005"]
+    listing = sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock")
+    assert listing == ["latest", "step-000000002", "step-000000005"]
 
 
 def slow_disk_on_one_rank(rank, world_size, opts):

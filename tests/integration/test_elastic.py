@@ -159,6 +159,7 @@ def test_elastic_accounting_flags_a_replayed_join_and_uses_each_steps_last_execu
     assert (loss["resumed_from_step"], loss["steps_replayed"]) == (4, 1)
     assert (join["seconds_to_resume"], loss["seconds_to_resume"]) == (0.5, 0.5)
     # Each step's last execution is kept, whatever ranks wrote before: nothing lost or doubled.
-    assert (summary["duplicated_samples"], summary["skipped_samples"], summary["samples_match_baseline"]) == (0, 0, True)
+    accounting = (summary["duplicated_samples"], summary["skipped_samples"], summary["samples_match_baseline"])
+    assert accounting == (0, 0, True)
     failed = [r["what"] for r in check(summary, 6, 1e-4, ["node_join", "node_loss"]) if not r["ok"]]
     assert failed == ["node_join: resumed from the checkpoint saved on SIGTERM, no step replayed"]

@@ -145,7 +145,8 @@ def test_big_items_are_read_straight_into_the_destination(saved):
     assert reader.last_stats["syscalls"] <= 4, reader.last_stats
 
 
-@pytest.mark.parametrize("kw", [{}, SMALL_DIRECT, SPARE_THREADS], ids=["default", "direct-small-items", "spare-threads"])
+@pytest.mark.parametrize("kw", [{}, SMALL_DIRECT, SPARE_THREADS],
+                         ids=["default", "direct-small-items", "spare-threads"])
 def test_with_matching_hashes_loads_and_marks_files_verified(saved, kw):
     path, state = saved
     expected = {f.name: hash_file(f) for f in path.glob("*.distcp")}

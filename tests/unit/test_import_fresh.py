@@ -1,5 +1,7 @@
-import pytest, torch
+import pytest
+import torch
 from safetensors.torch import save_file
+
 from distckpt import CheckpointConfig, CheckpointManager
 from distckpt.export import import_weights
 from tests.distributed.trainer import Net, build, train_steps

@@ -12,8 +12,8 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "distckpt"
 MAX_LINES = 450
-# issue 14: split pending (manager.py is split by the save-transaction work of issue 14, item 1).
-LINE_ALLOW = {"distckpt/manager.py"}
+LINE_ALLOW: set[str] = set()  # modules allowed over MAX_LINES (none)
+MANAGER_MAX_LINES = 400  # the manager keeps policy only
 
 
 def _modules() -> dict[str, Path]:
@@ -132,7 +132,7 @@ def test_no_module_over_450_lines():
     for f in PKG.rglob("*.py"):
         rel = f.relative_to(PKG.parent).as_posix()
         n = len(f.read_text().splitlines())
-        if n > MAX_LINES and rel not in LINE_ALLOW:
+        if n > (MANAGER_MAX_LINES if rel == "distckpt/manager.py" else MAX_LINES) and rel not in LINE_ALLOW:
             over[rel] = n
     assert over == {}, f"modules over {MAX_LINES} lines: {over}"
     for rel in LINE_ALLOW:  # an allowed module that shrank below the limit leaves the list

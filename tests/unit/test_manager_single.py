@@ -37,7 +37,8 @@ def trained_manager(root, steps=(3,), **kw):
 
 
 @pytest.mark.parametrize("change,expect", [
-    ({"rename": True}, ["missing in checkpoint: hidden2.weight", "unexpected (in checkpoint, not in model): hidden.weight"]),
+    ({"rename": True},
+     ["missing in checkpoint: hidden2.weight", "unexpected (in checkpoint, not in model): hidden.weight"]),
     ({"width": 12}, ["shape mismatch for inp.weight: checkpoint [16, 8], model [12, 8]"]),
     ({"dtype": torch.bfloat16}, ["dtype mismatch for inp.weight: checkpoint torch.float32, model torch.bfloat16"]),
 ])
@@ -260,7 +261,8 @@ def test_extra_state_plain_and_stateful(tmp_path):
             return {"n": torch.tensor(self.n)}
         def load_state_dict(self, sd):
             self.n = int(sd["n"])
-    c = Counter(); c.n = 41
+    c = Counter()
+    c.n = 41
     model = Net()
     m = CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=None,
                           extra_state={"counter": c, "note": {"tokens": [1, 2, 3], "name": "x"}})
