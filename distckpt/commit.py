@@ -1,4 +1,4 @@
-"""Commit protocol and discovery on a POSIX file system (DESIGN section 4).
+"""Commit protocol and discovery on a POSIX file system (docs/design.md, section 4).
 
 Rank 0 calls :func:`commit` after every rank's write succeeded::
 

@@ -1,4 +1,4 @@
-"""Names on disk (DESIGN section 3): ``step-%09d``, ``.staging-step-%09d-<id>``,
+"""Names on disk (docs/design.md, section 3): ``step-%09d``, ``.staging-step-%09d-<id>``,
 ``.deleting-step-%09d-<id>``, ``latest``, and set-aside checkpoints ``<reason>-step-%09d-<n>``."""
 
 from __future__ import annotations

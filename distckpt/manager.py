@@ -1,4 +1,4 @@
-"""``CheckpointManager``: the policy layer a training script talks to (DESIGN section 1).
+"""``CheckpointManager``: the policy layer a training script talks to (docs/design.md, sections 1-2).
 
 Call order (every rank)::
 

@@ -1,4 +1,4 @@
-"""The whole training state as one DCP state_dict, and its restoration (DESIGN section 5).
+"""The whole training state as one DCP state_dict, and its restoration (docs/design.md, section 5).
 
 Layout of the DCP state_dict (top-level keys; nested dicts are flattened by DCP with dots)::
 

@@ -1,4 +1,4 @@
-"""One save, end to end: the commit protocol of ``docs/design.md`` ("Commit protocol").
+"""One save, end to end: the commit protocol (docs/design.md, section 4).
 
 A :class:`SaveTransaction` owns the whole sequence for one step, on every rank::
 

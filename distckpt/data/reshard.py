@@ -1,4 +1,4 @@
-"""Per-rank dataloader state, and its reconstruction on a world-size change (DESIGN section 6).
+"""Per-rank dataloader state, and its reconstruction on a world-size change (docs/design.md, section 6).
 
 Same world size and ``num_workers``: each rank saves and restores its own
 ``StatefulDataLoader.state_dict()``. Different world size or ``num_workers``: the old per-rank
