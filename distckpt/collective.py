@@ -87,6 +87,7 @@ class Collective:
         """
         if not self.enabled or self.world_size == 1:
             return
+        assert self.group is not None  # enabled
         from torch.distributed import distributed_c10d
 
         try:  # no public accessor for the default store in torch 2.13; new_group uses the same one
@@ -120,6 +121,7 @@ class Collective:
                 store.delete_key(f"{old}/{old_call}/done")
 
     def _mismatch(self, store: Any, gen: int, call: str, timeout_s: float) -> errors.CollectiveMismatchError:
+        assert self.group is not None  # only arrive() calls it, when enabled
         missing, others = [], {}
         for r in range(self.world_size):
             key = f"{gen}/rank{r}"
@@ -153,6 +155,7 @@ class Collective:
         """Rank 0's ``obj`` on every rank."""
         if not self.enabled:
             return obj
+        assert self.group is not None  # enabled
         box = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]

@@ -182,7 +182,7 @@ def remove_leftovers(root: str | os.PathLike) -> list[str]:
     Returns:
         Names removed (or set aside, with a note).
     """
-    removed = []
+    removed: list[str] = []
     root = Path(root)
     if not root.is_dir():
         return removed

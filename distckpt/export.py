@@ -161,9 +161,15 @@ def export_checkpoint(
 
     def out_dtype(key: str) -> torch.dtype:
         stored = reader.items[key].torch_dtype
+        assert stored is not None  # tensor items carry a dtype
         return cast if cast is not None and key.startswith("model.") and stored.is_floating_point else stored
 
-    entries = [(out_name(k), reader.items[k].shape, out_dtype(k)) for k in tensor_keys]
+    def out_shape(key: str) -> list[int]:
+        shape = reader.items[key].shape
+        assert shape is not None  # tensor items carry a shape
+        return shape
+
+    entries = [(out_name(k), out_shape(k), out_dtype(k)) for k in tensor_keys]
     skipped = object_keys if format == "safetensors" else []
     values = {} if format == "safetensors" else _object_values(reader, object_keys, out_name)
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")

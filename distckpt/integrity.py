@@ -101,10 +101,10 @@ class HashingFileSystem(FileSystem):
                 yield stream
             return
         with super().create_stream(path, mode) as raw:
-            stream = _HashingStream(raw)
-            yield stream
+            hashing = _HashingStream(raw)
+            yield hashing
         with self._lock:
-            self.written[Path(path).name] = (stream.size, stream.hasher.hexdigest())
+            self.written[Path(path).name] = (hashing.size, hashing.hasher.hexdigest())
 
     def __getstate__(self) -> dict[str, Any]:
         # The process executor pickles the writer; locks do not pickle.

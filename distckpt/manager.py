@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
 from .adapters import ddp_resume_not_bitwise, tensor_specs, wrapper_kind
 from .collective import Collective
@@ -53,7 +54,8 @@ class CheckpointManager:
         config: policy (where, when, how many, FULL or SHARDED).
         model: the model, plain or wrapped (DDP, FSDP1, FSDP2, ``torch.compile``).
         optimizer: its optimizer, or ``None``.
-        lr_scheduler: object with ``state_dict``/``load_state_dict`` (an ``LRScheduler``).
+        lr_scheduler: object with ``state_dict``/``load_state_dict`` (DCP's ``Stateful`` protocol; an
+            ``LRScheduler``).
         grad_scaler: ``torch.amp.GradScaler``.
         dataloader: torchdata ``StatefulDataLoader``; with a
             :class:`~distckpt.data.ReshardableSampler` its position survives a world-size change.
@@ -78,9 +80,9 @@ class CheckpointManager:
         *,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
-        lr_scheduler: Any = None,
-        grad_scaler: Any = None,
-        dataloader: Any = None,
+        lr_scheduler: Stateful | None = None,
+        grad_scaler: Stateful | None = None,
+        dataloader: Stateful | None = None,
         extra_state: dict[str, Any] | None = None,
         process_group: dist.ProcessGroup | None = None,
         on_phase: PhaseHook | None = None,
@@ -115,7 +117,7 @@ class CheckpointManager:
                                          process_group=self.background.group,
                                          thread_count=config.thread_count,
                                          write_timeout_s=config.effective_write_timeout_s)
-                             if self.background is not None else None)
+                             if self.background is not None and config.async_mode != "off" else None)
         self.discovery = CheckpointDiscovery(self.root, config, rank=self.rank, locked=config.lock)
         self.collective.agree(self.discovery.prepare_root, what="preparing the checkpoint root",
                               error_type=ConfigError)
@@ -123,8 +125,8 @@ class CheckpointManager:
         self.events = EventLog(config.event_log, self.rank)
         self.collective.agree(self.events.check_appendable, what="opening the event log", error_type=ConfigError)
         self.lock = RootLock(self.root, lease_s=config.lock_lease_s, renew=True) if config.lock else None
-        if self.lock is not None:
-            self.collective.agree(lambda: self.lock.acquire() if self.rank == 0 else None,
+        if (lock := self.lock) is not None:
+            self.collective.agree(lambda: lock.acquire() if self.rank == 0 else None,
                                   what="locking the checkpoint root", error_type=CheckpointLockedError)
         try:
             self.collective.agree(self.discovery.check_existing, what="checking the root's existing checkpoints",
@@ -265,6 +267,7 @@ class CheckpointManager:
 
     def _plan_preemption(self, step: int) -> PreemptionPlan:
         """The grace-window decision (:mod:`distckpt.grace`), the same on every rank."""
+        assert self.preemption is not None  # only reached once the watcher agreed on a signal
         inflight, predicted = self._inflight, self.save_durations.predict()
         left = None
         if inflight is not None:  # committed already when its thread is done
@@ -328,6 +331,7 @@ class CheckpointManager:
             return tx.final
         upload, started = tx.start(build, self.async_writer)
         tx.agree_started(self.collective, started)  # a failure to start is raised now, on every rank
+        assert self.background is not None  # created with async_writer
         self._inflight = tx.finish_in_background(self.background, upload, self.async_writer, started,
                                                  on_committed=self.save_durations.record)
         self.last_save_seconds = time.perf_counter() - tx.t0

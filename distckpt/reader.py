@@ -203,7 +203,11 @@ class CheckpointReader:
         target: dict[str, Any] = {}
         for key in keys:
             info = self.items[key]
-            target[key] = torch.empty(info.shape, dtype=info.torch_dtype) if info.kind == "tensor" else b""
+            if info.kind == "tensor":
+                assert info.shape is not None  # every tensor item records its shape
+                target[key] = torch.empty(info.shape, dtype=info.torch_dtype)
+            else:
+                target[key] = b""
         if not target:
             return {}
         try:

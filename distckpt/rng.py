@@ -16,7 +16,10 @@ __all__ = ["capture_rng", "restore_rng", "derive_rng"]
 def capture_rng() -> dict[str, Any]:
     """Snapshot of this process's RNG state, made of types ``torch.load(weights_only=True)``
     accepts (tuples, lists, ints, floats, tensors)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state()
+    # The global RNG is numpy's MT19937 RandomState, whose legacy state is always this 5-tuple.
+    assert isinstance(legacy, tuple)
+    kind, keys, pos, has_gauss, cached = legacy
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),

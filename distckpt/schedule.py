@@ -38,7 +38,7 @@ class SaveSchedule:
 
     def is_due(self, step: int) -> bool:
         """All ranks must call this with the same ``step``."""
-        due = bool(self.interval_steps) and step % self.interval_steps == 0
+        due = bool(self.interval_steps and step % self.interval_steps == 0)
         if self.interval_seconds is not None:
             by_time = self.clock() - self.last_save_time >= self.interval_seconds
             # Collective on every call so that all ranks always issue the same sequence.

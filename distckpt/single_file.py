@@ -41,7 +41,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def _nbytes(shape: list[int], dtype: torch.dtype) -> int:
@@ -180,6 +180,8 @@ class TorchZipWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write the next tensor's bytes into its reserved record."""
+        if self.fd is None:
+            raise ValueError(f"{self.path}: writer already closed")
         i = self.order.take(name, tensor)
         record, offset, size = self.records[i]
         data = tensor_bytes(tensor)
@@ -210,6 +212,7 @@ class TorchZipWriter:
             self.fd = None
 
     def _patch_central_directory(self, offset: int) -> None:
+        assert self.fd is not None  # only called by close() before it releases the file
         with open(self.path, "rb") as f:
             f.seek(offset)
             while True:

@@ -118,9 +118,9 @@ class CheckpointState:
         *,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
-        lr_scheduler: Any = None,
-        grad_scaler: Any = None,
-        dataloader: Any = None,
+        lr_scheduler: Stateful | None = None,
+        grad_scaler: Stateful | None = None,
+        dataloader: Stateful | None = None,
         extra_state: dict[str, Any] | None = None,
         rank: int,
         world_size: int,
@@ -205,7 +205,7 @@ class CheckpointState:
         """
         self.weights_only = WEIGHTS_ONLY_KEY in checkpoint_keys
         if self.weights_only:
-            sd = {"model": self.model_optim.model_target_for_load(), "train_state": b""}
+            sd: dict[str, Any] = {"model": self.model_optim.model_target_for_load(), "train_state": b""}
             self._read_tied_from_twins(sd["model"], checkpoint_keys)
             _check_keys(sd, checkpoint_keys, rank=self.rank)
             return sd
@@ -213,7 +213,7 @@ class CheckpointState:
             self.data.check_no_live_iterator(self.rank)
         model_sd, optim_sd = self.model_optim.target_for_load()
         self._read_tied_from_twins(model_sd, checkpoint_keys)
-        sd: dict[str, Any] = {"model": model_sd}
+        sd = {"model": model_sd}
         if self.model_optim.optimizer is not None:
             _prune_uninitialised_optim_state(optim_sd, checkpoint_keys)
             sd["optim"] = optim_sd
@@ -264,7 +264,7 @@ class CheckpointState:
             else:
                 self.extra_state[name] = unpack(value)
         train_state = TrainState(**unpack(sd["train_state"]))
-        train_state.loss_history = [tuple(x) for x in train_state.loss_history]
+        train_state.loss_history = [(step, loss) for step, loss in train_state.loss_history]  # lists once saved
         own = sd.get("rank_state", {}).get(f"rank{self.rank}")
         if self.data is not None:
             local = unpack(own["dataloader"]) if own is not None and "dataloader" in own else None
@@ -285,7 +285,7 @@ class CheckpointState:
     def _restore_weights_only(self, sd: dict[str, Any]) -> TrainState:
         self.model_optim.apply(sd["model"], None)
         train_state = TrainState(**unpack(sd["train_state"]))
-        train_state.loss_history = [tuple(x) for x in train_state.loss_history]
+        train_state.loss_history = [(step, loss) for step, loss in train_state.loss_history]  # lists once saved
         derived = derive_rng(self.seed, self.rank, train_state.step)
         parts = (("optimizer", self.model_optim.optimizer), ("lr_scheduler", self.lr_scheduler),
                  ("grad_scaler", self.grad_scaler), ("dataloader", self.data))

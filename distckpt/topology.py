@@ -41,7 +41,7 @@ def check_shared_root(collective: Collective, root: Path) -> None:
     """
     if not collective.enabled or collective.world_size == 1:
         return
-    token = collective.broadcast(uuid.uuid4().hex if collective.rank == 0 else None)
+    token = collective.broadcast(uuid.uuid4().hex if collective.rank == 0 else "")  # rank 0's on every rank
     probe = root / f"{PROBE_PREFIX}{token}"
     write_error = None
     if collective.rank == 0:

@@ -8,8 +8,10 @@ from torch import nn
 __all__ = ["wrapper_kind", "unwrap", "ddp_rebuilds_buckets", "ddp_resume_not_bitwise"]
 
 
-def _is_compiled(module: nn.Module) -> bool:
-    return hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module)
+def _compiled_inner(module: nn.Module) -> nn.Module | None:
+    """The module under a ``torch.compile`` wrapper, or None when ``module`` is not compiled."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else None
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -17,8 +19,9 @@ def unwrap(module: nn.Module) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     while True:
-        if _is_compiled(module):
-            module = module._orig_mod
+        inner = _compiled_inner(module)
+        if inner is not None:
+            module = inner
         elif isinstance(module, DistributedDataParallel):
             module = module.module
         else:
@@ -38,9 +41,10 @@ def wrapper_kind(module: nn.Module) -> str:
     m = module
     kind = "plain"
     while True:
-        if _is_compiled(m):
+        inner = _compiled_inner(m)
+        if inner is not None:
             compiled = True
-            m = m._orig_mod
+            m = inner
         elif isinstance(m, DistributedDataParallel):
             kind = "ddp"
             m = m.module
@@ -64,8 +68,8 @@ def ddp_rebuilds_buckets(module: nn.Module) -> bool:
     from torch.nn.parallel import DistributedDataParallel
 
     m = module
-    while _is_compiled(m):
-        m = m._orig_mod
+    while (inner := _compiled_inner(m)) is not None:
+        m = inner
     if not isinstance(m, DistributedDataParallel):
         return False
     return bool(getattr(m, "static_graph", False)) or not m.find_unused_parameters

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Literal
 
 from ..export import export_checkpoint
 from ..reader import resolve_checkpoint
@@ -36,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     if Path(args.out).exists() and not args.force:
         raise FileExistsError(f"{args.out} exists; pass --force to replace it")
     ckpt = resolve_checkpoint(args.checkpoint)
-    fmt = args.format or ("safetensors" if Path(args.out).suffix == ".safetensors" else "torch")
+    fmt: Literal["safetensors", "torch"] = args.format or (
+        "safetensors" if Path(args.out).suffix == ".safetensors" else "torch")
     result = export_checkpoint(ckpt, args.out, format=fmt, dtype=args.dtype, model_only=args.model_only,
                                overwrite=args.force, progress=not args.no_progress and not args.json)
     if args.json:

@@ -7,6 +7,7 @@ is opened, nothing is unpickled otherwise).
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from ..reader import GROUPS, CheckpointReader, resolve_checkpoint
 from ._common import fmt_bytes, fmt_float, fmt_time, print_json, print_table
@@ -42,7 +43,7 @@ def summary(reader: CheckpointReader) -> dict | None:
 def run(args: argparse.Namespace) -> int:
     path = resolve_checkpoint(args.checkpoint)
     reader = CheckpointReader(path, check_files=False)
-    groups = {}
+    groups: dict[str, dict[str, Any]] = {}
     for g in GROUPS:
         items = [reader.items[k] for k in reader.keys(g)]
         if items and (args.group in (None, g)):

@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FAILED if bad else EXIT_OK
     for r in reports:
         if r.ok:
+            assert r.manifest is not None  # an unreadable manifest is one of the problems
             files = r.manifest.files
             note = f", {len(r.unhashed)} without a hash (size checked only)" if r.unhashed else ""
             print(f"ok       {r.path}  ({len(files)} files, {fmt_bytes(sum(f.size_bytes for f in files))}{note})")

@@ -121,6 +121,7 @@ class DataLoaderState:
         if position is not None:
             # Workers of the restored iterator prefetched into the next epoch; the new iterator
             # must start at its beginning.
+            assert sampler is not None  # position is only set when there is a sampler
             sampler.load_state_dict(position)
 
     def _materialize_iterator(self) -> None:

@@ -153,6 +153,7 @@ def dcp_load(
         CheckpointCorruptError: unreadable/unsafe/mismatching files or a missing key, naming
             the file (or the directory), on every rank.
     """
+    reader: SafeFileSystemReader
     if fast:
         from .fast_reader import FastFileSystemReader
 

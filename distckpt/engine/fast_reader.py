@@ -209,7 +209,7 @@ class FastFileSystemReader(SafeFileSystemReader):
                     raise AssertionError(f"{item.storage_index}: bytes item was not read")
                 planner.load_bytes(item, io.BytesIO(data))
         for req in tensor_reqs:
-            planner.commit_tensor(req.item, req.target)
+            planner.commit_tensor(req.item, req.tensor)
         self.last_stats = dict(results.stats)
         fut: Future = Future()
         fut.set_result(None)
@@ -343,6 +343,7 @@ class FastFileSystemReader(SafeFileSystemReader):
                 last_end = st.end
             stream.finish_to(file_size if verify else stream.pos)
             if verify:
+                assert hasher is not None and expected is not None  # verify: the manifest lists a digest
                 digest = hasher.hexdigest()
                 if digest != expected[1]:
                     raise CheckpointCorruptError(

@@ -55,20 +55,20 @@ class ItemDecoder:
             AssertionError: the destination's size differs from the stored chunk's (as DCP).
         """
         src = src_view(layout, req.item)
-        check_sizes(req.item, req.target, src.size())
+        check_sizes(req.item, req.tensor, src.size())
         if src.numel() == 0:
             return
         isz = layout.meta.element_size()
-        if direct_ok(src, req.target):
+        if direct_ok(src, req.tensor):
             a = base_data_off + src.storage_offset() * isz
             n = src.numel() * isz
-            writable_view(req.target)[:] = writable_view(base)[a:a + n]
+            writable_view(req.tensor)[:] = writable_view(base)[a:a + n]
             self.results.count(copied_bytes=n)
             return
         lo, hi = covering_range(src)
         u8 = base[base_data_off + lo * isz:base_data_off + hi * isz]
         view = strided_view(typed_view(u8, src.dtype), src, lo)
-        req.target.copy_(view)
+        req.tensor.copy_(view)
         self.results.count(copied_bytes=(hi - lo) * isz)
 
     def decode_whole(self, st: StoredItem, mv: memoryview, t: torch.Tensor) -> None:
@@ -121,5 +121,5 @@ class ItemDecoder:
         tensor = torch.load(stream, map_location="cpu", weights_only=True)
         for req in st.reqs:
             view = narrow_tensor_by_index(tensor, req.item.storage_offsets, req.item.lengths)
-            check_sizes(req.item, req.target, view.size())
-            req.target.copy_(view)
+            check_sizes(req.item, req.tensor, view.size())
+            req.tensor.copy_(view)

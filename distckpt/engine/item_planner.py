@@ -128,8 +128,10 @@ class ItemPlanner:
         """
         results = self.results
         if st.is_bytes or st.descriptors or st.length <= self.direct_min_bytes:
-            stream.add_scratch(st.offset, st.length,
-                               lambda t, mv, st=st: self.decoder.decode_whole(st, mv, t))
+            def whole_item(t, mv, st=st) -> None:
+                self.decoder.decode_whole(st, mv, t)
+
+            stream.add_scratch(st.offset, st.length, whole_item)
             return
         layout = self._predict(stream, st)
         if layout is not None:
@@ -179,11 +181,11 @@ class ItemPlanner:
         wants: list[tuple[int, int, ReadRequest, torch.Tensor | None, torch.Tensor]] = []
         for req in st.reqs:
             src = src_view(layout, req.item)
-            check_sizes(req.item, req.target, src.size())
+            check_sizes(req.item, req.tensor, src.size())
             if src.numel() == 0:
                 continue
-            if direct_ok(src, req.target):
-                a = data_abs + src.storage_offset() * isz
+            if direct_ok(src, req.tensor):
+                a = data_abs + int(src.storage_offset()) * isz
                 wants.append((a, a + src.numel() * isz, req, None, src))
             else:
                 lo, hi = covering_range(src)
@@ -202,20 +204,20 @@ class ItemPlanner:
 
             self._add_range(stream, data_abs, data_abs + layout.nbytes, buf, peek, st.offset, peek_end,
                             cb=all_reqs)
-        for a, b, req, buf, src in wants:
-            if buf is None:
-                dst = writable_view(req.target)
+        for a, b, req, want_buf, src in wants:
+            if want_buf is None:
+                dst = writable_view(req.tensor)
                 results.count(direct_bytes=b - a)
-                self._add_range(stream, a, b, req.target, peek, st.offset, peek_end, view=dst)
+                self._add_range(stream, a, b, req.tensor, peek, st.offset, peek_end, view=dst)
             else:
                 lo = (a - data_abs) // isz
 
-                def copy_out(_t, _mv, req=req, buf=buf, src=src, lo=lo) -> None:
+                def copy_out(_t, _mv, req=req, buf=want_buf, src=src, lo=lo) -> None:
                     view = strided_view(typed_view(buf, src.dtype), src, lo)
-                    req.target.copy_(view)
+                    req.tensor.copy_(view)
                     results.count(copied_bytes=buf.numel())
 
-                self._add_range(stream, a, b, buf, peek, st.offset, peek_end, cb=copy_out)
+                self._add_range(stream, a, b, want_buf, peek, st.offset, peek_end, cb=copy_out)
         data_end = data_abs + layout.nbytes
         trailer = st.end - data_end
         if 0 < trailer <= TRAILER_MAX:

@@ -94,10 +94,10 @@ def src_view(layout: TensorLayout, req: ReadItem) -> torch.Tensor:
 
 def covering_range(src: torch.Tensor) -> tuple[int, int]:
     """Element range ``[lo, hi)`` of the storage that ``src`` (a meta view) touches."""
+    lo = int(src.storage_offset())  # int() only narrows torch's int | SymInt: meta sizes are ints
     if src.numel() == 0:
-        return src.storage_offset(), src.storage_offset()
-    lo = src.storage_offset()
-    hi = lo + sum((s - 1) * st for s, st in zip(src.size(), src.stride())) + 1
+        return lo, lo
+    hi = lo + int(sum((s - 1) * st for s, st in zip(src.size(), src.stride()))) + 1
     return lo, hi
 
 
@@ -146,6 +146,12 @@ class ReadRequest:
 
     item: ReadItem
     target: torch.Tensor | None  # resolved destination (tensor requests)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """``target`` of a tensor request (bytes requests have none and never reach tensor code)."""
+        assert self.target is not None, f"{self.item.storage_index}: bytes request has no destination tensor"
+        return self.target
 
 
 @dataclass
@@ -332,6 +338,7 @@ class ReadStream:
 
         def scratch(n: int) -> tuple[torch.Tensor, memoryview]:
             nonlocal a
+            assert arena is not None and arena_mv is not None  # arena_need counted every scratch request
             t, mv = arena[a:a + n], arena_mv[a:a + n]
             a += n
             return t, mv
@@ -341,11 +348,13 @@ class ReadStream:
         runs: list[tuple[int, int, list[tuple[_Seg | None, torch.Tensor | None, memoryview]]]] = []
         run_off: int | None = None
         run: list[tuple[_Seg | None, torch.Tensor | None, memoryview]] = []
+        t: torch.Tensor | None
         pos = self.pos
         for s in segs:
             gap = s.off - pos
             if gap > self.gap_read_bytes:
                 if run:
+                    assert run_off is not None  # set with a run's first part
                     runs.append((run_off, 0, run))
                 runs.append((pos, gap, []))
                 run_off, run = None, []
@@ -363,8 +372,9 @@ class ReadStream:
                 run.append((s, None, s.view))
             pos = s.end
         if run:
+            assert run_off is not None  # set with a run's first part
             runs.append((run_off, 0, run))
-        done: list[tuple[_Seg, torch.Tensor | None, memoryview]] = []
+        done: list[tuple[Callable[[torch.Tensor | None, memoryview], None], torch.Tensor | None, memoryview]] = []
         for off, skip, parts in runs:
             if skip:
                 if self.hasher is not None:
@@ -375,10 +385,10 @@ class ReadStream:
                 if self.hasher is not None:
                     self.hasher.update(mv)
                 if seg is not None and seg.cb is not None:
-                    done.append((seg, t, mv))
+                    done.append((seg.cb, t, mv))
         self.pos = pos
-        for seg, t, mv in done:
-            seg.cb(t, mv)
+        for cb, t, mv in done:
+            cb(t, mv)
 
     def finish_to(self, end: int) -> None:
         """Flush, then (hashing) read and hash everything up to ``end``."""

@@ -109,9 +109,10 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         metadata = _read_metadata_file(str(self._get_metadata_path(kwargs.get("rank"))))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = dcp_metadata.StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 

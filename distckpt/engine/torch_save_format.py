@@ -209,7 +209,8 @@ def _meta_from_pickle(pkl: bytes, cache: HeaderCache | None) -> tuple[torch.Tens
         return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
     unpickler = _weights_only_unpickler.Unpickler(stream, encoding="utf-8")
-    unpickler.persistent_load = persistent_load
+    # torch declares this per-instance pickle hook as a method; torch.serialization assigns it the same way.
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
     try:
         obj = unpickler.load()
     except UnsupportedLayout:

@@ -137,6 +137,8 @@ class CheckedFileSystemWriter(FileSystemWriter):
         OSError: from ``write_data``, the first failure of any writer thread.
     """
 
+    fs: GuardedFileSystem  # FileSystemWriter declares the plain FileSystem it creates
+
     def __init__(self, path: str | os.PathLike, *, thread_count: int,
                  write_timeout_s: float | None = None) -> None:
         super().__init__(os.fspath(path), sync_files=True, thread_count=thread_count)
