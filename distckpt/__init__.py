@@ -12,6 +12,7 @@ from .errors import (
     CheckpointLockedError,
     CheckpointNotFoundError,
     CheckpointSaveError,
+    CollectiveMismatchError,
     ConfigError,
     DistCkptError,
     IncompatibleCheckpointError,
@@ -32,4 +33,5 @@ __all__ = [
     "IncompatibleCheckpointError",
     "CheckpointLockedError",
     "CheckpointSaveError",
+    "CollectiveMismatchError",
 ]

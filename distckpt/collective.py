@@ -198,17 +198,28 @@ class Collective:
             raise exc from local_exc
         raise exc
 
-    def tear_down_for_exit(self) -> None:
-        """Every rank is leaving together (a preemption exit): destroy this group and the
-        default group after a barrier. gloo groups left to the interpreter's exit have aborted
-        a rank here ("terminate called without an active exception", exit code -6) after a
-        clean save. A failure is logged, never raised: the caller exits anyway."""
-        if not self.enabled:
+    def close(self) -> None:
+        """Destroy this gloo group after a barrier; every rank of the group calls it (the
+        manager's ``close``). gloo groups left to the interpreter's exit have aborted a rank
+        here ("terminate called without an active exception", exit code -6) after a clean
+        save. Idempotent; a failure is logged, never raised: nothing is left to agree on."""
+        if not self.enabled or self.group is None:
             return
+        group, self.group, self.enabled = self.group, None, False
         try:
-            self.barrier()
-            dist.destroy_process_group(self.group)
-            if dist.is_initialized():
+            dist.barrier(group=group)
+            dist.destroy_process_group(group)
+        except Exception as e:  # noqa: BLE001 - closing; the caller goes on either way
+            logging.getLogger(__name__).warning("destroying distckpt's process group failed: %s",
+                                                describe_exception(e))
+
+    def tear_down_for_exit(self) -> None:
+        """Every rank is leaving together (a preemption exit): :meth:`close`, then destroy the
+        default group after a barrier, for the reason :meth:`close` gives. A failure is
+        logged, never raised: the caller exits anyway."""
+        self.close()
+        try:
+            if dist.is_available() and dist.is_initialized():
                 dist.barrier()
                 dist.destroy_process_group()
         except Exception as e:  # noqa: BLE001 - the checkpoint is committed; exiting anyway

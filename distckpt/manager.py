@@ -285,14 +285,11 @@ class CheckpointManager:
     def save(self, step: int, *, loss: float | None = None, **counters: int) -> Path:
         """Save the whole training state as ``step-<step>``.
 
-        Protocol (:mod:`distckpt.transaction`): every rank writes into a staging directory;
-        outcomes are gathered; on any failure the staging directory is removed and every rank
-        raises; else rank 0 writes the manifest last, renames staging -> final, updates
-        ``latest`` and applies retention; a final barrier. With ``async_mode`` off this all
-        happens before the call returns; otherwise the call returns once the state is staged
-        and the write and commit finish in the background (at most one save in flight: the
-        next ``save``, :meth:`wait` or :meth:`close` waits for it and raises its error, on
-        every rank).
+        The commit protocol is :class:`~distckpt.transaction.SaveTransaction`'s. With
+        ``async_mode`` off it completes before the call returns; otherwise the call returns
+        once the state is staged and the write and commit finish in the background (at most
+        one save in flight: the next ``save``, :meth:`wait` or :meth:`close` waits for it and
+        raises its error, on every rank).
 
         Returns:
             The checkpoint directory (committed when blocking; committed later when async).
@@ -326,8 +323,8 @@ class CheckpointManager:
         self.schedule.mark_saved()
         if self.async_writer is None or blocking:
             tx.finish(self.collective, tx.write(build, self.collective))
-            self.save_durations.record(time.perf_counter() - tx.t0)
             self.last_save_seconds = time.perf_counter() - tx.t0
+            self.save_durations.record(self.last_save_seconds)
             return tx.final
         upload, started = tx.start(build, self.async_writer)
         tx.agree_started(self.collective, started)  # a failure to start is raised now, on every rank
@@ -365,11 +362,16 @@ class CheckpointManager:
         inflight.join()
 
     def close(self) -> None:
-        """Drain the in-flight save and release staging memory. Idempotent.
+        """Drain the in-flight save, release staging memory and the lock, and destroy
+        distckpt's own gloo groups (after a barrier: every rank calls ``close``). Idempotent.
+        Leaving a ``with`` block by an exception releases local resources only.
 
         Raises:
             CheckpointSaveError: the in-flight save failed.
         """
+        self._close(tear_down=True)
+
+    def _close(self, *, tear_down: bool) -> None:
         if self._closed:
             return
         try:
@@ -382,6 +384,9 @@ class CheckpointManager:
                 self.preemption.uninstall()
             if self.lock is not None and self.rank == 0:
                 self.lock.release()
+        for collective in (self.background, self.collective) if tear_down else ():
+            if collective is not None:
+                collective.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -391,4 +396,4 @@ class CheckpointManager:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close()
+        self._close(tear_down=exc_type is None)  # after an exception the peers may not be here

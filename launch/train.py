@@ -434,9 +434,12 @@ def main(argv: list[str] | None = None) -> int:
         train(job)
     except (ConfigError, DistCkptError) as e:
         logger.error("rank %d: %s", rank, e)
-        return 1
-    finally:
         dist.destroy_process_group()
+        return 1
+    # Every rank got here: leave together (a gloo group torn down while a peer still uses it, or
+    # left to the interpreter's exit, has aborted a rank with -6 here).
+    dist.barrier()
+    dist.destroy_process_group()
     return 0
 
 
