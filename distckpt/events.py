@@ -3,7 +3,7 @@
 Every event goes to the ``distckpt.events`` logger at DEBUG; when ``CheckpointConfig.event_log``
 or the ``DISTCKPT_EVENT_LOG`` environment variable names a file, each event is also appended to
 it as one JSON line ``{"phase", "rank", "step", "t" (unix seconds), ...}`` and flushed, so an
-external observer (``benchmarks/chaos.py``) sees it before the phase starts.
+external observer (the chaos harness, ``tests/chaos``) sees it before the phase starts.
 """
 
 from __future__ import annotations

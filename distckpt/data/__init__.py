@@ -7,11 +7,10 @@ from distckpt.data.sampler import (
     global_state_from_loader_state,
     make_stateful_dataloader,
 )
-from distckpt.data.workers import SigtermSafeWorkerInit, ignore_sigterm_in_worker
+from distckpt.data.workers import SigtermSafeWorkerInit
 
 __all__ = [
     "SigtermSafeWorkerInit",
-    "ignore_sigterm_in_worker",
     "ReshardableSampler",
     "check_world_size",
     "epoch_seed",

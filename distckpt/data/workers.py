@@ -4,30 +4,43 @@ torchrun (and most schedulers) deliver SIGTERM to each worker's whole process gr
 ``DataLoader`` worker process dies of it at once, and the main process then fails with
 "DataLoader worker (pid ...) is killed by signal: Terminated" at its next batch, before
 distckpt's preemption save at the step boundary (measured with torch 2.13, ``num_workers=2``,
-``kill -TERM`` on torchrun). A worker that ignores SIGTERM lives on until the main process
-finishes the save and shuts its loader down (the workers also exit on their own when the main
-process dies, and the launcher's SIGKILL after its grace period still ends everything).
+``kill -TERM`` on torchrun). So a worker set up by :class:`SigtermSafeWorkerInit` ignores
+SIGTERM while the main process runs.
+
+It must not ignore the SIGTERM the main process itself sends when it exits: Python's
+``multiprocessing`` ends daemonic children at interpreter exit with ``terminate()`` (SIGTERM)
+and then joins them, so a worker that ignored it would hang the exit of every script that
+leaves a loop before its loader's iterator is exhausted. The main process therefore sets a
+shared "exiting" event in an ``atexit`` hook, which runs before ``multiprocessing``'s own exit
+handler (``atexit`` runs hooks last-registered first); a SIGTERM that arrives once the event is
+set ends the worker as the default action would.
 """
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
+import os
 import signal
-from typing import Callable
+from typing import Any, Callable
 
-__all__ = ["SigtermSafeWorkerInit", "ignore_sigterm_in_worker"]
+__all__ = ["SigtermSafeWorkerInit"]
+
+_exiting: Any = None  # multiprocessing.Event, created in the main process on first use
 
 
-def ignore_sigterm_in_worker(worker_id: int) -> None:
-    """``worker_init_fn`` for a ``DataLoader``/``StatefulDataLoader``: ignore SIGTERM in this worker.
-
-    Args:
-        worker_id: the worker's index (unused; the DataLoader passes it).
-    """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def _main_exiting_event() -> Any:
+    global _exiting
+    if _exiting is None:
+        _exiting = multiprocessing.Event()
+        atexit.register(_exiting.set)
+    return _exiting
 
 
 class SigtermSafeWorkerInit:
-    """Picklable ``worker_init_fn``: ignore SIGTERM, then call ``user_fn(worker_id)`` if given.
+    """Picklable ``worker_init_fn``: the worker ignores SIGTERM until the main process exits,
+    then calls ``user_fn(worker_id)`` if given. Build it in the main process (it creates the
+    shared exit event there); ``make_stateful_dataloader`` does so for every loader with workers.
 
     Args:
         user_fn: the caller's own ``worker_init_fn``, or ``None``.
@@ -35,8 +48,17 @@ class SigtermSafeWorkerInit:
 
     def __init__(self, user_fn: Callable[[int], None] | None = None) -> None:
         self.user_fn = user_fn
+        self.main_exiting = _main_exiting_event()
 
     def __call__(self, worker_id: int) -> None:
-        ignore_sigterm_in_worker(worker_id)
+        exiting = self.main_exiting
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            if exiting.is_set():  # the main process is exiting: end as SIGTERM's default would
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+            # else: a launcher's SIGTERM to the process group; the main process saves, then exits
+
+        signal.signal(signal.SIGTERM, on_sigterm)
         if self.user_fn is not None:
             self.user_fn(worker_id)
