@@ -13,7 +13,8 @@ and then joins them, so a worker that ignored it would hang the exit of every sc
 leaves a loop before its loader's iterator is exhausted. The main process therefore sets a
 shared "exiting" event in an ``atexit`` hook, which runs before ``multiprocessing``'s own exit
 handler (``atexit`` runs hooks last-registered first); a SIGTERM that arrives once the event is
-set ends the worker as the default action would.
+set ends the worker at once (with exit code 0: the main process's DataLoader SIGCHLD handler
+reports a worker killed by a signal as an error).
 """
 
 from __future__ import annotations
@@ -54,9 +55,8 @@ class SigtermSafeWorkerInit:
         exiting = self.main_exiting
 
         def on_sigterm(signum: int, frame: Any) -> None:
-            if exiting.is_set():  # the main process is exiting: end as SIGTERM's default would
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGTERM)
+            if exiting.is_set():  # the main process is exiting and ends its workers: leave now
+                os._exit(0)  # exit code 0: torch's SIGCHLD check reports a signal death as an error
             # else: a launcher's SIGTERM to the process group; the main process saves, then exits
 
         signal.signal(signal.SIGTERM, on_sigterm)

@@ -65,6 +65,7 @@ def test_workers_survive_a_launcher_sigterm_and_the_script_still_exits(tmp_path)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "alive True 3"
+    assert "killed by signal" not in proc.stderr  # the workers left cleanly at exit
 
 
 def test_make_stateful_dataloader_workers_ignore_sigterm() -> None:
