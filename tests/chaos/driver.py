@@ -30,7 +30,8 @@ SMALL_MODEL = ["model.d_model=64", "model.n_layer=2", "model.n_head=2", "model.d
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Chaos test: SIGKILL a training job at random instants inside "
+    p = argparse.ArgumentParser(prog="python -m tests.chaos",
+                                description="Chaos test: SIGKILL a training job at random instants inside "
                                 "checkpoint saves, restart, check (tests/chaos/__init__.py).",
                                 epilog="example: python -m tests.chaos --kills 30 --out runs/chaos")
     p.add_argument("--kills", type=int, default=30, help="SIGKILLs to inflict (default 30)")
