@@ -43,9 +43,11 @@ from .manifest import Manifest, TensorSpec, model_fingerprint
 from .retention import steps_to_delete
 from .state import TrainState
 
-__all__ = ["BackgroundSave", "PhaseHook", "RankOutcome", "SaveContext", "SaveTransaction"]
+__all__ = ["BackgroundSave", "PHASES", "PhaseHook", "RankOutcome", "SaveContext", "SaveTransaction"]
 
 logger = logging.getLogger(__name__)
+
+PHASES = ("stage", "write", "manifest", "rename", "latest", "retention", "committed")  # passed to on_phase, in order
 
 
 class PhaseHook(Protocol):

@@ -21,245 +21,31 @@ requirement is missed: same world size ``max_abs_loss_diff == 0.0`` (against the
 for f against d); changed world size
 ``<= --tolerance``; no duplicated or skipped samples anywhere.
 
-Sample accounting. The *kept history* of a run is what its final model was trained on: for a
-resumed run, the kept history of the run that wrote its checkpoint up to the checkpoint step,
-then its own steps; for a run without a parent, its own steps (those recorded by every rank).
-Steps a killed or earlier run executed past the checkpoint are replayed, not kept. For every
-epoch ``e`` the kept history reaches, let ``k_e`` be the number of its global batches in steps
-``1..last`` and ``E_e`` the first ``k_e * G`` sample ids of the sampler's epoch-``e``
-permutation (``distckpt.data.ReshardableSampler.permutation``: batch ``k`` is
-``perm[k*G:(k+1)*G]``), i.e. every sample the epoch hands out up to the position reached.
-With ``c_e(i)`` the number of times sample ``i`` appears in the kept steps of epoch ``e``:
-
-* ``duplicated_samples = sum_e sum_i max(0, c_e(i) - 1)``
-* ``skipped_samples = sum_e |E_e - {i : c_e(i) > 0}|`` (a step missing from the history
-  counts its samples as skipped).
-
-Both are 0 exactly when every sample of each epoch was seen once, up to the position reached.
+Sample accounting (kept history, duplicated and skipped samples): see ``launch/jobs.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `launch` is a folder, not an installed package
     sys.path.insert(0, str(REPO))
 
 from distckpt import ConfigError  # noqa: E402
-from distckpt.data import ReshardableSampler  # noqa: E402
 from launch.config import load_job_config  # noqa: E402
+from launch.jobs import Run, committed_steps, kept_history, launch, sample_accounting  # noqa: E402
 
 __all__ = ["main"]
 
 
-@dataclass
-class Run:
-    """One torchrun job of the demo and what it left on disk."""
-
-    name: str
-    nproc: int
-    out: Path
-    ckpt_root: Path
-    parent: "Run | None" = None  # the run whose checkpoint this one resumes
-    reference: "Run | None" = None  # whose losses it must reproduce (default: the baseline)
-    load_path: Path | None = None
-    returncode: int | None = None
-    wall_seconds: float = 0.0
-    killed: bool = False
-    metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    samples: dict[int, list[int]] = field(default_factory=dict)  # complete steps only
-
-    def event(self, name: str) -> dict[str, Any] | None:
-        return next((e for e in self.events if e["event"] == name), None)
-
-    @property
-    def resumed_from(self) -> int | None:
-        e = self.event("resumed")
-        return None if e is None else e["step"]
-
-    @property
-    def last_step(self) -> int:
-        return max(self.metrics, default=0)
-
-
-# ---------------------------------------------------------------- processes
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Records of a JSONL file; a torn last line (the writer was killed) is ignored."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
-def _process_tree(root_pid: int) -> list[int]:
-    """``root_pid`` and all its descendants, from ``/proc`` (Linux)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [root_pid]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
-
-
-def kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL a torchrun job as a whole, like a node failure, and wait until it is gone.
-
-    torchrun starts each worker in a session of its own, so ``os.killpg`` of torchrun's group
-    alone would leave the workers running: every process group in the tree is killed.
-    """
-    tree = _process_tree(proc.pid)
-    own, groups = os.getpgid(0), []
-    for pid in reversed(tree):  # workers' groups first, torchrun's last
-        try:
-            pgid = os.getpgid(pid)
-        except ProcessLookupError:
-            continue
-        if pgid != own and pgid not in groups:  # never our own group
-            groups.append(pgid)
-    for pgid in groups:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.kill()  # in case its group could not be signalled
-    proc.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while any(_alive(p) for p in tree[1:]):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"processes {tree[1:]} survived SIGKILL")
-        time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
-KillWhen = Callable[[list[dict[str, Any]], list[dict[str, Any]]], bool]
-
-
-def start_train(run: Run, args: list[str], **env: str) -> subprocess.Popen:
-    """Start ``launch.train`` under torchrun for ``run`` (``args`` then ``train.out`` and
-    ``checkpoint.root``), in its own session so :func:`kill_job` reaches every rank; output
-    goes to ``run.out/torchrun.log``; ``env`` is added to this process's environment."""
-    run.out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={run.nproc}",
-           "-m", "launch.train", *args, f"train.out={run.out}", f"checkpoint.root={run.ckpt_root}"]
-    with open(run.out / "torchrun.log", "w") as log:
-        return subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", **env),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def check_timeout(proc: subprocess.Popen, run: Run, t0: float, timeout_s: float) -> None:
-    """Kill the job and raise ``TimeoutError`` once ``timeout_s`` passed since ``t0`` (monotonic)."""
-    if time.monotonic() - t0 > timeout_s:
-        kill_job(proc)
-        raise TimeoutError(f"{run.name}: still running after {timeout_s:.0f} s; log: {run.out / 'torchrun.log'}")
-
-
-def launch(run: Run, config: str, overrides: list[str], timeout_s: float,
-           kill_when: KillWhen | None = None) -> None:
-    """Run ``torchrun launch/train.py`` for ``run``; output goes to ``<run.out>/torchrun.log``.
-
-    Args:
-        run: the run; its records are read back into it afterwards.
-        config: job YAML.
-        overrides: ``section.key=value`` for every run; run-specific ones are added here.
-        timeout_s: the job is killed (whole tree) and ``TimeoutError`` raised past this.
-        kill_when: ``f(metrics, events) -> bool`` polled while the job runs; when true the
-            job is SIGKILLed as a whole.
-    """
-    args = ["--config", config, *overrides]
-    if run.load_path is not None:
-        args.append(f"checkpoint.load_path={run.load_path}")
-    t0 = time.monotonic()
-    proc = start_train(run, args)
-    try:
-        while proc.poll() is None:
-            check_timeout(proc, run, t0, timeout_s)
-            if kill_when is not None and kill_when(read_jsonl(run.out / "metrics.jsonl"),
-                                                   read_jsonl(run.out / "events.jsonl")):
-                kill_job(proc)
-                run.killed = True
-                break
-            time.sleep(0.01)
-    except BaseException:
-        if proc.poll() is None:
-            kill_job(proc)
-        raise
-    run.returncode, run.wall_seconds = proc.returncode, time.monotonic() - t0
-    load_records(run)
-
-
-def load_records(run: Run) -> None:
-    run.metrics = {m["step"]: m for m in read_jsonl(run.out / "metrics.jsonl")}
-    run.events = read_jsonl(run.out / "events.jsonl")
-    per_rank = [{r["step"]: r["ids"] for r in read_jsonl(run.out / f"samples.rank{rank}.jsonl")}
-                for rank in range(run.nproc)]
-    complete = set.intersection(*(set(p) for p in per_rank)) if per_rank else set()
-    run.samples = {s: [i for p in per_rank for i in p[s]] for s in sorted(complete)}
-
-
 # ---------------------------------------------------------------- analysis
-def kept_history(run: Run) -> dict[int, list[int]]:
-    """Global sample ids per step of what the run's final state was trained on (see module doc)."""
-    if run.parent is None or run.resumed_from is None:
-        return dict(run.samples)
-    c = run.resumed_from
-    history = {s: ids for s, ids in kept_history(run.parent).items() if s <= c}
-    history.update({s: ids for s, ids in run.samples.items() if s > c})
-    return history
-
-
-def sample_accounting(history: dict[int, list[int]], last_step: int, info: dict[str, Any]) -> tuple[int, int]:
-    """``(duplicated_samples, skipped_samples)`` of steps ``1..last_step`` (see module doc)."""
-    g, per_epoch = info["global_batch_size"], info["steps_per_epoch"]
-    sampler = ReshardableSampler(info["dataset_len"], global_batch_size=g, rank=0, world_size=1,
-                                 seed=info["sampler_seed"])
-    seen: dict[int, Counter] = {}
-    for step, ids in history.items():
-        if 1 <= step <= last_step:
-            seen.setdefault((step - 1) // per_epoch, Counter()).update(ids)
-    duplicated = skipped = 0
-    for epoch in range((last_step - 1) // per_epoch + 1 if last_step else 0):
-        batches = min(per_epoch, last_step - epoch * per_epoch)
-        expected = set(sampler.permutation(epoch)[: batches * g].tolist())
-        counts = seen.get(epoch, Counter())
-        duplicated += sum(n - 1 for n in counts.values() if n > 1)
-        skipped += len(expected - set(counts))
-    return duplicated, skipped
-
-
 def summarize(run: Run, baseline: Run, info: dict[str, Any], steps: int) -> dict[str, Any]:
     """The summary row of one run."""
     history = kept_history(run)
@@ -347,11 +133,6 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 # ---------------------------------------------------------------- driver
-def committed_steps(root: Path) -> list[int]:
-    """Steps of committed checkpoints in ``root`` (a ``step-*`` directory with its manifest)."""
-    return sorted(int(p.parent.name.split("-")[1]) for p in root.glob("step-*/distckpt.json"))
-
-
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="example: python -m launch.demo --out runs/demo --steps 40 "

@@ -23,7 +23,7 @@ Records. All workers append to the same ``train.out`` (see ``launch/train.py``):
 step is compared with the baseline for every execution of it; the kept sample ids of step ``s``
 are those of its last execution, at the world size ``w`` that execution ran at (rank 0's last
 ``metrics.jsonl`` record of ``s``): ranks ``0..w-1``'s last ``samples.rank<r>.jsonl`` records
-of ``s``. Duplicated and skipped samples are counted as in ``launch/demo.py``.
+of ``s``. Duplicated and skipped samples are counted as in ``launch/jobs.py``.
 
 ``<out>/summary.json``: ``{"events": [{"trigger", "world_size_before", "world_size_after",
 "saved_on_sigterm", "resumed_from_step", "steps_replayed", "seconds_to_resume"}, ...],
@@ -55,7 +55,7 @@ if str(REPO) not in sys.path:
 
 from distckpt import ConfigError  # noqa: E402
 from launch.config import load_job_config  # noqa: E402
-from launch.demo import Run, kill_job, launch, read_jsonl, sample_accounting  # noqa: E402
+from launch.jobs import Run, kill_job, launch, read_jsonl, sample_accounting  # noqa: E402
 
 __all__ = ["ELASTIC_ENV", "RDZV_CONF", "Agent", "agent_command", "free_port", "start_agent",
            "Timeline", "analyze", "main"]
@@ -97,7 +97,7 @@ class Agent:
 
 def start_agent(name: str, out: Path, port: int, run_id: str, train_args: list[str], *, nproc: int = 2,
                 max_restarts: int = 3, env: dict[str, str] | None = None) -> Agent:
-    """Start one node's torchrun agent in its own session (so :func:`launch.demo.kill_job`
+    """Start one node's torchrun agent in its own session (so :func:`launch.jobs.kill_job`
     reaches it and its workers); its output goes to ``out/<name>.log``. The environment gets
     :data:`ELASTIC_ENV` and ``OMP_NUM_THREADS=1``, then ``env``."""
     out.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,7 @@ from torch import nn
 
 from distckpt import CheckpointManager, ConfigError, DistCkptError
 from distckpt.data import ReshardableSampler, make_stateful_dataloader
+from distckpt.transaction import PHASES
 from launch.config import JobConfig, load_job_config
 from launch.data import ByteWindowDataset, corpus_fingerprint
 from launch.model import GPT, SampleSeedStream, lr_lambda_warmup_cosine, num_parameters
@@ -58,10 +59,9 @@ __all__ = ["main", "Job", "build_job", "train"]
 
 logger = logging.getLogger("launch.train")
 
-# Chaos-testing hooks (benchmarks/chaos.py); both are off unless their variable is set.
+# Chaos-testing hooks (tests/chaos); both are off unless their variable is set.
 CHAOS_PAUSE_ENV = "LAUNCH_CHAOS_PAUSE_S"
 CHAOS_PRESAVE_ENV = "LAUNCH_CHAOS_PRESAVE_SAMPLES"
-_CHAOS_PAUSED_PHASES = ("stage", "write", "manifest", "rename", "latest", "retention", "committed")
 
 
 def chaos_pause_hook() -> Callable[[str, int, int], None] | None:
@@ -75,7 +75,7 @@ def chaos_pause_hook() -> Callable[[str, int, int], None] | None:
         return None
 
     def pause_before(phase: str, step: int, rank: int) -> None:
-        if phase in _CHAOS_PAUSED_PHASES:
+        if phase in PHASES:
             time.sleep(pause)
 
     return pause_before

@@ -1,4 +1,4 @@
-"""Chaos test (benchmarks/chaos.py), shortened: 5 SIGKILLs inside saves, on CPU/gloo.
+"""Chaos test (tests/chaos), shortened: 5 SIGKILLs inside saves, on CPU/gloo.
 
 The run (about 70 s on 2 cores): a reference job, then six torchrun segments on one checkpoint
 root, the first five SIGKILLed as a whole at seeded instants aimed at save phases, the last
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from benchmarks.chaos import JsonlTail, classify_phase, lost_checkpoints
+from tests.chaos import JsonlTail, classify_phase, lost_checkpoints
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,7 @@ def test_jsonl_tail_waits_for_whole_lines(tmp_path: pathlib.Path) -> None:
 @pytest.mark.timeout(300)
 def test_chaos_five_kills(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "chaos"
-    cmd = [sys.executable, "-m", "benchmarks.chaos", "--kills", "5", "--out", str(out), "--seed", "0",
+    cmd = [sys.executable, "-m", "tests.chaos", "--kills", "5", "--out", str(out), "--seed", "0",
            "--run-timeout-s", "90"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=270)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from distckpt.data import ReshardableSampler
-from launch.demo import Run, kept_history, sample_accounting
+from launch.jobs import Run, kept_history, sample_accounting
 from launch.model import GPT, GPTConfig, SampleSeedStream
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

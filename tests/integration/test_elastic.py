@@ -14,8 +14,8 @@ import time
 import pytest
 
 from distckpt.data import ReshardableSampler
-from launch.demo import Run, committed_steps, kept_history, kill_job, launch, load_records, start_train
 from launch.elastic_demo import Timeline, analyze, check
+from launch.jobs import Run, committed_steps, kept_history, kill_job, launch, load_records, start_train
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "launch" / "configs" / "ddp.yaml")

@@ -1,0 +1,123 @@
+"""distckpt/transaction.py's SaveTransaction in one process (the real Collective, no process
+group: world size 1): phase order, manifest content, abort on a failed write or commit,
+retention."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import distckpt.transaction as tx_mod
+from distckpt import __version__
+from distckpt.collective import Collective
+from distckpt.commit import validate
+from distckpt.errors import CheckpointSaveError
+from distckpt.events import EventLog
+from distckpt.integrity import hash_file
+from distckpt.layout import LATEST, MANIFEST, checkpoint_name
+from distckpt.manifest import Manifest, TensorSpec, model_fingerprint
+from distckpt.state import TrainState
+from distckpt.transaction import PHASES, SaveContext, SaveTransaction
+
+SPECS = {"model.w": TensorSpec(shape=[4, 3], dtype="torch.float32")}
+
+
+@pytest.fixture(autouse=True)
+def _one_process(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("DISTCKPT_EVENT_LOG", raising=False)
+
+
+def _ctx(root: Path, calls: list, keep_last: int | None = None) -> SaveContext:
+    root.mkdir(parents=True, exist_ok=True)
+    return SaveContext(root=root, rank=0, world_size=1, wrapper="plain", model_specs=SPECS,
+                       events=EventLog(None, 0), on_phase=lambda p, s, r: calls.append((p, s, r)),
+                       keep_last=keep_last, keep_every_steps=None, thread_count=1, write_timeout_s=60.0)
+
+
+def _save(ctx: SaveContext, step: int, value: float = 1.0, **kw: Any) -> SaveTransaction:
+    ts = TrainState(step=step, epoch=step // 10, global_samples_seen=8 * step, loss_history=[(step, 0.5 * step)])
+    tx = SaveTransaction(ctx, step=step, save_id=f"{step:04x}", train_state=ts, full=False)
+    collective = Collective(None, timeout_s=30)
+    state = {"model.w": torch.full((4, 3), value), "extra": torch.arange(5)}
+    tx.finish(collective, tx.write(kw.get("build", lambda: state), collective))
+    return tx
+
+
+def test_phases_in_order_and_the_manifest_describes_the_files(tmp_path: Path) -> None:
+    calls: list = []
+    root = tmp_path / "ckpt"
+    tx = _save(_ctx(root, calls), 7, value=3.0)
+    assert calls == [(p, 7, 0) for p in PHASES if p != "retention"]  # nothing to delete yet
+    assert (root / LATEST).read_text() == "step-000000007\n"
+    assert sorted(os.listdir(root)) == [LATEST, "step-000000007"]  # staging renamed away
+    m = validate(tx.final, check_hashes=True)
+    assert (m.step, m.epoch, m.global_samples_seen, m.world_size, m.wrapper, m.state_dict_type, m.loss) == \
+        (7, 0, 56, 1, "plain", "sharded", 3.5)
+    assert (m.distckpt_version, m.torch_version, m.hash_algorithm) == (__version__, torch.__version__, "xxh3_128")
+    assert m.model == SPECS and m.model_fingerprint == model_fingerprint(SPECS)
+    on_disk = sorted(p.name for p in tx.final.iterdir() if p.name != MANIFEST)
+    assert [f.path for f in m.files] == on_disk and ".metadata" in on_disk
+    assert all((f.size_bytes, f.hash) == hash_file(tx.final / f.path) for f in m.files)
+    assert set(m.timings_s) == {"stage", "write", "commit"}
+
+
+def test_retention_deletes_only_older_checkpoints(tmp_path: Path) -> None:
+    calls: list = []
+    root = tmp_path / "ckpt"
+    ctx = _ctx(root, calls, keep_last=2)
+    for step in (2, 4):
+        _save(ctx, step)
+    newer = _save(_ctx(root, []), 50)  # another run's newer checkpoint: never retention's
+    calls.clear()
+    _save(ctx, 6)
+    retention = [c for c in calls if c[0] == "retention"]
+    assert retention == [("retention", 2, 0)]  # keep_last=2 among steps <= 6: 4 and 6 stay
+    assert [p for p, _, _ in calls] == list(PHASES)  # retention between latest and committed
+    assert sorted(p for p in os.listdir(root) if p.startswith("step-")) == \
+        ["step-000000004", "step-000000006", newer.final.name]
+    assert not [p for p in os.listdir(root) if p.startswith(".")]  # no .deleting- left
+    assert validate(newer.final, check_hashes=True).step == 50
+
+
+def test_a_failed_write_aborts_naming_rank_0_and_keeps_the_previous_checkpoint(tmp_path: Path,
+                                                                              monkeypatch) -> None:
+    calls: list = []
+    root = tmp_path / "ckpt"
+    ctx = _ctx(root, calls, keep_last=1)
+    previous = _save(ctx, 10)
+    before = {f.path: f.hash for f in Manifest.read(previous.final).files}
+
+    def failing_write(sd: dict, directory: Path, **kw: Any) -> dict:
+        (Path(directory) / "__0_0.distcp").write_bytes(b"half a file")  # a partial write on disk
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tx_mod, "dcp_save", failing_write)
+    calls.clear()
+    with pytest.raises(CheckpointSaveError) as e:
+        _save(ctx, 20)
+    assert e.value.failures.keys() == {0} and "No space left on device" in e.value.failures[0]
+    assert "save of step 20 failed on rank(s) [0]" in str(e.value) and "intact" in str(e.value)
+    assert calls == [("stage", 20, 0), ("write", 20, 0)]  # nothing of the commit ran
+    assert sorted(os.listdir(root)) == [LATEST, "step-000000010"]  # staging removed
+    assert (root / LATEST).read_text() == "step-000000010\n"
+    assert {f.path: f.hash for f in validate(previous.final, check_hashes=True).files} == before
+
+
+def test_a_failed_commit_aborts_and_leaves_a_foreign_directory_alone(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    ctx = _ctx(root, [])
+    _save(ctx, 10)
+    foreign = root / checkpoint_name(20)  # e.g. a plain dcp.save, no manifest
+    foreign.mkdir()
+    (foreign / "theirs.bin").write_bytes(b"not ours")
+    with pytest.raises(CheckpointSaveError, match="rank 0: commit: FileExistsError") as e:
+        _save(ctx, 20)
+    assert e.value.failures.keys() == {0}
+    assert os.listdir(foreign) == ["theirs.bin"]
+    assert sorted(os.listdir(root)) == [LATEST, "step-000000010", "step-000000020"]  # staging removed
+    assert (root / LATEST).read_text() == "step-000000010\n"
