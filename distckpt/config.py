@@ -50,17 +50,16 @@ class CheckpointConfig:
             of DCP's item-by-item ``FileSystemReader``. ``False`` falls back to DCP's reader (the
             checkpoint format is the same either way).
         load_streams_per_node: with ``fast_load``, parallel sequential read streams per node,
-            divided among the node's ranks (at least one per rank). On this project's
-            virtual disk 1 and 2 streams per rank were within noise of each other (1 GiB at 2
-            ranks, cold, 4 rounds: 0.363 s vs 0.348 s); NVMe arrays usually want more.
+            divided among the node's ranks (at least one per rank). Deeper storage queues
+            (NVMe arrays) usually want more (``benchmarks/README.md`` has this disk's figures).
         loss_history_len: number of recent losses kept in the checkpoint.
         seed: base seed for deriving RNG state of ranks that did not exist at save time.
         async_mode: ``"off"`` (blocking save), ``"thread"`` or ``"process"``: ``save`` returns
             once the state is staged (copied); the write and the commit finish in the background.
         background_staging: with async, copy in a background thread too; the loop must call
             ``manager.wait_staged()`` before ``optimizer.step()``.
-        thread_count: writer threads (and files) per rank for DCP's ``FileSystemWriter``; 4 was
-            15-30% faster than 1 for a 1 GiB blocking save here (benchmarks/bench_save.py).
+        thread_count: writer threads (and files) per rank for DCP's ``FileSystemWriter``
+            (``make bench`` measures 1 against the default 4 on your disk).
         lock: hold ``<root>/.lock`` while the manager is open, so a second job on the same root
             fails at construction (``CheckpointLockedError``). Without the lock the manager
             does not remove staging directories (they may belong to a live writer).

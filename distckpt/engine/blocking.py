@@ -40,10 +40,9 @@ def gc_paused() -> Iterator[None]:
     """Pause Python's automatic (cyclic) garbage collection for a blocking DCP call.
 
     DCP's planning allocates many small containers (plans, metadata, pickled objects), which
-    triggers generation-2 collections; each scans every object of the process, ~0.2 s in a
-    torch process here, and in a multi-rank load the stalled rank holds up every other rank
-    at the next collective (measured: 1 GiB FSDP2 load at 2 ranks, a 0.17-0.22 s gen-2
-    collection in about half of the loads). Nothing a save or load allocates needs the cycle
+    triggers generation-2 collections; each scans every object of the process (a large
+    fraction of a fast load's time, see README "Benchmarks"), and in a multi-rank load the
+    stalled rank holds up every other rank at the next collective. Nothing a save or load allocates needs the cycle
     collector; reference counting frees it. Same idea as torchtitan's GC handler, which
     disables automatic GC during training and collects at chosen steps.
     """
@@ -174,8 +173,8 @@ def run_load(state_dict: dict[str, Any], reader: Any, *, process_group: dist.Pro
     scatters it back, but ``DefaultLoadPlanner``'s global step returns the local plans unchanged
     (``create_default_global_load_plan``: "no global coordination"), so each rank runs DCP's
     ``no_dist`` load and the ranks then exchange only the outcome -- one ``all_gather_object``
-    instead of DCP's gather + scatter + final gather (measured: ~35 ms of a 0.34 s 1 GiB load at
-    2 ranks; the exchange grows with the world size on the coordinator).
+    instead of DCP's gather + scatter + final gather, whose cost grows with the world size on
+    the coordinator.
 
     Raises:
         CheckpointCorruptError: on every rank when any rank's read failed, naming the first
