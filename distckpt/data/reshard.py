@@ -116,6 +116,7 @@ class DataLoaderState:
             # new iterator (one RNG draw). Restore the ended one as finished so that the next
             # iter(loader) does the same, after the RNG restore.
             state = dict(state, _iterator_finished=True)
+        self._shut_down_iterator()
         self.dataloader.load_state_dict(state)
         self._materialize_iterator()
         if position is not None:
@@ -123,6 +124,14 @@ class DataLoaderState:
             # must start at its beginning.
             assert sampler is not None  # position is only set when there is a sampler
             sampler.load_state_dict(position)
+
+    def _shut_down_iterator(self) -> None:
+        # load_state_dict drops the loader's iterator. Left to the cyclic GC, its workers wait
+        # 5 s each (MP_STATUS_CHECK_INTERVAL) for a shutdown message whose queue was already
+        # finalized; shut them down while the queues are intact (torchdata 0.11 internals).
+        shut_down = getattr(getattr(self.dataloader, "_iterator", None), "_shutdown_workers", None)
+        if callable(shut_down):
+            shut_down()
 
     def _materialize_iterator(self) -> None:
         # Creating a StatefulDataLoader iterator draws its base seed from the global torch RNG.
@@ -161,6 +170,7 @@ class DataLoaderState:
                 f"rank {rank}: the world size changed but the dataloader position cannot be "
                 "resharded: build the loader on distckpt.data.ReshardableSampler (in the saving "
                 "and in the resuming run), or pass dataloader=None and reposition it yourself")
+        self._shut_down_iterator()
         self.dataloader.load_state_dict({})  # drop any iterator made at the old position
         sampler.load_state_dict(state)
         # At an epoch boundary the next iter(loader) draws from the restored RNG, as the

@@ -113,9 +113,20 @@ def train(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
         if step == opts.get("crash_at"):
             break
     manager.close()
+    release_workers(loader)
     return {"losses": losses, "ids": ids, "resumed_from": state.step if state else None,
             "params": full_params(model), "scale": scaler.get_scale(),
             "lr": scheduler.get_last_lr()}
+
+
+def release_workers(loader: StatefulDataLoader) -> None:
+    """Shut down the loader's worker processes now. Tests run several jobs in one process; a
+    loader and its iterator form a reference cycle, and an iterator the cyclic GC collects
+    waits 5 s per worker for a shutdown message its finalized queue never delivers
+    (torchdata 0.11 internals; a training process keeps its loader to the end)."""
+    shut_down = getattr(getattr(loader, "_iterator", None), "_shutdown_workers", None)
+    if callable(shut_down):
+        shut_down()
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:

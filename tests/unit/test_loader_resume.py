@@ -15,11 +15,22 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from distckpt import CheckpointConfig, CheckpointManager, ConfigError, IncompatibleCheckpointError
 from distckpt.manifest import Manifest
-from tests.distributed.trainer import Net, build, train, train_steps
+from tests.distributed.trainer import Net, build, release_workers, train, train_steps
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::UserWarning")]
 
 UNTIL = 18
+
+
+@pytest.fixture(autouse=True)
+def _release_loader_workers():
+    """Shut down the workers of every loader a test left behind (see ``release_workers``)."""
+    yield
+    import gc
+
+    for obj in gc.get_objects():
+        if isinstance(obj, StatefulDataLoader):
+            release_workers(obj)
 
 
 def _run(root, **opts):
@@ -128,6 +139,7 @@ def test_iterator_created_before_load_is_refused(tmp_path, num_workers, kind):
             next(it)
     manager.save(5)
     manager.close()
+    release_workers(loader)
 
     if kind == "map":
         model, optimizer, scheduler, scaler, loader = build(0, 1, {"num_workers": num_workers})
@@ -140,6 +152,7 @@ def test_iterator_created_before_load_is_refused(tmp_path, num_workers, kind):
         manager.load()
     del early
     manager.close()
+    release_workers(loader)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
