@@ -145,3 +145,12 @@ def test_public_api_exports_every_error():
 
     assert set(errors.__all__) <= set(distckpt.__all__)
     assert all(getattr(distckpt, name) is getattr(errors, name) for name in errors.__all__)
+
+
+def test_design_doc_names_every_module():
+    import re
+
+    text = (PKG.parent / "docs" / "design.md").read_text()
+    unnamed = [f.relative_to(PKG.parent).as_posix() for f in sorted(PKG.rglob("*.py"))
+               if f.stem != "__init__" and not re.search(rf"`{re.escape(f.stem)}`", text)]
+    assert unnamed == [], f"docs/design.md does not name: {unnamed}"
