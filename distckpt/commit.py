@@ -2,11 +2,11 @@
 
 Rank 0 calls :func:`commit` after every rank's write succeeded::
 
-    write manifest (tmp + fsync + os.replace) -> fsync staging dir -> rename staging -> final
+    write manifest (tmp + fsync + os.replace) -> fsync pending dir -> rename pending -> final
     -> fsync root -> replace ``latest`` (tmp + fsync + os.replace) -> fsync root
 
 A SIGKILL at any instant leaves either the previous checkpoint or the new one loadable:
-before the rename the new one is a staging directory (never loaded); after it, the directory
+before the rename the new one is a pending directory (never loaded); after it, the directory
 holds a complete manifest. ``latest`` is only a hint; :func:`validate` is the truth.
 """
 
@@ -28,7 +28,7 @@ from .layout import (
     checkpoint_dirs,
     deleting_name,
     is_deleting,
-    is_staging,
+    is_pending,
     parse_step,
 )
 from .manifest import FileEntry, Manifest
@@ -96,18 +96,18 @@ def list_files(checkpoint_dir: str | os.PathLike,
     return entries
 
 
-def commit(staging_dir: str | os.PathLike, final_dir: str | os.PathLike, manifest: Manifest,
+def commit(pending_dir: str | os.PathLike, final_dir: str | os.PathLike, manifest: Manifest,
            on_phase: Callable[[str], None] | None = None) -> None:
-    """Make a fully written staging directory a committed checkpoint. Rank 0 only.
+    """Make a fully written pending directory a committed checkpoint. Rank 0 only.
 
-    ``manifest.files`` must already list the staging directory's files. ``on_phase`` is
+    ``manifest.files`` must already list the pending directory's files. ``on_phase`` is
     called with ``"manifest"``, ``"rename"``, ``"latest"`` before each step.
 
     Raises:
         FileExistsError: ``final_dir`` exists (a checkpoint of that step is already committed).
-        OSError: from the file system; the staging directory is then left for cleanup.
+        OSError: from the file system; the pending directory is then left for cleanup.
     """
-    staging_dir, final_dir = Path(staging_dir), Path(final_dir)
+    pending_dir, final_dir = Path(pending_dir), Path(final_dir)
     if final_dir.exists():
         if not (final_dir / MANIFEST).exists():
             raise FileExistsError(f"{final_dir} exists and is not a distckpt checkpoint (no {MANIFEST}); "
@@ -115,9 +115,9 @@ def commit(staging_dir: str | os.PathLike, final_dir: str | os.PathLike, manifes
         raise FileExistsError(f"{final_dir} already exists; refusing to overwrite a committed checkpoint")
     phase = on_phase or (lambda name: None)
     phase("manifest")
-    write_atomic(staging_dir / MANIFEST, manifest.to_json())
+    write_atomic(pending_dir / MANIFEST, manifest.to_json())
     phase("rename")
-    os.rename(staging_dir, final_dir)
+    os.rename(pending_dir, final_dir)
     fsync_dir(final_dir.parent)
     phase("latest")
     write_atomic(final_dir.parent / LATEST, final_dir.name + "\n")
@@ -172,7 +172,7 @@ def remove_leftovers(root: str | os.PathLike) -> list[str]:
     """Delete what a crash of distckpt can leave behind, and only what distckpt provably wrote.
     Rank 0, at start, while holding the root's lock.
 
-    Removed: staging directories (``.staging-step-*``), deletions in progress
+    Removed: pending directories (``.pending-step-*``; ``.staging-step-*`` of earlier versions), deletions in progress
     (``.deleting-step-*``: retention renames a checkpoint so before deleting its files) and
     ``.latest.tmp-*`` files of an interrupted ``latest`` update. A ``step-*`` directory
     without a manifest is never deleted: the one ``latest`` names (distckpt committed it, then
@@ -195,7 +195,7 @@ def remove_leftovers(root: str | os.PathLike) -> list[str]:
             os.path.join(entry.path, MANIFEST))
         if entry.is_dir() and no_manifest and entry.name == latest:
             removed.append(f"{entry.name} (set aside as {set_aside(entry.path).name}: no manifest)")
-        elif entry.is_dir() and (is_staging(entry.name) or is_deleting(entry.name)):
+        elif entry.is_dir() and (is_pending(entry.name) or is_deleting(entry.name)):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.name)
         elif entry.is_file() and entry.name.startswith(f".{LATEST}.tmp-"):

@@ -20,7 +20,7 @@ class CheckpointConfig:
     """What to save, when, and how many to keep.
 
     Args:
-        root: directory holding ``step-*`` checkpoints, ``latest`` and staging directories.
+        root: directory holding ``step-*`` checkpoints, ``latest`` and pending directories (saves in progress).
         interval_steps: save when ``step % interval_steps == 0``; ``None`` disables.
         interval_seconds: save when this many seconds (wall clock on rank 0) passed since the
             last save; rank 0 decides and broadcasts, so skewed clocks never split the ranks.
@@ -62,7 +62,7 @@ class CheckpointConfig:
             (``make bench`` measures 1 against the default 4 on your disk).
         lock: hold ``<root>/.lock`` while the manager is open, so a second job on the same root
             fails at construction (``CheckpointLockedError``). Without the lock the manager
-            does not remove staging directories (they may belong to a live writer).
+            does not remove pending directories (they may belong to a live writer).
         lock_lease_s: rank 0 renews the lock every ``lock_lease_s / 3`` seconds; another job
             (on another host, where the holder's process cannot be checked) takes a lock over
             once it was not renewed for this long. The same scheduler job takes it over at once.

@@ -25,7 +25,7 @@ import torch
 from .commit import commit, existing_checkpoints, list_files, repair_latest, set_aside
 from .errors import CheckpointNotFoundError, ConfigError
 from .integrity import hash_file
-from .layout import checkpoint_name, staging_name
+from .layout import checkpoint_name, pending_name
 from .manifest import Manifest, TensorSpec, model_fingerprint
 from .reader import CheckpointReader
 from .single_file import SafetensorsWriter, TorchZipWriter
@@ -364,7 +364,7 @@ def import_weights(weights_path: str | os.PathLike, root: str | os.PathLike, *, 
     root.mkdir(parents=True, exist_ok=True)
     lock = RootLock(root)
     lock.acquire()
-    staging = root / staging_name(step, uuid.uuid4().hex[:12])
+    pending = root / pending_name(step, uuid.uuid4().hex[:12])
     try:
         existing = existing_checkpoints(root)
         if existing and on_existing != "archive":
@@ -385,29 +385,29 @@ def import_weights(weights_path: str | os.PathLike, root: str | os.PathLike, *, 
             WEIGHTS_ONLY_KEY: pack({"source": str(Path(weights_path).resolve()),
                               "size_bytes": Path(weights_path).stat().st_size, "time": time.time()}),
         }
-        staging.mkdir()
-        writer = hashing_writer(staging, thread_count=1)
+        pending.mkdir()
+        writer = hashing_writer(pending, thread_count=1)
         t_write = time.perf_counter()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
             dcp.save(state, storage_writer=writer, no_dist=True)
         t_write = time.perf_counter() - t_write
         specs = {k: TensorSpec(shape=list(v.shape), dtype=str(v.dtype)) for k, v in sorted(weights.items())}
-        files = list_files(staging, dict(writer.fs.written))
+        files = list_files(pending, dict(writer.fs.written))
         for entry in files:
             if entry.hash is None:
-                entry.hash = hash_file(staging / entry.path)[1]
+                entry.hash = hash_file(pending / entry.path)[1]
         manifest = Manifest(
             step=step, wall_time=time.time(), world_size=1, wrapper="plain", state_dict_type="full",
             torch_version=torch.__version__, distckpt_version=__version__, model=specs,
             model_fingerprint=model_fingerprint(specs),
             timings_s={"stage": 0.0, "write": t_write, "commit": time.perf_counter() - t0 - t_write},
             files=files)
-        commit(staging, final, manifest)
+        commit(pending, final, manifest)
     except BaseException:
         import shutil
 
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(pending, ignore_errors=True)
         raise
     finally:
         lock.release()

@@ -1,4 +1,4 @@
-"""Names on disk (docs/design.md, section 3): ``step-%09d``, ``.staging-step-%09d-<id>``,
+"""Names on disk (docs/design.md, section 3): ``step-%09d``, ``.pending-step-%09d-<id>``,
 ``.deleting-step-%09d-<id>``, ``latest``, and set-aside checkpoints ``<reason>-step-%09d-<n>``."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ __all__ = [
     "LATEST",
     "MANIFEST",
     "checkpoint_name",
-    "staging_name",
+    "pending_name",
     "parse_step",
-    "is_staging",
+    "is_pending",
     "deleting_name",
     "is_deleting",
     "SET_ASIDE_REASONS",
@@ -23,7 +23,8 @@ __all__ = [
 LATEST = "latest"
 MANIFEST = "distckpt.json"
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
-_STAGING_RE = re.compile(r"^\.staging-step-(\d{9,})-([0-9a-f]+)$")
+# ``.staging-`` is the name earlier versions gave the same directory: still distckpt's own.
+_PENDING_RE = re.compile(r"^\.(?:pending|staging)-step-(\d{9,})-([0-9a-f]+)$")
 _DELETING_RE = re.compile(r"^\.deleting-step-(\d{9,})-([0-9a-f]+)$")
 SET_ASIDE_REASONS = ("corrupt", "rolledback", "archived")
 """Why a checkpoint was renamed out of the way (never deleted): damaged, newer than a rollback's
@@ -38,9 +39,9 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:09d}"
 
 
-def staging_name(step: int, save_id: str) -> str:
+def pending_name(step: int, save_id: str) -> str:
     """Directory name a save of ``step`` writes into before its commit."""
-    return f".staging-{checkpoint_name(step)}-{save_id}"
+    return f".pending-{checkpoint_name(step)}-{save_id}"
 
 
 def parse_step(name: str) -> int | None:
@@ -49,9 +50,9 @@ def parse_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def is_staging(name: str) -> bool:
-    """Whether ``name`` is an in-progress (never loadable) staging directory."""
-    return _STAGING_RE.match(name) is not None
+def is_pending(name: str) -> bool:
+    """Whether ``name`` is a pending directory: a save in progress, never loadable."""
+    return _PENDING_RE.match(name) is not None
 
 
 def deleting_name(step_dir_name: str, delete_id: str) -> str:

@@ -159,7 +159,7 @@ class CheckpointManager:
     def load(self) -> TrainState | None:
         """Resume from the newest valid committed checkpoint (or ``config.load_path``).
 
-        Rank 0 first removes staging directories and deletions left by a crash. A checkpoint is
+        Rank 0 first removes pending directories and deletions left by a crash. A checkpoint is
         valid when its manifest is readable and every listed file exists with the recorded size.
         A ``load_path`` naming ``step-N`` of the root is a rollback: the root's newer checkpoints
         are renamed ``rolledback-step-M-<n>`` (kept; a warning lists them) at this run's first
@@ -362,7 +362,7 @@ class CheckpointManager:
         inflight.join()
 
     def close(self) -> None:
-        """Drain the in-flight save, release staging memory and the lock, and destroy
+        """Drain the in-flight save, release the async staging buffers and the lock, and destroy
         distckpt's own gloo groups (after a barrier: every rank calls ``close``). Idempotent.
         Leaving a ``with`` block by an exception releases local resources only.
 

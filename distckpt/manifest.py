@@ -1,6 +1,6 @@
 """The manifest ``distckpt.json``: what a committed checkpoint holds (docs/design.md, section 3).
 
-Written last by rank 0 (tmp + ``os.replace``) before the staging directory is renamed, so its
+Written last by rank 0 (tmp + ``os.replace``) before the pending directory is renamed, so its
 presence with a matching file list is what makes a checkpoint loadable.
 """
 

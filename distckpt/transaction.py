@@ -38,7 +38,7 @@ from .engine.blocking import describe_exception
 from .errors import CheckpointSaveError
 from .events import EventLog
 from .integrity import hash_file
-from .layout import checkpoint_name, staging_name
+from .layout import checkpoint_name, pending_name
 from .manifest import Manifest, TensorSpec, model_fingerprint
 from .retention import steps_to_delete
 from .state import TrainState
@@ -112,7 +112,7 @@ class SaveTransaction:
     Args:
         ctx: the manager's shared save settings.
         step: global step saved (the checkpoint is ``step-<step>``).
-        save_id: unique per save (names the staging directory).
+        save_id: unique per save (names the pending directory).
         train_state: counters and loss history to save (a snapshot: not mutated later).
         full: FULL model/optimizer state dict instead of SHARDED (recorded in the manifest).
     """
@@ -120,7 +120,7 @@ class SaveTransaction:
     def __init__(self, ctx: SaveContext, *, step: int, save_id: str, train_state: TrainState,
                  full: bool) -> None:
         self.ctx, self.step, self.train_state, self.full = ctx, step, train_state, full
-        self.staging = ctx.root / staging_name(step, save_id)
+        self.pending = ctx.root / pending_name(step, save_id)
         self.final = ctx.root / checkpoint_name(step)
         self.t0 = time.perf_counter()
 
@@ -139,10 +139,10 @@ class SaveTransaction:
         try:
             self.phase("stage")
             sd = build_state_dict()
-            self.phase("write", staging=str(self.staging), blocking=True)
-            self.staging.mkdir(parents=True, exist_ok=True)
+            self.phase("write", pending=str(self.pending), blocking=True)
+            self.pending.mkdir(parents=True, exist_ok=True)
             t_stage = time.perf_counter() - self.t0
-            files = dcp_save(sd, self.staging, process_group=collective.group,
+            files = dcp_save(sd, self.pending, process_group=collective.group,
                              thread_count=self.ctx.thread_count, write_timeout_s=self.ctx.write_timeout_s)
             return RankOutcome(None, t_stage, time.perf_counter() - self.t0 - t_stage, files)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
@@ -160,9 +160,9 @@ class SaveTransaction:
         try:
             self.phase("stage")
             sd = build_state_dict()
-            self.phase("write", staging=str(self.staging), blocking=False)
-            self.staging.mkdir(parents=True, exist_ok=True)
-            upload = async_writer.start(sd, self.staging)
+            self.phase("write", pending=str(self.pending), blocking=False)
+            self.pending.mkdir(parents=True, exist_ok=True)
+            upload = async_writer.start(sd, self.pending)
             return upload, RankOutcome(None, time.perf_counter() - self.t0)
         except BaseException as e:  # noqa: BLE001 - as in write()
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -174,7 +174,7 @@ class SaveTransaction:
 
         Raises:
             CheckpointSaveError: on every rank, when any rank failed to stage or start;
-                the staging directory is removed.
+                the pending directory is removed.
         """
         failures = {r: e for r, e in enumerate(collective.all_gather(outcome.error)) if e is not None}
         if failures:
@@ -193,7 +193,7 @@ class SaveTransaction:
         """Wait for the background write (background thread); never raises."""
         try:
             upload.result()
-            files = async_writer.written_files(self.staging, self.ctx.rank)
+            files = async_writer.written_files(self.pending, self.ctx.rank)
             return dataclasses.replace(started, write_s=time.perf_counter() - self.t0 - started.stage_s,
                                        files=files)
         except BaseException as e:  # noqa: BLE001 - DCP raises BaseException subclasses
@@ -244,11 +244,11 @@ class SaveTransaction:
             distckpt_version=__version__, model=ctx.model_specs,
             model_fingerprint=model_fingerprint(ctx.model_specs),
             loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == self.step else None,
-            timings_s=timings, files=list_files(self.staging, files))
+            timings_s=timings, files=list_files(self.pending, files))
         for entry in manifest.files:
             if entry.hash is None:  # no writer reported it: hash it here rather than skip it
                 logger.warning("no writer reported a hash for %s; hashing it on rank 0", entry.path)
-                entry.hash = hash_file(self.staging / entry.path)[1]
+                entry.hash = hash_file(self.pending / entry.path)[1]
         return manifest
 
     def _commit(self, timings: dict[str, float], files: dict[str, tuple[int, str]]) -> str | None:
@@ -260,7 +260,7 @@ class SaveTransaction:
             manifest.timings_s["commit"] = time.perf_counter() - t0  # up to the manifest write
             if self.ctx.before_commit is not None:
                 self.ctx.before_commit()
-            commit(self.staging, self.final, manifest, on_phase=self.phase)
+            commit(self.pending, self.final, manifest, on_phase=self.phase)
         except Exception as e:  # noqa: BLE001 - broadcast to every rank
             return describe_exception(e)
         try:
@@ -285,7 +285,7 @@ class SaveTransaction:
 
     def _abort(self, collective: Collective) -> None:
         if self.ctx.rank == 0:
-            shutil.rmtree(self.staging, ignore_errors=True)
+            shutil.rmtree(self.pending, ignore_errors=True)
         collective.barrier()
 
 

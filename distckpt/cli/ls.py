@@ -2,7 +2,7 @@
 
 Status: ``committed`` (manifest valid, files present with their sizes, ``.metadata`` readable
 as DCP metadata), ``corrupt`` (with the reason), ``unmanaged`` (a ``step-*`` directory without
-a manifest, e.g. a plain ``dcp.save``: the manager ignores it), ``staging`` (an unfinished
+a manifest, e.g. a plain ``dcp.save``: the manager ignores it), ``pending`` (an unfinished
 save), ``deleting`` (a retention delete in progress) or ``set aside`` (renamed
 ``corrupt-``/``rolledback-``/``archived-step-*``: kept, never loaded). Reads no data files and
 never unpickles anything but allow-listed DCP metadata types.
@@ -16,7 +16,7 @@ from pathlib import Path
 from ..commit import find_committed
 from ..engine import read_dcp_metadata
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
-from ..layout import LATEST, MANIFEST, is_deleting, is_staging, parse_set_aside
+from ..layout import LATEST, MANIFEST, is_deleting, is_pending, parse_set_aside
 from ..manifest import Manifest
 from ._common import fmt_bytes, fmt_float, fmt_time, print_json, print_table
 
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def list_root(root: Path) -> list[dict]:
-    """One row per ``step-*`` (oldest first), then staging, deleting and set-aside directories.
+    """One row per ``step-*`` (oldest first), then pending, deleting and set-aside directories.
 
     Raises:
         CheckpointNotFoundError: ``root`` does not exist, is not a directory, or is a checkpoint.
@@ -66,8 +66,8 @@ def list_root(root: Path) -> list[dict]:
             row.update(status="corrupt", reason=str(result))
         rows.append(row)
     others = sorted(root.iterdir())
-    rows += [{"name": p.name, "step": None, "status": "staging", "latest": False}
-             for p in others if is_staging(p.name)]
+    rows += [{"name": p.name, "step": None, "status": "pending", "latest": False}
+             for p in others if is_pending(p.name)]
     rows += [{"name": p.name, "step": None, "status": "deleting", "latest": False}
              for p in others if is_deleting(p.name)]
     rows += [{"name": p.name, "step": aside[1], "status": "set aside", "reason": aside[0], "latest": False}

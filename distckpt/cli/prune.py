@@ -4,7 +4,7 @@ Uses the same retention rule as the manager (the newest committed checkpoint is 
 and deletes each manifest first. Before deleting anything it reads every byte of the
 checkpoints it would keep (sizes, hashes, safe ``.metadata`` read, as ``verify`` does): a kept
 checkpoint that fails counts as corrupt, so the K kept ones are K that load, and a bit flip
-in the newest never costs the older good ones. Corrupt and staging directories are never
+in the newest never costs the older good ones. Corrupt and pending directories are never
 touched. Holds the root's write lock, so it refuses while a training job writes the root.
 """
 

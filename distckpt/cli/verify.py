@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..audit import audit_checkpoint
 from ..errors import CheckpointNotFoundError
-from ..layout import MANIFEST, checkpoint_dirs, is_staging, parse_step
+from ..layout import MANIFEST, checkpoint_dirs, is_pending, parse_step
 from ._common import fmt_bytes, print_json
 from ._errors import EXIT_FAILED, EXIT_OK
 
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def targets(path: Path) -> tuple[list[Path], list[str]]:
-    """Checkpoint directories to verify and staging directories skipped.
+    """Checkpoint directories to verify and pending directories skipped.
 
     Raises:
         CheckpointNotFoundError: nothing that looks like a checkpoint at ``path``.
@@ -40,18 +40,18 @@ def targets(path: Path) -> tuple[list[Path], list[str]]:
     if (path / MANIFEST).exists() or (path / ".metadata").exists() or parse_step(path.name) is not None:
         return [path], []
     found = [p for _, p in checkpoint_dirs(path)]
-    staging = sorted(p.name for p in path.iterdir() if is_staging(p.name))
+    pending = sorted(p.name for p in path.iterdir() if is_pending(p.name))
     if not found:
         raise CheckpointNotFoundError(f"{path}: not a checkpoint and holds no step-* checkpoint to verify")
-    return found, staging
+    return found, pending
 
 
 def run(args: argparse.Namespace) -> int:
-    found, staging = targets(Path(args.path))
+    found, pending = targets(Path(args.path))
     reports = [audit_checkpoint(p) for p in found]
     bad = [r for r in reports if not r.ok]
     if args.json:
-        print_json({"ok": not bad, "skipped_staging": staging, "checkpoints": [
+        print_json({"ok": not bad, "skipped_pending": pending, "checkpoints": [
             {"path": str(r.path), "ok": r.ok, "unhashed": r.unhashed,
              "problems": [{"path": e.path, "message": str(e)} for e in r.problems]} for r in reports]})
         return EXIT_FAILED if bad else EXIT_OK
@@ -65,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"CORRUPT  {r.path}  ({len(r.problems)} problem{'s' if len(r.problems) > 1 else ''})")
             for e in r.problems:
                 print(f"  {e}")
-    for name in staging:
-        print(f"skipped  {Path(args.path) / name}  (staging: an unfinished save)")
+    for name in pending:
+        print(f"skipped  {Path(args.path) / name}  (pending: an unfinished save)")
     if bad:
         print(f"{len(bad)} of {len(reports)} checkpoint(s) corrupt")
     return EXIT_FAILED if bad else EXIT_OK

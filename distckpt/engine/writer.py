@@ -127,7 +127,7 @@ class CheckedFileSystemWriter(FileSystemWriter):
     ``(size_bytes, xxh3_128 hex)``.
 
     Args:
-        path: the checkpoint (staging) directory.
+        path: the checkpoint (pending) directory.
         thread_count: writer threads (and files) of this rank.
         write_timeout_s: deadline of this rank's ``write_data`` (seconds from its start);
             ``None`` for none.

@@ -35,8 +35,8 @@ supported phase hook, which sleeps that long before each phase acts, so every in
 on-disk state lasts long enough to be hit (``tests/distributed/test_phase_hook.py`` fails if a
 phase is never reached through it). Timing only; no bytes change.
 
-What a kill hit is read from the disk right after it (``phase_hit``): no staging directory yet
--> ``stage``; staging without DCP's ``.metadata`` -> ``write``; with ``.metadata`` but without
+What a kill hit is read from the disk right after it (``phase_hit``): no pending directory yet
+-> ``stage``; pending without DCP's ``.metadata`` -> ``write``; with ``.metadata`` but without
 the manifest -> ``manifest``; with the manifest -> ``rename``; renamed but ``latest`` still
 names the previous one -> ``latest``; a retention victim still present (whole, or already
 without its manifest) -> ``retention``; else ``train``.

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from distckpt.commit import find_committed
-from distckpt.layout import LATEST, MANIFEST, checkpoint_name, is_deleting, is_staging, parse_step
+from distckpt.layout import LATEST, MANIFEST, checkpoint_name, is_deleting, is_pending, parse_step
 from distckpt.manifest import Manifest
 
 __all__ = ["PHASE_WEIGHTS", "Aim", "choose_aim", "next_world_size", "inspect_root", "classify_phase",
@@ -90,7 +90,7 @@ def inspect_root(root: Path) -> dict[str, Any]:
     """What a checkpoint root holds now.
 
     Returns:
-        ``{"valid": [steps], "invalid": {step: reason}, "staging": [{name, step, files,
+        ``{"valid": [steps], "invalid": {step: reason}, "pending": [{name, step, files,
         metadata, manifest, manifest_tmp}], "latest": name or None, "other": [names],
         "deleting": [steps of .deleting- directories]}``;
         ``valid`` per :func:`distckpt.commit.find_committed` (manifest readable, every listed
@@ -102,14 +102,14 @@ def inspect_root(root: Path) -> dict[str, Any]:
             valid.append(step)
         else:
             invalid[step] = str(result)[:200]
-    staging, other, deleting = [], [], []
+    pending, other, deleting = [], [], []
     if root.is_dir():
         for entry in sorted(os.scandir(root), key=lambda e: e.name):
             if entry.is_dir() and is_deleting(entry.name):  # a retention delete in progress
                 deleting.append(int(entry.name.split("-")[2]))
-            elif entry.is_dir() and is_staging(entry.name):
+            elif entry.is_dir() and is_pending(entry.name):
                 names = set(os.listdir(entry.path))
-                staging.append({
+                pending.append({
                     "name": entry.name, "step": int(entry.name.split("-")[2]), "files": len(names),
                     "metadata": ".metadata" in names, "manifest": MANIFEST in names,
                     "manifest_tmp": any(n.startswith(f".{MANIFEST}.tmp") for n in names)})
@@ -120,7 +120,7 @@ def inspect_root(root: Path) -> dict[str, Any]:
         latest = (root / LATEST).read_text().strip()
     except OSError:
         pass
-    return {"valid": sorted(valid), "invalid": invalid, "staging": staging, "latest": latest, "other": other,
+    return {"valid": sorted(valid), "invalid": invalid, "pending": pending, "latest": latest, "other": other,
             "deleting": deleting}
 
 
@@ -137,11 +137,11 @@ def classify_phase(disk: dict[str, Any], save_step: int | None, last_event: tupl
     """
     if save_step is None:
         return "train"
-    staging = [s for s in disk["staging"] if s["step"] == save_step]
+    pending = [s for s in disk["pending"] if s["step"] == save_step]
     if save_step not in disk["valid"]:
-        if not staging:
+        if not pending:
             return "stage"  # state gathered in memory; nothing on disk yet
-        s = staging[0]
+        s = pending[0]
         if s["manifest"]:
             return "rename"
         if s["manifest_tmp"] or s["metadata"]:  # DCP writes .metadata after every rank's data
@@ -172,8 +172,8 @@ def describe_disk(disk: dict[str, Any]) -> str:
     parts = [f"valid={disk['valid']}"]
     if disk["invalid"]:
         parts.append(f"invalid={sorted(disk['invalid'])}")
-    for s in disk["staging"]:
-        parts.append(f"staging@{s['step']}({s['files']} files{', .metadata' if s['metadata'] else ''}"
+    for s in disk["pending"]:
+        parts.append(f"pending@{s['step']}({s['files']} files{', .metadata' if s['metadata'] else ''}"
                      f"{', manifest' if s['manifest'] else ''}{', manifest.tmp' if s['manifest_tmp'] else ''})")
     parts.append(f"latest={disk['latest']}")
     return " ".join(parts)

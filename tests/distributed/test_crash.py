@@ -40,7 +40,7 @@ def test_sigkill_during_write_keeps_previous_checkpoint(tmp_path, victim):
     opts = {"root": str(root), "wrapper": "ddp", "expected": str(tmp_path / "expected.pt"), "victim": victim}
     results = run_ranks(save_then_die_mid_write, 2, opts, expect_death=True)
     assert results[victim] is None
-    staging = [p.name for p in root.iterdir() if p.name.startswith(".staging-")]
+    staging = [p.name for p in root.iterdir() if p.name.startswith(".pending-")]
     assert len(staging) == 1 and "step-000000006" in staging[0]
     assert not (root / "step-000000006").exists()
 
@@ -49,7 +49,7 @@ def test_sigkill_during_write_keeps_previous_checkpoint(tmp_path, victim):
     expected = torch.load(tmp_path / "expected.pt")
     for k, v in expected.items():
         assert torch.equal(v, loaded[0]["params"][k]), k
-    assert not [p for p in root.iterdir() if p.name.startswith(".staging-")]
+    assert not [p for p in root.iterdir() if p.name.startswith(".pending-")]
     assert (root / "latest").read_text().strip() == "step-000000003"
 
 

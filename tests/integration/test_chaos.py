@@ -20,10 +20,10 @@ from tests.chaos import JsonlTail, classify_phase, lost_checkpoints
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _disk(valid, staging=(), latest=None, invalid=()):
+def _disk(valid, pending=(), latest=None, invalid=()):
     return {"valid": sorted(valid), "invalid": {s: "manifest missing" for s in invalid},
-            "staging": [dict({"name": f".staging-step-{s['step']:09d}-ab", "files": 1, "metadata": False,
-                              "manifest": False, "manifest_tmp": False}, **s) for s in staging],
+            "pending": [dict({"name": f".pending-step-{s['step']:09d}-ab", "files": 1, "metadata": False,
+                              "manifest": False, "manifest_tmp": False}, **s) for s in pending],
             "latest": latest, "other": []}
 
 

@@ -73,7 +73,7 @@ def run_json(capsys, *argv):
 
 # ---------------------------------------------------------------------------------- ls
 def test_ls_lists_every_checkpoint_with_status(root, capsys):
-    staging = root / ".staging-step-000000006-abc123"
+    staging = root / ".pending-step-000000006-abc123"
     staging.mkdir()
     code, data = run_json(capsys, "ls", root)
     assert code == 0
@@ -85,7 +85,7 @@ def test_ls_lists_every_checkpoint_with_status(root, capsys):
     assert (s4["step"], s4["world_size"], s4["state_dict_type"], s4["wrapper"]) == (4, 1, "sharded", "plain")
     assert s4["loss"] == pytest.approx(0.4) and s4["size_bytes"] == sum(f.size_bytes for f in manifest.files)
     assert s4["time"].endswith("Z")
-    assert rows[staging.name]["status"] == "staging"
+    assert rows[staging.name]["status"] == "pending"
 
     code, out, _ = run(capsys, "ls", root)
     assert code == 0

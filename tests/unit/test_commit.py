@@ -25,7 +25,7 @@ from distckpt.commit import (
 )
 from distckpt.errors import CheckpointCorruptError
 from distckpt.integrity import hash_file
-from distckpt.layout import LATEST, MANIFEST, checkpoint_name, staging_name
+from distckpt.layout import LATEST, MANIFEST, checkpoint_name, pending_name
 from distckpt.manifest import Manifest, TensorSpec, model_fingerprint
 
 FILES = {"__0_0.distcp": b"rank zero bytes " * 64, "__1_0.distcp": b"rank one" * 10, ".metadata": b"meta"}
@@ -37,41 +37,41 @@ def _manifest(step: int, files: list) -> Manifest:
                     distckpt_version="0", model=specs, model_fingerprint=model_fingerprint(specs), files=files)
 
 
-def _staging(root: Path, step: int) -> Path:
-    staging = root / staging_name(step, "ab12")
-    staging.mkdir(parents=True)
+def _pending(root: Path, step: int) -> Path:
+    pending = root / pending_name(step, "ab12")
+    pending.mkdir(parents=True)
     for name, data in FILES.items():
-        (staging / name).write_bytes(data)
-    return staging
+        (pending / name).write_bytes(data)
+    return pending
 
 
 def _committed(root: Path, step: int) -> Path:
     """A checkpoint committed through :func:`commit`, hashes as the writers report them."""
-    staging = _staging(root, step)
-    hashes = {name: hash_file(staging / name) for name in FILES}
+    pending = _pending(root, step)
+    hashes = {name: hash_file(pending / name) for name in FILES}
     final = root / checkpoint_name(step)
-    commit(staging, final, _manifest(step, list_files(staging, hashes)))
+    commit(pending, final, _manifest(step, list_files(pending, hashes)))
     return final
 
 
 def test_commit_writes_the_manifest_before_the_rename_then_updates_latest(tmp_path: Path) -> None:
     old = _committed(tmp_path, 10)
-    staging = _staging(tmp_path, 20)
+    pending = _pending(tmp_path, 20)
     final = tmp_path / checkpoint_name(20)
-    manifest = _manifest(20, list_files(staging, {n: hash_file(staging / n) for n in FILES}))
+    manifest = _manifest(20, list_files(pending, {n: hash_file(pending / n) for n in FILES}))
     seen = []
 
     def on_phase(name: str) -> None:  # what the disk holds as each phase begins
-        seen.append((name, staging.is_dir(), (staging / MANIFEST).is_file(), final.is_dir(),
+        seen.append((name, pending.is_dir(), (pending / MANIFEST).is_file(), final.is_dir(),
                      (tmp_path / LATEST).read_text()))
 
-    commit(staging, final, manifest, on_phase=on_phase)
+    commit(pending, final, manifest, on_phase=on_phase)
     old_latest = old.name + "\n"
     assert seen == [("manifest", True, False, False, old_latest),  # nothing of the new one yet
-                    ("rename", True, True, False, old_latest),  # manifest complete inside staging
+                    ("rename", True, True, False, old_latest),  # manifest complete inside the pending directory
                     ("latest", False, False, True, old_latest)]  # renamed; latest still the old one
     assert (tmp_path / LATEST).read_text() == "step-000000020\n"
-    assert not staging.exists()
+    assert not pending.exists()
     assert sorted(p.name for p in final.iterdir()) == sorted([*FILES, MANIFEST])
     assert Manifest.read(final) == manifest
     assert [e.path for e in manifest.files] == sorted(FILES)  # manifest excluded, sorted
@@ -83,17 +83,17 @@ def test_commit_writes_the_manifest_before_the_rename_then_updates_latest(tmp_pa
 def test_commit_refuses_an_existing_final_directory(tmp_path: Path) -> None:
     final = _committed(tmp_path, 10)
     before = {p.name: p.read_bytes() for p in final.iterdir()}
-    staging = _staging(tmp_path, 10)
+    pending = _pending(tmp_path, 10)
     with pytest.raises(FileExistsError, match="refusing to overwrite a committed checkpoint"):
-        commit(staging, final, _manifest(10, list_files(staging)))
+        commit(pending, final, _manifest(10, list_files(pending)))
     assert {p.name: p.read_bytes() for p in final.iterdir()} == before
-    assert sorted(os.listdir(staging)) == sorted(FILES)  # left for cleanup, no manifest written
+    assert sorted(os.listdir(pending)) == sorted(FILES)  # left for cleanup, no manifest written
 
     user = tmp_path / checkpoint_name(30)  # e.g. a plain dcp.save: not distckpt's
     user.mkdir()
     (user / "mine.bin").write_bytes(b"x")
     with pytest.raises(FileExistsError, match="not a distckpt checkpoint"):
-        commit(_staging(tmp_path, 30), user, _manifest(30, []))
+        commit(_pending(tmp_path, 30), user, _manifest(30, []))
     assert os.listdir(user) == ["mine.bin"]
     assert (tmp_path / LATEST).read_text() == "step-000000010\n"
 
@@ -128,7 +128,8 @@ def test_validate_and_verify_find_truncated_missing_and_flipped_files(tmp_path: 
 
 def test_remove_leftovers_removes_only_what_distckpt_provably_wrote(tmp_path: Path) -> None:
     _committed(tmp_path, 10)
-    ours = [tmp_path / staging_name(20, "ab12cd"), tmp_path / ".deleting-step-000000004-ef56"]
+    ours = [tmp_path / pending_name(20, "ab12cd"), tmp_path / ".deleting-step-000000004-ef56",
+            tmp_path / ".staging-step-000000015-77aa"]  # the pending name of earlier versions
     for d in ours:
         d.mkdir()
         (d / "__0_0.distcp").write_bytes(b"partial")
@@ -142,7 +143,7 @@ def test_remove_leftovers_removes_only_what_distckpt_provably_wrote(tmp_path: Pa
     (tmp_path / "README.txt").write_text("keep me")
 
     removed = remove_leftovers(tmp_path)
-    assert sorted(removed) == sorted([ours[0].name, ours[1].name, ".latest.tmp-4242"])
+    assert sorted(removed) == sorted([d.name for d in ours] + [".latest.tmp-4242"])
     assert sorted(os.listdir(tmp_path)) == sorted(
         [LATEST, "step-000000010", "step-000000030", ".staging-notes", "step-7", ".deleting-elsewhere",
          "README.txt"])

@@ -1,7 +1,7 @@
 import pytest
 
 from distckpt import CheckpointConfig, ConfigError
-from distckpt.layout import checkpoint_name, is_staging, parse_step, staging_name
+from distckpt.layout import checkpoint_name, is_pending, parse_step, pending_name
 from distckpt.retention import steps_to_delete
 
 
@@ -45,7 +45,10 @@ def test_config_is_kw_only():
 def test_layout_names_round_trip():
     assert checkpoint_name(100) == "step-000000100" and parse_step("step-000000100") == 100
     assert parse_step("step-12") is None and parse_step("latest") is None
-    assert is_staging(staging_name(7, "ab12")) and not is_staging("step-000000007")
+    assert is_pending(pending_name(7, "ab12")) and not is_pending("step-000000007")
+    assert pending_name(7, "ab12") == ".pending-step-000000007-ab12"
+    assert is_pending(".staging-step-000000007-ab12")  # the name earlier versions gave it
+    assert not is_pending(".staging-notes") and not is_pending(".pending-step-7-ab")
 
 
 @pytest.mark.parametrize("steps,keep_last,every,expected", [

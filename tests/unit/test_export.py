@@ -201,4 +201,4 @@ def test_import_errors(tmp_path):
     (tmp_path / "other" / "step-000000000").mkdir(parents=True)  # not distckpt's: never replaced
     with pytest.raises(FileExistsError, match="step-000000000 already exists"):
         import_weights(tmp_path / "w.safetensors", tmp_path / "other")
-    assert not [p for p in (tmp_path / "root").iterdir() if p.name.startswith(".staging")]
+    assert not [p for p in (tmp_path / "root").iterdir() if p.name.startswith(".pending")]

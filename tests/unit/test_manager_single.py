@@ -169,7 +169,7 @@ def test_newer_schema_is_refused(tmp_path):
 
 def test_stale_staging_removed_and_never_loaded(tmp_path):
     trained_manager(tmp_path)
-    fake = tmp_path / ".staging-step-000000009-abcdef"
+    fake = tmp_path / ".pending-step-000000009-abcdef"
     fake.mkdir()
     (fake / "distckpt.json").write_text("{}")
     manager, _ = manager_for(tmp_path)
