@@ -10,10 +10,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
 
 from distckpt import CheckpointConfig, CheckpointManager  # noqa: E402
-from tests.distributed.trainer import build  # noqa: E402
+from tests.distributed.trainer import build, optimizer_step  # noqa: E402
 
 
 def main() -> None:
@@ -35,12 +34,7 @@ def main() -> None:
     log = open(f"{args.out}.rank{rank}.jsonl", "a")
     while step < args.until:
         for batch in loader:
-            loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-            scheduler.step()
+            loss = optimizer_step(model, optimizer, scheduler, scaler, batch)
             step += 1
             log.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
             log.flush()

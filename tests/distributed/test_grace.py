@@ -10,12 +10,11 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from torch import nn
 
 from distckpt import CheckpointConfig, CheckpointManager
 from distckpt.grace import SaveDurations, plan_preemption
 from tests.distributed.harness import run_ranks, values
-from tests.distributed.trainer import build
+from tests.distributed.trainer import build, optimizer_step
 
 
 def _job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
@@ -37,12 +36,7 @@ def _job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     saved = []
     while step < opts["until"] and not manager.preempted:
         for batch in loader:
-            loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-            scheduler.step()
+            loss = optimizer_step(model, optimizer, scheduler, scaler, batch)
             step += 1
             losses[step] = loss.item()
             if step == opts.get("signal_at"):

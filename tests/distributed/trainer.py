@@ -73,6 +73,18 @@ def build(rank: int, world_size: int, opts: dict[str, Any]):
     return model, optimizer, scheduler, scaler, loader
 
 
+def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
+                   batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One step on ``batch`` (MSE, GradScaler, optimizer, scheduler); returns the loss (0-d float32)."""
+    loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    scheduler.step()
+    return loss
+
+
 def train(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     """Resume if possible, train until ``opts['until']`` steps; return losses, ids and params.
 
@@ -94,12 +106,7 @@ def train(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     model.train()
     while step < opts["until"]:
         for batch in loader:
-            loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-            scheduler.step()
+            loss = optimizer_step(model, optimizer, scheduler, scaler, batch)
             step += 1
             global_loss = loss.detach().clone()
             if dist.is_initialized():
@@ -159,12 +166,7 @@ def train_steps(model, optimizer, scheduler, scaler, loader, n: int) -> list[flo
     it = iter(loader)
     for _ in range(n):
         batch = next(it)
-        loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-        scheduler.step()
+        loss = optimizer_step(model, optimizer, scheduler, scaler, batch)
         losses.append(loss.item())
     return losses
 

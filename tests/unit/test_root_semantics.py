@@ -15,7 +15,7 @@ from distckpt.commit import delete_checkpoint, remove_leftovers
 from distckpt.manifest import Manifest
 from distckpt.reader import CheckpointReader
 from distckpt.retention import steps_to_delete
-from tests.distributed.trainer import Net, build, train_steps
+from tests.distributed.trainer import Net, build, optimizer_step, train_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -54,12 +54,7 @@ def train_saving(manager, objs, steps, save_at):
     it = iter(loader)
     for step in steps:
         batch = next(it)
-        loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-        scheduler.step()
+        optimizer_step(model, optimizer, scheduler, scaler, batch)
         if step in save_at:
             manager.save(step)
 
