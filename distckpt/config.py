@@ -9,10 +9,34 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .errors import ConfigError
+from .layout import checkpoint_name
 
-__all__ = ["CheckpointConfig"]
+__all__ = ["CheckpointConfig", "KeepBest", "LOADABLE"]
 
 StateDictType = Literal["sharded", "full"]
+
+LOADABLE = ("model", "optimizer", "lr_scheduler", "grad_scaler", "dataloader", "rng", "counters", "extra_state")
+"""Parts of a checkpoint ``load_only`` / ``exclude_from_loading`` name (``counters``: step, epoch,
+samples/tokens seen, loss history, metrics, run id)."""
+
+
+@dataclass(kw_only=True)
+class KeepBest:
+    """Best-K retention (``keep_best: {metric: val_loss, mode: min, k: 2}``): the ``k``
+    checkpoints with the best ``metric`` (passed as ``maybe_save(..., metrics={...})``) are kept
+    in addition to ``keep_last``. Ties: the earlier step wins. A checkpoint without the metric
+    (or with a NaN) never counts as best."""
+
+    metric: str
+    mode: Literal["min", "max"] = "min"
+    k: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ConfigError(f"CheckpointConfig.keep_best.metric={self.metric!r}: must be a non-empty name")
+        if self.mode not in ("min", "max"):
+            raise ConfigError(f"CheckpointConfig.keep_best.mode={self.mode!r}: expected 'min' or 'max'")
+        _positive("keep_best.k", self.k, integer=True)
 
 
 @dataclass(kw_only=True)
@@ -121,6 +145,12 @@ class CheckpointConfig:
     timeout_s: float = 600.0
     write_timeout_s: float | None = None
     arrival_timeout_s: float | None = None
+    keep_best: KeepBest | None = None
+    load_step: int | None = None
+    load_only: list[str] | None = None
+    exclude_from_loading: list[str] | None = None
+    probe_tolerance: float = 0.01
+    probe_on_mismatch: Literal["raise", "warn"] = "raise"
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, (str, os.PathLike)):
@@ -171,6 +201,59 @@ class CheckpointConfig:
                 f"CheckpointConfig.state_dict_type={self.state_dict_type!r}: "
                 "expected 'sharded' or 'full'"
             )
+        self._check_resume_options()
+
+    def _check_resume_options(self) -> None:
+        if isinstance(self.keep_best, dict):
+            unknown = sorted(set(self.keep_best) - {"metric", "mode", "k"})
+            if unknown or "metric" not in self.keep_best:
+                raise ConfigError(f"CheckpointConfig.keep_best={self.keep_best!r}: expected "
+                                  "{metric: NAME, mode: min|max, k: N}")
+            self.keep_best = KeepBest(**self.keep_best)
+        if self.keep_best is not None and not isinstance(self.keep_best, KeepBest):
+            raise ConfigError(f"CheckpointConfig.keep_best={self.keep_best!r}: expected a mapping "
+                              "{metric: NAME, mode: min|max, k: N}")
+        if self.load_step is not None:
+            if isinstance(self.load_step, bool) or not isinstance(self.load_step, int) or self.load_step < 0:
+                raise ConfigError(f"CheckpointConfig.load_step={self.load_step!r}: must be a step number (>= 0)")
+            if self.load_path is not None or not self.load:
+                raise ConfigError("CheckpointConfig.load_step needs load: true and no load_path "
+                                  f"(load_step={self.load_step}, load={self.load}, load_path={self.load_path!r})")
+        for name in ("load_only", "exclude_from_loading"):
+            parts = getattr(self, name)
+            if parts is None:
+                continue
+            if isinstance(parts, str) or not all(isinstance(p, str) for p in parts):
+                raise ConfigError(f"CheckpointConfig.{name}={parts!r}: expected a list of {list(LOADABLE)}")
+            unknown = sorted(set(parts) - set(LOADABLE))
+            if unknown:
+                raise ConfigError(f"CheckpointConfig.{name}: unknown part(s) {unknown}; valid: {list(LOADABLE)}")
+        if self.load_only is not None and self.exclude_from_loading is not None:
+            raise ConfigError("CheckpointConfig: set load_only or exclude_from_loading, not both")
+        selected = self.load_selection
+        if "lr_scheduler" in selected and "optimizer" not in selected:
+            raise ConfigError(
+                "CheckpointConfig: loading the lr_scheduler without its optimizer is refused (the "
+                "scheduler's state sets the optimizer's learning rates and counts its steps): load "
+                "both, or neither (add lr_scheduler to exclude_from_loading / drop it from load_only)")
+        _positive("probe_tolerance", self.probe_tolerance)
+        if self.probe_on_mismatch not in ("raise", "warn"):
+            raise ConfigError(f"CheckpointConfig.probe_on_mismatch={self.probe_on_mismatch!r}: "
+                              "expected 'raise' or 'warn'")
+
+    @property
+    def load_selection(self) -> frozenset[str]:
+        """The parts of a checkpoint ``load()`` restores (:data:`LOADABLE` by default)."""
+        if self.load_only is not None:
+            return frozenset(self.load_only)
+        return frozenset(LOADABLE) - frozenset(self.exclude_from_loading or ())
+
+    @property
+    def resolved_load_path(self) -> str | None:
+        """``load_path``, or ``<root>/step-<load_step>``; ``None`` when neither is set."""
+        if self.load_step is not None:
+            return os.path.join(self.root, checkpoint_name(self.load_step))
+        return self.load_path
 
     @property
     def effective_write_timeout_s(self) -> float:

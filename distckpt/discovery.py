@@ -74,7 +74,7 @@ class CheckpointDiscovery:
         if self.rank != 0:
             return
         fresh = not self.config.load
-        if not fresh and (self.config.load_path is None or self.rollback_step() is not None):
+        if not fresh and (self.config.resolved_load_path is None or self.rollback_step() is not None):
             return  # resumes from the root
         existing = existing_checkpoints(self.root)
         if not existing:
@@ -99,9 +99,9 @@ class CheckpointDiscovery:
 
     def rollback_step(self) -> int | None:
         """N when ``load_path`` is ``<root>/step-N``: a resume from within this root."""
-        if self.config.load_path is None:
+        if self.config.resolved_load_path is None:
             return None
-        p = Path(self.config.load_path)
+        p = Path(self.config.resolved_load_path)
         step = parse_step(p.name)
         return step if step is not None and p.resolve().parent == self.root.resolve() else None
 
@@ -116,11 +116,11 @@ class CheckpointDiscovery:
         if not newer:
             return False
         if not self.locked:
-            raise ConfigError(f"load_path={self.config.load_path!r} rolls back {self.root}, whose newer "
+            raise ConfigError(f"load_path={self.config.resolved_load_path!r} rolls back {self.root}, whose newer "
                               "checkpoints must be set aside before this run saves: that needs lock: true")
         logger.warning("rollback to %s: the root's %d newer checkpoint(s) (%s) will be renamed "
                        "rolledback-step-M-<n> at this run's first save (kept, never loaded or deleted)",
-                       self.config.load_path, len(newer), ", ".join(newer))
+                       self.config.resolved_load_path, len(newer), ", ".join(newer))
         return True
 
 
@@ -148,8 +148,16 @@ class CheckpointDiscovery:
             logger.warning("ignoring %s: it has no %s (not written by distckpt, e.g. a plain dcp.save); "
                            "distckpt never loads or deletes it, and a save of its step fails while it is "
                            "there. To use it: `distckpt import %s NEW_ROOT`", p, MANIFEST, p)
-        if self.config.load_path is not None:
-            p = Path(self.config.load_path)
+        if self.config.resolved_load_path is not None:
+            p = Path(self.config.resolved_load_path)
+            if self.config.load_step is not None:
+                steps = [s for s, _ in existing_checkpoints(self.root)]
+                if not p.is_dir():
+                    raise CheckpointNotFoundError(
+                        f"CheckpointConfig.load_step={self.config.load_step}: no {p.name} in {self.root} "
+                        f"(its checkpoints: steps {steps or 'none'})")
+                logger.info("load_step=%d: loading %s (the root's newest is step %s)", self.config.load_step,
+                            p, max(steps) if steps else "-")
             if not p.is_dir():
                 raise CheckpointNotFoundError(f"CheckpointConfig.load_path={str(p)!r} does not exist")
             if not (p / MANIFEST).exists() and (p / ".metadata").exists():

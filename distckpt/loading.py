@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 
 from .collective import Collective
-from .config import CheckpointConfig
+from .config import LOADABLE, CheckpointConfig
 from .discovery import CheckpointDiscovery, check_model_fits
 from .engine import dcp_load, read_dcp_metadata
 from .errors import CheckpointCorruptError, IncompatibleCheckpointError
@@ -57,6 +57,13 @@ class CheckpointLoader:
             :meth:`distckpt.CheckpointManager.load` documents.
         """
         rejected: list[str] = []
+        selected = self.config.load_selection
+        if selected != frozenset(LOADABLE) and self.collective.rank == 0:
+            how = (f"load_only={self.config.load_only}" if self.config.load_only is not None
+                   else f"exclude_from_loading={self.config.exclude_from_loading}")
+            logger.info("selective load (%s): loading %s; not loading (live state kept): %s", how,
+                        ", ".join(p for p in LOADABLE if p in selected) or "nothing",
+                        ", ".join(p for p in LOADABLE if p not in selected))
         while True:
             path = self.collective.agree(lambda: discovery.choose(rejected), what="finding a checkpoint")
             path = self.collective.broadcast(path)
@@ -68,7 +75,7 @@ class CheckpointLoader:
             except CheckpointCorruptError as e:
                 # A changed byte (same size) is only found while reading. Loading an older
                 # checkpoint rewrites every tensor the failed read may have touched.
-                if self.config.load_path is not None:
+                if self.config.resolved_load_path is not None:
                     raise
                 if not self.config.fallback_to_older:
                     raise CheckpointCorruptError(
@@ -103,8 +110,9 @@ class CheckpointLoader:
         manifest, keys = self.collective.agree(read_plan_inputs, what=f"reading {path}",
                                                error_type=CheckpointCorruptError)
         with self.state.model_optim.load_context():
-            target = self.collective.agree(
-                lambda: self.state.for_load(keys, manifest.world_size), what=f"planning the load of {path}")
+            select = self.config.load_selection
+            target = self.collective.agree(lambda: self.state.for_load(keys, manifest.world_size, select),
+                                           what=f"planning the load of {path}")
             expected = ({f.path: (f.size_bytes, f.hash) for f in manifest.files}
                         if self.config.verify_on_load else None)
             self.events.emit("load", manifest.step, path=str(path))

@@ -34,6 +34,7 @@ from .grace import PreemptionPlan, SaveDurations, agree_preemption_plan
 from .loading import CheckpointLoader
 from .lock import RootLock
 from .preemption import PreemptionWatcher
+from .resume import ProbeFn, ResumeExtras
 from .schedule import SaveSchedule
 from .state import CheckpointState, TrainState
 from .topology import check_shared_root, local_world_size
@@ -67,6 +68,8 @@ class CheckpointManager:
             a save acts (``stage``, ``write``, ``manifest``, ``rename``, ``latest``,
             ``retention``, ``committed``; see :mod:`distckpt.transaction`): tracing and
             fault injection. It runs on the background thread for async saves.
+        probe, run_id: ``probe(model) -> loss`` on a fixed batch, compared after ``load()``; the experiment
+            tracker's run id kept across resumes (``None``: the checkpoint's, or new). :mod:`distckpt.resume`.
 
     Raises:
         ConfigError: the root directory cannot be created or written (on every rank); or the
@@ -86,6 +89,7 @@ class CheckpointManager:
         extra_state: dict[str, Any] | None = None,
         process_group: dist.ProcessGroup | None = None,
         on_phase: PhaseHook | None = None,
+        probe: ProbeFn | None = None, run_id: str | None = None,
     ) -> None:
         self.config = config
         self.root = Path(config.root)
@@ -93,10 +97,10 @@ class CheckpointManager:
         self.rank, self.world_size = self.collective.rank, self.collective.world_size
         self.state = CheckpointState(
             model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, grad_scaler=grad_scaler,
-            dataloader=dataloader, extra_state=extra_state, rank=self.rank,
-            world_size=self.world_size,
+            dataloader=dataloader, extra_state=extra_state, rank=self.rank, world_size=self.world_size,
             seed=config.seed)
-        self.train_state = TrainState()
+        self.extras = ResumeExtras(probe=probe, run_id=run_id, model=model, collective=self.collective, config=config)
+        self.train_state = TrainState(run_id=self.extras.run_id)
         self._explicit_counters: set[str] = set()  # passed by the caller: never derived
         self.schedule = SaveSchedule(interval_steps=config.interval_steps,
                                      interval_seconds=config.interval_seconds,
@@ -144,7 +148,7 @@ class CheckpointManager:
         self._save_ctx = SaveContext(
             root=self.root, rank=self.rank, world_size=self.world_size, wrapper=self.wrapper,
             model_specs=self.model_specs, events=self.events, on_phase=on_phase, keep_last=config.keep_last,
-            keep_every_steps=config.keep_every_steps, thread_count=config.thread_count,
+            keep_every_steps=config.keep_every_steps, keep_best=config.keep_best, thread_count=config.thread_count,
             write_timeout_s=config.effective_write_timeout_s, before_commit=self._before_commit)
         self.loader = CheckpointLoader(collective=self.collective, state=self.state, config=config,
                                        events=self.events, model_specs=self.model_specs,
@@ -154,10 +158,10 @@ class CheckpointManager:
     def extra_state(self) -> dict[str, Any]:
         return self.state.extra_state
 
-    # ------------------------------------------------------------------ setup
     # ------------------------------------------------------------------ load
     def load(self) -> TrainState | None:
-        """Resume from the newest valid committed checkpoint (or ``config.load_path``).
+        """Resume from the newest valid committed checkpoint (or ``config.load_path``/``load_step``),
+        all of it or the parts ``load_only``/``exclude_from_loading`` select.
 
         Rank 0 first removes pending directories and deletions left by a crash. A checkpoint is
         valid when its manifest is readable and every listed file exists with the recorded size.
@@ -179,7 +183,7 @@ class CheckpointManager:
                 is tried (a warning names the bad one), and loading it rewrites whatever the
                 failed read had written.
             IncompatibleCheckpointError: the live model/optimizer/components do not match;
-                lists every difference.
+                lists every difference. Or the probe's loss differs from the saved one (both named).
             CollectiveMismatchError: not every rank called ``load()`` within
                 ``config.arrival_timeout_s``; names the ranks.
         """
@@ -199,27 +203,23 @@ class CheckpointManager:
                 lambda: self.discovery.plan_rollback(rollback), what=f"rolling back to {path}",
                 error_type=ConfigError):
             self._rollback_from = rollback  # rank 0 sets the newer ones aside at its first commit
-        train_state.checkpoint_path = str(path)
-        train_state.saved_world_size = manifest.world_size
+        self.extras.after_load(train_state, manifest, path, wrapper=self.wrapper, seconds=time.perf_counter() - t0)
         self.train_state = train_state
         self.last_saved_step = train_state.step
         self.schedule.mark_saved()
-        if self.rank == 0:
-            logger.info("loaded %s (step %d, saved by %d ranks as %s, now %d ranks as %s) in %.2f s",
-                        path, train_state.step, manifest.world_size, manifest.wrapper,
-                        self.world_size, self.wrapper, time.perf_counter() - t0)
         # The caller's copy: later maybe_save calls update self.train_state, not this one.
         return dataclasses.replace(train_state, loss_history=list(train_state.loss_history))
 
     # ------------------------------------------------------------------ save
     def maybe_save(self, step: int, *, loss: float | None = None, last_step: bool = False,
-                   **counters: int) -> bool:
+                   metrics: dict[str, float] | None = None, **counters: int) -> bool:
         """Record ``loss`` for ``step`` and save if the policy says so. Call once per step.
 
         Args:
             step: optimizer steps completed (global, the same on every rank).
             loss: this step's loss; pass the same (e.g. all-reduced) value on every rank.
             last_step: the final step of training: saves if ``config.save_at_end``.
+            metrics: ``{name: value}`` of this step (``val_loss``...), saved in the manifest (``keep_best``).
             **counters: ``epoch``, ``batch_in_epoch``, ``global_samples_seen``,
                 ``global_tokens_seen`` to record in :class:`TrainState`. With a
                 ``ReshardableSampler`` the first three are derived from its consumed position
@@ -235,7 +235,7 @@ class CheckpointManager:
                 (see :meth:`save`).
         """
         self._check_open()
-        self._record(step, loss, counters)
+        self._record(step, loss, counters, metrics)
         if self.preemption is not None and self.preemption.agreed():
             return self._save_for_preemption(step)
         due = self.schedule.is_due(step) or (last_step and self.config.save_at_end)
@@ -278,12 +278,12 @@ class CheckpointManager:
             elapsed_s=self.preemption.seconds_since_signal(), predicted_s=predicted, inflight_left_s=left,
             step_saved=self.last_saved_step == step)
 
-    def _record(self, step: int, loss: float | None, counters: dict[str, int]) -> None:
-        self.train_state.record(step, loss, counters, history_len=self.config.loss_history_len)
+    def _record(self, step: int, loss: float | None, counters: dict[str, int], metrics: dict | None = None) -> None:
+        self.train_state.record(step, loss, counters, history_len=self.config.loss_history_len, metrics=metrics)
         self._explicit_counters.update(counters)
 
-    def save(self, step: int, *, loss: float | None = None, **counters: int) -> Path:
-        """Save the whole training state as ``step-<step>``.
+    def save(self, step: int, *, loss: float | None = None, metrics: dict | None = None, **counters: int) -> Path:
+        """Save the whole training state as ``step-<step>`` (``metrics`` as for :meth:`maybe_save`).
 
         The commit protocol is :class:`~distckpt.transaction.SaveTransaction`'s. With
         ``async_mode`` off it completes before the call returns; otherwise the call returns
@@ -299,18 +299,19 @@ class CheckpointManager:
             CollectiveMismatchError: not every rank called ``save`` with this ``step`` within
                 ``config.arrival_timeout_s`` (names the ranks); nothing was written.
         """
-        return self._save(step, loss=loss, counters=counters)
+        return self._save(step, loss=loss, counters=counters, metrics=metrics)
 
     def _save(self, step: int, *, loss: float | None = None, counters: dict[str, int] | None = None,
-              blocking: bool = False, full: bool = False) -> Path:
+              blocking: bool = False, full: bool = False, metrics: dict[str, float] | None = None) -> Path:
         self._check_open()
         self.collective.arrive(f"save(step={step})", timeout_s=self.config.effective_arrival_timeout_s)
-        if loss is not None or counters or step != self.train_state.step:
-            self._record(step, loss, counters or {})
+        if loss is not None or counters or metrics or step != self.train_state.step:
+            self._record(step, loss, counters or {}, metrics)
         self.wait()  # at most one save in flight
         # Unique per save without a collective: a run id agreed at construction + a counter.
         self._save_count += 1
         self.state.derive_counters(self.train_state, explicit=self._explicit_counters)
+        self.extras.before_save(self.train_state)  # run id, probe loss (a forward on every rank)
         snapshot = dataclasses.replace(self.train_state, loss_history=list(self.train_state.loss_history))
         full = full or self.config.state_dict_type == "full"
         tx = SaveTransaction(self._save_ctx, step=step, save_id=f"{self._run_id}{self._save_count:04x}",

@@ -53,6 +53,10 @@ class Manifest:
         model_fingerprint: sha256 over the sorted ``(fqn, shape, dtype)`` list.
         timings_s: seconds per phase (``stage``, ``write``, ``commit``).
         files: every file of the checkpoint except the manifest itself.
+        run_id: the experiment tracker's run id (``CheckpointManager(run_id=)``).
+        metrics: ``{name: value}`` passed with the saved step (best-K retention reads them).
+        probe_loss: the probe's loss at the save (``CheckpointManager(probe=)``).
+        hardware: rank 0's machine at the save (platform, CPUs, accelerators).
     """
 
     step: int
@@ -70,6 +74,10 @@ class Manifest:
     timings_s: dict[str, float] = field(default_factory=dict)
     files: list[FileEntry] = field(default_factory=list)
     hash_algorithm: str | None = "xxh3_128"
+    run_id: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    probe_loss: float | None = None
+    hardware: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> str:

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .adapters import ModelOptimState
+from .config import LOADABLE
 from .data.reshard import DataLoaderState
 from .errors import IncompatibleCheckpointError
 from .rng import capture_rng, derive_rng, restore_rng
@@ -64,6 +65,10 @@ class TrainState:
         loss_history: ``[(step, loss), ...]`` of the most recent steps, bounded by config.
         checkpoint_path: directory it was loaded from (``None`` before any load).
         saved_world_size: world size of the run that wrote the checkpoint.
+        run_id: the experiment tracker's run id, kept across resumes (``CheckpointManager(run_id=)``).
+        metrics: ``{name: value}`` passed with this step (``maybe_save(..., metrics=)``).
+        probe_loss: the probe's loss at the save (``CheckpointManager(probe=)``), or ``None``.
+        probe_loss_loaded: the probe's loss measured after ``load()`` (not saved).
     """
 
     step: int = 0
@@ -74,20 +79,33 @@ class TrainState:
     loss_history: list[tuple[int, float]] = field(default_factory=list)
     checkpoint_path: str | None = None
     saved_world_size: int | None = None
+    run_id: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    probe_loss: float | None = None
+    probe_loss_loaded: float | None = None
 
-    _SAVED = ("step", "epoch", "batch_in_epoch", "global_samples_seen", "global_tokens_seen", "loss_history")
+    _SAVED = ("step", "epoch", "batch_in_epoch", "global_samples_seen", "global_tokens_seen", "loss_history",
+              "run_id", "metrics", "probe_loss")
 
     COUNTERS = ("epoch", "batch_in_epoch", "global_samples_seen", "global_tokens_seen")
 
-    def record(self, step: int, loss: float | None, counters: dict[str, int], *, history_len: int) -> None:
+    def record(self, step: int, loss: float | None, counters: dict[str, int], *, history_len: int,
+               metrics: dict[str, float] | None = None) -> None:
         """Set ``step`` and the given counters; append ``(step, loss)`` to the bounded history.
+        ``metrics`` belong to ``step``: a new step starts without any.
 
         Raises:
-            TypeError: a counter name not in :attr:`COUNTERS`.
+            TypeError: a counter name not in :attr:`COUNTERS`, or a metric value that is not a number.
         """
         unknown = set(counters) - set(self.COUNTERS)
         if unknown:
             raise TypeError(f"unknown counter(s) {sorted(unknown)}; known: {list(self.COUNTERS)}")
+        bad = {k: v for k, v in (metrics or {}).items() if isinstance(v, bool) or not isinstance(v, (int, float))}
+        if bad or not all(isinstance(k, str) for k in metrics or {}):
+            raise TypeError(f"metrics must map names to numbers (float(tensor) for a tensor); got {metrics!r}")
+        if step != self.step:
+            self.metrics = {}
+        self.metrics.update({k: float(v) for k, v in (metrics or {}).items()})
         self.step = step
         for k, v in counters.items():
             setattr(self, k, int(v))
@@ -135,6 +153,8 @@ class CheckpointState:
         self.world_size = world_size
         self.seed = seed
         self.weights_only = False  # set by for_load: an imported checkpoint (model weights only)
+        self.select: frozenset[str] = frozenset(LOADABLE)  # set by for_load: the parts to restore
+        self._live_model_sd: dict[str, Any] = {}  # optimizer-only load: the model's own state
         self.tied_from: dict[str, str] = {}  # set by for_load: {tied key the checkpoint lacks: twin}
 
     # ------------------------------------------------------------------ save
@@ -148,7 +168,7 @@ class CheckpointState:
         sd: dict[str, Any] = {"model": model_sd}
         if self.model_optim.optimizer is not None:
             sd["optim"] = optim_sd
-        sd.update(self._global_parts(for_load=False))
+        sd.update(self._global_parts(for_load=False, select=frozenset(LOADABLE)))
         if self.rank == 0:
             sd["train_state"] = pack(train_state.to_saved())
             if self.data is not None:
@@ -159,13 +179,13 @@ class CheckpointState:
         sd["rank_state"] = {f"rank{self.rank}": own}
         return sd
 
-    def _global_parts(self, *, for_load: bool) -> dict[str, Any]:
+    def _global_parts(self, *, for_load: bool, select: frozenset[str]) -> dict[str, Any]:
         sd: dict[str, Any] = {}
-        if self.lr_scheduler is not None:
+        if self.lr_scheduler is not None and "lr_scheduler" in select:
             sd["lr_scheduler"] = b"" if for_load else pack(self.lr_scheduler.state_dict())
-        if self.grad_scaler is not None:
+        if self.grad_scaler is not None and "grad_scaler" in select:
             sd["grad_scaler"] = b"" if for_load else pack(self.grad_scaler.state_dict())
-        if self.extra_state:
+        if self.extra_state and "extra_state" in select:
             sd["extra"] = {
                 name: (obj.state_dict() if isinstance(obj, Stateful) else (b"" if for_load else pack(obj)))
                 for name, obj in self.extra_state.items()
@@ -192,41 +212,56 @@ class CheckpointState:
                 setattr(train_state, name, value)
 
     # ------------------------------------------------------------------ load
-    def for_load(self, checkpoint_keys: set[str], saved_world_size: int) -> dict[str, Any]:
+    def for_load(self, checkpoint_keys: set[str], saved_world_size: int,
+                 select: frozenset[str] = frozenset(LOADABLE)) -> dict[str, Any]:
         """Target state_dict for ``dcp.load``; call inside ``self.model_optim.load_context()``.
 
         Args:
             checkpoint_keys: flattened keys in the checkpoint's DCP metadata.
             saved_world_size: world size recorded in the manifest.
+            select: the parts to read and restore (:data:`~distckpt.config.LOADABLE`); the
+                others are neither read nor required in the checkpoint, and keep their live state.
 
         Raises:
             IncompatibleCheckpointError: live optimizer/components the checkpoint lacks, or
                 optimizer state in the checkpoint for parameters the live optimizer lacks.
         """
         self.weights_only = WEIGHTS_ONLY_KEY in checkpoint_keys
+        self.select, self.tied_from = select, {}
         if self.weights_only:
             sd: dict[str, Any] = {"model": self.model_optim.model_target_for_load(), "train_state": b""}
             self._read_tied_from_twins(sd["model"], checkpoint_keys)
             _check_keys(sd, checkpoint_keys, rank=self.rank)
             return sd
-        if self.data is not None:
+        load_data = self.data is not None and "dataloader" in select
+        if load_data:
+            assert self.data is not None
             self.data.check_no_live_iterator(self.rank)
-        model_sd, optim_sd = self.model_optim.target_for_load()
-        self._read_tied_from_twins(model_sd, checkpoint_keys)
-        sd = {"model": model_sd}
-        if self.model_optim.optimizer is not None:
+        load_optim = self.model_optim.optimizer is not None and "optimizer" in select
+        # Without the optimizer, DCP's get_state_dict would give it state (a dummy step): skip it.
+        model_sd, optim_sd = (self.model_optim.target_for_load() if load_optim
+                              else (self.model_optim.model_target_for_load(), {}))
+        sd = {}
+        if "model" in select:
+            self._read_tied_from_twins(model_sd, checkpoint_keys)
+            sd["model"] = model_sd
+        else:
+            self._live_model_sd = model_sd
+        if load_optim:
             _prune_uninitialised_optim_state(optim_sd, checkpoint_keys)
             sd["optim"] = optim_sd
-        sd.update(self._global_parts(for_load=True))
-        sd["train_state"] = b""
+        sd.update(self._global_parts(for_load=True, select=select))
+        if "counters" in select:
+            sd["train_state"] = b""
         same_world = saved_world_size == self.world_size
-        if self.data is not None and "data" in checkpoint_keys:  # also for a num_workers change
+        if load_data and "data" in checkpoint_keys:  # also for a num_workers change
             sd["data"] = b""
         if self.rank < saved_world_size:
-            own: dict[str, Any] = {"rng": b""}
-            if self.data is not None and same_world:
+            own: dict[str, Any] = {"rng": b""} if "rng" in select else {}
+            if load_data and same_world:
                 own["dataloader"] = b""
-            sd["rank_state"] = {f"rank{self.rank}": own}
+            if own:
+                sd["rank_state"] = {f"rank{self.rank}": own}
         _check_keys(sd, checkpoint_keys, rank=self.rank)
         return sd
 
@@ -252,27 +287,33 @@ class CheckpointState:
             sd["model"][key] = sd["model"][twin]
         if self.weights_only:
             return self._restore_weights_only(sd)
-        self.model_optim.apply(sd["model"], sd.get("optim", {}))
-        if self.lr_scheduler is not None:
+        if "model" in sd or "optim" in sd:
+            self.model_optim.apply(sd.get("model", self._live_model_sd), sd.get("optim"))
+        self._live_model_sd = {}
+        if "lr_scheduler" in sd:
+            assert self.lr_scheduler is not None
             self.lr_scheduler.load_state_dict(unpack(sd["lr_scheduler"]))
-        if self.grad_scaler is not None:
+        if "grad_scaler" in sd:
+            assert self.grad_scaler is not None
             self.grad_scaler.load_state_dict(unpack(sd["grad_scaler"]))
-        for name, obj in self.extra_state.items():
+        for name, obj in self.extra_state.items() if "extra" in sd else ():
             value = sd["extra"][name]
             if isinstance(obj, Stateful):
                 obj.load_state_dict(value)
             else:
                 self.extra_state[name] = unpack(value)
-        train_state = TrainState(**unpack(sd["train_state"]))
+        train_state = TrainState(**unpack(sd["train_state"])) if "train_state" in sd else TrainState()
         train_state.loss_history = [(step, loss) for step, loss in train_state.loss_history]  # lists once saved
         own = sd.get("rank_state", {}).get(f"rank{self.rank}")
-        if self.data is not None:
+        if self.data is not None and "dataloader" in self.select:
             local = unpack(own["dataloader"]) if own is not None and "dataloader" in own else None
             global_ = unpack(sd["data"]) if "data" in sd else None
             self.data.restore(local, global_, rank=self.rank, world_size=self.world_size,
                               saved_world_size=saved_world_size)
         # RNG last: nothing above may consume random numbers after it.
-        if own is not None:
+        if "rng" not in self.select:
+            pass  # the live RNG stays (the selection is logged by the loader)
+        elif own is not None:
             restore_rng(unpack(own["rng"]))
         else:
             derived = derive_rng(self.seed, self.rank, train_state.step)
@@ -311,7 +352,7 @@ def _check_keys(target: dict[str, Any], checkpoint_keys: set[str], *, rank: int)
     missing = sorted(k for k in flat if k not in checkpoint_keys)
     unexpected = sorted(
         k for k in checkpoint_keys
-        if k.startswith("optim.state.") and k not in flat
+        if k.startswith("optim.state.") and k not in flat and "optim" in target
     )
     if missing or unexpected:
         lines = [f"checkpoint does not match the live training state (rank {rank}):"]

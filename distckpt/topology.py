@@ -11,14 +11,18 @@
 from __future__ import annotations
 
 import os
+import platform
 import socket
 import uuid
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from .collective import Collective
 from .errors import ConfigError
 
-__all__ = ["PROBE_PREFIX", "local_world_size", "check_shared_root"]
+__all__ = ["PROBE_PREFIX", "local_world_size", "check_shared_root", "hardware_summary"]
 
 PROBE_PREFIX = ".shared-probe-"
 
@@ -67,3 +71,14 @@ def check_shared_root(collective: Collective, root: Path) -> None:
             + f" do not see the file {probe.name} that rank 0 (host {views[0][1]}) wrote there. Every rank "
             "writes its shards into the root and rank 0 commits them: use a shared file system (NFS, "
             "Lustre, GPFS, a mounted bucket) at the same path on every node, not a node-local disk.")
+
+
+def hardware_summary() -> dict[str, Any]:
+    """This machine, for the manifest and a release's model card: platform, CPU count and
+    accelerators (CUDA device name and count when available)."""
+    info: dict[str, Any] = {"platform": platform.platform(), "machine": platform.machine(),
+                            "cpu_count": os.cpu_count(), "accelerator": "cpu", "accelerator_count": 0}
+    if torch.cuda.is_available():
+        info.update(accelerator=torch.cuda.get_device_name(0), accelerator_count=torch.cuda.device_count(),
+                    cuda=torch.version.cuda)
+    return info

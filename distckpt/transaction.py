@@ -33,6 +33,7 @@ import torch
 from ._version import __version__
 from .collective import Collective
 from .commit import commit, delete_checkpoint, find_committed, list_files
+from .config import KeepBest
 from .engine import dcp_save
 from .engine.blocking import describe_exception
 from .errors import CheckpointSaveError
@@ -40,8 +41,9 @@ from .events import EventLog
 from .integrity import hash_file
 from .layout import checkpoint_name, pending_name
 from .manifest import Manifest, TensorSpec, model_fingerprint
-from .retention import steps_to_delete
+from .retention import best_steps, steps_to_delete
 from .state import TrainState
+from .topology import hardware_summary
 
 __all__ = ["BackgroundSave", "PHASES", "PhaseHook", "RankOutcome", "SaveContext", "SaveTransaction"]
 
@@ -90,6 +92,7 @@ class SaveContext:
         write_timeout_s: deadline of one rank's blocking write phase (seconds).
         before_commit: rank 0, called after the manifest is built and before it is written
             (the manager sets aside a rolled-back run's newer checkpoints there).
+        keep_best: best-K retention by a metric of the manifests, or ``None``.
     """
 
     root: Path
@@ -104,6 +107,7 @@ class SaveContext:
     thread_count: int
     write_timeout_s: float
     before_commit: Callable[[], None] | None = None
+    keep_best: KeepBest | None = None
 
 
 class SaveTransaction:
@@ -244,7 +248,8 @@ class SaveTransaction:
             distckpt_version=__version__, model=ctx.model_specs,
             model_fingerprint=model_fingerprint(ctx.model_specs),
             loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == self.step else None,
-            timings_s=timings, files=list_files(self.pending, files))
+            timings_s=timings, files=list_files(self.pending, files), run_id=ts.run_id,
+            metrics=dict(ts.metrics), probe_loss=ts.probe_loss, hardware=hardware_summary())
         for entry in manifest.files:
             if entry.hash is None:  # no writer reported it: hash it here rather than skip it
                 logger.warning("no writer reported a hash for %s; hashing it on rank 0", entry.path)
@@ -271,14 +276,20 @@ class SaveTransaction:
 
     def _apply_retention(self) -> None:
         root = self.ctx.root
-        committed = [s for s, _, r in find_committed(root) if isinstance(r, Manifest)]
+        manifests = {s: r for s, _, r in find_committed(root) if isinstance(r, Manifest)}
+        committed = list(manifests)
+        best, kb = [], self.ctx.keep_best
+        if kb is not None and (best := best_steps({s: m.metrics for s, m in manifests.items() if s <= self.step}, kb)):
+            logger.info("retention: keeps the best %d by %s (%s): %s", kb.k, kb.metric, kb.mode,
+                        ", ".join(f"step {s} ({manifests[s].metrics[kb.metric]:.6g})" for s in best))
         newer = [s for s in committed if s > self.step]
         if newer:  # not this run's (a save without a load in a used root): never deleted
             logger.warning("%s holds checkpoints newer than the step-%d just committed (steps %s); "
                            "retention leaves them, and a later load: true resumes from step %d",
                            root, self.step, newer, max(newer))
         for step in steps_to_delete(committed, keep_last=self.ctx.keep_last,
-                                    keep_every_steps=self.ctx.keep_every_steps, just_committed=self.step):
+                                    keep_every_steps=self.ctx.keep_every_steps, just_committed=self.step,
+                                    also_keep=best):
             self.phase("retention", step)
             delete_checkpoint(root / checkpoint_name(step))
             logger.info("retention: deleted %s", root / checkpoint_name(step))

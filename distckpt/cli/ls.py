@@ -21,7 +21,7 @@ from ..manifest import Manifest
 from ._common import fmt_bytes, fmt_float, fmt_time, print_json, print_table
 
 NAME = "ls"
-HELP = "list the checkpoints of a root: step, time, size, world size, wrapper, loss, status"
+HELP = "list the checkpoints of a root: step, time, size, world size, wrapper, loss, metrics, status"
 EPILOG = """examples:
   distckpt ls runs/demo/ckpt
   distckpt ls runs/demo/ckpt --json | jq '.checkpoints[] | select(.status == "committed") | .step'
@@ -58,7 +58,8 @@ def list_root(root: Path) -> list[dict]:
         if isinstance(result, Manifest):
             row.update(time=fmt_time(result.wall_time), wall_time=result.wall_time,
                        size_bytes=sum(f.size_bytes for f in result.files), world_size=result.world_size,
-                       state_dict_type=result.state_dict_type, wrapper=result.wrapper, loss=result.loss)
+                       state_dict_type=result.state_dict_type, wrapper=result.wrapper, loss=result.loss,
+                       metrics=result.metrics)
         elif not (path / MANIFEST).exists():
             row.update(status="unmanaged", reason=f"no {MANIFEST}: not written by distckpt, ignored by the "
                                                   f"manager; `distckpt import {path} NEW_ROOT` to use it")
@@ -85,9 +86,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"no checkpoints in {root}")
         return 0
     print_table(
-        ["NAME", "STEP", "TIME (UTC)", "SIZE", "WORLD", "TYPE", "WRAPPER", "LOSS", "STATUS"],
+        ["NAME", "STEP", "TIME (UTC)", "SIZE", "WORLD", "TYPE", "WRAPPER", "LOSS", "METRICS", "STATUS"],
         [[r["name"] + (" *" if r["latest"] else ""), r["step"], r.get("time"), fmt_bytes(r.get("size_bytes")),
           r.get("world_size"), r.get("state_dict_type"), r.get("wrapper"), fmt_float(r.get("loss")),
+          " ".join(f"{k}={fmt_float(v)}" for k, v in sorted((r.get("metrics") or {}).items())) or None,
           r["status"]] for r in rows])
     for r in rows:
         if r["status"] in ("corrupt", "unmanaged"):

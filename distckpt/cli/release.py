@@ -1,0 +1,44 @@
+"""``distckpt release CKPT OUT``: a release directory with the model's weights, a model card and
+the training config (no optimizer, scheduler, RNG or data state)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..reader import resolve_checkpoint
+from ..release import release_checkpoint
+from ._common import fmt_bytes, print_json
+
+NAME = "release"
+HELP = "write OUT/model.safetensors (model only), OUT/model_card.md and OUT/training_config.json"
+EPILOG = """The weights are streamed tensor by tensor (bounded memory, as `export`); the card and the
+config list step, epoch, samples/tokens seen, loss and recent loss history, metrics, world size and
+wrapper at save, versions, hardware and the run's plain extra_state values (data description,
+hyper-parameters). A root means its newest committed checkpoint.
+
+examples:
+  distckpt release runs/demo/ckpt release/gpt --dtype bf16
+  distckpt release runs/demo/ckpt/step-000000060 release/gpt --name-with-step   # release/gpt-step60-loss2.1234
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint directory, or a root (its newest committed checkpoint)")
+    p.add_argument("out", help="release directory (created; its parent must exist)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="cast floating-point model tensors")
+    p.add_argument("--name-with-step", action="store_true",
+                   help="write to OUT-step<N>-loss<L> (the checkpoint's step and loss)")
+    p.add_argument("--force", action="store_true", help="replace the release files if they exist")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    ckpt = resolve_checkpoint(args.checkpoint)
+    result = release_checkpoint(ckpt, args.out, dtype=args.dtype, name_with_step=args.name_with_step,
+                                overwrite=args.force, progress=not args.no_progress and not args.json)
+    if args.json:
+        print_json({"checkpoint": str(ckpt), **result.as_dict()})
+        return 0
+    print(f"wrote {result.path}: {', '.join(result.files)} ({result.model.num_tensors} tensors, "
+          f"{fmt_bytes(result.model.size_bytes)}, dtype {result.model.dtype or 'as saved'}) from {ckpt}")
+    return 0
