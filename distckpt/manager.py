@@ -219,7 +219,7 @@ class CheckpointManager:
             step: optimizer steps completed (global, the same on every rank).
             loss: this step's loss; pass the same (e.g. all-reduced) value on every rank.
             last_step: the final step of training: saves if ``config.save_at_end``.
-            metrics: ``{name: value}`` of this step (``val_loss``...), saved in the manifest (``keep_best``).
+            metrics: ``{name: number}`` of this step, the same on every rank; saved in the manifest (``keep_best``).
             **counters: ``epoch``, ``batch_in_epoch``, ``global_samples_seen``,
                 ``global_tokens_seen`` to record in :class:`TrainState`. With a
                 ``ReshardableSampler`` the first three are derived from its consumed position

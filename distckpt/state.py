@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import logging
+import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -100,7 +101,7 @@ class TrainState:
         unknown = set(counters) - set(self.COUNTERS)
         if unknown:
             raise TypeError(f"unknown counter(s) {sorted(unknown)}; known: {list(self.COUNTERS)}")
-        bad = {k: v for k, v in (metrics or {}).items() if isinstance(v, bool) or not isinstance(v, (int, float))}
+        bad = {k: v for k, v in (metrics or {}).items() if isinstance(v, bool) or not isinstance(v, numbers.Real)}
         if bad or not all(isinstance(k, str) for k in metrics or {}):
             raise TypeError(f"metrics must map names to numbers (float(tensor) for a tensor); got {metrics!r}")
         if step != self.step:

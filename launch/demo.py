@@ -63,6 +63,9 @@ def summarize(run: Run, baseline: Run, info: dict[str, Any], steps: int) -> dict
         "save_seconds_total": round(sum(m["checkpoint_seconds"] for m in run.metrics.values()), 4),
         "last_step": run.last_step, "killed": run.killed, "wall_seconds": round(run.wall_seconds, 2),
         "returncode": run.returncode, "checkpoint_path": resumed["checkpoint_path"] if resumed else None,
+        # The loss probe (a fixed batch) at the save and after the load: proves what was restored.
+        "probe_loss_saved": resumed.get("probe_loss_saved") if resumed else None,
+        "probe_loss_loaded": resumed.get("probe_loss_loaded") if resumed else None,
         "samples_match_baseline": all(history.get(s) == baseline.samples.get(s) for s in range(1, last + 1)),
     }
     if run is not baseline:
@@ -100,6 +103,10 @@ def check(rows: list[dict[str, Any]], steps: int, interval: int, tolerance: floa
         req(f"{name}: resumed a checkpoint of {saved} ranks on {now}",
             r["saved_world_size"] == saved and r["world_size"] == now and r["resumed_from_step"] is not None,
             [r["saved_world_size"], r["world_size"], r["resumed_from_step"]])
+        saved_probe, loaded_probe = r["probe_loss_saved"], r["probe_loss_loaded"]
+        req(f"{name}: probe loss after the load within 1% of the saved one",
+            saved_probe is not None and loaded_probe is not None
+            and abs(loaded_probe - saved_probe) <= 0.01 * abs(saved_probe), [saved_probe, loaded_probe])
     for name in ("killed", "resume_2to2", "resume_4to4"):
         req(f"{name}: loss bitwise equal to {by[name]['compared_with']}", by[name]["max_abs_loss_diff"] == 0.0,
             by[name]["max_abs_loss_diff"])

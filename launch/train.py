@@ -298,11 +298,13 @@ def train(job: Job) -> int:
     presave = _chaos_presave_file(cfg.train.out, job.rank)
     job_info = {"corpus_fingerprint": corpus_fingerprint(job.dataset), "global_batch_size": g,
                 "seq_len": cfg.data.seq_len}
+    hparams = {k: v for k, v in cfg.to_dict().items() if k in ("model", "data", "train")}
+    hparams["train"] = {k: v for k, v in hparams["train"].items() if k != "out"}  # a path, not a hyper-parameter
     manager = CheckpointManager(cfg.checkpoint, model=job.model, optimizer=job.optimizer,
                                 lr_scheduler=job.scheduler, grad_scaler=job.scaler,
                                 dataloader=job.loader,
-                                extra_state={"sample_seeds": job.seed_stream, "job": job_info},
-                                on_phase=chaos_pause_hook())
+                                extra_state={"sample_seeds": job.seed_stream, "job": job_info, "hparams": hparams},
+                                on_phase=chaos_pause_hook(), probe=probe_on_fixed_batch(job))
     records.event("start", world_size=job.world_size, dataset_len=len(job.dataset),
                   steps_per_epoch=job.steps_per_epoch, num_parameters=job.num_parameters,
                   config=cfg.to_dict(), **job_info)
@@ -315,7 +317,8 @@ def train(job: Job) -> int:
         logger.info("resumed from step %d (%s, saved by %s ranks, now %d ranks)", step,
                     state.checkpoint_path, state.saved_world_size, job.world_size)
         records.event("resumed", step=step, checkpoint_path=state.checkpoint_path,
-                      saved_world_size=state.saved_world_size, world_size=job.world_size)
+                      saved_world_size=state.saved_world_size, world_size=job.world_size,
+                      probe_loss_saved=state.probe_loss, probe_loss_loaded=state.probe_loss_loaded)
     if step >= cfg.train.steps:
         logger.info("checkpoint step %d >= train.steps=%d: nothing to train", step, cfg.train.steps)
     job.model.train()
@@ -363,6 +366,20 @@ def train(job: Job) -> int:
     if presave is not None:
         presave.close()
     return step
+
+
+def probe_on_fixed_batch(job: Job, windows: int = 8) -> Callable[[nn.Module], torch.Tensor]:
+    """distckpt's loss probe: the mean loss on ``windows`` windows spread evenly over the dataset
+    (the same batch on every rank and world size; distckpt runs it in eval mode, no grad)."""
+    n = len(job.dataset)
+    items = [job.dataset[i * n // windows] for i in range(windows)]
+    x = torch.stack([item["input_ids"] for item in items]).to(job.device)
+    y = torch.stack([item["targets"] for item in items]).to(job.device)
+
+    def probe(model: nn.Module) -> torch.Tensor:
+        return model(x, y)[1]
+
+    return probe
 
 
 def _check_resumable(saved: dict[str, Any], live: dict[str, Any], samples_seen: int, step: int) -> None:

@@ -183,8 +183,9 @@ def test_metric_values_must_be_numbers(tmp_path):
     manager = CheckpointManager(CheckpointConfig(root=str(tmp_path), interval_steps=None), model=Net(), optimizer=None)
     with pytest.raises(TypeError, match="metrics must map names to numbers"):
         manager.maybe_save(1, metrics={"val_loss": "low"})
-    manager.maybe_save(1, metrics={"val_loss": torch.tensor(0.5).item()})
+    manager.save(1, metrics={"val_loss": torch.tensor(0.5).item(), "acc": np.float32(0.25)})
     manager.close()
+    assert Manifest.read(tmp_path / "step-000000001").metrics == {"val_loss": 0.5, "acc": 0.25}
 
 
 # ----------------------------------------------------------------------------- selective load
