@@ -130,6 +130,10 @@ def model_card(config: Mapping[str, Any], model: ExportResult) -> str:
 
     hw = config.get("hardware") or {}
     recent = config["loss_history"][-_HISTORY_IN_CARD:]
+    accelerators = (f"{hw['accelerator_count']} x {hw.get('accelerator')}" if hw.get("accelerator_count")
+                    else "no accelerator")
+    hardware = (f"{accelerators}, {hw.get('cpu_count', '-')} CPUs, {hw.get('platform', '-')}" if hw
+                else "not recorded")
     lines = [
         f"# Model release: step {config['step']}", "",
         f"Weights of the training checkpoint `{config['source']}` (released {config['released']} with distckpt "
@@ -145,8 +149,7 @@ def model_card(config: Mapping[str, Any], model: ExportResult) -> str:
         "", "## Where it was trained", "",
         f"- world size {config['world_size']}, wrapper {config['wrapper']}, {config['state_dict_type']} checkpoint",
         f"- torch {config['torch_version']}, distckpt {config['distckpt_version']} (at the save)",
-        f"- hardware: {hw.get('accelerator', 'not recorded')} x{hw.get('accelerator_count', '-')} per node, "
-        f"{hw.get('cpu_count', '-')} CPUs, {hw.get('platform', '-')}",
+        f"- hardware (rank 0 at the save): {hardware}",
         f"- experiment run id: {fmt(config.get('run_id'))}", "",
         "## Data and hyper-parameters (the run's extra_state)", "",
         "```json", json.dumps(config["extra_state"], indent=1, default=str), "```", "",
