@@ -377,7 +377,9 @@ def probe_on_fixed_batch(job: Job, windows: int = 8) -> Callable[[nn.Module], to
     y = torch.stack([item["targets"] for item in items]).to(job.device)
 
     def probe(model: nn.Module) -> torch.Tensor:
-        return model(x, y)[1]
+        # The uncompiled module (the same parameters, already in eval mode): an eval-mode call of
+        # the compiled one would compile a second graph.
+        return job.wrapped(x, y)[1]
 
     return probe
 
