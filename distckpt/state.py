@@ -104,9 +104,9 @@ class TrainState:
         bad = {k: v for k, v in (metrics or {}).items() if isinstance(v, bool) or not isinstance(v, numbers.Real)}
         if bad or not all(isinstance(k, str) for k in metrics or {}):
             raise TypeError(f"metrics must map names to numbers (float(tensor) for a tensor); got {metrics!r}")
-        if step != self.step:
-            self.metrics = {}
-        self.metrics.update({k: float(v) for k, v in (metrics or {}).items()})
+        # A new dict, never updated in place: snapshots and load()'s copy share the old one.
+        kept = self.metrics if step == self.step else {}
+        self.metrics = {**kept, **{k: float(v) for k, v in (metrics or {}).items()}}
         self.step = step
         for k, v in counters.items():
             setattr(self, k, int(v))
