@@ -235,8 +235,9 @@ def _meta_from_pickle(pkl: bytes, cache: HeaderCache | None) -> tuple[torch.Tens
 
 def _record_size_by_descriptor(buf: memoryview, start: int, limit: int) -> int:
     """Size of a small stored record whose local header does not carry it (flag bit 3, which
-    torch's writer sets on every record): the first data descriptor whose CRC-32 and size
-    match the bytes before it."""
+    torch's writer sets on every record): the first data descriptor whose size matches the
+    bytes before it and whose CRC-32 matches them too, or is 0 (``torch.save`` with its CRC
+    switched off, as distckpt's writer does)."""
     window_end = min(len(buf), start + limit + 16)
     window = bytes(buf[start:window_end])
     pos = 0
@@ -247,7 +248,7 @@ def _record_size_by_descriptor(buf: memoryview, start: int, limit: int) -> int:
                 raise UnsupportedLayout("small zip record without a size")
             raise NeedMoreBytes()
         crc, size = struct.unpack_from("<II", window, p + 4)
-        if size == p and zlib.crc32(window[:p]) == crc:
+        if size == p and (crc == 0 or zlib.crc32(window[:p]) == crc):
             return size
         pos = p + 1
 

@@ -474,3 +474,29 @@ def test_lru_cache_forgets_the_least_recently_used():
     assert (cache.get("a"), cache.get("b", "gone"), cache.get("c"), len(cache)) == (1, "gone", 3, 2)
     with pytest.raises(ValueError):
         LruCache(0)
+
+
+# ============================================================================ zip CRC off
+def test_distckpt_writer_skips_zip_crc_and_every_reader_still_loads(tmp_path):
+    """distckpt's writer switches torch.save's CRC-32 off (xxh3 covers the files); torch.load,
+    the stock reader and the fast reader (no fallback) all read such files, and the user's
+    own CRC setting is back afterwards."""
+    import zipfile
+
+    from distckpt.engine.writer import CheckedFileSystemWriter
+
+    state = _state()
+    path = tmp_path / "ckpt"
+    assert torch.serialization.get_crc32_options()
+    dcp.save(state, storage_writer=CheckedFileSystemWriter(path, thread_count=2), no_dist=True)
+    assert torch.serialization.get_crc32_options()  # restored
+    # Each tensor item is a torch.save zip whose records all carry CRC 0.
+    storage = FileSystemReader(str(path)).read_metadata().storage_data
+    for info in storage.values():
+        blob = (path / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+        if blob[:2] == b"PK":
+            assert {i.CRC for i in zipfile.ZipFile(io.BytesIO(blob)).infolist()} == {0}
+    _assert_same(_load(_empty_like(state), path, FileSystemReader(str(path))), state)
+    reader = FastFileSystemReader(path, direct_min_bytes=4096)
+    _assert_same(_load(_empty_like(state), path, reader), state)
+    assert reader.last_stats["fallback_items"] <= 1, reader.last_stats  # as with CRC on (see above)
