@@ -53,6 +53,9 @@ class Manifest:
         model_fingerprint: sha256 over the sorted ``(fqn, shape, dtype)`` list.
         timings_s: seconds per phase (``stage``, ``write``, ``commit``).
         files: every file of the checkpoint except the manifest itself.
+        batch_change: set when the run that wrote it resumed with another global batch
+            (``batch_policy: keep_local_batch``): policy, step rule, global batch, world size and
+            step before/after (``TrainState.batch_change``).
     """
 
     step: int
@@ -71,6 +74,7 @@ class Manifest:
     files: list[FileEntry] = field(default_factory=list)
     hash_algorithm: str | None = "xxh3_128"
     schema_version: int = SCHEMA_VERSION
+    batch_change: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)

@@ -244,7 +244,7 @@ class SaveTransaction:
             distckpt_version=__version__, model=ctx.model_specs,
             model_fingerprint=model_fingerprint(ctx.model_specs),
             loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == self.step else None,
-            timings_s=timings, files=list_files(self.pending, files))
+            timings_s=timings, files=list_files(self.pending, files), batch_change=ts.batch_change)
         for entry in manifest.files:
             if entry.hash is None:  # no writer reported it: hash it here rather than skip it
                 logger.warning("no writer reported a hash for %s; hashing it on rank 0", entry.path)
