@@ -78,8 +78,9 @@ def move_scheduler(scheduler: Any, delta: int) -> None:
     when negative, fewer) times since its construction.
 
     Forward: ``step()`` ``delta`` times (any scheduler whose LR depends on the count of calls).
-    Backward: every group's ``lr`` back to its ``initial_lr``, ``last_epoch = -1``, then
-    ``step()`` ``last_epoch + delta + 1`` times, which is what its constructor and the loop did.
+    Backward: every group's ``lr`` back to its ``initial_lr``, ``last_epoch = -1``, the
+    constructor's initial step, then ``step()`` ``last_epoch + delta`` times: what the
+    constructor and the training loop did.
 
     Raises:
         IncompatibleCheckpointError: moving backward a scheduler that replay cannot rebuild:
@@ -105,5 +106,8 @@ def move_scheduler(scheduler: Any, delta: int) -> None:
         for group in scheduler.optimizer.param_groups:
             group["lr"] = group["initial_lr"]
         scheduler.last_epoch = -1
-        for _ in range(target + 1):
+        # What the constructor does (torch 2.13): its first step() in "initial" mode, in which
+        # recursive schedulers (ExponentialLR, ...) keep the initial LR.
+        scheduler._initial_step()
+        for _ in range(target):
             scheduler.step()
