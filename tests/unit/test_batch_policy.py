@@ -233,3 +233,14 @@ def test_apply_step_rule(rule: str) -> None:
     assert record == {"batch_policy": "keep_local_batch", "step_rule": rule, "global_batch_before": 16,
                       "global_batch_after": 32, "world_size_before": 2, "world_size_after": 4, "step_before": 10,
                       "step_after": want, "global_samples_seen": 168}
+
+
+def test_state_saved_before_the_new_keys_loads_at_another_global_batch() -> None:
+    """A sampler state of an earlier distckpt (no batch_offset / samples_before_epoch): earlier
+    epochs count as whole epochs of the saved G."""
+    old = {"seed": SEED, "epoch": 2, "samples_consumed": 24, "global_batch_size": 8, "dataset_len": 100}
+    s = _samplers(100, 16, 4)[0]
+    s.load_state_dict(old, batch_policy="keep_local_batch")
+    assert (s.epoch, s.samples_consumed, s.samples_seen) == (2, 24, 2 * 96 + 24)
+    assert s.state_dict()["batch_offset"] == 8
+    assert s.rank_indices_from(2, 24)[:4] == _perm(100, 2)[24:28]
