@@ -14,6 +14,8 @@ from .layout import checkpoint_name
 __all__ = ["CheckpointConfig", "KeepBest", "LOADABLE"]
 
 StateDictType = Literal["sharded", "full"]
+BATCH_POLICIES = ("keep_global_batch", "keep_local_batch")  # CheckpointConfig.batch_policy
+STEP_RULES = ("keep", "rescale")  # CheckpointConfig.step_rule
 
 LOADABLE = ("model", "optimizer", "lr_scheduler", "grad_scaler", "dataloader", "rng", "counters", "extra_state")
 """Parts of a checkpoint ``load_only`` / ``exclude_from_loading`` name (``counters``: step, epoch,
@@ -114,6 +116,15 @@ class CheckpointConfig:
             ending in a gloo error. Raise it when a rank does long work of its own before a
             save (evaluation on rank 0 only). ``None``: ``timeout_s / 5``. Must be below
             ``timeout_s``.
+        batch_policy: what a resume does when the global batch size changed since the save
+            (read from the saved ``ReshardableSampler`` state). ``"keep_global_batch"``: refuse
+            (``IncompatibleCheckpointError``), the global batch must be held constant.
+            ``"keep_local_batch"``: the data position carries over in samples (every sample of
+            the epoch is still handed out exactly once; README "Resharding").
+        step_rule: with ``keep_local_batch``, what happens to the step counter when the global
+            batch changed: ``"keep"`` (step and LR scheduler untouched) or ``"rescale"``
+            (``step = global_samples_seen // new_global_batch``, the LR scheduler moved by the
+            same number of steps; checkpoints of higher steps are set aside at the first save).
     """
 
     root: str
@@ -151,8 +162,12 @@ class CheckpointConfig:
     exclude_from_loading: list[str] | None = None
     probe_tolerance: float = 0.01
     probe_on_mismatch: Literal["raise", "warn"] = "raise"
+    # A changed global batch on resume (issue 16 item 1; README "Resharding")
+    batch_policy: Literal["keep_global_batch", "keep_local_batch"] = "keep_global_batch"
+    step_rule: Literal["keep", "rescale"] = "keep"
 
     def __post_init__(self) -> None:
+        _check_batch_policy(self.batch_policy, self.step_rule)
         if not isinstance(self.root, (str, os.PathLike)):
             raise ConfigError(f"CheckpointConfig.root={self.root!r}: must be a directory path")
         self.root = os.fspath(self.root)
@@ -310,6 +325,17 @@ class CheckpointConfig:
             return cls.from_dict(data)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from e
+
+
+def _check_batch_policy(batch_policy: str, step_rule: str) -> None:
+    if batch_policy not in BATCH_POLICIES:
+        raise ConfigError(f"CheckpointConfig.batch_policy={batch_policy!r}: expected one of {list(BATCH_POLICIES)}")
+    if step_rule not in STEP_RULES:
+        raise ConfigError(f"CheckpointConfig.step_rule={step_rule!r}: expected one of {list(STEP_RULES)}")
+    if step_rule == "rescale" and batch_policy != "keep_local_batch":
+        raise ConfigError("CheckpointConfig.step_rule='rescale' needs batch_policy='keep_local_batch': with "
+                          f"batch_policy={batch_policy!r} the global batch never changes, so there is nothing "
+                          "to rescale")
 
 
 def _positive(name: str, value: float | None, *, allow_none: bool = False, integer: bool = False) -> None:

@@ -97,8 +97,12 @@ class CheckpointDiscovery:
                        why, len(moved), self.root, ", ".join(moved))
 
 
-    def rollback_step(self) -> int | None:
-        """N when ``load_path`` is ``<root>/step-N``: a resume from within this root."""
+    def rollback_step(self, *, loaded_step: int | None = None, resumed_step: int | None = None) -> int | None:
+        """N when ``load_path`` is ``<root>/step-N``: a resume from within this root; or
+        ``resumed_step`` when below ``loaded_step`` (``step_rule: rescale`` moved the counter
+        back, so the root's checkpoints above it are set aside like a rollback's)."""
+        if resumed_step is not None and loaded_step is not None and resumed_step < loaded_step:
+            return resumed_step
         if self.config.resolved_load_path is None:
             return None
         p = Path(self.config.resolved_load_path)
@@ -115,12 +119,14 @@ class CheckpointDiscovery:
         newer = [p.name for s, p in existing_checkpoints(self.root) if s > step]
         if not newer:
             return False
+        what = (f"load_path={self.config.resolved_load_path!r}" if self.config.resolved_load_path is not None
+                else f"step_rule='rescale' (step {step})")
         if not self.locked:
-            raise ConfigError(f"load_path={self.config.resolved_load_path!r} rolls back {self.root}, whose newer "
+            raise ConfigError(f"{what} rolls back {self.root}, whose newer "
                               "checkpoints must be set aside before this run saves: that needs lock: true")
         logger.warning("rollback to %s: the root's %d newer checkpoint(s) (%s) will be renamed "
                        "rolledback-step-M-<n> at this run's first save (kept, never loaded or deleted)",
-                       self.config.resolved_load_path, len(newer), ", ".join(newer))
+                       what, len(newer), ", ".join(newer))
         return True
 
 

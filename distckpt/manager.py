@@ -98,7 +98,7 @@ class CheckpointManager:
         self.state = CheckpointState(
             model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, grad_scaler=grad_scaler,
             dataloader=dataloader, extra_state=extra_state, rank=self.rank, world_size=self.world_size,
-            seed=config.seed)
+            seed=config.seed, batch_policy=config.batch_policy, step_rule=config.step_rule)
         self.extras = ResumeExtras(probe=probe, run_id=run_id, model=model, collective=self.collective, config=config)
         self.train_state = TrainState(run_id=self.extras.run_id)
         self._explicit_counters: set[str] = set()  # passed by the caller: never derived
@@ -198,7 +198,7 @@ class CheckpointManager:
             logger.info("no committed checkpoint in %s: starting fresh", self.root)
             return None
         path, train_state, manifest = found
-        rollback = self.discovery.rollback_step()
+        rollback = self.discovery.rollback_step(loaded_step=manifest.step, resumed_step=train_state.step)
         if rollback is not None and self.collective.agree(
                 lambda: self.discovery.plan_rollback(rollback), what=f"rolling back to {path}",
                 error_type=ConfigError):

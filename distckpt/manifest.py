@@ -57,6 +57,9 @@ class Manifest:
         metrics: ``{name: value}`` passed with the saved step (best-K retention reads them).
         probe_loss: the probe's loss at the save (``CheckpointManager(probe=)``).
         hardware: rank 0's machine at the save (platform, CPUs, accelerators).
+        batch_change: set when the run that wrote it resumed with another global batch
+            (``batch_policy: keep_local_batch``): policy, step rule, global batch, world size and
+            step before/after (``TrainState.batch_change``).
     """
 
     step: int
@@ -79,6 +82,7 @@ class Manifest:
     probe_loss: float | None = None
     hardware: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    batch_change: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)

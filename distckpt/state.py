@@ -31,6 +31,7 @@ from .adapters import ModelOptimState
 from .config import LOADABLE
 from .data.reshard import DataLoaderState
 from .errors import IncompatibleCheckpointError
+from .rebatch import apply_step_rule
 from .rng import capture_rng, derive_rng, restore_rng
 
 __all__ = ["TrainState", "CheckpointState", "pack", "unpack", "WEIGHTS_ONLY_KEY"]
@@ -70,6 +71,9 @@ class TrainState:
         metrics: ``{name: value}`` passed with this step (``maybe_save(..., metrics=)``).
         probe_loss: the probe's loss at the save (``CheckpointManager(probe=)``), or ``None``.
         probe_loss_loaded: the probe's loss measured after ``load()`` (not saved).
+        batch_change: set by a resume whose global batch differs from the saved one
+            (``batch_policy: keep_local_batch``): what was done (:func:`distckpt.rebatch.apply_step_rule`);
+            recorded in the manifest of this run's saves, not in the checkpoint's state.
     """
 
     step: int = 0
@@ -84,6 +88,7 @@ class TrainState:
     metrics: dict[str, float] = field(default_factory=dict)
     probe_loss: float | None = None
     probe_loss_loaded: float | None = None
+    batch_change: dict[str, Any] | None = None
 
     _SAVED = ("step", "epoch", "batch_in_epoch", "global_samples_seen", "global_tokens_seen", "loss_history",
               "run_id", "metrics", "probe_loss")
@@ -130,6 +135,7 @@ class CheckpointState:
             containers, primitives and tensors.
         rank, world_size: of the training process group.
         seed: base seed for ranks that have no saved RNG state.
+        batch_policy, step_rule: ``CheckpointConfig``'s, for a resume with another global batch.
     """
 
     def __init__(
@@ -144,6 +150,8 @@ class CheckpointState:
         rank: int,
         world_size: int,
         seed: int,
+        batch_policy: str = "keep_global_batch",
+        step_rule: str = "keep",
     ) -> None:
         self.model_optim = ModelOptimState(model, optimizer)
         self.lr_scheduler = lr_scheduler
@@ -153,6 +161,7 @@ class CheckpointState:
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
+        self.batch_policy, self.step_rule = batch_policy, step_rule
         self.weights_only = False  # set by for_load: an imported checkpoint (model weights only)
         self.select: frozenset[str] = frozenset(LOADABLE)  # set by for_load: the parts to restore
         self._live_model_sd: dict[str, Any] = {}  # optimizer-only load: the model's own state
@@ -306,11 +315,12 @@ class CheckpointState:
         train_state = TrainState(**unpack(sd["train_state"])) if "train_state" in sd else TrainState()
         train_state.loss_history = [(step, loss) for step, loss in train_state.loss_history]  # lists once saved
         own = sd.get("rank_state", {}).get(f"rank{self.rank}")
+        batch_change = None
         if self.data is not None and "dataloader" in self.select:
             local = unpack(own["dataloader"]) if own is not None and "dataloader" in own else None
             global_ = unpack(sd["data"]) if "data" in sd else None
-            self.data.restore(local, global_, rank=self.rank, world_size=self.world_size,
-                              saved_world_size=saved_world_size)
+            batch_change = self.data.restore(local, global_, rank=self.rank, world_size=self.world_size,
+                                             saved_world_size=saved_world_size, batch_policy=self.batch_policy)
         # RNG last: nothing above may consume random numbers after it.
         if "rng" not in self.select:
             pass  # the live RNG stays (the selection is logged by the loader)
@@ -322,6 +332,11 @@ class CheckpointState:
                 "rank %d did not exist at save (saved world size %d): RNG derived from "
                 "(seed=%d, rank=%d, step=%d) -> %d", self.rank, saved_world_size, self.seed,
                 self.rank, train_state.step, derived)
+        if batch_change is not None:  # after the RNG: moving the scheduler draws no random numbers
+            train_state.batch_change = apply_step_rule(
+                train_state, self.lr_scheduler, global_batch=batch_change,
+                world_size=(saved_world_size, self.world_size), batch_policy=self.batch_policy,
+                step_rule=self.step_rule, rank=self.rank)
         return train_state
 
     def _restore_weights_only(self, sd: dict[str, Any]) -> TrainState:

@@ -249,7 +249,8 @@ class SaveTransaction:
             model_fingerprint=model_fingerprint(ctx.model_specs),
             loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == self.step else None,
             timings_s=timings, files=list_files(self.pending, files), run_id=ts.run_id,
-            metrics=dict(ts.metrics), probe_loss=ts.probe_loss, hardware=hardware_summary())
+            metrics=dict(ts.metrics), probe_loss=ts.probe_loss, hardware=hardware_summary(),
+            batch_change=ts.batch_change)
         for entry in manifest.files:
             if entry.hash is None:  # no writer reported it: hash it here rather than skip it
                 logger.warning("no writer reported a hash for %s; hashing it on rank 0", entry.path)

@@ -1,8 +1,8 @@
 """Resilience demo: kill a 2-rank job, resume it on 2 and on 4 ranks, compare with a clean run.
 
-``python -m launch.demo --out runs/demo`` (``make demo``) runs five ``torchrun`` jobs of
-``launch/train.py`` one after another, each under a timeout, all to the same ``N`` steps with
-the same global batch:
+``python -m launch.demo --out runs/demo`` (``make demo``) runs seven ``torchrun`` jobs of
+``launch/train.py`` one after another, each under a timeout, all to the same ``N`` steps, all
+but g with the same global batch:
 
 a. ``baseline``     2 ranks, uninterrupted.
 b. ``killed``       2 ranks; the whole job (torchrun and every worker) is SIGKILLed like a
@@ -13,13 +13,20 @@ d. ``resume_2to4``  4 ranks, resumes the same checkpoint (from a copy of b's roo
 e. ``resume_4to2``  2 ranks, resumes a checkpoint d wrote after its resume.
 f. ``resume_4to4``  4 ranks, resumes that same checkpoint; compared with d itself, which
                     trained on from it uninterrupted (same-world exactness at 4 ranks).
+g. ``resume_2to4_local``  4 ranks, resumes b's checkpoint (from another copy of b's root) with
+                    the per-rank batch kept: global batch ``G * 4 / 2``,
+                    ``checkpoint.batch_policy=keep_local_batch`` (``step_rule`` keep). Its
+                    losses are not compared (another global batch trains another trajectory);
+                    its samples are: none duplicated or skipped, epochs laid out at the new ``G``
+                    from the saved sample position on.
 
 By default the corpus is cut so that an epoch is ``--epoch-steps`` steps, so the runs cross
 epoch boundaries before and after the restarts. The demo prints a table, writes
 ``<out>/summary.json`` (``{"runs": [...], "requirements": [...], ...}``) and exits 1 when a
 requirement is missed: same world size ``max_abs_loss_diff == 0.0`` (against the baseline, or
 for f against d); changed world size
-``<= --tolerance``; no duplicated or skipped samples anywhere.
+``<= --tolerance``; no duplicated or skipped samples anywhere; g resumed 2 -> 4 ranks with the
+global batch doubled and its step kept.
 
 Sample accounting (kept history, duplicated and skipped samples): see ``launch/jobs.py``.
 """
@@ -67,7 +74,14 @@ def summarize(run: Run, baseline: Run, info: dict[str, Any], steps: int) -> dict
         "probe_loss_saved": resumed.get("probe_loss_saved") if resumed else None,
         "probe_loss_loaded": resumed.get("probe_loss_loaded") if resumed else None,
         "samples_match_baseline": all(history.get(s) == baseline.samples.get(s) for s in range(1, last + 1)),
+        "global_batch_before": info["global_batch_size"], "global_batch_after": info["global_batch_size"],
     }
+    change = (resumed or {}).get("batch_change")
+    if change is not None:  # resumed with another global batch (batch_policy keep_local_batch)
+        row.update({k: change[k] for k in ("global_batch_before", "global_batch_after", "step_before",
+                                           "step_after")}, samples_match_baseline=None, compared_with=None,
+                   compared_steps=0, loss_note="not compared: the global batch changed, so does the trajectory")
+        return row
     if run is not baseline:
         ref = run.reference or baseline
         own = [s for s in run.metrics if c is None or s > c]
@@ -113,17 +127,28 @@ def check(rows: list[dict[str, Any]], steps: int, interval: int, tolerance: floa
     for name in ("resume_2to4", "resume_4to2"):
         d = by[name]["max_abs_loss_diff"]
         req(f"{name}: |loss - baseline| <= {tolerance:g}", d is not None and d <= tolerance, d)
+    r = by["resume_2to4_local"]
+    g = by["baseline"]["global_batch_after"]
+    req("resume_2to4_local: resumed a checkpoint of 2 ranks on 4 with the per-rank batch kept (global batch "
+        "doubled, step kept)",
+        r["saved_world_size"] == 2 and r["world_size"] == 4 and r.get("global_batch_before") == g
+        and r.get("global_batch_after") == 2 * g and r.get("step_before") == r.get("step_after") == c,
+        {k: r.get(k) for k in ("saved_world_size", "world_size", "global_batch_before", "global_batch_after",
+                               "step_before", "step_after")})
     return reqs
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     cols = [("run", "name"), ("ranks", None), ("resumed", "resumed_from_step"), ("replayed", "steps_replayed"),
-            ("max|dloss|", "max_abs_loss_diff"), ("dup", "duplicated_samples"), ("skip", "skipped_samples"),
+            ("G", "G"), ("max|dloss|", "max_abs_loss_diff"), ("dup", "duplicated_samples"), ("skip", "skipped_samples"),
             ("save s", "save_seconds_total"), ("wall s", "wall_seconds")]
 
     def cell(r: dict[str, Any], key: str | None) -> str:
         if key is None:
             return f"{r['saved_world_size']}->{r['world_size']}" if r["saved_world_size"] else str(r["world_size"])
+        if key == "G":
+            before, after = r["global_batch_before"], r["global_batch_after"]
+            return str(after) if before == after else f"{before}->{after}"
         v = r[key]
         if v is None:
             return "-"
@@ -189,14 +214,18 @@ def main(argv: list[str] | None = None) -> int:
                               parent=runs["resume_2to4"])
     runs["resume_4to4"] = Run("resume_4to4", args.nproc_alt, out / "resume_4to4", out / "resume_4to4" / "checkpoints",
                               parent=runs["resume_2to4"], reference=runs["resume_2to4"])
-    for path in [r.out for r in runs.values()] + [shared, out / "ckpt_killed_copy"]:
+    runs["resume_2to4_local"] = Run("resume_2to4_local", args.nproc_alt, out / "resume_2to4_local",
+                                    out / "ckpt_killed_copy_local", parent=runs["killed"])
+    g_local = cfg.data.global_batch_size * args.nproc_alt // args.nproc  # the per-rank batch kept
+    extra = {"resume_2to4_local": [f"data.global_batch_size={g_local}", "checkpoint.batch_policy=keep_local_batch"]}
+    for path in [r.out for r in runs.values()] + [shared, out / "ckpt_killed_copy", out / "ckpt_killed_copy_local"]:
         shutil.rmtree(path, ignore_errors=True)  # only what an earlier demo in --out made
     (out / "summary.json").unlink(missing_ok=True)
     config = str(REPO / args.config)
 
     def go(run: Run, **kw: Any) -> None:
         print(f"[demo] {run.name}: {run.nproc} ranks ...", flush=True)
-        launch(run, config, overrides, args.run_timeout_s, **kw)
+        launch(run, config, overrides + extra.get(run.name, []), args.run_timeout_s, **kw)
         status = "killed" if run.killed else f"exit {run.returncode}"
         resumed = f", resumed from step {run.resumed_from}" if run.resumed_from is not None else ""
         print(f"[demo] {run.name}: {status} at step {run.last_step}{resumed} ({run.wall_seconds:.1f} s)",
@@ -214,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         go(runs["baseline"])
         go(runs["killed"], kill_when=should_kill)
         shutil.copytree(shared, out / "ckpt_killed_copy")  # d resumes the same checkpoint as c
+        shutil.copytree(shared, out / "ckpt_killed_copy_local")  # and so does g
         go(runs["resume_2to2"])
         go(runs["resume_2to4"])
         d = runs["resume_2to4"]
@@ -222,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("resume_4to2", "resume_4to4"):
                 runs[name].load_path = d.ckpt_root / f"step-{later[0]:09d}"
                 go(runs[name])
+        go(runs["resume_2to4_local"])
     except (TimeoutError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -18,12 +18,14 @@ Guarantees:
 Sample accounting. The *kept history* of a run is what its final model was trained on: for a
 resumed run, the kept history of the run that wrote its checkpoint up to the checkpoint step,
 then its own steps; for a run without a parent, its own steps (those recorded by every rank).
-Steps a killed or earlier run executed past the checkpoint are replayed, not kept. For every
-epoch ``e`` the kept history reaches, let ``k_e`` be the number of its global batches in steps
-``1..last`` and ``E_e`` the first ``k_e * G`` sample ids of the sampler's epoch-``e``
-permutation (``distckpt.data.ReshardableSampler.permutation``: batch ``k`` is
-``perm[k*G:(k+1)*G]``), i.e. every sample the epoch hands out up to the position reached.
-With ``c_e(i)`` the number of times sample ``i`` appears in the kept steps of epoch ``e``:
+Steps a killed or earlier run executed past the checkpoint are replayed, not kept. The steps
+``1..last`` are assigned to epochs in order, as the sampler lays them out: a step whose batch
+(``len(ids)`` samples; ``G`` may change at a ``keep_local_batch`` resume) no longer fits in the
+``dataset_len`` samples of the current epoch opens the next one. For every epoch ``e`` the kept
+history reaches, let ``n_e`` be the samples of its steps and ``E_e`` the first ``n_e`` sample ids
+of the sampler's epoch-``e`` permutation (``distckpt.data.ReshardableSampler.permutation``), i.e.
+every sample the epoch hands out up to the position reached. With ``c_e(i)`` the number of
+times sample ``i`` appears in the kept steps of epoch ``e``:
 
 * ``duplicated_samples = sum_e sum_i max(0, c_e(i) - 1)``
 * ``skipped_samples = sum_e |E_e - {i : c_e(i) > 0}|`` (a step missing from the history
@@ -282,19 +284,25 @@ def sample_accounting(history: dict[int, list[int]], last_step: int, info: dict[
     Args:
         history: global sample ids per step (:func:`kept_history`).
         last_step: the last step to account for.
-        info: ``global_batch_size``, ``steps_per_epoch``, ``dataset_len``, ``sampler_seed``.
+        info: ``global_batch_size`` (of step 1), ``dataset_len``, ``sampler_seed``.
     """
-    g, per_epoch = info["global_batch_size"], info["steps_per_epoch"]
-    sampler = ReshardableSampler(info["dataset_len"], global_batch_size=g, rank=0, world_size=1,
-                                 seed=info["sampler_seed"])
+    g, n = info["global_batch_size"], info["dataset_len"]
+    sampler = ReshardableSampler(n, global_batch_size=g, rank=0, world_size=1, seed=info["sampler_seed"])
     seen: dict[int, Counter] = {}
-    for step, ids in history.items():
-        if 1 <= step <= last_step:
-            seen.setdefault((step - 1) // per_epoch, Counter()).update(ids)
+    reached: dict[int, int] = {}  # epoch -> samples its steps hand out
+    epoch = pos = 0
+    size = g
+    for step in range(1, last_step + 1):
+        ids = history.get(step)
+        size = len(ids) if ids else size  # a step missing from the history: the batch size in force
+        if pos + size > n:  # no whole batch left: the epoch's tail is never handed out
+            epoch, pos = epoch + 1, 0
+        pos += size
+        reached[epoch] = pos
+        seen.setdefault(epoch, Counter()).update(ids or [])
     duplicated = skipped = 0
-    for epoch in range((last_step - 1) // per_epoch + 1 if last_step else 0):
-        batches = min(per_epoch, last_step - epoch * per_epoch)
-        expected = set(sampler.permutation(epoch)[: batches * g].tolist())
+    for epoch, end in reached.items():
+        expected = set(sampler.permutation(epoch)[:end].tolist())
         counts = seen.get(epoch, Counter())
         duplicated += sum(n - 1 for n in counts.values() if n > 1)
         skipped += len(expected - set(counts))

@@ -20,7 +20,9 @@ a run resumed into the same ``out`` appends the steps it replays again):
 SIGTERM (preemption, with ``checkpoint.preemption`` on and ``exit_on_preemption`` off as in
 the shipped configs): every rank saves at the next step boundary, records it and exits 0.
 
-World-size invariance: the global batch ``G`` is fixed, and dropout masks come from
+World-size invariance: the global batch ``G`` is fixed (unless ``checkpoint.batch_policy`` is
+``keep_local_batch``: then a resume may change ``G``, the position carries over in samples and
+losses are no longer comparable to a run at the old ``G``), and dropout masks come from
 per-sample seeds drawn from one stream shared by all ranks (``launch.model.SampleSeedStream``,
 saved in the checkpoint), so a step computes the same function of the same samples at any
 world size, up to floating-point reduction order.
@@ -310,15 +312,17 @@ def train(job: Job) -> int:
                   config=cfg.to_dict(), **job_info)
     t_start = time.perf_counter()
     state = manager.load()
-    step = 0
+    step = samples = epoch = 0
     if state is not None:
-        _check_resumable(manager.extra_state["job"], job_info, state.global_samples_seen, state.step)
-        step = state.step
+        _check_resumable(manager.extra_state["job"], job_info, state.global_samples_seen, state.step,
+                         keep_local_batch=cfg.checkpoint.batch_policy == "keep_local_batch")
+        step, samples, epoch = state.step, state.global_samples_seen, state.epoch
         logger.info("resumed from step %d (%s, saved by %s ranks, now %d ranks)", step,
                     state.checkpoint_path, state.saved_world_size, job.world_size)
         records.event("resumed", step=step, checkpoint_path=state.checkpoint_path,
                       saved_world_size=state.saved_world_size, world_size=job.world_size,
-                      probe_loss_saved=state.probe_loss, probe_loss_loaded=state.probe_loss_loaded)
+                      probe_loss_saved=state.probe_loss, probe_loss_loaded=state.probe_loss_loaded,
+                      batch_change=state.batch_change)
     if step >= cfg.train.steps:
         logger.info("checkpoint step %d >= train.steps=%d: nothing to train", step, cfg.train.steps)
     job.model.train()
@@ -329,26 +333,25 @@ def train(job: Job) -> int:
             seeds = job.seed_stream.draw(g, rank=job.rank, world_size=job.world_size)
             local_loss, grad_norm, lr = train_step(job, batch, seeds, manager)
             loss = global_mean(local_loss, job.world_size)
-            step += 1
+            step, samples = step + 1, samples + g
             step_seconds = time.perf_counter() - t_prev
-            epoch, batch_in_epoch = divmod(step, job.steps_per_epoch)  # position after this step
             if presave is not None:
                 presave.write(json.dumps({"step": step, "ids": batch["sample_id"].tolist()}) + "\n")
-            saved = manager.maybe_save(step, loss=loss, last_step=step == cfg.train.steps, epoch=epoch,
-                                       batch_in_epoch=batch_in_epoch, global_samples_seen=step * g,
-                                       global_tokens_seen=step * g * cfg.data.seq_len)
+            # epoch, batch_in_epoch and global_samples_seen: derived from the sampler's position
+            saved = manager.maybe_save(step, loss=loss, last_step=step == cfg.train.steps,
+                                       global_tokens_seen=samples * cfg.data.seq_len)
             ckpt_seconds = manager.last_save_seconds if saved else 0.0
             if saved:
                 records.event("checkpoint", step=step, seconds=ckpt_seconds)
             records.samples(step, batch["sample_id"].tolist())
-            records.metrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, global_samples_seen=step * g,
+            records.metrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, global_samples_seen=samples,
                             world_size=job.world_size, step_seconds=step_seconds,
-                            checkpoint_seconds=ckpt_seconds, epoch=(step - 1) // job.steps_per_epoch)
+                            checkpoint_seconds=ckpt_seconds, epoch=epoch)
             if step % cfg.train.log_every == 0 or step == cfg.train.steps or step == pass_start + 1:
                 logger.info("step %5d/%d  loss %.4f  lr %.2e  |g| %s  %.0f ms/step  ckpt %.2f s  epoch %d",
                             step, cfg.train.steps, loss, lr,
                             "-" if grad_norm is None else f"{grad_norm:.3f}", 1000 * step_seconds,
-                            ckpt_seconds, (step - 1) // job.steps_per_epoch)
+                            ckpt_seconds, epoch)
             t_prev = time.perf_counter()
             if manager.preempted:  # SIGTERM on some rank: all ranks saved this step and stop
                 logger.warning("preempted: checkpoint of step %d committed, stopping", step)
@@ -356,6 +359,8 @@ def train(job: Job) -> int:
                 break
             if step >= cfg.train.steps:
                 break
+        else:
+            epoch += 1  # the pass ran to the epoch's end: the next one is the next epoch's
         if manager.preempted:
             break
         if step == pass_start:
@@ -384,14 +389,17 @@ def probe_on_fixed_batch(job: Job, windows: int = 8) -> Callable[[nn.Module], to
     return probe
 
 
-def _check_resumable(saved: dict[str, Any], live: dict[str, Any], samples_seen: int, step: int) -> None:
-    """Refuse to continue on different data: the sample order would silently change."""
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in live.items() if saved.get(k) != v]
+def _check_resumable(saved: dict[str, Any], live: dict[str, Any], samples_seen: int, step: int, *,
+                     keep_local_batch: bool = False) -> None:
+    """Refuse to continue on different data: the sample order would silently change. With
+    ``keep_local_batch`` the global batch may differ (distckpt carries the position over in samples)."""
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in live.items()
+             if saved.get(k) != v and not (keep_local_batch and k == "global_batch_size")]
     if diffs:
         raise ConfigError("the checkpoint was written by a run on different data or batching ("
                           + "; ".join(diffs) + "); resume with the same data.* settings or start "
                           "from a fresh checkpoint.root")
-    if samples_seen != step * live["global_batch_size"]:
+    if not keep_local_batch and samples_seen != step * live["global_batch_size"]:
         raise ConfigError(f"checkpoint at step {step} saw {samples_seen} samples, expected "
                           f"{step} * global_batch_size={step * live['global_batch_size']}")
 

@@ -74,24 +74,43 @@ class DataLoaderState:
             "iterate over the loader.")
 
     def restore(self, local: dict[str, Any] | None, global_: dict[str, Any] | None, *,
-                rank: int, world_size: int, saved_world_size: int) -> None:
+                rank: int, world_size: int, saved_world_size: int,
+                batch_policy: str = "keep_global_batch") -> tuple[int, int] | None:
         """Position the loader from a checkpoint, before the RNG is restored.
 
         Args:
             local: this rank's saved loader state (``None``: the world size changed).
             global_: the global sampler state saved by rank 0 (``None`` if none was saved).
+            batch_policy: ``CheckpointConfig.batch_policy``; ``"keep_local_batch"`` lets the
+                global batch size differ from the saved one (position carried over in samples).
+
+        Returns:
+            ``(saved global batch, live global batch)`` when they differ, else ``None``.
 
         Raises:
             IncompatibleCheckpointError: the position must be rebuilt from the global state
                 (world size or ``num_workers`` changed) and the loader has no
-                ReshardableSampler or no global state was saved.
+                ReshardableSampler or no global state was saved; or the global batch size
+                changed and ``batch_policy`` is ``"keep_global_batch"``.
         """
+        sampler = self.sampler()
+        if sampler is not None and global_ is not None and global_["global_batch_size"] != sampler.global_batch_size:
+            before, after = global_["global_batch_size"], sampler.global_batch_size
+            if batch_policy != "keep_local_batch":
+                raise IncompatibleCheckpointError(
+                    f"rank {rank}: the checkpoint was saved with global batch {before} ({saved_world_size} "
+                    f"ranks) and this run's ReshardableSampler has global batch {after} ({world_size} ranks). "
+                    "Set batch_policy: keep_local_batch to carry the data position over in samples (and "
+                    f"step_rule: keep | rescale for the step counter), or build the sampler with "
+                    f"global_batch_size={before}")
+            self.load_global_state(global_, rank=rank, world_size=world_size, batch_policy=batch_policy)
+            return before, after
         if local is not None:
             saved_workers = _saved_num_workers(local)
             workers = getattr(self.dataloader, "num_workers", None)
             if saved_workers is None or workers is None or saved_workers == workers:
                 self.load_local_state(local)
-                return
+                return None
             if self.sampler() is None or global_ is None:
                 raise IncompatibleCheckpointError(
                     f"rank {rank}: the dataloader state was saved with num_workers={saved_workers} and "
@@ -102,10 +121,11 @@ class DataLoaderState:
             self.load_global_state(global_, rank=rank, world_size=world_size)
             logger.info("rank %d: num_workers %d -> %d: dataloader position rebuilt from the global "
                         "sampler state", rank, saved_workers, workers)
-            return
+            return None
         self.load_global_state(global_, rank=rank, world_size=world_size)
         logger.info("rank %d: world size %d -> %d: dataloader position rebuilt from the global "
                     "sampler state", rank, saved_world_size, world_size)
+        return None
 
     def load_local_state(self, state: dict[str, Any]) -> None:
         """Load this rank's saved loader state (same world size and ``num_workers``)."""
@@ -148,17 +168,19 @@ class DataLoaderState:
 
     def counters(self) -> dict[str, int] | None:
         """``epoch``, ``batch_in_epoch`` and ``global_samples_seen`` of the consumed position
-        (whole epochs of ``B * G`` samples before it), or ``None`` without a ReshardableSampler."""
+        (``samples_before_epoch`` counts the samples of earlier epochs, whatever their ``G``), or
+        ``None`` without a ReshardableSampler."""
         state = self.global_state()
         if state is None:
             return None
         g = state["global_batch_size"]
-        per_epoch = state["dataset_len"] // g * g
         return {"epoch": state["epoch"], "batch_in_epoch": state["samples_consumed"] // g,
-                "global_samples_seen": state["epoch"] * per_epoch + state["samples_consumed"]}
+                "global_samples_seen": state["samples_before_epoch"] + state["samples_consumed"]}
 
-    def load_global_state(self, state: dict[str, Any] | None, *, rank: int, world_size: int) -> None:
-        """Position this rank's loader from the global state (world size or ``num_workers`` changed).
+    def load_global_state(self, state: dict[str, Any] | None, *, rank: int, world_size: int,
+                          batch_policy: str = "keep_global_batch") -> None:
+        """Position this rank's loader from the global state (world size, ``num_workers`` or,
+        with ``batch_policy="keep_local_batch"``, global batch size changed).
 
         Raises:
             IncompatibleCheckpointError: the loader has no ReshardableSampler or none was saved.
@@ -172,7 +194,7 @@ class DataLoaderState:
                 "and in the resuming run), or pass dataloader=None and reposition it yourself")
         self._shut_down_iterator()
         self.dataloader.load_state_dict({})  # drop any iterator made at the old position
-        sampler.load_state_dict(state)
+        sampler.load_state_dict(state, batch_policy=batch_policy)
         # At an epoch boundary the next iter(loader) draws from the restored RNG, as the
         # uninterrupted loop did after the save; elsewhere the iterator is made before it.
         if not (sampler.samples_consumed == 0 and sampler.epoch > 0):

@@ -9,10 +9,18 @@ so it must be batched with ``batch_size = G // W``; concatenating the rank slice
 rank order gives the global batch for any ``W`` that divides ``G``.
 
 State. ``state_dict()`` is ``{"seed", "epoch", "samples_consumed",
-"global_batch_size", "dataset_len"}`` where ``samples_consumed`` counts the global
-samples of complete global batches handed out in ``epoch`` (a multiple of ``G``).
-It is identical on every rank and independent of rank and world size. Handing out
-the last batch of an epoch moves the position to ``(epoch + 1, 0)``.
+"global_batch_size", "dataset_len", "batch_offset", "samples_before_epoch"}`` where
+``samples_consumed`` counts the global samples of complete global batches handed out in
+``epoch`` (a multiple of ``G``, plus ``batch_offset``), and ``samples_before_epoch`` those of
+all earlier epochs. It is identical on every rank and independent of rank and world size.
+Handing out the last batch of an epoch moves the position to ``(epoch + 1, 0)``.
+
+A different ``G`` (``batch_policy="keep_local_batch"``; the last two keys are optional, for
+states saved before them). Saved at ``c`` samples of epoch ``e``, the epoch goes on at
+``perm[c:]`` in global batches of the new ``G`` (``batch_offset = c % G``) for as long as a
+whole one fits; the fewer than ``G`` samples left are the epoch's dropped tail, as ``N % G``
+is in every epoch. Nothing consumed is handed out again and nothing is rounded away: the
+epoch hands out ``perm[:c + k*G]``, each sample once. The next epoch starts at 0 again.
 
 Same world size (per-rank loader state, ``torchdata`` ``StatefulDataLoader``)::
 
@@ -48,7 +56,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .workers import SigtermSafeWorkerInit
 
-_KEYS = ("seed", "epoch", "samples_consumed", "global_batch_size", "dataset_len")
+_KEYS = ("seed", "epoch", "samples_consumed", "global_batch_size", "dataset_len")  # required; optional:
+# "batch_offset" (0) and "samples_before_epoch" (epoch * whole-batch samples per epoch), added with batch_policy
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -103,11 +112,14 @@ class ReshardableSampler(Sampler[int]):
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.num_global_batches = dataset_len // global_batch_size
         self._epoch, self._consumed = 0, 0
+        self._offset, self._before = 0, 0  # this epoch's batch grid start; samples of earlier epochs
         self._live: Optional[_RankIterator] = None  # the only iterator allowed to move the position
 
     epoch = property(lambda self: self._epoch, doc="Current epoch.")
     samples_consumed = property(lambda self: self._consumed,
                                 doc="Global samples of whole global batches handed out this epoch.")
+    samples_seen = property(lambda self: self._before + self._consumed,
+                            doc="Global samples handed out since epoch 0 (all epochs, whatever their G).")
 
     def permutation(self, epoch: int) -> torch.Tensor:
         """Global order of ``epoch``: int64 tensor of shape ``(dataset_len,)``."""
@@ -117,9 +129,15 @@ class ReshardableSampler(Sampler[int]):
 
     def rank_indices(self, epoch: int, start_batch: int = 0) -> List[int]:
         """This rank's indices of global batches ``start_batch..B-1`` of ``epoch``, in order."""
+        return self.rank_indices_from(epoch, start_batch * self.global_batch_size)
+
+    def rank_indices_from(self, epoch: int, start: int) -> List[int]:
+        """This rank's indices of the global batches ``perm[start + k*G : start + (k+1)*G]`` of
+        ``epoch`` that fit in it (``start`` in samples, any value in ``[0, dataset_len]``)."""
         g, b = self.global_batch_size, self.local_batch_size
-        grid = self.permutation(epoch)[: self.num_global_batches * g].view(-1, g)
-        return grid[start_batch:, self.rank * b:(self.rank + 1) * b].reshape(-1).tolist()
+        n = (self.dataset_len - start) // g
+        grid = self.permutation(epoch)[start: start + n * g].reshape(n, g)
+        return grid[:, self.rank * b:(self.rank + 1) * b].reshape(-1).tolist()
 
     def __iter__(self) -> Iterator[int]:
         """Yield this rank's indices from the current position to the end of the epoch."""
@@ -137,12 +155,13 @@ class ReshardableSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Jump to ``(epoch, 0)``; a no-op if already in ``epoch`` (so a resume keeps its place)."""
         if epoch != self._epoch:
-            self._move(epoch, 0)
+            self._move(epoch, 0, before=epoch * self.num_global_batches * self.global_batch_size)
 
     def state_dict(self) -> Dict[str, Any]:
         """Global position; identical on every rank. See the module docstring for keys."""
         return {"seed": self.seed, "epoch": self._epoch, "samples_consumed": self._consumed,
-                "global_batch_size": self.global_batch_size, "dataset_len": self.dataset_len}
+                "global_batch_size": self.global_batch_size, "dataset_len": self.dataset_len,
+                "batch_offset": self._offset, "samples_before_epoch": self._before}
 
     def global_state(self) -> Dict[str, Any]:
         """Same as :meth:`state_dict`: what was handed out, which is what was consumed
@@ -150,33 +169,47 @@ class ReshardableSampler(Sampler[int]):
         :func:`global_state_from_loader_state`."""
         return self.state_dict()
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Dict[str, Any], *, batch_policy: str = "keep_global_batch") -> None:
         """Restore a position saved under any rank / world size; the next ``__iter__``
         starts there. A position at the end of an epoch means the next epoch.
 
+        Args:
+            state_dict: from :meth:`state_dict` or :func:`global_state_from_loader_state`.
+            batch_policy: ``"keep_local_batch"`` accepts a state saved with another
+                ``global_batch_size`` and carries its position over in samples (module docstring).
+
         Raises:
-            ValueError: missing keys, ``global_batch_size``/``dataset_len``/``seed``
-                differing from this sampler, or ``samples_consumed`` not a multiple
-                of ``G`` in ``[0, B*G]`` (so not a whole number of per-rank batches).
+            ValueError: missing keys, ``dataset_len``/``seed`` differing from this sampler,
+                ``global_batch_size`` differing without ``keep_local_batch``, or
+                ``samples_consumed`` not ``batch_offset`` plus a multiple of the saved ``G``
+                in ``[0, dataset_len]`` (so not a whole number of per-rank batches).
         """
         if any(k not in state_dict for k in _KEYS):
             raise ValueError(f"sampler state {sorted(state_dict)} is missing keys of {list(_KEYS)}")
-        for key in ("global_batch_size", "dataset_len", "seed"):
+        keys = ("dataset_len", "seed") if batch_policy == "keep_local_batch" else (
+            "global_batch_size", "dataset_len", "seed")
+        for key in keys:
             if state_dict[key] != getattr(self, key):
+                hint = (" (batch_policy='keep_local_batch' carries the position over to another global batch)"
+                        if key == "global_batch_size" else "")
                 raise ValueError(f"cannot load sampler state: saved {key}={state_dict[key]}, "
-                                 f"this sampler has {key}={getattr(self, key)}")
-        g, consumed, epoch = self.global_batch_size, state_dict["samples_consumed"], state_dict["epoch"]
-        if consumed % g or not 0 <= consumed <= self.num_global_batches * g or epoch < 0:
+                                 f"this sampler has {key}={getattr(self, key)}{hint}")
+        saved_g, consumed, epoch = state_dict["global_batch_size"], state_dict["samples_consumed"], state_dict["epoch"]
+        offset = state_dict.get("batch_offset", 0)
+        if (not 0 <= offset < saved_g or (consumed - offset) % saved_g or not 0 <= consumed <= self.dataset_len
+                or epoch < 0):
             raise ValueError(
-                f"samples_consumed={consumed} (epoch={epoch}) is not a whole number of global batches "
-                f"of {g} in [0, {self.num_global_batches * g}], so it cannot be split into per-rank "
-                f"batches of {self.local_batch_size} for world_size={self.world_size}")
-        if consumed == self.num_global_batches * g:
-            epoch, consumed = epoch + 1, 0
-        self._move(epoch, consumed)
+                f"samples_consumed={consumed} (epoch={epoch}, batch_offset={offset}) is not a whole number "
+                f"of global batches of {saved_g} in [0, {self.dataset_len}], so it cannot be split into "
+                f"per-rank batches of {self.local_batch_size} for world_size={self.world_size}")
+        before = state_dict.get("samples_before_epoch", epoch * (self.dataset_len // saved_g) * saved_g)
+        if consumed + self.global_batch_size > self.dataset_len:  # no whole batch left: the epoch's end
+            epoch, before, consumed = epoch + 1, before + consumed, 0
+        self._move(epoch, consumed, before=before)
 
-    def _move(self, epoch: int, consumed: int) -> None:
-        self._epoch, self._consumed = epoch, consumed
+    def _move(self, epoch: int, consumed: int, *, before: int) -> None:
+        self._epoch, self._consumed, self._before = epoch, consumed, before
+        self._offset = consumed % self.global_batch_size  # 0 unless a changed G left the grid off it
         self._live = None  # iterators already handed out no longer describe the position
 
 
@@ -185,7 +218,7 @@ class _RankIterator(Iterator[int]):
 
     def __init__(self, sampler: ReshardableSampler) -> None:
         self._s = sampler
-        self._epoch, self._start = sampler.epoch, sampler.samples_consumed // sampler.global_batch_size
+        self._epoch, self._start, self._before = sampler.epoch, sampler.samples_consumed, sampler._before
         self._indices: Optional[List[int]] = None  # built lazily: loaders often discard the first iter
         self._i = 0
 
@@ -195,7 +228,7 @@ class _RankIterator(Iterator[int]):
     def __next__(self) -> int:
         s = self._s
         if self._indices is None:
-            self._indices = s.rank_indices(self._epoch, self._start)
+            self._indices = s.rank_indices_from(self._epoch, self._start)
         if self._i >= len(self._indices):
             raise StopIteration
         idx = self._indices[self._i]
@@ -203,11 +236,11 @@ class _RankIterator(Iterator[int]):
         # Move the position before returning a batch's last index: the loader snapshots
         # the sampler right after drawing a batch, so the snapshot must include it.
         if self._i % s.local_batch_size == 0 and s._live is self:
-            k = self._start + self._i // s.local_batch_size
-            if k == s.num_global_batches:
-                s._epoch, s._consumed = self._epoch + 1, 0
+            consumed = self._start + self._i // s.local_batch_size * s.global_batch_size
+            if consumed + s.global_batch_size > s.dataset_len:  # no whole batch left: next epoch
+                s._epoch, s._consumed, s._offset, s._before = self._epoch + 1, 0, 0, self._before + consumed
             else:
-                s._consumed = k * s.global_batch_size
+                s._consumed = consumed
         return idx
 
 
@@ -235,10 +268,13 @@ def global_state_from_loader_state(loader_state: Dict[str, Any]) -> Dict[str, An
         raise ValueError("loader state holds no ReshardableSampler state; build the loader with "
                          "sampler=ReshardableSampler(...) and batch_size=G // W")
     sd = dict(sd)
-    g, n_batches = sd["global_batch_size"], sd["dataset_len"] // sd["global_batch_size"]
+    g, n = sd["global_batch_size"], sd["dataset_len"]
+    sd.setdefault("batch_offset", 0)
+    sd.setdefault("samples_before_epoch", sd["epoch"] * (n // g) * g)
     consumed = sd["samples_consumed"] + steps * g  # batches returned since the snapshot
-    if consumed >= n_batches * g:  # they finished the epoch
-        sd["epoch"], consumed = sd["epoch"] + 1, 0
+    if consumed + g > n:  # they finished the epoch
+        sd["samples_before_epoch"] += consumed
+        sd["epoch"], sd["batch_offset"], consumed = sd["epoch"] + 1, 0, 0
     sd["samples_consumed"] = consumed
     return sd
 

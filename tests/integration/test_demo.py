@@ -1,7 +1,8 @@
 """End to end: the resilience demo (launch/demo.py), shortened, on CPU/gloo.
 
 Five torchrun jobs (about 45 s on 2 cores): a clean 2-rank run, a 2-rank run SIGKILLed between
-checkpoints, and resumes on 2 ranks, on 4 ranks, and from 4 ranks back to 2. The figures come
+checkpoints, and resumes on 2 ranks, on 4 ranks, from 4 ranks back to 2 and on 4, and on 4 ranks with
+the per-rank batch kept (global batch doubled, batch_policy keep_local_batch). The figures come
 from the demo's summary.json. The accounting that produces them is checked on its own first.
 """
 
@@ -94,7 +95,8 @@ def test_demo_kill_and_resume_across_world_sizes(tmp_path: pathlib.Path) -> None
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     summary = json.loads((out / "summary.json").read_text())
     rows = {r["name"]: r for r in summary["runs"]}
-    assert list(rows) == ["baseline", "killed", "resume_2to2", "resume_2to4", "resume_4to2", "resume_4to4"]
+    assert list(rows) == ["baseline", "killed", "resume_2to2", "resume_2to4", "resume_4to2", "resume_4to4",
+                          "resume_2to4_local"]
     assert all(r["ok"] for r in summary["requirements"])
 
     base, killed = rows["baseline"], rows["killed"]
@@ -118,3 +120,9 @@ def test_demo_kill_and_resume_across_world_sizes(tmp_path: pathlib.Path) -> None
     for r in rows.values():
         assert r["duplicated_samples"] == 0 and r["skipped_samples"] == 0, r
     assert rows["resume_2to2"]["compared_steps"] == STEPS - ckpt
+    local = rows["resume_2to4_local"]  # the per-rank batch kept: G 16 -> 32, step kept
+    assert (local["saved_world_size"], local["world_size"], local["last_step"]) == (2, 4, STEPS), local
+    assert (local["global_batch_before"], local["global_batch_after"]) == (16, 32)
+    assert local["resumed_from_step"] == local["step_before"] == local["step_after"] == ckpt
+    assert local["max_abs_loss_diff"] is None  # another global batch: losses are not comparable
+    assert (local["duplicated_samples"], local["skipped_samples"]) == (0, 0)

@@ -110,7 +110,7 @@ def test_state_epoch_end_and_set_epoch():
     _take(it, 4 * 2 + 1)  # two global batches and one index of the third
     sd = s.state_dict()
     assert sd == {"seed": SEED, "epoch": 0, "samples_consumed": 16,
-                  "global_batch_size": 8, "dataset_len": 48}
+                  "global_batch_size": 8, "dataset_len": 48, "batch_offset": 0, "samples_before_epoch": 0}
     s.set_epoch(0)  # same epoch: keep the position
     assert s.state_dict()["samples_consumed"] == 16
     rest = list(iter(s))  # restarts at the last whole global batch
