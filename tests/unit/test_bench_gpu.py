@@ -55,3 +55,13 @@ def test_tiny_cpu_run_writes_every_row_and_ratio(tmp_path):
     md = (out / "results.md").read_text()
     assert "| 0.004 | async_thread_bgstage |" in md and "| 0.004 | fast |" in md
     assert not (out / "data").exists()
+
+
+def test_cells_past_the_budget_are_listed_not_run(tmp_path):
+    out = tmp_path / "gpu"
+    assert bench_gpu.main(["--out", str(out), "--device", "cpu", "--budget-s", "0"]) == 1
+    results = json.loads((out / "results.json").read_text())
+    cells = 1 + 2 * (len(bench_gpu.SAVE_MODES) + 1 + len(bench_gpu.LOAD_READERS))
+    assert results["results"] == [] and len(results["meta"]["skipped_cells"]) == cells
+    md = (out / "results.md").read_text()
+    assert "(no results)" in md and "not run (past --budget-s): kind=copy" in md
