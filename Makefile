@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup demo demo-elastic lint test test-slow bench clean
+.PHONY: setup demo demo-elastic lint test test-slow test-gpu bench bench-gpu clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +37,23 @@ test: $(VENV)/.installed
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -m "slow" -q
 
+# tests/gpu (NCCL, one GPU per rank). Without CUDA every test there is skipped ("no CUDA"):
+# pytest still runs to show the skips, and its exit code 5 (nothing collected) counts as success.
+test-gpu: $(VENV)/.installed
+	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		$(PY) -m pytest -m gpu tests/gpu -q; \
+	else \
+		$(PY) -m pytest tests/gpu -q -rs; rc=$$?; \
+		if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; \
+		echo "no CUDA: skipped"; \
+	fi
+
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks.bench_save --out runs/bench_save
+
+# The save/load benchmark with CUDA-resident state (exits 0 and measures nothing without CUDA).
+bench-gpu: $(VENV)/.installed
+	$(PY) -m benchmarks.bench_gpu --out benchmarks/results/gpu
 
 clean:
 	rm -rf $(VENV) runs

@@ -88,7 +88,7 @@ def _check(model, extra: dict[str, Any]) -> list[str]:
     bad = []
     for name, p in model.named_parameters():
         local, r0, r1 = _local_rows(p)
-        if local.numel() and not torch.equal(local, _expected(name, tuple(p.shape), r0, r1)):
+        if local.numel() and not torch.equal(local.cpu(), _expected(name, tuple(p.shape), r0, r1)):
             bad.append(name)
     if int(extra["step"]) != 7:
         bad.append("extra.step")
@@ -98,10 +98,12 @@ def _check(model, extra: dict[str, Any]) -> list[str]:
 
 
 def _build(spec: dict[str, Any], world_size: int, wrapper: str):
-    """Model for ``wrapper`` in ``plain`` / ``fsdp2`` / ``ddp``; values zero (touched)."""
+    """Model for ``wrapper`` in ``plain`` / ``fsdp2`` / ``ddp`` on ``spec["device"]`` (default
+    CPU; ``"cuda"``: this rank's current GPU); values zero (touched)."""
     import torch
 
     width, layers = _layer_count(spec["size_bytes"])
+    device = spec.get("device", "cpu")
     if wrapper == "fsdp2" and world_size > 1:
         from torch.distributed.fsdp import fully_shard
 
@@ -110,11 +112,11 @@ def _build(spec: dict[str, Any], world_size: int, wrapper: str):
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)
-        model.to_empty(device="cpu")
+        model.to_empty(device=device)
     else:
         with torch.device("meta"):
             model = _model(width, layers)
-        model.to_empty(device="cpu")
+        model.to_empty(device=device)
     with torch.no_grad():
         for p in model.parameters():
             _local_rows(p)[0].zero_()

@@ -115,8 +115,9 @@ def _layer_rows(size_bytes: int) -> tuple[int, list[int]]:
     return width, rows or [1]
 
 
-def _build_state(size_bytes: int, world_size: int):
-    """Synthetic model (FSDP2 at ``world_size > 1``) + AdamW stepped once.
+def _build_state(size_bytes: int, world_size: int, device: str = "cpu"):
+    """Synthetic model (FSDP2 at ``world_size > 1``) + AdamW stepped once, on ``device``
+    (``"cuda"``: this rank's current GPU; ``bench_gpu``).
 
     Returns:
         ``(model, optimizer, local_state_bytes, global_state_bytes)``.
@@ -140,12 +141,12 @@ def _build_state(size_bytes: int, world_size: int):
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
 
     def local(t):
         return t.to_local() if isinstance(t, DTensor) else t
 
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
             local(p).normal_(0.0, 0.02, generator=gen)
@@ -224,7 +225,8 @@ def _save_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
 
     baseline_rss = _rss_bytes()
     t_build = time.perf_counter()
-    model, optimizer, local_bytes, global_bytes = _build_state(spec["size_bytes"], world_size)
+    model, optimizer, local_bytes, global_bytes = _build_state(spec["size_bytes"], world_size,
+                                                               spec.get("device", "cpu"))
     t_build = time.perf_counter() - t_build
     saves = []
     with _ChildRssSampler() as children:

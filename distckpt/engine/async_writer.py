@@ -9,6 +9,7 @@ parameters again) and *written* (files are on disk; the commit may follow).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import Future
 from pathlib import Path
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from ..integrity import hash_file
 from .blocking import hashing_writer
 
-__all__ = ["AsyncWriter", "AsyncMode"]
+__all__ = ["AsyncWriter", "AsyncMode", "cuda_device_of"]
 
 AsyncMode = Literal["thread", "process"]
 
@@ -44,11 +45,15 @@ class AsyncWriter:
     def __init__(self, mode: AsyncMode, *, background_staging: bool,
                  process_group: dist.ProcessGroup | None, thread_count: int,
                  write_timeout_s: float | None = None) -> None:
-        cuda = torch.cuda.is_available()
+        self.cuda = torch.cuda.is_available()
         # On CPU every CUDA-only option must be off: DefaultStager raises otherwise.
-        self.stager = DefaultStager(StagingOptions(
-            use_pinned_memory=cuda, use_shared_memory=mode == "process",
-            use_async_staging=background_staging, use_non_blocking_copy=cuda))
+        self.options = StagingOptions(
+            use_pinned_memory=self.cuda, use_shared_memory=mode == "process",
+            use_async_staging=background_staging, use_non_blocking_copy=self.cuda)
+        self.background_staging = background_staging
+        # Built at the first save, on the device of the state's tensors (see start()).
+        self.stager: DefaultStager | None = None
+        self._stager_device: torch.device | None = None
         self.checkpointer_type = (AsyncCheckpointerType.PROCESS if mode == "process"
                                   else AsyncCheckpointerType.THREAD)
         self.process_group = process_group
@@ -65,8 +70,20 @@ class AsyncWriter:
         writer = hashing_writer(directory, thread_count=self.thread_count,
                                 write_timeout_s=self.write_timeout_s)
         self._writer = writer
-        response = dcp.async_save(state_dict, storage_writer=writer, process_group=self.process_group,
-                                  async_checkpointer_type=self.checkpointer_type, async_stager=self.stager)
+        device = cuda_device_of(state_dict) if self.cuda else None
+        # DefaultStager syncs only the current device after its non-blocking copies and makes
+        # its background stream on the current device: both must be the state's device.
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+            if self.stager is None or device != self._stager_device:
+                if self.stager is not None:
+                    self.stager.close()
+                self.stager, self._stager_device = DefaultStager(self.options), device
+            if device is not None and self.background_staging:
+                # The background copy runs on its own stream, which does not wait for the
+                # kernels already queued (the optimizer step): wait for them here.
+                torch.cuda.synchronize(device)
+            response = dcp.async_save(state_dict, storage_writer=writer, process_group=self.process_group,
+                                      async_checkpointer_type=self.checkpointer_type, async_stager=self.stager)
         if isinstance(response, AsyncSaveResponse):
             self._staged = response.staging_completion
             return response.upload_completion
@@ -100,4 +117,20 @@ class AsyncWriter:
     def close(self) -> None:
         """Release staging buffers and executors."""
         self.wait_staged()
-        self.stager.close()
+        if self.stager is not None:
+            self.stager.close()
+
+
+def cuda_device_of(state_dict: Any) -> torch.device | None:
+    """Device of a CUDA tensor (DTensors included) in a nested state_dict, or None if it has none."""
+    todo = [state_dict]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == "cuda":
+                return obj.device
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+    return None

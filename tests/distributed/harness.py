@@ -1,4 +1,5 @@
-"""Run a function on N CPU/gloo ranks in fresh spawned processes, with a hard timeout.
+"""Run a function on N ranks (CPU/gloo, or one GPU per rank on NCCL) in fresh spawned
+processes, with a hard timeout.
 
 Each rank's return value (or traceback) is written to a file before process-group teardown,
 so a rank that aborts inside gloo teardown cannot hide a result; the parent asserts on values.
@@ -15,13 +16,21 @@ from typing import Any, Callable
 import torch
 
 
-def _entry(fn: Callable, rank: int, world_size: int, init_file: str, out_dir: str, args: tuple) -> None:
+def _entry(fn: Callable, rank: int, world_size: int, init_file: str, out_dir: str, args: tuple,
+           backend: str = "gloo") -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     result: dict[str, Any]
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        device_id = None
+        if backend == "nccl":
+            # Deterministic cuBLAS needs its workspace size fixed before the first cuBLAS call.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            device_id = torch.device("cuda", rank)  # one GPU per rank: NCCL refuses two on one GPU
+            torch.cuda.set_device(device_id)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                device_id=device_id)
         result = {"ok": True, "value": fn(rank, world_size, *args)}
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         result = {"ok": False, "error": f"{type(e).__name__}: {e}", "type": type(e).__name__,
@@ -35,8 +44,10 @@ def _entry(fn: Callable, rank: int, world_size: int, init_file: str, out_dir: st
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
-              expect_death: bool = False) -> list[dict[str, Any] | None]:
+              expect_death: bool = False, backend: str = "gloo") -> list[dict[str, Any] | None]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return per-rank results.
+
+    ``backend="nccl"`` puts rank ``r`` on ``cuda:r`` (the caller checks there are enough GPUs).
 
     Each result is ``{"ok": True, "value": ...}`` or ``{"ok": False, "error", "type", "traceback"}``.
     With ``expect_death``, the first rank killed by a signal ends the run: the others are
@@ -46,7 +57,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, tmp, args), daemon=False)
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, tmp, args, backend),
+                             daemon=False)
                  for r in range(world_size)]
         for p in procs:
             p.start()

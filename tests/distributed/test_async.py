@@ -42,15 +42,27 @@ def save_async_keep_training(rank, world_size, opts):
 
 @pytest.mark.parametrize("mode,background_staging", [("thread", False), ("thread", True), ("process", False)])
 def test_async_checkpoint_equals_state_at_save_call(tmp_path, mode, background_staging):
-    opts = {"root": str(tmp_path), "wrapper": "fsdp2", "mode": mode, "background_staging": background_staging}
-    expected = values(run_ranks(save_async_keep_training, 2, opts))[0]
-    loaded = values(run_ranks(load_report, 2, {"root": str(tmp_path), "wrapper": "fsdp2"}))[0]
+    check_async_equals_state_at_save(tmp_path, 2, {"wrapper": "fsdp2", "mode": mode,
+                                                   "background_staging": background_staging})
+
+
+def check_async_equals_state_at_save(tmp_path, world_size: int, opts: dict, *, backend: str = "gloo",
+                                     timeout_s: float = 120.0) -> dict:
+    """Async save at step 3 while training mutates the parameters (4 more steps before the write
+    ends); the checkpoint loaded in fresh processes equals the state at the ``save()`` call,
+    bitwise. Returns rank 0's loaded report."""
+    opts = {**opts, "root": str(tmp_path)}
+    expected = values(run_ranks(save_async_keep_training, world_size, opts, backend=backend,
+                                timeout_s=timeout_s))[0]
+    load_opts = {k: v for k, v in opts.items() if k not in ("mode", "background_staging")}
+    loaded = values(run_ranks(load_report, world_size, load_opts, backend=backend, timeout_s=timeout_s))[0]
     assert loaded["state"].step == 3
     for k, v in expected["params"].items():
         assert torch.equal(v, loaded["params"][k]), k
     for fqn, entry in expected["optim"]["state"].items():
         for name, v in entry.items():
             assert torch.equal(v, loaded["optim"]["state"][fqn][name]), (fqn, name)
+    return loaded
 
 
 def async_io_fault(rank, world_size, opts):

@@ -36,9 +36,16 @@ def assert_same_state(saved: dict, loaded: dict) -> None:
          "full_fsdp2x2-fsdp2x3", "compiled_fsdp2x2-plain1", "fsdp2x2-fsdp2x3_dcp_reader"],
 )
 def test_cross_wrapper_load(tmp_path, save_ws, save_opts, load_ws, load_opts):
+    check_cross_load(tmp_path, save_ws, save_opts, load_ws, load_opts)
+
+
+def check_cross_load(tmp_path, save_ws: int, save_opts: dict, load_ws: int, load_opts: dict, *,
+                     backend: str = "gloo", timeout_s: float = 120.0) -> None:
+    """Train 3 steps and save under ``save_opts`` on ``save_ws`` ranks, load under ``load_opts``
+    on ``load_ws`` ranks in fresh processes; assert model and optimizer state bitwise equal."""
     common = {"root": str(tmp_path), "global_batch_size": 12, "steps": 3}
-    saved = values(run_ranks(save_after, save_ws, {**common, **save_opts}))[0]
-    loaded = values(run_ranks(load_report, load_ws, {**common, **load_opts}))
+    saved = values(run_ranks(save_after, save_ws, {**common, **save_opts}, backend=backend, timeout_s=timeout_s))[0]
+    loaded = values(run_ranks(load_report, load_ws, {**common, **load_opts}, backend=backend, timeout_s=timeout_s))
     assert loaded[0]["state"].step == 3 and loaded[0]["state"].saved_world_size == save_ws
     assert_same_state(saved, loaded[0])
     assert all(r["lr"] == loaded[0]["lr"] for r in loaded)

@@ -13,7 +13,9 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def draws():
-    return (torch.rand(4).tolist(), random.random(), float(np.random.rand()))
+    """Next draws of every source: python, numpy, torch CPU and each CUDA device (if any)."""
+    cuda = [torch.rand(4, device=f"cuda:{d}").tolist() for d in range(torch.cuda.device_count())]
+    return (torch.rand(4).tolist(), random.random(), float(np.random.rand()), cuda)
 
 
 def rng_job(rank, world_size, opts):

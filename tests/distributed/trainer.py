@@ -44,27 +44,40 @@ class Points(torch.utils.data.Dataset):
 
 
 def build(rank: int, world_size: int, opts: dict[str, Any]):
-    """Model (wrapped per ``opts['wrapper']``), optimizer, scheduler, scaler, loader."""
+    """Model (wrapped per ``opts['wrapper']``), optimizer, scheduler, scaler, loader.
+
+    ``opts['device'] == 'cuda'``: the model on this rank's current GPU (the harness's
+    ``backend='nccl'`` sets it), deterministic algorithms on, a CUDA GradScaler.
+    """
     torch.manual_seed(0)
+    device = torch.device(opts.get("device", "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.use_deterministic_algorithms(True)
     model = Net(width=opts.get("width", 16), rename=opts.get("rename", False),
-                dtype=opts.get("dtype", torch.float32))
+                dtype=opts.get("dtype", torch.float32)).to(device)
     wrapper = opts.get("wrapper", "plain")
     if wrapper == "ddp":
         model = nn.parallel.DistributedDataParallel(
-            model, find_unused_parameters=opts.get("ddp_fixed_buckets", False))
+            model, device_ids=[device] if device.type == "cuda" else None,
+            find_unused_parameters=opts.get("ddp_fixed_buckets", False))
     elif wrapper == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
         for layer in (model.inp, model.out):
             fully_shard(layer)
         fully_shard(model)
+    elif wrapper == "fsdp1":  # needs an accelerator in torch 2.13
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(model, device_id=device, use_orig_params=True)
     if opts.get("compile"):
-        model = torch.compile(model, backend="eager")
+        model = torch.compile(model, backend=opts.get("compile_backend", "eager"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
     total = 40
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 4) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    scaler = torch.amp.GradScaler(device.type, init_scale=opts.get("init_scale", 2.0**8), growth_interval=2)
     dataset = Points()
     G = opts.get("global_batch_size", 8)
     sampler = ReshardableSampler(len(dataset), global_batch_size=G, rank=rank, world_size=world_size, seed=7)
@@ -74,9 +87,15 @@ def build(rank: int, world_size: int, opts: dict[str, Any]):
 
 
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
-                   batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One step on ``batch`` (MSE, GradScaler, optimizer, scheduler); returns the loss (0-d float32)."""
-    loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
+                   batch: dict[str, torch.Tensor], amp: bool = False) -> torch.Tensor:
+    """One step on ``batch`` (MSE, GradScaler, optimizer, scheduler); returns the loss (0-d float32).
+
+    The batch goes to the model's device; ``amp``: the forward under fp16 autocast (CUDA).
+    """
+    device = next(model.parameters()).device
+    x, y = batch["x"].to(device), batch["y"].to(device)
+    with torch.autocast(device.type, dtype=torch.float16, enabled=amp):
+        loss = nn.functional.mse_loss(model(x).float(), y)
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
@@ -102,11 +121,11 @@ def train(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
                                 grad_scaler=scaler, dataloader=loader)
     state = manager.load()
     step = state.step if state else 0
-    losses, ids = {}, {}
+    losses, ids, scales = {}, {}, {}
     model.train()
     while step < opts["until"]:
         for batch in loader:
-            loss = optimizer_step(model, optimizer, scheduler, scaler, batch)
+            loss = optimizer_step(model, optimizer, scheduler, scaler, batch, amp=opts.get("amp", False))
             step += 1
             global_loss = loss.detach().clone()
             if dist.is_initialized():
@@ -114,6 +133,7 @@ def train(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
                 global_loss /= world_size
             losses[step] = global_loss.item()
             ids[step] = batch["id"].tolist()
+            scales[step] = scaler.get_scale()
             manager.maybe_save(step, loss=losses[step], last_step=step == opts["until"])
             if step == opts["until"] or step == opts.get("crash_at"):
                 break
@@ -122,7 +142,7 @@ def train(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     manager.close()
     release_workers(loader)
     return {"losses": losses, "ids": ids, "resumed_from": state.step if state else None,
-            "params": full_params(model), "scale": scaler.get_scale(),
+            "params": full_params(model), "scale": scaler.get_scale(), "scales": scales,
             "lr": scheduler.get_last_lr()}
 
 
