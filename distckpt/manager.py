@@ -145,7 +145,8 @@ class CheckpointManager:
             root=self.root, rank=self.rank, world_size=self.world_size, wrapper=self.wrapper,
             model_specs=self.model_specs, events=self.events, on_phase=on_phase, keep_last=config.keep_last,
             keep_every_steps=config.keep_every_steps, thread_count=config.thread_count,
-            write_timeout_s=config.effective_write_timeout_s, before_commit=self._before_commit)
+            write_timeout_s=config.effective_write_timeout_s, before_commit=self._before_commit,
+            incremental=config.incremental, full_every=config.full_every)
         self.loader = CheckpointLoader(collective=self.collective, state=self.state, config=config,
                                        events=self.events, model_specs=self.model_specs,
                                        local_world_size=self.local_world_size)

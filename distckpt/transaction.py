@@ -32,11 +32,12 @@ import torch
 
 from ._version import __version__
 from .collective import Collective
-from .commit import commit, delete_checkpoint, find_committed, list_files
+from .commit import commit, find_committed, list_files
 from .engine import dcp_save
 from .engine.blocking import describe_exception
 from .errors import CheckpointSaveError
 from .events import EventLog
+from .incremental import References, reference_entries, reuse_for
 from .integrity import hash_file
 from .layout import checkpoint_name, pending_name
 from .manifest import Manifest, TensorSpec, model_fingerprint
@@ -90,6 +91,7 @@ class SaveContext:
         write_timeout_s: deadline of one rank's blocking write phase (seconds).
         before_commit: rank 0, called after the manifest is built and before it is written
             (the manager sets aside a rolled-back run's newer checkpoints there).
+        incremental, full_every: incremental saves (``CheckpointConfig``; :mod:`distckpt.incremental`).
     """
 
     root: Path
@@ -104,6 +106,8 @@ class SaveContext:
     thread_count: int
     write_timeout_s: float
     before_commit: Callable[[], None] | None = None
+    incremental: bool = False
+    full_every: int | None = None
 
 
 class SaveTransaction:
@@ -142,8 +146,8 @@ class SaveTransaction:
             self.phase("write", pending=str(self.pending), blocking=True)
             self.pending.mkdir(parents=True, exist_ok=True)
             t_stage = time.perf_counter() - self.t0
-            files = dcp_save(sd, self.pending, process_group=collective.group,
-                             thread_count=self.ctx.thread_count, write_timeout_s=self.ctx.write_timeout_s)
+            files = dcp_save(sd, self.pending, process_group=collective.group, thread_count=self.ctx.thread_count,
+                             write_timeout_s=self.ctx.write_timeout_s, reuse=self._reuse())
             return RankOutcome(None, t_stage, time.perf_counter() - self.t0 - t_stage, files)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -162,12 +166,17 @@ class SaveTransaction:
             sd = build_state_dict()
             self.phase("write", pending=str(self.pending), blocking=False)
             self.pending.mkdir(parents=True, exist_ok=True)
-            upload = async_writer.start(sd, self.pending)
+            reuse = self._reuse()
+            upload = async_writer.start(sd, self.pending, reuse) if reuse else async_writer.start(sd, self.pending)
             return upload, RankOutcome(None, time.perf_counter() - self.t0)
         except BaseException as e:  # noqa: BLE001 - as in write()
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             return None, RankOutcome(describe_exception(e), time.perf_counter() - self.t0)
+
+    def _reuse(self) -> Any:
+        """What this rank's write may reuse (``None``: not incremental)."""
+        return reuse_for(self.ctx.root, self.step, full_every=self.ctx.full_every) if self.ctx.incremental else None
 
     def agree_started(self, collective: Collective, outcome: RankOutcome) -> None:
         """All ranks agree that the background write started everywhere (training thread).
@@ -244,7 +253,8 @@ class SaveTransaction:
             distckpt_version=__version__, model=ctx.model_specs,
             model_fingerprint=model_fingerprint(ctx.model_specs),
             loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == self.step else None,
-            timings_s=timings, files=list_files(self.pending, files))
+            timings_s=timings, files=list_files(self.pending, files)
+            + (reference_entries(self.pending) if ctx.incremental else []))
         for entry in manifest.files:
             if entry.hash is None:  # no writer reported it: hash it here rather than skip it
                 logger.warning("no writer reported a hash for %s; hashing it on rank 0", entry.path)
@@ -277,11 +287,13 @@ class SaveTransaction:
             logger.warning("%s holds checkpoints newer than the step-%d just committed (steps %s); "
                            "retention leaves them, and a later load: true resumes from step %d",
                            root, self.step, newer, max(newer))
+        refs = References(root)  # a checkpoint others refer to is deferred, not deleted
         for step in steps_to_delete(committed, keep_last=self.ctx.keep_last,
                                     keep_every_steps=self.ctx.keep_every_steps, just_committed=self.step):
             self.phase("retention", step)
-            delete_checkpoint(root / checkpoint_name(step))
-            logger.info("retention: deleted %s", root / checkpoint_name(step))
+            logger.info("retention: %s %s", refs.retire(root / checkpoint_name(step)), root / checkpoint_name(step))
+        for name in refs.collect():
+            logger.info("retention: deleted %s (no kept checkpoint refers to it any more)", root / name)
 
     def _abort(self, collective: Collective) -> None:
         if self.ctx.rank == 0:

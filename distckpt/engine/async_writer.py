@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 
 from ..integrity import hash_file
 from .blocking import hashing_writer
+from .incremental_writer import ReuseIndex
 
 __all__ = ["AsyncWriter", "AsyncMode"]
 
@@ -56,14 +57,16 @@ class AsyncWriter:
         self.write_timeout_s = write_timeout_s
         self._staged: Future | None = None
 
-    def start(self, state_dict: dict[str, Any], directory: str | os.PathLike) -> Future:
-        """Stage ``state_dict`` and start writing it into ``directory``.
+    def start(self, state_dict: dict[str, Any], directory: str | os.PathLike,
+              reuse: ReuseIndex | None = None) -> Future:
+        """Stage ``state_dict`` and start writing it into ``directory`` (incrementally
+        against ``reuse`` when given: the staged copy is hashed in the background write).
 
         Returns:
             The upload future: done when this rank's files are written (or failed).
         """
         writer = hashing_writer(directory, thread_count=self.thread_count,
-                                write_timeout_s=self.write_timeout_s)
+                                write_timeout_s=self.write_timeout_s, reuse=reuse)
         self._writer = writer
         response = dcp.async_save(state_dict, storage_writer=writer, process_group=self.process_group,
                                   async_checkpointer_type=self.checkpointer_type, async_stager=self.stager)
