@@ -135,6 +135,10 @@ class References:
         """Files of checkpoint ``name`` that some kept checkpoint refers to."""
         return {f for refs in self._refs.values() for f in refs.get(name, ())}
 
+    def forget(self, name: str) -> None:
+        """Stop counting the references of checkpoint ``name`` (it is being deleted)."""
+        self._refs.pop(name, None)
+
     def retire(self, checkpoint_dir: str | os.PathLike) -> str:
         """Delete a committed checkpoint (as :func:`~distckpt.commit.delete_checkpoint`), or
         defer it while another kept checkpoint refers to its files.
@@ -146,7 +150,7 @@ class References:
             OSError: a rename failed (the checkpoint is then still committed and whole).
         """
         path = Path(checkpoint_dir)
-        self._refs.pop(path.name, None)
+        self.forget(path.name)
         if not self.referenced(path.name):
             delete_checkpoint(path)
             return "deleted"
