@@ -21,6 +21,7 @@ raises or kills the process lands in it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import shutil
 import threading
@@ -175,8 +176,10 @@ class SaveTransaction:
             return None, RankOutcome(describe_exception(e), time.perf_counter() - self.t0)
 
     def _reuse(self) -> Any:
-        """What this rank's write may reuse (``None``: not incremental)."""
-        return reuse_for(self.ctx.root, self.step, full_every=self.ctx.full_every) if self.ctx.incremental else None
+        """What this rank's write may reuse, read when the write starts (``None``: not incremental)."""
+        if not self.ctx.incremental:
+            return None
+        return functools.partial(reuse_for, self.ctx.root, self.step, full_every=self.ctx.full_every)
 
     def agree_started(self, collective: Collective, outcome: RankOutcome) -> None:
         """All ranks agree that the background write started everywhere (training thread).

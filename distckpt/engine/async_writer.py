@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ class AsyncWriter:
         self._staged: Future | None = None
 
     def start(self, state_dict: dict[str, Any], directory: str | os.PathLike,
-              reuse: ReuseIndex | None = None) -> Future:
+              reuse: ReuseIndex | Callable[[], ReuseIndex] | None = None) -> Future:
         """Stage ``state_dict`` and start writing it into ``directory`` (incrementally
         against ``reuse`` when given: the staged copy is hashed in the background write).
 

@@ -6,7 +6,7 @@ import contextlib
 import gc
 import os
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -92,7 +92,8 @@ def _inner_failures(exc: BaseException) -> list[BaseException]:
 
 
 def hashing_writer(directory: str | os.PathLike, *, thread_count: int,
-                   write_timeout_s: float | None = None, reuse: ReuseIndex | None = None) -> CheckedFileSystemWriter:
+                   write_timeout_s: float | None = None,
+                   reuse: ReuseIndex | Callable[[], ReuseIndex] | None = None) -> CheckedFileSystemWriter:
     """``FileSystemWriter`` with per-file fsync whose ``fs.written`` records each written file's
     ``(size_bytes, xxh3_128)``, hashed from the bytes as they are written; any writer thread's
     failure, or a write phase longer than ``write_timeout_s`` seconds, fails ``write_data``
@@ -111,7 +112,7 @@ def dcp_save(
     process_group: dist.ProcessGroup | None,
     thread_count: int = 1,
     write_timeout_s: float | None = None,
-    reuse: ReuseIndex | None = None,
+    reuse: ReuseIndex | Callable[[], ReuseIndex] | None = None,
 ) -> dict[str, tuple[int, str]]:
     """``dcp.save`` into ``directory`` with per-file fsync. All ranks call it.
 
@@ -120,7 +121,8 @@ def dcp_save(
         write_timeout_s: this rank gives up writing after this many seconds
             (``WriteDeadlineExceeded``), so a slow disk fails the save on every rank instead of
             timing out the process group; ``None`` for no deadline.
-        reuse: write incrementally against this index (``None``: a plain save).
+        reuse: write incrementally against this index, or a callable returning it (``None``:
+            a plain save).
 
     Returns:
         ``{file name: (size_bytes, xxh3_128 hex)}`` of the files this rank wrote.

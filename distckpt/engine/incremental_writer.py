@@ -18,7 +18,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -125,7 +125,9 @@ class IncrementalFileSystemWriter(CheckedFileSystemWriter):
 
     Args:
         path, thread_count, write_timeout_s: as :class:`CheckedFileSystemWriter`.
-        reuse: the previous checkpoint's records (``reuse.base`` ``None``: write everything).
+        reuse: the previous checkpoint's records (``reuse.base`` ``None``: write everything),
+            or a picklable callable returning them, called at the start of ``write_data`` (so an
+            async save reads the previous records in the background, not in the stall).
 
     Attributes:
         reused_bytes: stored bytes of this rank's items that were referenced, not written
@@ -135,13 +137,14 @@ class IncrementalFileSystemWriter(CheckedFileSystemWriter):
         As :class:`CheckedFileSystemWriter`.
     """
 
-    def __init__(self, path: str | os.PathLike, *, thread_count: int, reuse: ReuseIndex,
-                 write_timeout_s: float | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, *, thread_count: int,
+                 reuse: ReuseIndex | Callable[[], ReuseIndex], write_timeout_s: float | None = None) -> None:
         super().__init__(path, thread_count=thread_count, write_timeout_s=write_timeout_s)
-        self.reuse = reuse
+        self._source = reuse
         self.reused_bytes = 0
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
+        reuse = self._source if isinstance(self._source, ReuseIndex) else self._source()
         fresh: list[WriteItem] = []
         reused: list[WriteResult] = []
         records: dict[str, ItemRecord] = {}
@@ -154,9 +157,9 @@ class IncrementalFileSystemWriter(CheckedFileSystemWriter):
             data = planner.resolve_data(item)
             assert isinstance(data, torch.Tensor)  # a tensor item resolves to a tensor
             digest = tensor_digest(data)
-            prev = self.reuse.records.get(key) if self.reuse.base is not None else None
+            prev = reuse.records.get(key) if reuse.base is not None else None
             if prev is not None and prev.hash == digest:
-                ref = self.reuse.reference(prev)
+                ref = reuse.reference(prev)
                 reused.append(WriteResult(index=item.index, size_in_bytes=prev.length,
                                           storage_data=_StorageInfo(ref, prev.offset, prev.length)))
                 records[key] = ItemRecord(digest, ref, prev.offset, prev.length)
@@ -170,15 +173,15 @@ class IncrementalFileSystemWriter(CheckedFileSystemWriter):
                 key, digest = digests[wr.index]
                 info = wr.storage_data
                 records[key] = ItemRecord(digest, info.relative_path, info.offset, info.length)
-        self._write_records(plan, records)
+        self._write_records(plan, reuse, records)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results + reused)
         return future
 
-    def _write_records(self, plan: SavePlan, records: dict[str, ItemRecord]) -> None:
+    def _write_records(self, plan: SavePlan, reuse: ReuseIndex, records: dict[str, ItemRecord]) -> None:
         prefix = plan.storage_data.prefix  # "__<rank>_" (FileSystemWriter's _StoragePrefix)
-        payload = {"version": 1, "hash_algorithm": "xxh3_128", "since_full": self.reuse.since_full,
-                   "base": self.reuse.base,
+        payload = {"version": 1, "hash_algorithm": "xxh3_128", "since_full": reuse.since_full,
+                   "base": reuse.base,
                    "items": {k: dataclasses.asdict(r) for k, r in sorted(records.items())}}
         path = self.fs.concat_path(self.path, f"{prefix}{ITEMS_SUFFIX}")
         with self.fs.create_stream(path, "wb") as stream:
