@@ -144,6 +144,8 @@ class IncrementalFileSystemWriter(CheckedFileSystemWriter):
         self.reused_bytes = 0
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
+        """Hash every tensor item, reference the unchanged ones, write the rest and this rank's
+        ``__<rank>_items.json``; returns DCP's future of every item's ``WriteResult``."""
         reuse = self._source if isinstance(self._source, ReuseIndex) else self._source()
         fresh: list[WriteItem] = []
         reused: list[WriteResult] = []
