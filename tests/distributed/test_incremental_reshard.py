@@ -1,6 +1,7 @@
 """Incremental checkpoints across ranks: FSDP2 at 2 ranks (async) references each rank's
 unchanged shards; a resume at 1 rank loads them bitwise and, its shard layout being another,
-writes those tensors again instead of referring to the 2-rank shards."""
+writes those tensors again instead of referring to the 2-rank shards. A SIGKILL of either rank
+in the middle of an incremental write leaves the previous checkpoint loadable bitwise."""
 
 from __future__ import annotations
 
@@ -81,3 +82,38 @@ def test_incremental_fsdp2_two_ranks_then_resume_on_one(tmp_path, async_mode):
     assert again[0]["step"] == 3
     for k, v in one[0]["params"].items():
         assert torch.equal(again[0]["loaded"][k], v), k
+
+
+def save_then_die_mid_write(rank, world_size, opts):
+    """Save step 1; the victim rank is SIGKILLed after writing its data files of the
+    incremental save of step 2 (its records and the metadata not written)."""
+    import os
+    import signal
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    original = FileSystemWriter.write_data
+
+    def write_then_die(self, plan, planner):
+        future = original(self, plan, planner)
+        if rank == opts["victim"] and "step-000000002" in str(self.path):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return future
+
+    FileSystemWriter.write_data = write_then_die
+    return run(rank, world_size, {**opts, "saves": [1, 2]})
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_kill_mid_incremental_write_keeps_the_previous_checkpoint(tmp_path, victim):
+    root = str(tmp_path)
+    results = run_ranks(save_then_die_mid_write, 2, {"root": root, "victim": victim}, expect_death=True)
+    assert results[victim] is None
+    assert not (tmp_path / "step-000000002").exists()
+    expected = values(run_ranks(run, 2, {"root": str(tmp_path / "ref"), "saves": [1]}))[0]["params"]
+    again = values(run_ranks(run, 2, {"root": root, "saves": [2]}))  # resumes step 1, saves step 2 again
+    assert again[0]["step"] == 1
+    for k, v in expected.items():
+        assert torch.equal(again[0]["loaded"][k], v), k
+    assert refs(tmp_path / "step-000000002")  # the retried save is incremental against step 1
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".pending-")]
