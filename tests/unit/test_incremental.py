@@ -229,7 +229,11 @@ def test_incremental_needs_a_local_root(tmp_path):
         CheckpointConfig(root="s3://bucket/ckpt", incremental=True)
     with pytest.raises(ConfigError, match="full_every"):
         CheckpointConfig(root=str(tmp_path), incremental=True, full_every=0)
+    with pytest.raises(ConfigError, match="incremental"):
+        CheckpointConfig(root=str(tmp_path), incremental="yes")
     CheckpointConfig(root="s3://bucket/ckpt")  # not incremental: not refused here
+    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "incremental": True, "full_every": 5})
+    assert cfg.incremental is True and cfg.full_every == 5
 
 
 def save_and_die(rank, world_size, opts):
