@@ -27,6 +27,7 @@ from .layout import (
     SET_ASIDE_REASONS,
     checkpoint_dirs,
     deleting_name,
+    is_deferred,
     is_deleting,
     is_pending,
     parse_step,
@@ -207,8 +208,9 @@ def remove_leftovers(root: str | os.PathLike) -> list[str]:
 def unmanaged_step_dirs(root: str | os.PathLike) -> list[Path]:
     """``step-*`` directories without a manifest, oldest first: not distckpt checkpoints
     (a plain ``dcp.save``, a copy, or a delete interrupted by a distckpt older than the
-    ``.deleting-`` rename). distckpt never loads, deletes or overwrites them."""
-    return [p for _, p in checkpoint_dirs(root) if not (p / MANIFEST).exists()]
+    ``.deleting-`` rename). distckpt never loads, deletes or overwrites them. A deferred
+    deletion (:func:`~distckpt.layout.is_deferred`) is distckpt's own, not listed."""
+    return [p for _, p in checkpoint_dirs(root) if not (p / MANIFEST).exists() and not is_deferred(p)]
 
 
 def existing_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:

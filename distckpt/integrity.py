@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from .errors import CheckpointCorruptError
 
-__all__ = ["HASH_ALGORITHM", "new_hasher", "hash_file", "HashingFileSystem", "check_file"]
+__all__ = ["HASH_ALGORITHM", "new_hasher", "hash_file", "HashingFileSystem", "check_file", "describe_path"]
 
 HASH_ALGORITHM = "xxh3_128"
 _CHUNK = 8 << 20
@@ -42,6 +42,17 @@ def hash_file(path: str | os.PathLike) -> tuple[int, str]:
     return size, hasher.hexdigest()
 
 
+def describe_path(path: str | os.PathLike) -> str:
+    """``path`` as an error message names it. A file reached through ``..`` -- an incremental
+    checkpoint's reference to an earlier checkpoint's file -- names both checkpoints."""
+    parts = Path(path).parts
+    if ".." not in parts or parts.index("..") == 0:
+        return str(path)
+    owner = Path(os.path.normpath(path))
+    return (f"{owner} (a file of checkpoint {owner.parent.name}, which the incremental checkpoint "
+            f"{parts[parts.index('..') - 1]} being read refers to)")
+
+
 def check_file(path: str | os.PathLike, *, size_bytes: int, digest: str | None) -> None:
     """Compare a file with its manifest entry.
 
@@ -52,17 +63,18 @@ def check_file(path: str | os.PathLike, *, size_bytes: int, digest: str | None) 
     try:
         actual_size = path.stat().st_size
     except FileNotFoundError:
-        raise CheckpointCorruptError(f"{path}: file listed in the manifest is missing", path=str(path)) from None
+        raise CheckpointCorruptError(f"{describe_path(path)}: file listed in the manifest is missing",
+                                     path=str(path)) from None
     if actual_size != size_bytes:
         raise CheckpointCorruptError(
-            f"{path}: size {actual_size} bytes, manifest expects {size_bytes} bytes (truncated?)",
+            f"{describe_path(path)}: size {actual_size} bytes, manifest expects {size_bytes} bytes (truncated?)",
             path=str(path))
     if digest is None:
         return
     _, actual = hash_file(path)
     if actual != digest:
         raise CheckpointCorruptError(
-            f"{path}: {HASH_ALGORITHM} {actual} does not match the manifest's {digest} "
+            f"{describe_path(path)}: {HASH_ALGORITHM} {actual} does not match the manifest's {digest} "
             "(bytes changed after the commit)", path=str(path))
 
 

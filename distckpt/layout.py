@@ -18,10 +18,15 @@ __all__ = [
     "is_deleting",
     "SET_ASIDE_REASONS",
     "parse_set_aside",
+    "DEFERRED_MANIFEST",
+    "is_deferred",
 ]
 
 LATEST = "latest"
 MANIFEST = "distckpt.json"
+DEFERRED_MANIFEST = "distckpt.deferred.json"
+"""A retired checkpoint's manifest while incremental checkpoints still refer to its files
+(``distckpt.incremental``): no longer committed, deleted once nobody refers to it."""
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
 # ``.staging-`` is the name earlier versions gave the same directory: still distckpt's own.
 _PENDING_RE = re.compile(r"^\.(?:pending|staging)-step-(\d{9,})-([0-9a-f]+)$")
@@ -86,3 +91,10 @@ def checkpoint_dirs(root: str | os.PathLike) -> list[tuple[int, Path]]:
         if step is not None and entry.is_dir():
             found.append((step, Path(entry.path)))
     return sorted(found)
+
+
+def is_deferred(checkpoint_dir: str | os.PathLike) -> bool:
+    """Whether a ``step-*`` directory is a retired checkpoint whose deletion waits until no
+    kept (incremental) checkpoint refers to its files: never loaded, deleted by distckpt later."""
+    path = Path(checkpoint_dir)
+    return (path / DEFERRED_MANIFEST).exists() and not (path / MANIFEST).exists()

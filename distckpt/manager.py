@@ -38,7 +38,7 @@ from .resume import ProbeFn, ResumeExtras
 from .schedule import SaveSchedule
 from .state import CheckpointState, TrainState
 from .topology import check_shared_root, local_world_size
-from .transaction import BackgroundSave, PhaseHook, SaveContext, SaveTransaction
+from .transaction import BackgroundSave, PhaseHook, SaveContext, SaveTransaction, save_options
 
 __all__ = ["CheckpointManager"]
 
@@ -146,10 +146,8 @@ class CheckpointManager:
         self._save_count = 0
         self._rollback_from: int | None = None  # rank 0: set aside newer checkpoints at the next commit
         self._save_ctx = SaveContext(
-            root=self.root, rank=self.rank, world_size=self.world_size, wrapper=self.wrapper,
-            model_specs=self.model_specs, events=self.events, on_phase=on_phase, keep_last=config.keep_last,
-            keep_every_steps=config.keep_every_steps, keep_best=config.keep_best, thread_count=config.thread_count,
-            write_timeout_s=config.effective_write_timeout_s, before_commit=self._before_commit)
+            root=self.root, rank=self.rank, world_size=self.world_size, wrapper=self.wrapper, on_phase=on_phase,
+            model_specs=self.model_specs, events=self.events, before_commit=self._before_commit, **save_options(config))
         self.loader = CheckpointLoader(collective=self.collective, state=self.state, config=config,
                                        events=self.events, model_specs=self.model_specs,
                                        local_world_size=self.local_world_size)

@@ -18,8 +18,10 @@ from .layout import MANIFEST
 
 __all__ = ["SCHEMA_VERSION", "Manifest", "FileEntry", "TensorSpec", "model_fingerprint", "migrate"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # v1 -> v2: files gained "hash" (xxh3_128 hex), the manifest gained "hash_algorithm".
+# v2 -> v3: a file path may name another checkpoint's file ("../step-N/__0_0.distcp", an
+# incremental checkpoint's reference): an older distckpt would delete referenced checkpoints.
 
 
 @dataclass(kw_only=True)
@@ -139,6 +141,8 @@ def migrate(data: dict[str, Any]) -> dict[str, Any]:
         data["files"] = [dict(f, hash=None) for f in data.get("files", [])]
         data["hash_algorithm"] = None
         data["schema_version"] = 2
+    if data["schema_version"] == 2:
+        data["schema_version"] = 3  # nothing to change: v2 files are all the checkpoint's own
     return data
 
 

@@ -21,6 +21,7 @@ raises or kills the process lands in it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import shutil
 import threading
@@ -32,12 +33,13 @@ import torch
 
 from ._version import __version__
 from .collective import Collective
-from .commit import commit, delete_checkpoint, find_committed, list_files
+from .commit import commit, find_committed, list_files
 from .config import KeepBest
 from .engine import dcp_save
 from .engine.blocking import describe_exception
 from .errors import CheckpointSaveError
 from .events import EventLog
+from .incremental import References, reference_entries, reuse_for
 from .integrity import hash_file
 from .layout import checkpoint_name, pending_name
 from .manifest import Manifest, TensorSpec, model_fingerprint
@@ -45,7 +47,7 @@ from .retention import best_steps, steps_to_delete
 from .state import TrainState
 from .topology import hardware_summary
 
-__all__ = ["BackgroundSave", "PHASES", "PhaseHook", "RankOutcome", "SaveContext", "SaveTransaction"]
+__all__ = ["BackgroundSave", "PHASES", "PhaseHook", "RankOutcome", "SaveContext", "SaveTransaction", "save_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,13 @@ class RankOutcome:
     files: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
 
 
+def save_options(config: Any) -> dict[str, Any]:
+    """The :class:`SaveContext` fields a :class:`~distckpt.config.CheckpointConfig` sets."""
+    return dict(keep_last=config.keep_last, keep_every_steps=config.keep_every_steps, keep_best=config.keep_best,
+                thread_count=config.thread_count, write_timeout_s=config.effective_write_timeout_s,
+                incremental=config.incremental, full_every=config.full_every)
+
+
 @dataclasses.dataclass
 class SaveContext:
     """What every save of one manager shares (built once by the manager).
@@ -93,6 +102,7 @@ class SaveContext:
         before_commit: rank 0, called after the manifest is built and before it is written
             (the manager sets aside a rolled-back run's newer checkpoints there).
         keep_best: best-K retention by a metric of the manifests, or ``None``.
+        incremental, full_every: incremental saves (``CheckpointConfig``; :mod:`distckpt.incremental`).
     """
 
     root: Path
@@ -108,6 +118,8 @@ class SaveContext:
     write_timeout_s: float
     before_commit: Callable[[], None] | None = None
     keep_best: KeepBest | None = None
+    incremental: bool = False
+    full_every: int | None = None
 
 
 class SaveTransaction:
@@ -146,8 +158,8 @@ class SaveTransaction:
             self.phase("write", pending=str(self.pending), blocking=True)
             self.pending.mkdir(parents=True, exist_ok=True)
             t_stage = time.perf_counter() - self.t0
-            files = dcp_save(sd, self.pending, process_group=collective.group,
-                             thread_count=self.ctx.thread_count, write_timeout_s=self.ctx.write_timeout_s)
+            files = dcp_save(sd, self.pending, process_group=collective.group, thread_count=self.ctx.thread_count,
+                             write_timeout_s=self.ctx.write_timeout_s, reuse=self._reuse())
             return RankOutcome(None, t_stage, time.perf_counter() - self.t0 - t_stage, files)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -166,12 +178,19 @@ class SaveTransaction:
             sd = build_state_dict()
             self.phase("write", pending=str(self.pending), blocking=False)
             self.pending.mkdir(parents=True, exist_ok=True)
-            upload = async_writer.start(sd, self.pending)
+            reuse = self._reuse()
+            upload = async_writer.start(sd, self.pending, reuse) if reuse else async_writer.start(sd, self.pending)
             return upload, RankOutcome(None, time.perf_counter() - self.t0)
         except BaseException as e:  # noqa: BLE001 - as in write()
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             return None, RankOutcome(describe_exception(e), time.perf_counter() - self.t0)
+
+    def _reuse(self) -> Any:
+        """What this rank's write may reuse, read when the write starts (``None``: not incremental)."""
+        if not self.ctx.incremental:
+            return None
+        return functools.partial(reuse_for, self.ctx.root, self.step, full_every=self.ctx.full_every)
 
     def agree_started(self, collective: Collective, outcome: RankOutcome) -> None:
         """All ranks agree that the background write started everywhere (training thread).
@@ -248,7 +267,8 @@ class SaveTransaction:
             distckpt_version=__version__, model=ctx.model_specs,
             model_fingerprint=model_fingerprint(ctx.model_specs),
             loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == self.step else None,
-            timings_s=timings, files=list_files(self.pending, files), run_id=ts.run_id,
+            timings_s=timings, files=list_files(self.pending, files)
+            + (reference_entries(self.pending) if ctx.incremental else []), run_id=ts.run_id,
             metrics=dict(ts.metrics), probe_loss=ts.probe_loss, hardware=hardware_summary(),
             batch_change=ts.batch_change)
         for entry in manifest.files:
@@ -288,12 +308,14 @@ class SaveTransaction:
             logger.warning("%s holds checkpoints newer than the step-%d just committed (steps %s); "
                            "retention leaves them, and a later load: true resumes from step %d",
                            root, self.step, newer, max(newer))
+        refs = References(root)  # a checkpoint others refer to is deferred, not deleted
         for step in steps_to_delete(committed, keep_last=self.ctx.keep_last,
                                     keep_every_steps=self.ctx.keep_every_steps, just_committed=self.step,
                                     also_keep=best):
             self.phase("retention", step)
-            delete_checkpoint(root / checkpoint_name(step))
-            logger.info("retention: deleted %s", root / checkpoint_name(step))
+            logger.info("retention: %s %s", refs.retire(root / checkpoint_name(step)), root / checkpoint_name(step))
+        for name in refs.collect():
+            logger.info("retention: deleted %s (no kept checkpoint refers to it any more)", root / name)
 
     def _abort(self, collective: Collective) -> None:
         if self.ctx.rank == 0:

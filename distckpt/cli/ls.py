@@ -16,7 +16,7 @@ from pathlib import Path
 from ..commit import find_committed
 from ..engine import read_dcp_metadata
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
-from ..layout import LATEST, MANIFEST, is_deleting, is_pending, parse_set_aside
+from ..layout import LATEST, MANIFEST, is_deferred, is_deleting, is_pending, parse_set_aside
 from ..manifest import Manifest
 from ._common import fmt_bytes, fmt_float, fmt_time, print_json, print_table
 
@@ -60,6 +60,9 @@ def list_root(root: Path) -> list[dict]:
                        size_bytes=sum(f.size_bytes for f in result.files), world_size=result.world_size,
                        state_dict_type=result.state_dict_type, wrapper=result.wrapper, loss=result.loss,
                        metrics=result.metrics)
+        elif is_deferred(path):
+            row.update(status="deferred", reason="retired; kept (never loaded) while incremental checkpoints "
+                                                 "refer to its files")
         elif not (path / MANIFEST).exists():
             row.update(status="unmanaged", reason=f"no {MANIFEST}: not written by distckpt, ignored by the "
                                                   f"manager; `distckpt import {path} NEW_ROOT` to use it")

@@ -5,7 +5,9 @@ and deletes each manifest first. Before deleting anything it reads every byte of
 checkpoints it would keep (sizes, hashes, safe ``.metadata`` read, as ``verify`` does): a kept
 checkpoint that fails counts as corrupt, so the K kept ones are K that load, and a bit flip
 in the newest never costs the older good ones. Corrupt and pending directories are never
-touched. Holds the root's write lock, so it refuses while a training job writes the root.
+touched. A checkpoint that a kept incremental checkpoint refers to is deferred (its manifest
+renamed, the files referred to kept) and deleted by a later prune or retention once nobody
+refers to it. Holds the root's write lock, so it refuses while a training job writes the root.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import argparse
 from pathlib import Path
 
 from ..audit import audit_checkpoint
-from ..commit import delete_checkpoint, find_committed
+from ..commit import find_committed
 from ..errors import CheckpointNotFoundError
-from ..layout import MANIFEST, checkpoint_name
+from ..incremental import References
+from ..layout import MANIFEST, checkpoint_name, is_deferred
 from ..lock import RootLock
 from ..manifest import Manifest
 from ..retention import steps_to_delete
@@ -56,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         found = find_committed(root)
         committed = sorted(s for s, _, r in found if isinstance(r, Manifest))
-        corrupt = sorted(p.name for _, p, r in found if not isinstance(r, Manifest))
+        corrupt = sorted(p.name for _, p, r in found if not isinstance(r, Manifest) and not is_deferred(p))
         good = 0
         for step in sorted(committed, reverse=True):  # verify newest first until K load
             if good == args.keep_last:
@@ -68,19 +71,28 @@ def run(args: argparse.Namespace) -> int:
                 corrupt.append(checkpoint_name(step))
         corrupt.sort()
         doomed = steps_to_delete(committed, keep_last=args.keep_last, keep_every_steps=args.keep_every)
-        for step in doomed if not args.dry_run else []:
-            delete_checkpoint(root / checkpoint_name(step))
+        refs = References(root)  # a checkpoint a kept incremental one refers to is deferred, not deleted
+        for step in doomed:
+            if args.dry_run:
+                refs.forget(checkpoint_name(step))
+            else:
+                refs.retire(root / checkpoint_name(step))
+        if not args.dry_run:
+            refs.collect()
+        deferred = [checkpoint_name(s) for s in doomed if refs.referenced(checkpoint_name(s))]
     finally:
         if lock is not None:
             lock.release()
     kept = [s for s in committed if s not in doomed]
     if args.json:
         print_json({"root": str(root), "dry_run": args.dry_run, "deleted": [checkpoint_name(s) for s in doomed],
-                    "kept": [checkpoint_name(s) for s in kept], "corrupt_untouched": corrupt})
+                    "kept": [checkpoint_name(s) for s in kept], "corrupt_untouched": corrupt,
+                    "deferred": deferred})
         return 0
     verb = "would delete" if args.dry_run else "deleted"
     for s in doomed:
-        print(f"{verb}  {root / checkpoint_name(s)}")
+        note = "  (deferred: a kept incremental checkpoint refers to it)" if checkpoint_name(s) in deferred else ""
+        print(f"{verb}  {root / checkpoint_name(s)}{note}")
     print(f"{verb} {len(doomed)}, kept {len(kept)} committed checkpoint(s)"
           + (f"; {len(corrupt)} corrupt left untouched: {', '.join(corrupt)}" if corrupt else ""))
     return 0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..audit import audit_checkpoint
 from ..errors import CheckpointNotFoundError
-from ..layout import MANIFEST, checkpoint_dirs, is_pending, parse_step
+from ..layout import MANIFEST, checkpoint_dirs, is_deferred, is_pending, parse_step
 from ._common import fmt_bytes, print_json
 from ._errors import EXIT_FAILED, EXIT_OK
 
@@ -39,7 +39,7 @@ def targets(path: Path) -> tuple[list[Path], list[str]]:
         raise CheckpointNotFoundError(f"{path}: not a directory (expected a checkpoint or a root)")
     if (path / MANIFEST).exists() or (path / ".metadata").exists() or parse_step(path.name) is not None:
         return [path], []
-    found = [p for _, p in checkpoint_dirs(path)]
+    found = [p for _, p in checkpoint_dirs(path) if not is_deferred(p)]  # deferred: checked through referrers
     pending = sorted(p.name for p in path.iterdir() if is_pending(p.name))
     if not found:
         raise CheckpointNotFoundError(f"{path}: not a checkpoint and holds no step-* checkpoint to verify")

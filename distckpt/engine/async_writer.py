@@ -13,7 +13,7 @@ import contextlib
 import os
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 
 from ..integrity import hash_file
 from .blocking import hashing_writer
+from .incremental_writer import ReuseIndex
 
 __all__ = ["AsyncWriter", "AsyncMode", "cuda_device_of"]
 
@@ -61,14 +62,16 @@ class AsyncWriter:
         self.write_timeout_s = write_timeout_s
         self._staged: Future | None = None
 
-    def start(self, state_dict: dict[str, Any], directory: str | os.PathLike) -> Future:
-        """Stage ``state_dict`` and start writing it into ``directory``.
+    def start(self, state_dict: dict[str, Any], directory: str | os.PathLike,
+              reuse: ReuseIndex | Callable[[], ReuseIndex] | None = None) -> Future:
+        """Stage ``state_dict`` and start writing it into ``directory`` (incrementally
+        against ``reuse`` when given: the staged copy is hashed in the background write).
 
         Returns:
             The upload future: done when this rank's files are written (or failed).
         """
         writer = hashing_writer(directory, thread_count=self.thread_count,
-                                write_timeout_s=self.write_timeout_s)
+                                write_timeout_s=self.write_timeout_s, reuse=reuse)
         self._writer = writer
         device = cuda_device_of(state_dict) if self.cuda else None
         # DefaultStager syncs only the current device after its non-blocking copies and makes

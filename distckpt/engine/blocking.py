@@ -6,12 +6,13 @@ import contextlib
 import gc
 import os
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointCorruptError, DistCkptError
+from .incremental_writer import IncrementalFileSystemWriter, ReuseIndex
 from .safe_io import SafeFileSystemReader, SafeLoadPlanner
 from .writer import CheckedFileSystemWriter
 
@@ -91,11 +92,16 @@ def _inner_failures(exc: BaseException) -> list[BaseException]:
 
 
 def hashing_writer(directory: str | os.PathLike, *, thread_count: int,
-                   write_timeout_s: float | None = None) -> CheckedFileSystemWriter:
+                   write_timeout_s: float | None = None,
+                   reuse: ReuseIndex | Callable[[], ReuseIndex] | None = None) -> CheckedFileSystemWriter:
     """``FileSystemWriter`` with per-file fsync whose ``fs.written`` records each written file's
     ``(size_bytes, xxh3_128)``, hashed from the bytes as they are written; any writer thread's
     failure, or a write phase longer than ``write_timeout_s`` seconds, fails ``write_data``
-    (see :mod:`distckpt.engine.writer`)."""
+    (see :mod:`distckpt.engine.writer`). With ``reuse``, an incremental save
+    (:mod:`distckpt.engine.incremental_writer`)."""
+    if reuse is not None:
+        return IncrementalFileSystemWriter(directory, thread_count=thread_count, write_timeout_s=write_timeout_s,
+                                           reuse=reuse)
     return CheckedFileSystemWriter(directory, thread_count=thread_count, write_timeout_s=write_timeout_s)
 
 
@@ -106,6 +112,7 @@ def dcp_save(
     process_group: dist.ProcessGroup | None,
     thread_count: int = 1,
     write_timeout_s: float | None = None,
+    reuse: ReuseIndex | Callable[[], ReuseIndex] | None = None,
 ) -> dict[str, tuple[int, str]]:
     """``dcp.save`` into ``directory`` with per-file fsync. All ranks call it.
 
@@ -114,6 +121,8 @@ def dcp_save(
         write_timeout_s: this rank gives up writing after this many seconds
             (``WriteDeadlineExceeded``), so a slow disk fails the save on every rank instead of
             timing out the process group; ``None`` for no deadline.
+        reuse: write incrementally against this index, or a callable returning it (``None``:
+            a plain save).
 
     Returns:
         ``{file name: (size_bytes, xxh3_128 hex)}`` of the files this rank wrote.
@@ -122,7 +131,7 @@ def dcp_save(
         BaseException: whatever DCP raises on this rank; the caller gathers outcomes across
             ranks before deciding (see ``CheckpointManager.save``).
     """
-    writer = hashing_writer(directory, thread_count=thread_count, write_timeout_s=write_timeout_s)
+    writer = hashing_writer(directory, thread_count=thread_count, write_timeout_s=write_timeout_s, reuse=reuse)
     with gc_paused(), _no_single_process_warning("save"):
         dcp.save(state_dict, storage_writer=writer, process_group=process_group,
                  no_dist=_single_rank(process_group))

@@ -89,7 +89,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..errors import CheckpointCorruptError
-from ..integrity import HASH_ALGORITHM, new_hasher
+from ..integrity import HASH_ALGORITHM, describe_path, new_hasher
 from .item_decode import ItemDecoder
 from .item_planner import PEEK_BYTES, ChunkIndex, ItemPlanner
 from .read_stream import (
@@ -310,20 +310,21 @@ class FastFileSystemReader(SafeFileSystemReader):
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             what = "file listed in the manifest" if relpath in self._pending_checks else "checkpoint data file"
-            raise CheckpointCorruptError(f"{path}: {what} is missing", path=path) from None
+            raise CheckpointCorruptError(f"{describe_path(path)}: {what} is missing", path=path) from None
         except OSError as e:
-            raise CheckpointCorruptError(f"{path}: cannot open ({e})", path=path) from e
+            raise CheckpointCorruptError(f"{describe_path(path)}: cannot open ({e})", path=path) from e
         try:
             file_size = fstat_size(fd)
             expected = self._pending_checks.get(relpath)
             if expected is not None and file_size != expected[0]:
                 raise CheckpointCorruptError(
-                    f"{path}: size {file_size} bytes, manifest expects {expected[0]} bytes (truncated?)",
+                    f"{describe_path(path)}: size {file_size} bytes, manifest expects {expected[0]} bytes "
+                    "(truncated?)",
                     path=path)
             need_end = max(st.end for st in items)
             if file_size < need_end:
                 raise CheckpointCorruptError(
-                    f"{path}: truncated: the file has {file_size} bytes, but the checkpoint's "
+                    f"{describe_path(path)}: truncated: the file has {file_size} bytes, but the checkpoint's "
                     f"metadata places data up to byte {need_end}", path=path)
             hasher = new_hasher() if verify else None
             stream = ReadStream(path, fd, file_size, hasher, results, 0 if verify else items[0].offset,
@@ -347,7 +348,7 @@ class FastFileSystemReader(SafeFileSystemReader):
                 digest = hasher.hexdigest()
                 if digest != expected[1]:
                     raise CheckpointCorruptError(
-                        f"{path}: {HASH_ALGORITHM} {digest} does not match the manifest's {expected[1]} "
+                        f"{describe_path(path)}: {HASH_ALGORITHM} {digest} does not match the manifest's {expected[1]} "
                         "(bytes changed after the commit)", path=path)
             for st in side:
                 buf, mv = read_item(fd, path, st)
