@@ -90,6 +90,10 @@ class CheckpointConfig:
             ending in a gloo error. Raise it when a rank does long work of its own before a
             save (evaluation on rank 0 only). ``None``: ``timeout_s / 5``. Must be below
             ``timeout_s``.
+        s3_endpoint_url: S3 endpoint of an ``s3://bucket/prefix`` root (``None``: boto3's
+            standard ``AWS_ENDPOINT_URL`` or AWS). Credentials only ever come from the standard
+            environment / profiles, never from this config.
+        s3_region: S3 region (``None``: ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, else ``us-east-1``).
     """
 
     root: str
@@ -121,6 +125,8 @@ class CheckpointConfig:
     timeout_s: float = 600.0
     write_timeout_s: float | None = None
     arrival_timeout_s: float | None = None
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, (str, os.PathLike)):
@@ -128,6 +134,16 @@ class CheckpointConfig:
         self.root = os.fspath(self.root)
         if not self.root:
             raise ConfigError("CheckpointConfig.root must be a non-empty directory path")
+        if self.root.startswith("s3://"):
+            if len(self.root[5:].split("/", 1)[0]) < 3:
+                raise ConfigError(f"CheckpointConfig.root={self.root!r}: expected s3://bucket/prefix "
+                                  "(a bucket name of 3-63 characters)")
+            if self.async_mode == "process":
+                raise ConfigError("CheckpointConfig.async_mode='process' is not supported on s3:// roots "
+                                  "(use 'thread')")
+        for name in ("s3_endpoint_url", "s3_region"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ConfigError(f"CheckpointConfig.{name}={getattr(self, name)!r}: must be a string or null")
         _positive("interval_steps", self.interval_steps, allow_none=True, integer=True)
         _positive("interval_seconds", self.interval_seconds, allow_none=True)
         _positive("keep_last", self.keep_last, allow_none=True, integer=True)

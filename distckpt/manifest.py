@@ -53,6 +53,8 @@ class Manifest:
         model_fingerprint: sha256 over the sorted ``(fqn, shape, dtype)`` list.
         timings_s: seconds per phase (``stage``, ``write``, ``commit``).
         files: every file of the checkpoint except the manifest itself.
+        data_prefix: object storage only: the save's data prefix relative to the root
+            (``data/step-N-<id>``); absent on POSIX, where the manifest sits in the directory.
     """
 
     step: int
@@ -71,9 +73,13 @@ class Manifest:
     files: list[FileEntry] = field(default_factory=list)
     hash_algorithm: str | None = "xxh3_128"
     schema_version: int = SCHEMA_VERSION
+    data_prefix: str | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+        data = asdict(self)
+        if data["data_prefix"] is None:  # POSIX manifests stay byte-for-byte as before
+            del data["data_prefix"]
+        return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, path: str = "<memory>") -> "Manifest":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -32,16 +31,16 @@ import torch
 
 from ._version import __version__
 from .collective import Collective
-from .commit import commit, delete_checkpoint, find_committed, list_files
 from .engine import dcp_save
 from .engine.blocking import describe_exception
 from .errors import CheckpointSaveError
 from .events import EventLog
 from .integrity import hash_file
-from .layout import checkpoint_name, pending_name
+from .layout import checkpoint_name
 from .manifest import Manifest, TensorSpec, model_fingerprint
 from .retention import steps_to_delete
 from .state import TrainState
+from .storage import CheckpointStore, open_store
 
 __all__ = ["BackgroundSave", "PHASES", "PhaseHook", "RankOutcome", "SaveContext", "SaveTransaction"]
 
@@ -90,9 +89,10 @@ class SaveContext:
         write_timeout_s: deadline of one rank's blocking write phase (seconds).
         before_commit: rank 0, called after the manifest is built and before it is written
             (the manager sets aside a rolled-back run's newer checkpoints there).
+        store: the root's storage (:mod:`distckpt.storage`); ``None``: the POSIX directory ``root``.
     """
 
-    root: Path
+    root: Path | str
     rank: int
     world_size: int
     wrapper: str
@@ -104,6 +104,7 @@ class SaveContext:
     thread_count: int
     write_timeout_s: float
     before_commit: Callable[[], None] | None = None
+    store: CheckpointStore | None = None
 
 
 class SaveTransaction:
@@ -120,8 +121,11 @@ class SaveTransaction:
     def __init__(self, ctx: SaveContext, *, step: int, save_id: str, train_state: TrainState,
                  full: bool) -> None:
         self.ctx, self.step, self.train_state, self.full = ctx, step, train_state, full
-        self.pending = ctx.root / pending_name(step, save_id)
-        self.final = ctx.root / checkpoint_name(step)
+        self.store = ctx.store if ctx.store is not None else open_store(ctx.root)
+        # Paths on POSIX (as before); s3:// URL strings on object storage.
+        as_loc: Callable[[str], Path | str] = Path if self.store.kind == "posix" else str
+        self.pending = as_loc(self.store.pending_location(step, save_id))
+        self.final = as_loc(self.store.final_location(step, str(self.pending)))
         self.t0 = time.perf_counter()
 
     def phase(self, name: str, step: int | None = None, **fields: Any) -> None:
@@ -140,10 +144,11 @@ class SaveTransaction:
             self.phase("stage")
             sd = build_state_dict()
             self.phase("write", pending=str(self.pending), blocking=True)
-            self.pending.mkdir(parents=True, exist_ok=True)
+            self.store.begin_write(str(self.pending))
             t_stage = time.perf_counter() - self.t0
             files = dcp_save(sd, self.pending, process_group=collective.group,
-                             thread_count=self.ctx.thread_count, write_timeout_s=self.ctx.write_timeout_s)
+                             thread_count=self.ctx.thread_count, write_timeout_s=self.ctx.write_timeout_s,
+                             writer=self._writer())
             return RankOutcome(None, t_stage, time.perf_counter() - self.t0 - t_stage, files)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -161,13 +166,20 @@ class SaveTransaction:
             self.phase("stage")
             sd = build_state_dict()
             self.phase("write", pending=str(self.pending), blocking=False)
-            self.pending.mkdir(parents=True, exist_ok=True)
-            upload = async_writer.start(sd, self.pending)
+            self.store.begin_write(str(self.pending))
+            upload = async_writer.start(sd, self.pending, writer=self._writer())
             return upload, RankOutcome(None, time.perf_counter() - self.t0)
         except BaseException as e:  # noqa: BLE001 - as in write()
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             return None, RankOutcome(describe_exception(e), time.perf_counter() - self.t0)
+
+    def _writer(self) -> object | None:
+        """The store's DCP writer; ``None`` on POSIX (the engine's own, as before)."""
+        if self.store.kind == "posix":
+            return None
+        return self.store.dcp_writer(str(self.pending), thread_count=self.ctx.thread_count,
+                                     write_timeout_s=self.ctx.write_timeout_s)
 
     def agree_started(self, collective: Collective, outcome: RankOutcome) -> None:
         """All ranks agree that the background write started everywhere (training thread).
@@ -244,9 +256,9 @@ class SaveTransaction:
             distckpt_version=__version__, model=ctx.model_specs,
             model_fingerprint=model_fingerprint(ctx.model_specs),
             loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == self.step else None,
-            timings_s=timings, files=list_files(self.pending, files))
+            timings_s=timings, files=self.store.list_files(str(self.pending), files))
         for entry in manifest.files:
-            if entry.hash is None:  # no writer reported it: hash it here rather than skip it
+            if entry.hash is None and isinstance(self.pending, Path):  # no writer reported it: hash it here
                 logger.warning("no writer reported a hash for %s; hashing it on rank 0", entry.path)
                 entry.hash = hash_file(self.pending / entry.path)[1]
         return manifest
@@ -260,7 +272,7 @@ class SaveTransaction:
             manifest.timings_s["commit"] = time.perf_counter() - t0  # up to the manifest write
             if self.ctx.before_commit is not None:
                 self.ctx.before_commit()
-            commit(self.pending, self.final, manifest, on_phase=self.phase)
+            self.store.commit(str(self.pending), self.step, manifest, on_phase=self.phase)
         except Exception as e:  # noqa: BLE001 - broadcast to every rank
             return describe_exception(e)
         try:
@@ -271,7 +283,7 @@ class SaveTransaction:
 
     def _apply_retention(self) -> None:
         root = self.ctx.root
-        committed = [s for s, _, r in find_committed(root) if isinstance(r, Manifest)]
+        committed = [s for s, _, r in self.store.find_committed() if isinstance(r, Manifest)]
         newer = [s for s in committed if s > self.step]
         if newer:  # not this run's (a save without a load in a used root): never deleted
             logger.warning("%s holds checkpoints newer than the step-%d just committed (steps %s); "
@@ -280,12 +292,12 @@ class SaveTransaction:
         for step in steps_to_delete(committed, keep_last=self.ctx.keep_last,
                                     keep_every_steps=self.ctx.keep_every_steps, just_committed=self.step):
             self.phase("retention", step)
-            delete_checkpoint(root / checkpoint_name(step))
-            logger.info("retention: deleted %s", root / checkpoint_name(step))
+            self.store.delete_checkpoint(step)
+            logger.info("retention: deleted %s of %s", checkpoint_name(step), root)
 
     def _abort(self, collective: Collective) -> None:
         if self.ctx.rank == 0:
-            shutil.rmtree(self.pending, ignore_errors=True)
+            self.store.abort(str(self.pending))
         collective.barrier()
 
 

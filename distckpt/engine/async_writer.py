@@ -56,14 +56,16 @@ class AsyncWriter:
         self.write_timeout_s = write_timeout_s
         self._staged: Future | None = None
 
-    def start(self, state_dict: dict[str, Any], directory: str | os.PathLike) -> Future:
-        """Stage ``state_dict`` and start writing it into ``directory``.
+    def start(self, state_dict: dict[str, Any], directory: str | os.PathLike, writer: Any = None) -> Future:
+        """Stage ``state_dict`` and start writing it into ``directory`` (through ``writer``, an
+        object store's, when given; thread mode only).
 
         Returns:
             The upload future: done when this rank's files are written (or failed).
         """
-        writer = hashing_writer(directory, thread_count=self.thread_count,
-                                write_timeout_s=self.write_timeout_s)
+        if writer is None:
+            writer = hashing_writer(directory, thread_count=self.thread_count,
+                                    write_timeout_s=self.write_timeout_s)
         self._writer = writer
         response = dcp.async_save(state_dict, storage_writer=writer, process_group=self.process_group,
                                   async_checkpointer_type=self.checkpointer_type, async_stager=self.stager)

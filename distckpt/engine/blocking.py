@@ -106,6 +106,7 @@ def dcp_save(
     process_group: dist.ProcessGroup | None,
     thread_count: int = 1,
     write_timeout_s: float | None = None,
+    writer: Any = None,
 ) -> dict[str, tuple[int, str]]:
     """``dcp.save`` into ``directory`` with per-file fsync. All ranks call it.
 
@@ -114,6 +115,8 @@ def dcp_save(
         write_timeout_s: this rank gives up writing after this many seconds
             (``WriteDeadlineExceeded``), so a slow disk fails the save on every rank instead of
             timing out the process group; ``None`` for no deadline.
+        writer: a ready writer with the same ``fs.written`` contract (an object store's);
+            ``None``: :func:`hashing_writer` into ``directory``.
 
     Returns:
         ``{file name: (size_bytes, xxh3_128 hex)}`` of the files this rank wrote.
@@ -122,7 +125,8 @@ def dcp_save(
         BaseException: whatever DCP raises on this rank; the caller gathers outcomes across
             ranks before deciding (see ``CheckpointManager.save``).
     """
-    writer = hashing_writer(directory, thread_count=thread_count, write_timeout_s=write_timeout_s)
+    if writer is None:
+        writer = hashing_writer(directory, thread_count=thread_count, write_timeout_s=write_timeout_s)
     with gc_paused(), _no_single_process_warning("save"):
         dcp.save(state_dict, storage_writer=writer, process_group=process_group,
                  no_dist=_single_rank(process_group))
