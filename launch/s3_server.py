@@ -106,14 +106,16 @@ class S3Server:
             pass
 
     def start(self) -> "S3Server":
-        s3, master, volume, filer = _free_ports(4)
+        """Start weed (on the ports of the previous start after :meth:`kill`) and wait for S3."""
+        self._ports = getattr(self, "_ports", None) or _free_ports(4)
+        s3, master, volume, filer = self._ports
         self.s3_port = s3
         config = self.data_dir / "s3.json"
         config.write_text(json.dumps({"identities": [{
             "name": "distckpt", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         (self.data_dir / "data").mkdir(exist_ok=True)
-        self.log = open(self.data_dir / "weed.log", "wb")
+        self.log = open(self.data_dir / "weed.log", "ab")
         assert self.weed is not None
         self.proc = subprocess.Popen(
             [self.weed, "server", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
@@ -141,6 +143,13 @@ class S3Server:
             return (self.data_dir / "weed.log").read_text(errors="replace")[-2000:]
         except OSError:
             return "(no log)"
+
+    def kill(self) -> None:
+        """SIGKILL weed (a server that goes away), keeping its data for :meth:`start` again."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
 
     def stop(self) -> None:
         """Stop weed (its whole process group) and remove a temporary data directory."""

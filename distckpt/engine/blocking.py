@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..errors import CheckpointCorruptError, DistCkptError
+from ..errors import CheckpointCorruptError, DistCkptError, StorageError
 from .safe_io import SafeFileSystemReader, SafeLoadPlanner
 from .writer import CheckedFileSystemWriter
 
@@ -80,7 +80,7 @@ def _safe_str(exc: BaseException) -> str:
 
 # Not a property of the checkpoint: raised as they are, never counted as corruption (which
 # would make the manager set a good checkpoint aside and fall back).
-_NOT_CORRUPTION = (KeyboardInterrupt, SystemExit, MemoryError)
+_NOT_CORRUPTION = (KeyboardInterrupt, SystemExit, MemoryError, StorageError)
 
 
 def _inner_failures(exc: BaseException) -> list[BaseException]:

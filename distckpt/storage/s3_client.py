@@ -19,9 +19,9 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StorageError
 
-__all__ = ["MAX_ATTEMPTS", "TRANSFER", "S3Objects", "client_hooks", "get_client", "split_url"]
+__all__ = ["MAX_ATTEMPTS", "TRANSFER", "S3Objects", "client_hooks", "get_client", "reset_clients", "split_url"]
 
 MAX_ATTEMPTS = 5
 # Multipart above 64 MiB in 32 MiB parts, 8 in flight (uploads and ranged-GET downloads); measured
@@ -71,6 +71,12 @@ def get_client(endpoint_url: str | None = None, region: str | None = None) -> An
     return client
 
 
+def reset_clients() -> None:
+    """Forget this process's clients (the next request makes a new one: new hooks, new settings)."""
+    with _clients_lock:
+        _clients.clear()
+
+
 def describe(e: BaseException) -> str:
     """One line for an S3 failure: the error code and message boto reports (no credentials)."""
     if isinstance(e, ClientError):
@@ -84,8 +90,9 @@ def error_code(e: BaseException) -> str:
 
 
 class S3Objects:
-    """Operations on the objects of one bucket; every failure becomes ``OSError`` naming
-    ``s3://bucket/key`` (``FileExistsError`` for a failed conditional create).
+    """Operations on the objects of one bucket; every failure becomes
+    :class:`~distckpt.errors.StorageError` (an ``OSError``) naming ``s3://bucket/key``
+    (``FileExistsError`` for a failed conditional create).
 
     Args:
         bucket: the bucket.
@@ -102,15 +109,15 @@ class S3Objects:
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
 
-    def _fail(self, what: str, key: str, e: BaseException) -> OSError:
-        return OSError(f"S3 {what} {self.url(key)} failed: {describe(e)}")
+    def _fail(self, what: str, key: str, e: BaseException) -> StorageError:
+        return StorageError(f"S3 {what} {self.url(key)} failed after {MAX_ATTEMPTS} attempt(s): {describe(e)}")
 
     def put(self, key: str, body: bytes, *, if_absent: bool = False) -> None:
         """PUT one object; with ``if_absent`` a conditional create (``If-None-Match: *``).
 
         Raises:
             FileExistsError: ``if_absent`` and the object exists.
-            OSError: any other failure.
+            StorageError: any other failure (after retries).
         """
         kwargs: dict[str, Any] = {"IfNoneMatch": "*"} if if_absent else {}
         try:
@@ -123,7 +130,7 @@ class S3Objects:
             raise self._fail("PUT", key, e) from e
 
     def get(self, key: str) -> bytes | None:
-        """The object's bytes, or ``None`` when it does not exist. Raises ``OSError``."""
+        """The object's bytes, or ``None`` when it does not exist. Raises ``StorageError``."""
         try:
             return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
         except ClientError as e:
@@ -134,7 +141,7 @@ class S3Objects:
             raise self._fail("GET", key, e) from e
 
     def upload(self, fileobj: Any, key: str) -> None:
-        """Upload a file object (multipart when large). Raises ``OSError``."""
+        """Upload a file object (multipart when large). Raises ``StorageError``."""
         try:
             self.client.upload_fileobj(fileobj, self.bucket, key, Config=TRANSFER)
         except (ClientError, BotoCoreError) as e:
@@ -143,7 +150,7 @@ class S3Objects:
             raise self._fail("PUT", key, e) from e
 
     def download(self, key: str, fileobj: Any) -> None:
-        """Download into a file object (parallel ranged GETs when large). Raises ``OSError``
+        """Download into a file object (parallel ranged GETs when large). Raises ``StorageError``
         (``FileNotFoundError`` when absent)."""
         try:
             self.client.download_fileobj(self.bucket, key, fileobj, Config=TRANSFER)
@@ -155,7 +162,7 @@ class S3Objects:
             raise self._fail("GET", key, e) from e
 
     def list_objects(self, prefix: str) -> dict[str, int]:
-        """``{key: size}`` of every object under ``prefix``. Raises ``OSError``."""
+        """``{key: size}`` of every object under ``prefix``. Raises ``StorageError``."""
         out: dict[str, int] = {}
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
@@ -177,7 +184,7 @@ class S3Objects:
         return names
 
     def delete(self, keys: list[str]) -> None:
-        """Delete objects (absent ones are fine). Raises ``OSError``."""
+        """Delete objects (absent ones are fine). Raises ``StorageError``."""
         for start in range(0, len(keys), 1000):
             batch = keys[start:start + 1000]
             try:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks, values
-from tests.distributed.trainer import full_optim, full_params, load_report, save_after, train, train_steps
+from tests.distributed.trainer import full_params, load_report, save_after, train, train_steps
 
 pytestmark = pytest.mark.timeout(240)
 slow = pytest.mark.slow  # ~30-70 s each on 2 shared cores: the default suite keeps two kill phases
@@ -73,7 +73,7 @@ def save_twice_and_die(rank: int, world_size: int, opts: dict) -> str:
         if step == 6 and rank == victim and kill == ("written", 6):  # after this rank's objects are uploaded
             original = S3Writer.write_data
 
-            def write_then_die(self, plan, planner):
+            def write_then_die(self, plan, planner, original=original):
                 future = original(self, plan, planner)
                 die()
                 return future

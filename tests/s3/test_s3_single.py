@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.tim
 
 def manager_for(root: str, **kw):
     model, optimizer, scheduler, scaler, loader = build(0, 1, kw.pop("build", {}))
+    on_phase = kw.pop("on_phase", None)
     cfg = CheckpointConfig(root=root, interval_steps=None, **kw)
-    on_phase = kw.pop("on_phase", None) if "on_phase" in kw else None
     return (CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
                               dataloader=loader, on_phase=on_phase),
             (model, optimizer, scheduler, scaler, loader))
