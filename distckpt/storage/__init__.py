@@ -10,12 +10,13 @@ A root is a URL: a plain path (or ``file://``) is :class:`~distckpt.storage.posi
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from .base import CheckpointStore, is_s3_url
 
-__all__ = ["CheckpointStore", "is_s3_url", "open_store", "open_config_store"]
+__all__ = ["CheckpointStore", "is_s3_url", "open_store", "open_config_store", "split_location"]
 
 
 def open_store(root: str | os.PathLike, *, endpoint_url: str | None = None,
@@ -44,3 +45,12 @@ def open_config_store(config: Any) -> tuple[CheckpointStore, Path | str]:
     on POSIX (as the manager always had it), the URL string on S3."""
     store = open_store(config.root, endpoint_url=config.s3_endpoint_url, region=config.s3_region)
     return store, (Path(store.root) if store.kind == "posix" else store.root)
+
+
+def split_location(url: str) -> tuple[str, str | None]:
+    """``(root, checkpoint location or None)`` of an ``s3://`` URL: a save's data prefix
+    ``<root>/data/step-N-<id>`` names one checkpoint; anything else is taken as a root."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    if parent.endswith("/data") and re.match(r"^step-\d{9,}-[0-9a-f]+$", name):
+        return parent[: -len("/data")], url.rstrip("/")
+    return url.rstrip("/"), None

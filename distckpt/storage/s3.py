@@ -128,13 +128,14 @@ class S3Store:
         return S3Reader(location, expected_files=None, endpoint_url=self.endpoint_url,
                         region=self.region).read_metadata()
 
-    def _sizes(self, location: str) -> dict[str, int]:
+    def object_sizes(self, location: str) -> dict[str, int]:
+        """``{file name: size}`` of every object under a checkpoint's data prefix."""
         base = self.key(self._rel(location)) + "/"
         return {k[len(base):]: size for k, size in self.objects.list_objects(base).items()}
 
     def list_files(self, pending: str, hashes: dict[str, tuple[int, str]]) -> list[FileEntry]:
         entries = []
-        for name, size in sorted(self._sizes(pending).items()):
+        for name, size in sorted(self.object_sizes(pending).items()):
             reported = hashes.get(name)
             if reported is not None and reported[0] != size:
                 raise CheckpointCorruptError(f"{pending}/{name}: {size} bytes stored, its writer wrote "
@@ -204,7 +205,7 @@ class S3Store:
     def check_file(self, location: str, name: str, *, size_bytes: int, digest: str | None,
                    sizes: dict[str, int] | None = None) -> None:
         url = f"{location}/{name}"
-        actual = (self._sizes(location) if sizes is None else sizes).get(name)
+        actual = (self.object_sizes(location) if sizes is None else sizes).get(name)
         if actual is None:
             raise CheckpointCorruptError(f"{url}: object listed in the manifest is missing", path=url)
         if actual != size_bytes:
@@ -221,7 +222,7 @@ class S3Store:
 
     def validate(self, location: str, *, check_hashes: bool = False) -> Manifest:
         manifest = self.read_manifest(location)
-        sizes = self._sizes(location)
+        sizes = self.object_sizes(location)
         for entry in manifest.files:
             self.check_file(location, entry.path, size_bytes=entry.size_bytes,
                             digest=entry.hash if check_hashes else None, sizes=sizes)
@@ -230,7 +231,7 @@ class S3Store:
     def verify(self, location: str) -> list[CheckpointCorruptError]:
         try:
             manifest = self.read_manifest(location)
-            sizes = self._sizes(location)
+            sizes = self.object_sizes(location)
         except CheckpointCorruptError as e:
             return [e]
         problems = []
@@ -279,6 +280,14 @@ class S3Store:
     def remove_leftovers(self) -> list[str]:
         """Delete data prefixes no manifest references (interrupted saves and deletes). Only
         ``data/step-N-<hex>`` prefixes are touched, and none of a step whose manifest is unreadable."""
+        removed = self.unreferenced()
+        for rel in removed:
+            self.objects.delete_prefix(self.key(f"{rel}/"))
+        return removed
+
+    def unreferenced(self) -> list[str]:
+        """``data/step-N-<hex>`` prefixes no manifest references (saves in progress, or left by a
+        crash), except those of a step whose manifest is set aside or unreadable."""
         referenced, unsure = set(), set()
         for name in self.objects.list_objects(self.key(MANIFESTS)):  # set-aside manifests keep their data
             found = re.search(r"(step-\d{9,})", name.rsplit("/", 1)[-1])
@@ -290,14 +299,12 @@ class S3Store:
                 referenced.add(self._parse_manifest(step, self.objects.get(key), "").data_prefix)
             except CheckpointCorruptError:
                 unsure.add(checkpoint_name(step))
-        removed = []
+        loose = []
         for name in self.objects.list_dirs(self.key(DATA)):
             m = _DATA_RE.match(name)
-            if m is None or f"{DATA}{name}" in referenced or m.group(1) in unsure:
-                continue
-            self.objects.delete_prefix(self.key(f"{DATA}{name}/"))
-            removed.append(f"{DATA}{name}")
-        return removed
+            if m is not None and f"{DATA}{name}" not in referenced and m.group(1) not in unsure:
+                loose.append(f"{DATA}{name}")
+        return loose
 
     # ------------------------------------------------------------------ latest, lock
     def read_latest(self) -> str | None:
@@ -320,6 +327,11 @@ class S3Store:
 
     def lock_file(self) -> S3LockFile:
         return S3LockFile(self.objects, self.key(".lock"))
+
+    def set_aside_names(self) -> list[str]:
+        """Names (``<reason>-step-N-<n>``) of the set-aside manifests."""
+        names = [k.rsplit("/", 1)[-1] for k in self.objects.list_objects(self.key(MANIFESTS))]
+        return sorted(n[: -len(".json")] for n in names if n.endswith(".json") and not _MANIFEST_RE.match(n))
 
     def set_aside(self, step: int, reason: str = "corrupt") -> str:
         """Rename the manifest of ``step`` to ``manifests/<reason>-step-N-<n>.json`` (copy, then
