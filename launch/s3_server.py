@@ -177,3 +177,25 @@ def _quick_config() -> Any:
     from botocore.config import Config
 
     return Config(retries={"max_attempts": 1}, connect_timeout=1, read_timeout=5)
+
+
+def copy_root(server: S3Server, src: str, dst: str) -> None:
+    """Copy every object of checkpoint root ``src`` to ``dst`` (``s3://`` URLs in one bucket),
+    except the lock: a second root holding the same checkpoints (as ``cp -r`` of a directory)."""
+    bucket, _, src_prefix = src[len("s3://"):].partition("/")
+    dst_prefix = dst[len("s3://"):].partition("/")[2]
+    client = server.client()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=src_prefix + "/"):
+        for obj in page.get("Contents", []):
+            rel = obj["Key"][len(src_prefix) + 1:]
+            if rel != ".lock":
+                client.copy_object(Bucket=bucket, Key=f"{dst_prefix}/{rel}",
+                                   CopySource={"Bucket": bucket, "Key": obj["Key"]})
+
+
+def committed_locations(root: str) -> dict[int, str]:
+    """``{step: data-prefix URL}`` of the committed checkpoints of an ``s3://`` root."""
+    from distckpt.manifest import Manifest
+    from distckpt.storage import open_store
+
+    return {s: loc for s, loc, r in open_store(root).find_committed() if isinstance(r, Manifest)}

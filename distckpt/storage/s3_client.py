@@ -60,7 +60,7 @@ def get_client(endpoint_url: str | None = None, region: str | None = None) -> An
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
-            config = Config(retries={"max_attempts": MAX_ATTEMPTS, "mode": "standard"}, connect_timeout=5,
+            config = Config(retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"}, connect_timeout=5,
                             read_timeout=60, max_pool_connections=32,
                             s3={"addressing_style": "path"} if endpoint_url else None)
             client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region,

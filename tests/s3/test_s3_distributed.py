@@ -61,6 +61,14 @@ def save_twice_and_die(rank: int, world_size: int, opts: dict) -> str:
     def on_phase(phase: str, step: int, r: int) -> None:
         if (phase, step) == kill and r == victim:
             die()
+        if (phase, step) == ("retention", 3) and kill == ("mid-delete", 3) and r == victim:
+            original_delete = S3Objects.delete
+
+            def delete_then_die(self, keys):  # retention's first DELETE request, then the process dies
+                original_delete(self, keys)
+                die()
+
+            S3Objects.delete = delete_then_die  # type: ignore[method-assign]
 
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, {"wrapper": "ddp"})
     manager = CheckpointManager(CheckpointConfig(root=opts["root"], interval_steps=None, keep_last=1),
@@ -79,8 +87,6 @@ def save_twice_and_die(rank: int, world_size: int, opts: dict) -> str:
                 return future
 
             S3Writer.write_data = write_then_die  # type: ignore[method-assign]
-        if step == 6 and rank == victim and kill == ("mid-delete", 3):  # manifest deleted, data not yet
-            S3Objects.delete_prefix = lambda self, prefix: die()  # type: ignore[method-assign]
         manager.save(step)
     manager.close()
     return "survived"
@@ -91,7 +97,7 @@ def save_twice_and_die(rank: int, world_size: int, opts: dict) -> str:
     (("manifest", 6), 0, 3),                         # all data written, manifest not PUT: the previous
     (("latest", 6), 0, 6),                           # manifest PUT: the new one (latest still names step 3)
     pytest.param(("retention", 3), 0, 6, marks=slow),   # before retention deletes step 3
-    pytest.param(("mid-delete", 3), 0, 6, marks=slow),  # step 3's manifest deleted, its data not
+    pytest.param(("mid-delete", 3), 0, 6, marks=slow),  # retention's first DELETE done (the manifest)
 ], ids=["data-written", "before-manifest-put", "after-manifest-put", "before-retention", "mid-retention"])
 def test_sigkill_at_each_commit_phase_loads_previous_or_new_never_partial(s3_server, s3_root, tmp_path,
                                                                           kill, victim, loads):

@@ -163,3 +163,26 @@ def test_bad_credentials_are_a_config_error_naming_the_bucket_not_the_keys(s3_se
     with pytest.raises(ConfigError, match="access to bucket 'distckpt-tests' .* was denied") as e:
         manager_for(s3_root)
     assert "WRONG-KEY-ID-123" not in str(e.value) and "wrong-secret-456" not in str(e.value)
+
+
+def test_async_save_and_event_log_on_s3(s3_server, s3_root, tmp_path):
+    log = tmp_path / "events.jsonl"
+    manager, objs = manager_for(s3_root, async_mode="thread", event_log=str(log))
+    train_steps(*objs, 3)
+    location = manager.save(3)  # returns once staged; uploads and commits in the background
+    expected = {k: v.clone() for k, v in full_params(objs[0]).items()}
+    manager.wait()
+    manager.close()
+    phases = [json.loads(line)["phase"] for line in log.read_text().splitlines()]
+    assert phases == ["stage", "write", "manifest", "latest", "committed"]  # no rename on S3
+    assert open_store(s3_root).read_latest() == "step-000000003"
+    fresh, (model, *_) = manager_for(s3_root)
+    assert fresh.load().checkpoint_path == location
+    fresh.close()
+    for k, v in full_params(model).items():
+        assert torch.equal(v, expected[k]), k
+
+
+def test_process_async_mode_is_refused_on_s3():
+    with pytest.raises(ConfigError, match="async_mode='process' is not supported on s3:// roots"):
+        CheckpointConfig(root="s3://bucket/run", async_mode="process")
