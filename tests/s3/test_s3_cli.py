@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from distckpt.cli import main
+from distckpt.reader import CheckpointReader
 from tests.distributed.trainer import full_params, train_steps
 from tests.s3.test_s3_single import get, keys, manager_for, put
 
@@ -43,6 +44,15 @@ def test_cli_ls_inspect_diff_export_prune_and_verify_on_s3(s3_server, s3_root, t
     exported = load_file(tmp_path / "w.safetensors")
     for k, v in params.items():
         assert torch.equal(exported[k], v), k
+
+    capsys.readouterr()
+    # import the exported weights into a fresh S3 root: a committed step-7 checkpoint holding them
+    assert main(["import", str(tmp_path / "w.safetensors"), f"{s3_root}-imported", "--step", "7", "--json"]) == 0
+    imported = json.loads(capsys.readouterr().out)
+    assert imported["checkpoint"].startswith(f"{s3_root}-imported/data/step-000000007-") and imported["step"] == 7
+    reader = CheckpointReader(imported["checkpoint"])
+    for k, v in reader.read([f"model.{k}" for k in params]).items():
+        assert torch.equal(v, params[k[len("model."):]]), k
 
     capsys.readouterr()
     assert main(["prune", s3_root, "--keep-last", "2", "--json"]) == 0
