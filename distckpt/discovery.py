@@ -31,6 +31,7 @@ from .config import CheckpointConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, IncompatibleCheckpointError
 from .layout import LATEST, MANIFEST, checkpoint_name, parse_step
 from .manifest import Manifest, TensorSpec, model_fingerprint
+from .storage import store_of
 
 __all__ = ["CheckpointDiscovery", "StoreDiscovery", "check_model_fits", "make_discovery"]
 
@@ -314,8 +315,8 @@ class StoreDiscovery:
                 logger.warning("removed %s/%s left by an interrupted save or delete", self.root, name)
             self.store.repair_latest()
         if self.config.load_path is not None:
-            try:
-                self.store.validate(self.config.load_path)
+            try:  # load_path may be a checkpoint of another root
+                store_of(self.config.load_path, self.store).validate(self.config.load_path)
             except CheckpointCorruptError as e:
                 raise CheckpointNotFoundError(f"CheckpointConfig.load_path={self.config.load_path!r} is not a "
                                               f"loadable committed checkpoint: {e}") from e

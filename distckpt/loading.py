@@ -20,7 +20,7 @@ from .errors import CheckpointCorruptError, IncompatibleCheckpointError
 from .events import EventLog
 from .manifest import Manifest, TensorSpec
 from .state import CheckpointState, TrainState
-from .storage import CheckpointStore, open_store
+from .storage import CheckpointStore, open_store, store_of
 
 __all__ = ["CheckpointLoader"]
 
@@ -91,14 +91,16 @@ class CheckpointLoader:
             CheckpointCorruptError: its manifest, ``.metadata`` or a data file is bad (every rank).
             IncompatibleCheckpointError: it does not fit the live model or components.
         """
+        store = store_of(path, self.store)  # load_path may name a checkpoint of another root
+
         def read_plan_inputs() -> tuple[Manifest, set[str]]:
-            manifest = self.store.read_manifest(path)
+            manifest = store.read_manifest(path)
             check_model_fits(manifest, path, self.model_specs, self.state.model_optim.ties)
             if self.config.verify_on_load:  # every rank plans from .metadata: check it first
                 for f in manifest.files:
                     if f.path == ".metadata":
-                        self.store.check_file(path, f.path, size_bytes=f.size_bytes, digest=f.hash)
-            return manifest, set(self.store.read_dcp_metadata(path).state_dict_metadata)
+                        store.check_file(path, f.path, size_bytes=f.size_bytes, digest=f.hash)
+            return manifest, set(store.read_dcp_metadata(path).state_dict_metadata)
 
         # Every rank reads these files itself (one node may see an I/O error the others do
         # not): agree, so all ranks raise together, and fall back together.
@@ -111,8 +113,8 @@ class CheckpointLoader:
                         if self.config.verify_on_load else None)
             self.events.emit("load", manifest.step, path=str(path))
             streams = max(1, self.config.load_streams_per_node // self.local_world_size)
-            reader = self.store.dcp_reader(path, expected_files=expected, fast=self.config.fast_load,
-                                           thread_count=streams)
+            reader = store.dcp_reader(path, expected_files=expected, fast=self.config.fast_load,
+                                      thread_count=streams)
             run_load(target, reader, process_group=self.collective.group, directory=path)
             train_state = self.collective.agree(
                 lambda: self.state.restore(target, saved_world_size=manifest.world_size),

@@ -16,7 +16,7 @@ from typing import Any
 
 from .base import CheckpointStore, is_s3_url
 
-__all__ = ["CheckpointStore", "is_s3_url", "open_store", "open_config_store", "split_location"]
+__all__ = ["CheckpointStore", "is_s3_url", "open_store", "open_config_store", "split_location", "store_of"]
 
 
 def open_store(root: str | os.PathLike, *, endpoint_url: str | None = None,
@@ -54,3 +54,15 @@ def split_location(url: str) -> tuple[str, str | None]:
     if parent.endswith("/data") and re.match(r"^step-\d{9,}-[0-9a-f]+$", name):
         return parent[: -len("/data")], url.rstrip("/")
     return url.rstrip("/"), None
+
+
+def store_of(location: str, like: CheckpointStore) -> CheckpointStore:
+    """The store that holds checkpoint ``location``: ``like`` itself, or for an ``s3://``
+    checkpoint of another root (a ``load_path`` elsewhere) that root's store, with ``like``'s
+    endpoint and region. A POSIX store reads any directory path."""
+    if not is_s3_url(location) or like.kind != "s3":
+        return like
+    root = split_location(location)[0]
+    if root == like.root:
+        return like
+    return open_store(root, endpoint_url=getattr(like, "endpoint_url", None), region=getattr(like, "region", None))

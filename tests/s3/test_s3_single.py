@@ -186,3 +186,25 @@ def test_async_save_and_event_log_on_s3(s3_server, s3_root, tmp_path):
 def test_process_async_mode_is_refused_on_s3():
     with pytest.raises(ConfigError, match="async_mode='process' is not supported on s3:// roots"):
         CheckpointConfig(root="s3://bucket/run", async_mode="process")
+
+
+def test_load_path_may_name_a_checkpoint_of_another_s3_root(s3_server, s3_root):
+    manager, objs = manager_for(s3_root)
+    train_steps(*objs, 3)
+    location = manager.save(3)
+    expected = {k: v.clone() for k, v in full_params(objs[0]).items()}
+    manager.close()
+    other, objs2 = manager_for(f"{s3_root}-other", load_path=location)
+    state = other.load()
+    train_steps(*objs2, 1)
+    other.save(4)  # commits into its own root; the source root is untouched
+    other.close()
+    assert state.step == 3 and state.checkpoint_path == location
+    assert [n for n in keys(s3_server, f"{s3_root}-other") if n.startswith("manifests/")] == [
+        "manifests/step-000000004.json"]
+    assert [n for n in keys(s3_server, s3_root) if n.startswith("manifests/")] == ["manifests/step-000000003.json"]
+    fresh, (model2, *_) = manager_for(s3_root)
+    fresh.load()
+    fresh.close()
+    for k, v in full_params(model2).items():
+        assert torch.equal(v, expected[k]), k
