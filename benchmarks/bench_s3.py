@@ -39,7 +39,21 @@ BUCKET = "distckpt-bench"
 MODES = ("stock_save", "distckpt_save", "stock_load", "distckpt_load")
 
 
-def _rank(rank: int, world_size: int, init: str, args: dict, out: str) -> None:
+def _timed(fn: Any) -> float:
+    """Wall seconds of ``fn()`` on every rank, the max over ranks (barrier first)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _round(rank: int, world_size: int, sd: dict, size_mib: int, rnd: int) -> list[dict]:
+    """One round of the four modes on ``sd`` (this rank's tensors) into fresh prefixes."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -49,66 +63,64 @@ def _rank(rank: int, world_size: int, init: str, args: dict, out: str) -> None:
     from distckpt.manifest import Manifest
     from distckpt.storage import open_store
 
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    tag = f"ws{world_size}-{size_mib}m-{rnd}"
+    store: Any = open_store(f"s3://{BUCKET}/{tag}")
+    stock_url = f"s3://{BUCKET}/{tag}-stock"
+    location = store.pending_location(1, "%012x" % rnd)
+
+    def stock_save() -> None:
+        dcp.save(sd, storage_writer=FsspecWriter(stock_url, endpoint_url=endpoint, sync_files=False))
+
+    def distckpt_save() -> None:
+        writer = store.dcp_writer(location, thread_count=4, write_timeout_s=None)
+        files = dcp_save(sd, location, process_group=None, writer=writer)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, files)
+        if rank == 0:  # the commit: list, check sizes, PUT the manifest (conditional create)
+            hashes = {k: v for f in gathered for k, v in f.items()}
+            m = Manifest(step=1, world_size=world_size, wrapper="plain", state_dict_type="sharded",
+                         torch_version=torch.__version__, distckpt_version="bench", model={},
+                         model_fingerprint="", files=store.list_files(location, hashes))
+            store.commit(location, 1, m)
+
+    def stock_load() -> None:
+        dcp.load({k: torch.empty_like(v) for k, v in sd.items()},
+                 storage_reader=FsspecReader(stock_url, endpoint_url=endpoint))
+
+    def distckpt_load() -> None:
+        manifest = store.read_manifest(location)
+        expected = {f.path: (f.size_bytes, f.hash) for f in manifest.files}
+        target = {k: torch.empty_like(v) for k, v in sd.items()}
+        run_load(target, store.dcp_reader(location, expected_files=expected, fast=True, thread_count=2),
+                 process_group=None, directory=location)
+        assert all(torch.equal(target[k], sd[k]) for k in sd)
+
+    fns = {"stock_save": stock_save, "distckpt_save": distckpt_save, "stock_load": stock_load,
+           "distckpt_load": distckpt_load}
+    order = [("stock_save", "distckpt_save"), ("distckpt_save", "stock_save")][rnd % 2]
+    rows = [{"mode": mode, "size_mib": size_mib, "world_size": world_size, "round": rnd,
+             "seconds": _timed(fns[mode])}
+            for mode in (*order, *(m.replace("save", "load") for m in order))]
+    dist.barrier()
+    if rank == 0:  # free the server's space for the next round
+        for prefix in (f"{tag}/", f"{tag}-stock/"):
+            store.objects.delete_prefix(prefix)
+    return rows
+
+
+def _rank(rank: int, world_size: int, init: str, args: dict, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world_size)
-    endpoint = os.environ["AWS_ENDPOINT_URL"]
     rows = []
-
-    def timed(fn: Any) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
-
     for size_mib in args["sizes_mib"]:
         per_rank, chunk = size_mib * (1 << 20) // world_size, 16 << 20
         sd = {f"r{rank}.t{i}": torch.randn(chunk // 4) for i in range(max(1, per_rank // chunk))}
         for rnd in range(args["repeats"]):
-            tag = f"ws{world_size}-{size_mib}m-{rnd}"
-            store = open_store(f"s3://{BUCKET}/{tag}")
-            stock_url = f"s3://{BUCKET}/{tag}-stock"
-            location = store.pending_location(1, "%012x" % rnd)
-            manifest: list[Manifest] = []
-
-            def stock_save() -> None:
-                dcp.save(sd, storage_writer=FsspecWriter(stock_url, endpoint_url=endpoint, sync_files=False))
-
-            def distckpt_save() -> None:
-                files = dcp_save(sd, location, process_group=None, writer=store.dcp_writer(
-                    location, thread_count=4, write_timeout_s=None))
-                gathered: list[Any] = [None] * world_size
-                dist.all_gather_object(gathered, files)
-                if rank == 0:
-                    hashes = {k: v for f in gathered for k, v in f.items()}
-                    m = Manifest(step=1, world_size=world_size, wrapper="plain", state_dict_type="sharded",
-                                 torch_version=torch.__version__, distckpt_version="bench", model={},
-                                 model_fingerprint="", files=store.list_files(location, hashes))
-                    store.commit(location, 1, m)
-
-            def stock_load() -> None:
-                dcp.load({k: torch.empty_like(v) for k, v in sd.items()},
-                         storage_reader=FsspecReader(stock_url, endpoint_url=endpoint))
-
-            def distckpt_load() -> None:
-                if not manifest:
-                    manifest.append(store.read_manifest(location))
-                expected = {f.path: (f.size_bytes, f.hash) for f in manifest[0].files}
-                target = {k: torch.empty_like(v) for k, v in sd.items()}
-                run_load(target, store.dcp_reader(location, expected_files=expected, fast=True, thread_count=2),
-                         process_group=None, directory=location)
-                assert all(torch.equal(target[k], sd[k]) for k in sd)
-
-            fns = {"stock_save": stock_save, "distckpt_save": distckpt_save, "stock_load": stock_load,
-                   "distckpt_load": distckpt_load}
-            order = [("stock_save", "distckpt_save"), ("distckpt_save", "stock_save")][rnd % 2]
-            for mode in (*order, *(m.replace("save", "load") for m in order)):
-                rows.append({"mode": mode, "size_mib": size_mib, "world_size": world_size, "round": rnd,
-                             "seconds": timed(fns[mode])})
-            if rank == 0:  # free the server's space for the next round
-                for prefix in (f"{tag}/", f"{tag}-stock/"):
-                    store.objects.delete_prefix(prefix)
+            rows += _round(rank, world_size, sd, size_mib, rnd)
     if rank == 0:
         torch.save(rows, out)
     dist.barrier()
