@@ -208,3 +208,44 @@ def test_load_path_may_name_a_checkpoint_of_another_s3_root(s3_server, s3_root):
     fresh.close()
     for k, v in full_params(model2).items():
         assert torch.equal(v, expected[k]), k
+
+
+def test_a_fresh_run_in_a_used_s3_root_refuses_or_archives(s3_server, s3_root):
+    manager, objs = manager_for(s3_root)
+    train_steps(*objs, 3)
+    manager.save(3)
+    manager.close()
+    with pytest.raises(ConfigError, match="already holds 1 checkpoint\\(s\\), newest step-000000003"):
+        manager_for(s3_root, load=False)
+    archived, _ = manager_for(s3_root, load=False, on_existing="archive")
+    archived.close()
+    names = keys(s3_server, s3_root)
+    assert "manifests/archived-step-000000003-0.json" in names and "manifests/step-000000003.json" not in names
+    assert any(n.startswith("data/step-000000003-") for n in names)  # nothing deleted
+    fresh, _ = manager_for(s3_root)
+    assert fresh.load() is None  # an archived checkpoint is never loaded
+    fresh.close()
+    assert any(n.startswith("data/step-000000003-") for n in keys(s3_server, s3_root))  # nor removed as leftover
+
+
+def test_rollback_on_s3_sets_newer_checkpoints_aside_at_the_first_save(s3_server, s3_root):
+    manager, objs = manager_for(s3_root)
+    locations = {}
+    for step in (3, 6):
+        train_steps(*objs, 3)
+        locations[step] = manager.save(step)
+    manager.close()
+    rollback, objs2 = manager_for(s3_root, load_path=locations[3])
+    assert rollback.load().step == 3
+    assert "manifests/step-000000006.json" in keys(s3_server, s3_root)  # only loading changes nothing
+    train_steps(*objs2, 1)
+    rollback.save(4)
+    rollback.close()
+    names = keys(s3_server, s3_root)
+    assert [n for n in names if n.startswith("manifests/")] == [
+        "manifests/rolledback-step-000000006-0.json", "manifests/step-000000003.json",
+        "manifests/step-000000004.json"]
+    assert get(s3_server, s3_root, "latest") == b"step-000000004\n"
+    fresh, _ = manager_for(s3_root)
+    assert fresh.load().step == 4
+    fresh.close()
