@@ -293,7 +293,7 @@ class CheckpointManager:
         raises its error, on every rank).
 
         Returns:
-            The checkpoint directory (committed when blocking; committed later when async).
+            The checkpoint directory, on S3 its data-prefix URL (committed when blocking; later when async).
 
         Raises:
             CheckpointSaveError: on every rank if any rank failed; nothing was committed.
