@@ -24,8 +24,8 @@ from ..errors import ConfigError, StorageError
 __all__ = ["MAX_ATTEMPTS", "TRANSFER", "S3Objects", "client_hooks", "get_client", "reset_clients", "split_url"]
 
 MAX_ATTEMPTS = 5
-# Multipart above 64 MiB in 32 MiB parts, 8 in flight (uploads and ranged-GET downloads); measured
-# on the local SeaweedFS: README "Object storage".
+# Downloads: parallel ranged GETs of 32 MiB above 64 MiB, 8 in flight (README "Object storage"
+# has the measurements). Uploads stream their own multipart parts (s3_dcp).
 TRANSFER = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=32 << 20, max_concurrency=8)
 client_hooks: list[Callable[[Any], None]] = []
 """Called with every new client: a seam for tests to register botocore event handlers (fault
@@ -140,14 +140,36 @@ class S3Objects:
         except BotoCoreError as e:
             raise self._fail("GET", key, e) from e
 
-    def upload(self, fileobj: Any, key: str) -> None:
-        """Upload a file object (multipart when large). Raises ``StorageError``."""
+    def create_multipart(self, key: str) -> str:
+        """Start a multipart upload; returns its id. Raises ``StorageError``."""
         try:
-            self.client.upload_fileobj(fileobj, self.bucket, key, Config=TRANSFER)
+            return str(self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"])
         except (ClientError, BotoCoreError) as e:
-            raise self._fail("PUT", key, e) from e
-        except Exception as e:  # s3transfer wraps failures in its own types
-            raise self._fail("PUT", key, e) from e
+            raise self._fail("PUT (multipart start)", key, e) from e
+
+    def upload_part(self, key: str, upload_id: str, number: int, body: bytes) -> dict[str, Any]:
+        """Upload part ``number`` (1-based); returns ``{"PartNumber", "ETag"}``. Raises ``StorageError``."""
+        try:
+            etag = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
+                                           Body=body)["ETag"]
+        except (ClientError, BotoCoreError) as e:
+            raise self._fail(f"PUT (part {number})", key, e) from e
+        return {"PartNumber": number, "ETag": etag}
+
+    def complete_multipart(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> None:
+        """Make the uploaded parts the object. Raises ``StorageError``."""
+        try:
+            self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
+                                                  MultipartUpload={"Parts": parts})
+        except (ClientError, BotoCoreError) as e:
+            raise self._fail("PUT (multipart complete)", key, e) from e
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        """Discard an unfinished multipart upload (best effort: the server expires it otherwise)."""
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except (ClientError, BotoCoreError):
+            pass
 
     def download(self, key: str, fileobj: Any) -> None:
         """Download into a file object (parallel ranged GETs when large). Raises ``StorageError``

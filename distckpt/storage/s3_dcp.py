@@ -2,10 +2,11 @@
 
 The writer is distckpt's :class:`~distckpt.engine.writer.CheckedFileSystemWriter` (hash while
 writing, every writer thread's failure raised, write deadline) over an object "file system":
-each DCP file is spooled locally as it is written and uploaded when closed (multipart above
-64 MiB). The reader downloads each file it needs once (parallel ranged GETs), checks its size
-and xxh3-128 against the manifest from the downloaded bytes (no second read), then serves
-DCP's item reads from memory. ``.metadata`` is unpickled with the allow-list.
+each DCP file is uploaded while it is written (32 MiB multipart parts on background threads;
+a small file is one PUT), never staged on the local disk. The reader downloads each file it
+needs once (parallel ranged GETs), checks its size and xxh3-128 against the manifest from the
+downloaded bytes (no second read), then serves DCP's item reads from memory. ``.metadata``
+is unpickled with the allow-list.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import tempfile
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Iterator
 
 from torch.distributed.checkpoint import FileSystemReader
@@ -28,21 +29,92 @@ from .s3_client import S3Objects, split_url
 
 __all__ = ["S3ObjectFileSystem", "S3Writer", "S3Reader"]
 
-_SPOOL_BYTES = 64 << 20  # files up to this size never touch the local disk
+PART_BYTES = 32 << 20  # multipart part size of the streaming upload
+_IN_FLIGHT = 4  # parts buffered or uploading per file (memory: 4 x 32 MiB per writer thread)
 
 
-class _KeepOpen:
-    """The spool as DCP's writer sees it: its ``close()`` (DCP closes what it wrote) leaves the
-    spool open for the upload that follows."""
+class _StreamingUpload:
+    """A write-only stream that uploads one object while DCP writes it: every ``PART_BYTES`` go
+    up as a multipart part on a background thread (at most ``_IN_FLIGHT`` parts buffered), so
+    the upload overlaps serialization and nothing touches the local disk; a file smaller than
+    one part is a single PUT. ``tell()`` counts bytes written (DCP records item offsets with it);
+    ``close()`` is a no-op (DCP closes what it wrote; :meth:`finish` ends the upload)."""
 
-    def __init__(self, raw: Any) -> None:
-        self._raw = raw
+    def __init__(self, objects: S3Objects, key: str) -> None:
+        self.objects, self.key = objects, key
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._pos = 0
+        self._upload_id: str | None = None
+        self._parts: list[Future] = []
+        self._pool: ThreadPoolExecutor | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        start = 0
+        while start < len(view):  # parts of exactly PART_BYTES (the last one of the file: less)
+            take = min(len(view) - start, PART_BYTES - self._buffered)
+            self._chunks.append(bytes(view[start:start + take]))  # a copy: the caller reuses its buffers
+            self._buffered += take
+            start += take
+            if self._buffered == PART_BYTES:
+                self._send_part()
+        self._pos += len(view)
+        return len(view)
+
+    def _send_part(self) -> None:
+        body = b"".join(self._chunks)
+        self._chunks, self._buffered = [], 0
+        if self._upload_id is None:
+            self._upload_id = self.objects.create_multipart(self.key)
+            self._pool = ThreadPoolExecutor(_IN_FLIGHT, thread_name_prefix="distckpt-s3-part")
+        assert self._pool is not None
+        while sum(not f.done() for f in self._parts) >= _IN_FLIGHT:  # bound the memory held
+            wait(self._parts, return_when=FIRST_COMPLETED)
+        for f in self._parts:
+            if f.done() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        self._parts.append(self._pool.submit(self.objects.upload_part, self.key, self._upload_id,
+                                             len(self._parts) + 1, body))
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        pass
 
     def close(self) -> None:
-        self._raw.flush()
+        pass
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._raw, name)
+    def seekable(self) -> bool:
+        return False
+
+    def finish(self) -> None:
+        """Upload what is buffered and complete the object. Raises ``StorageError``."""
+        try:
+            if self._upload_id is None:
+                self.objects.put(self.key, b"".join(self._chunks))
+                return
+            if self._buffered or not self._parts:
+                self._send_part()
+            parts = [f.result() for f in self._parts]
+            self.objects.complete_multipart(self.key, self._upload_id, parts)
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+
+    def abort(self) -> None:
+        """Drop the upload (a failed write: the save is aborted, nothing is committed)."""
+        if self._upload_id is not None:
+            for f in self._parts:
+                f.cancel()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self.objects.abort_multipart(self.key, self._upload_id)
+            self._upload_id = None
 
 
 class S3ObjectFileSystem(FileSystem):
@@ -65,10 +137,13 @@ class S3ObjectFileSystem(FileSystem):
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
         objects, key = self._objects(path)
         if "w" in mode:
-            with tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES) as spool:
-                yield _KeepOpen(spool)
-                spool.seek(0)
-                objects.upload(spool, key)  # only when the body wrote everything
+            upload = _StreamingUpload(objects, key)
+            try:
+                yield upload
+            except BaseException:
+                upload.abort()
+                raise
+            upload.finish()  # only when the body wrote everything
             return
         buf = io.BytesIO()
         objects.download(key, buf)
