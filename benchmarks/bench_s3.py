@@ -52,7 +52,7 @@ def _timed(fn: Any) -> float:
     return float(t.item())
 
 
-def _round(rank: int, world_size: int, sd: dict, size_mib: int, rnd: int) -> list[dict]:
+def _round(rank: int, world_size: int, sd: dict, size_mib: int, rnd: int, thread_count: int) -> list[dict]:
     """One round of the four modes on ``sd`` (this rank's tensors) into fresh prefixes."""
     import torch
     import torch.distributed as dist
@@ -73,7 +73,7 @@ def _round(rank: int, world_size: int, sd: dict, size_mib: int, rnd: int) -> lis
         dcp.save(sd, storage_writer=FsspecWriter(stock_url, endpoint_url=endpoint, sync_files=False))
 
     def distckpt_save() -> None:
-        writer = store.dcp_writer(location, thread_count=4, write_timeout_s=None)
+        writer = store.dcp_writer(location, thread_count=thread_count, write_timeout_s=None)
         files = dcp_save(sd, location, process_group=None, writer=writer)
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, files)
@@ -120,7 +120,7 @@ def _rank(rank: int, world_size: int, init: str, args: dict, out: str) -> None:
         per_rank, chunk = size_mib * (1 << 20) // world_size, 16 << 20
         sd = {f"r{rank}.t{i}": torch.randn(chunk // 4) for i in range(max(1, per_rank // chunk))}
         for rnd in range(args["repeats"]):
-            rows += _round(rank, world_size, sd, size_mib, rnd)
+            rows += _round(rank, world_size, sd, size_mib, rnd, args["thread_count"])
     if rank == 0:
         torch.save(rows, out)
     dist.barrier()
@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[256, 1024])
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--thread-count", type=int, default=4, help="distckpt writer threads (files) per rank")
     args = p.parse_args(argv)
     from launch.s3_server import S3Server
 
@@ -201,11 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(server.env())
         rows: list[dict] = []
         for ws in args.world_sizes:
-            rows += _run_world(ws, {"sizes_mib": args.sizes_mib, "repeats": args.repeats})
+            rows += _run_world(ws, {"sizes_mib": args.sizes_mib, "repeats": args.repeats,
+                                    "thread_count": args.thread_count})
             print(f"world size {ws}: done", flush=True)
     finally:
         server.stop()
     results = {"meta": {"sizes_mib": args.sizes_mib, "world_sizes": args.world_sizes, "repeats": args.repeats,
+                        "distckpt_thread_count": args.thread_count,
                         "server": "SeaweedFS (weed) on loopback", "machine": machine_info(out),
                         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
                "summary": summarize(rows), "rows": rows}
