@@ -30,6 +30,7 @@ __all__ = ["ACCESS_KEY", "SECRET_KEY", "S3Server", "find_weed"]
 ACCESS_KEY = "distckpt-test-access"
 SECRET_KEY = "distckpt-test-secret-not-a-real-key"
 _GRPC_OFFSET = 10000  # weed serves gRPC on each HTTP port + 10000
+_PROBE_BUCKET = "distckpt-readiness-probe"
 
 
 def find_weed() -> str | None:
@@ -128,9 +129,14 @@ class S3Server:
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weed exited with {self.proc.returncode}: {self._log_tail()}")
-            try:
-                client.list_buckets()
-                return self
+            try:  # ready when an object can be written and read back (volumes registered too)
+                try:
+                    client.create_bucket(Bucket=_PROBE_BUCKET)
+                except client.exceptions.BucketAlreadyOwnedByYou:
+                    pass
+                client.put_object(Bucket=_PROBE_BUCKET, Key="probe", Body=b"ok")
+                if client.get_object(Bucket=_PROBE_BUCKET, Key="probe")["Body"].read() == b"ok":
+                    return self
             except Exception:  # noqa: BLE001 - not up yet
                 if time.monotonic() > deadline:
                     self.stop()
