@@ -147,7 +147,7 @@ class S3Objects:
         except (ClientError, BotoCoreError) as e:
             raise self._fail("PUT (multipart start)", key, e) from e
 
-    def upload_part(self, key: str, upload_id: str, number: int, body: bytes) -> dict[str, Any]:
+    def upload_part(self, key: str, upload_id: str, number: int, body: bytes | bytearray) -> dict[str, Any]:
         """Upload part ``number`` (1-based); returns ``{"PartNumber", "ETag"}``. Raises ``StorageError``."""
         try:
             etag = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,

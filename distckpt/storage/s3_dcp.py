@@ -42,7 +42,7 @@ class _StreamingUpload:
 
     def __init__(self, objects: S3Objects, key: str) -> None:
         self.objects, self.key = objects, key
-        self._chunks: list[bytes] = []
+        self._part = bytearray(PART_BYTES)  # filled in place: one copy of every byte written
         self._buffered = 0
         self._pos = 0
         self._upload_id: str | None = None
@@ -54,7 +54,7 @@ class _StreamingUpload:
         start = 0
         while start < len(view):  # parts of exactly PART_BYTES (the last one of the file: less)
             take = min(len(view) - start, PART_BYTES - self._buffered)
-            self._chunks.append(bytes(view[start:start + take]))  # a copy: the caller reuses its buffers
+            self._part[self._buffered:self._buffered + take] = view[start:start + take]
             self._buffered += take
             start += take
             if self._buffered == PART_BYTES:
@@ -63,8 +63,8 @@ class _StreamingUpload:
         return len(view)
 
     def _send_part(self) -> None:
-        body = b"".join(self._chunks)
-        self._chunks, self._buffered = [], 0
+        body = self._part if self._buffered == PART_BYTES else self._part[:self._buffered]
+        self._part, self._buffered = bytearray(PART_BYTES), 0
         if self._upload_id is None:
             self._upload_id = self.objects.create_multipart(self.key)
             self._pool = ThreadPoolExecutor(_IN_FLIGHT, thread_name_prefix="distckpt-s3-part")
@@ -93,7 +93,7 @@ class _StreamingUpload:
         """Upload what is buffered and complete the object. Raises ``StorageError``."""
         try:
             if self._upload_id is None:
-                self.objects.put(self.key, b"".join(self._chunks))
+                self.objects.put(self.key, bytes(self._part[:self._buffered]))
                 return
             if self._buffered or not self._parts:
                 self._send_part()
