@@ -16,6 +16,7 @@ from .errors import (
     ConfigError,
     DistCkptError,
     IncompatibleCheckpointError,
+    StorageError,
 )
 from .manager import CheckpointManager
 from .state import TrainState
@@ -27,6 +28,7 @@ __all__ = [
     "TrainState",
     "ReshardableSampler",
     "DistCkptError",
+    "StorageError",
     "ConfigError",
     "CheckpointNotFoundError",
     "CheckpointCorruptError",

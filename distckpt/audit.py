@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -21,7 +22,7 @@ from .errors import CheckpointCorruptError
 from .layout import MANIFEST, parse_step
 from .manifest import Manifest
 
-__all__ = ["AuditReport", "audit_checkpoint"]
+__all__ = ["AuditReport", "audit_checkpoint", "audit_store_checkpoint"]
 
 
 @dataclass(kw_only=True)
@@ -29,13 +30,13 @@ class AuditReport:
     """Result of :func:`audit_checkpoint`.
 
     Attributes:
-        path: the checkpoint directory.
+        path: the checkpoint directory (an S3 checkpoint's data-prefix URL).
         manifest: the parsed manifest, or ``None`` when it is unreadable.
         problems: every problem found, each naming its file in ``.path``.
         unhashed: files the manifest lists without a hash (schema v1): size checked only.
     """
 
-    path: Path
+    path: Path | str
     manifest: Manifest | None
     problems: list[CheckpointCorruptError] = field(default_factory=list)
     unhashed: list[str] = field(default_factory=list)
@@ -99,4 +100,37 @@ def audit_checkpoint(checkpoint_dir: str | os.PathLike) -> AuditReport:
         problems.append(CheckpointCorruptError(
             f"{manifest_path}: the manifest's model fingerprint does not match the tensors in "
             f".metadata (first differences: {', '.join(diff[:5])})", path=manifest_path))
+    return report
+
+
+def audit_store_checkpoint(store: Any, location: str) -> AuditReport:
+    """:func:`audit_checkpoint` of a checkpoint on object storage (``store``'s ``location``):
+    manifest, every listed object's size and hash (reads every byte), no unlisted object, and
+    ``.metadata`` (allow-list) pointing only into listed objects, within their sizes."""
+    problems = list(store.verify(location))
+    try:
+        manifest = store.read_manifest(location)
+    except CheckpointCorruptError:
+        return AuditReport(path=location, manifest=None, problems=problems)
+    report = AuditReport(path=location, manifest=manifest, problems=problems,
+                         unhashed=[f.path for f in manifest.files if f.hash is None])
+    listed = {f.path: f.size_bytes for f in manifest.files}
+    for name in sorted(set(store.object_sizes(location)) - set(listed)):
+        problems.append(CheckpointCorruptError(
+            f"{location}/{name}: object not listed in the manifest (added after the commit)",
+            path=f"{location}/{name}"))
+    try:
+        metadata = store.read_dcp_metadata(location)
+    except (CheckpointCorruptError, OSError) as e:
+        if ".metadata" in listed and not any(".metadata" in str(p) for p in problems):
+            problems.append(e if isinstance(e, CheckpointCorruptError)
+                            else CheckpointCorruptError(str(e), path=f"{location}/.metadata"))
+        return report
+    for index, info in (metadata.storage_data or {}).items():
+        size = listed.get(info.relative_path)
+        if size is None or info.offset + info.length > size:
+            problems.append(CheckpointCorruptError(
+                f"{location}/.metadata: item {index.fqn!r} points at {info.relative_path!r} bytes "
+                f"{info.offset}..{info.offset + info.length}, outside the listed objects",
+                path=f"{location}/.metadata"))
     return report

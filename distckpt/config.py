@@ -133,6 +133,10 @@ class CheckpointConfig:
         full_every: with ``incremental``, every ``full_every``-th save writes every tensor
             (``None``: only when there is no incremental checkpoint before it), so old
             checkpoints stay referenced for at most that many saves.
+        s3_endpoint_url: S3 endpoint of an ``s3://bucket/prefix`` root (``None``: boto3's
+            standard ``AWS_ENDPOINT_URL`` or AWS). Credentials only ever come from the standard
+            environment / profiles, never from this config.
+        s3_region: S3 region (``None``: ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, else ``us-east-1``).
     """
 
     root: str
@@ -175,6 +179,8 @@ class CheckpointConfig:
     step_rule: Literal["keep", "rescale"] = "keep"
     incremental: bool = False
     full_every: int | None = None
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
 
     def __post_init__(self) -> None:
         _check_batch_policy(self.batch_policy, self.step_rule)
@@ -183,6 +189,16 @@ class CheckpointConfig:
         self.root = os.fspath(self.root)
         if not self.root:
             raise ConfigError("CheckpointConfig.root must be a non-empty directory path")
+        if self.root.startswith("s3://"):
+            if len(self.root[5:].split("/", 1)[0]) < 3:
+                raise ConfigError(f"CheckpointConfig.root={self.root!r}: expected s3://bucket/prefix "
+                                  "(a bucket name of 3-63 characters)")
+            if self.async_mode == "process":
+                raise ConfigError("CheckpointConfig.async_mode='process' is not supported on s3:// roots "
+                                  "(use 'thread')")
+        for name in ("s3_endpoint_url", "s3_region"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ConfigError(f"CheckpointConfig.{name}={getattr(self, name)!r}: must be a string or null")
         _positive("interval_steps", self.interval_steps, allow_none=True, integer=True)
         _positive("interval_seconds", self.interval_seconds, allow_none=True)
         _positive("keep_last", self.keep_last, allow_none=True, integer=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from .commit import (
     existing_checkpoints,
@@ -30,8 +31,9 @@ from .config import CheckpointConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, IncompatibleCheckpointError
 from .layout import LATEST, MANIFEST, checkpoint_name, parse_step
 from .manifest import Manifest, TensorSpec, model_fingerprint
+from .storage import store_of
 
-__all__ = ["CheckpointDiscovery", "check_model_fits"]
+__all__ = ["CheckpointDiscovery", "StoreDiscovery", "check_model_fits", "make_discovery"]
 
 logger = logging.getLogger(__name__)
 
@@ -245,3 +247,141 @@ def check_model_fits(manifest: Manifest, path: str, live: dict[str, TensorSpec],
     raise IncompatibleCheckpointError("\n".join(lines), missing=missing, unexpected=unexpected,
                                       mismatched=mismatched)
 
+
+
+class StoreDiscovery:
+    """:class:`CheckpointDiscovery` for a root on object storage (:mod:`distckpt.storage`): the
+    same decisions through the store. Checkpoint locations are data-prefix URLs; a checkpoint
+    set aside (corrupt, archived, rolled back) keeps its data and loses its ``step-N`` manifest
+    name (:meth:`~distckpt.storage.s3.S3Store.set_aside`).
+
+    Args:
+        store: the root's store.
+        config, rank, locked: as :class:`CheckpointDiscovery`.
+    """
+
+    def __init__(self, store: Any, config: CheckpointConfig, *, rank: int, locked: bool) -> None:
+        self.store, self.config, self.rank, self.locked = store, config, rank, locked
+        self.root = store.root
+
+    def prepare_root(self) -> None:
+        """Rank 0: the bucket exists and the credentials reach it (``ConfigError`` otherwise)."""
+        if self.rank == 0:
+            self.store.prepare()
+
+    def _committed(self) -> list[tuple[int, str]]:
+        return sorted((s, loc) for s, loc, _ in self.store.find_committed())
+
+    def _load_location(self) -> str | None:
+        """``load_path``, or the location of step ``load_step`` of this root (``None``: neither).
+
+        Raises:
+            CheckpointNotFoundError: no committed checkpoint of step ``load_step``.
+        """
+        if self.config.load_step is None:
+            return self.config.load_path
+        for step, location in self._committed():
+            if step == self.config.load_step:
+                return location
+        raise CheckpointNotFoundError(f"CheckpointConfig.load_step={self.config.load_step}: no committed checkpoint "
+                                      f"of that step in {self.root} (`distckpt ls {self.root}` lists them)")
+
+    def check_existing(self) -> None:
+        """As :meth:`CheckpointDiscovery.check_existing`."""
+        if self.rank != 0:
+            return
+        fresh = not self.config.load
+        if not fresh and (self._load_location() is None or self.rollback_step() is not None):
+            return
+        existing = self._committed()
+        if not existing:
+            return
+        if self.config.on_existing != "archive":
+            raise ConfigError(
+                f"CheckpointConfig.root={self.root!r} already holds {len(existing)} checkpoint(s), newest "
+                f"{checkpoint_name(existing[-1][0])}, and this run does not resume from them. Resume them "
+                "(load: true), set on_existing: archive (their manifests are renamed archived-step-N-<n>, "
+                "nothing deleted), or use another root.")
+        if not self.locked:
+            raise ConfigError("CheckpointConfig.on_existing='archive' needs lock: true")
+        moved = [self.store.set_aside(s, "archived") for s, _ in existing]
+        self.store.repair_latest()
+        logger.warning("on_existing=archive: set aside %d checkpoint(s) in %s, nothing deleted: %s",
+                       len(moved), self.root, ", ".join(moved))
+
+    def rollback_step(self, *, loaded_step: int | None = None, resumed_step: int | None = None) -> int | None:
+        """N when ``load_path`` is a committed checkpoint of this root (a rollback), or as
+        :meth:`CheckpointDiscovery.rollback_step` after ``step_rule: rescale`` moved the step back."""
+        if resumed_step is not None and loaded_step is not None and resumed_step < loaded_step:
+            return resumed_step
+        location = self._load_location()
+        if location is None:
+            return None
+        try:
+            return self.store.read_manifest(location).step
+        except (CheckpointCorruptError, OSError):
+            return None
+
+    def plan_rollback(self, step: int) -> bool:
+        """As :meth:`CheckpointDiscovery.plan_rollback`."""
+        if self.rank != 0:
+            return False
+        newer = [s for s, _ in self._committed() if s > step]
+        if newer and not self.locked:
+            raise ConfigError(f"load_path={self.config.load_path!r} rolls back {self.root}: that needs lock: true")
+        return bool(newer)
+
+    def set_aside_newer(self, step: int) -> None:
+        """As :meth:`CheckpointDiscovery.set_aside_newer`."""
+        moved = [self.store.set_aside(s, "rolledback") for s, _ in self._committed() if s > step]
+        self.store.repair_latest()
+        if moved:
+            logger.warning("rollback to %s: set aside %s (kept)", checkpoint_name(step), ", ".join(moved))
+
+    def choose(self, rejected: list[str]) -> str | None:
+        """As :meth:`CheckpointDiscovery.choose`: the location to load, or ``None``."""
+        if self.rank != 0:
+            return None
+        if self.locked:
+            for name in self.store.remove_leftovers():
+                logger.warning("removed %s/%s left by an interrupted save or delete", self.root, name)
+            self.store.repair_latest()
+        location = self._load_location()
+        if location is not None:
+            try:  # load_path may be a checkpoint of another root
+                store_of(location, self.store).validate(location)
+            except CheckpointCorruptError as e:
+                raise CheckpointNotFoundError(f"CheckpointConfig.load_path={location!r} is not a "
+                                              f"loadable committed checkpoint: {e}") from e
+            return location
+        newest_error: CheckpointCorruptError | None = None
+        for step, location, result in self.store.find_committed():
+            if location in rejected:
+                result = CheckpointCorruptError(f"{location}: failed to load", path=location)
+            elif isinstance(result, Manifest):
+                if newest_error is not None:
+                    logger.warning("newest checkpoint is corrupt (%s); falling back to %s "
+                                   "(fallback_to_older=true)", newest_error, location)
+                return location
+            if not self.config.fallback_to_older:
+                raise CheckpointCorruptError(
+                    f"{result} -- the newest checkpoint {location} is not loadable. Set fallback_to_older: "
+                    "true to resume from the previous committed checkpoint.", path=result.path)
+            newest_error = newest_error or result
+            if self.locked:  # the run will save this step again: its manifest name must be free
+                logger.warning("set aside corrupt checkpoint %s as %s", location, self.store.set_aside(step))
+                self.store.repair_latest()
+        if newest_error is not None:
+            raise CheckpointCorruptError(
+                f"no committed checkpoint in {self.root} is loadable (newest problem: {newest_error}).",
+                path=newest_error.path)
+        return None
+
+
+def make_discovery(store: Any, config: CheckpointConfig, *, rank: int,
+                   locked: bool) -> CheckpointDiscovery | StoreDiscovery:
+    """The discovery of ``store``'s root: :class:`CheckpointDiscovery` on POSIX (unchanged),
+    :class:`StoreDiscovery` on object storage."""
+    if store.kind == "posix":
+        return CheckpointDiscovery(Path(store.root), config, rank=rank, locked=locked)
+    return StoreDiscovery(store, config, rank=rank, locked=locked)

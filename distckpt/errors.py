@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointLockedError",
     "CheckpointSaveError",
     "CollectiveMismatchError",
+    "StorageError",
 ]
 
 
@@ -100,3 +101,10 @@ class CollectiveMismatchError(DistCkptError, RuntimeError):
         self.call = call
         self.missing_ranks = missing_ranks or []
         self.other_calls = other_calls or {}
+
+
+class StorageError(DistCkptError, OSError):
+    """A request to object storage failed after its retries (server unreachable, access
+    revoked, an error status): says nothing about the checkpoint, so it is never counted as
+    corruption (no fallback, nothing set aside). The message names the URL and the error code,
+    never the credentials."""

@@ -11,17 +11,16 @@ can fail on one rank only is agreed on, so all ranks raise (or fall back) togeth
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from .collective import Collective
 from .config import LOADABLE, CheckpointConfig
-from .discovery import CheckpointDiscovery, check_model_fits
-from .engine import dcp_load, read_dcp_metadata
+from .discovery import CheckpointDiscovery, StoreDiscovery, check_model_fits
+from .engine.blocking import run_load
 from .errors import CheckpointCorruptError, IncompatibleCheckpointError
 from .events import EventLog
-from .integrity import check_file
 from .manifest import Manifest, TensorSpec
 from .state import CheckpointState, TrainState
+from .storage import CheckpointStore, open_store, store_of
 
 __all__ = ["CheckpointLoader"]
 
@@ -39,14 +38,17 @@ class CheckpointLoader:
         events: this rank's event log (a ``load`` event per read).
         model_specs: ``{fqn: TensorSpec}`` of the live model.
         local_world_size: ranks on this node (they share ``load_streams_per_node``).
+        store: the root's storage; ``None``: opened from ``config.root``.
     """
 
     def __init__(self, *, collective: Collective, state: CheckpointState, config: CheckpointConfig,
-                 events: EventLog, model_specs: dict[str, TensorSpec], local_world_size: int) -> None:
+                 events: EventLog, model_specs: dict[str, TensorSpec], local_world_size: int,
+                 store: CheckpointStore | None = None) -> None:
         self.collective, self.state, self.config = collective, state, config
         self.events, self.model_specs, self.local_world_size = events, model_specs, local_world_size
+        self.store = store if store is not None else open_store(config.root)
 
-    def load(self, discovery: CheckpointDiscovery) -> tuple[str, TrainState, Manifest] | None:
+    def load(self, discovery: CheckpointDiscovery | StoreDiscovery) -> tuple[str, TrainState, Manifest] | None:
         """Load the checkpoint ``discovery`` chooses, falling back when allowed.
 
         Returns:
@@ -96,14 +98,16 @@ class CheckpointLoader:
             CheckpointCorruptError: its manifest, ``.metadata`` or a data file is bad (every rank).
             IncompatibleCheckpointError: it does not fit the live model or components.
         """
+        store = store_of(path, self.store)  # load_path may name a checkpoint of another root
+
         def read_plan_inputs() -> tuple[Manifest, set[str]]:
-            manifest = Manifest.read(path)
+            manifest = store.read_manifest(path)
             check_model_fits(manifest, path, self.model_specs, self.state.model_optim.ties)
             if self.config.verify_on_load:  # every rank plans from .metadata: check it first
                 for f in manifest.files:
                     if f.path == ".metadata":
-                        check_file(Path(path) / f.path, size_bytes=f.size_bytes, digest=f.hash)
-            return manifest, set(read_dcp_metadata(path).state_dict_metadata)
+                        store.check_file(path, f.path, size_bytes=f.size_bytes, digest=f.hash)
+            return manifest, set(store.read_dcp_metadata(path).state_dict_metadata)
 
         # Every rank reads these files itself (one node may see an I/O error the others do
         # not): agree, so all ranks raise together, and fall back together.
@@ -117,8 +121,9 @@ class CheckpointLoader:
                         if self.config.verify_on_load else None)
             self.events.emit("load", manifest.step, path=str(path))
             streams = max(1, self.config.load_streams_per_node // self.local_world_size)
-            dcp_load(target, path, process_group=self.collective.group, expected_files=expected,
-                     fast=self.config.fast_load, thread_count=streams)
+            reader = store.dcp_reader(path, expected_files=expected, fast=self.config.fast_load,
+                                      thread_count=streams)
+            run_load(target, reader, process_group=self.collective.group, directory=path)
             train_state = self.collective.agree(
                 lambda: self.state.restore(target, saved_world_size=manifest.world_size),
                 what=f"restoring {path}", error_type=IncompatibleCheckpointError)

@@ -24,10 +24,11 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from .errors import CheckpointLockedError
 
-__all__ = ["RootLock", "job_id"]
+__all__ = ["RootLock", "PosixLockFile", "job_id"]
 
 logger = logging.getLogger(__name__)
 LOCK_NAME = ".lock"
@@ -56,6 +57,46 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+class PosixLockFile:
+    """``<root>/.lock`` on a POSIX file system (see :class:`distckpt.storage.base.LockFile`)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.where = str(self.path)
+
+    def create_exclusive(self, text: str) -> bool:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+    def read(self) -> str | None:
+        try:
+            return self.path.read_text()
+        except FileNotFoundError:
+            return None
+
+    def replace(self, text: str) -> None:
+        tmp = self.path.with_name(f"{LOCK_NAME}.renew-{os.getpid()}")
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 class RootLock:
     """The write lock of one checkpoint root. Rank 0 acquires it; all ranks learn the outcome.
 
@@ -64,10 +105,14 @@ class RootLock:
         lease_s: a lock not renewed for this long (seconds) is taken over by another job.
         renew: renew the lease from a background thread every ``lease_s / 3`` while held
             (the manager does; short-lived holders such as ``distckpt prune`` need not).
+        lock_file: the lock object of a non-POSIX root (a store's ``lock_file()``); default
+            ``<root>/.lock``.
     """
 
-    def __init__(self, root: str | os.PathLike, *, lease_s: float = 300.0, renew: bool = False) -> None:
-        self.path = Path(root) / LOCK_NAME
+    def __init__(self, root: str | os.PathLike, *, lease_s: float = 300.0, renew: bool = False,
+                 lock_file: Any = None) -> None:
+        self.file = lock_file if lock_file is not None else PosixLockFile(Path(root) / LOCK_NAME)
+        self.path = self.file.where
         now = time.time()
         self.lease_s = float(lease_s)
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job_id": job_id(),
@@ -77,6 +122,11 @@ class RootLock:
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
+    @classmethod
+    def of(cls, store: Any, *, lease_s: float = 300.0, renew: bool = False) -> "RootLock":
+        """The lock of a :class:`~distckpt.storage.base.CheckpointStore`'s root (its ``lock_file()``)."""
+        return cls(store.root, lease_s=lease_s, renew=renew, lock_file=store.lock_file())
+
     def acquire(self) -> None:
         """Take the lock, or take over a stale one.
 
@@ -84,9 +134,8 @@ class RootLock:
             CheckpointLockedError: another live process (or another host) holds it.
         """
         for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError as exists:
+            self.me["renewed"] = time.time()
+            if not self.file.create_exclusive(json.dumps(self.me)):
                 holder = self._holder()
                 if holder is None:
                     continue  # vanished or half-written: retry
@@ -97,16 +146,11 @@ class RootLock:
                         f"pid={holder.get('pid')} job={holder.get('job_id') or '-'}{self._lease_text(holder)}. "
                         "Two jobs must not write one root: use another CheckpointConfig.root, stop the "
                         f"other job, wait for its lease to expire, or, if that job is gone, delete {self.path}."
-                    ) from exists
+                    )
                 logger.warning("taking over checkpoint lock %s of pid %s on %s (job %s): %s", self.path,
                                holder.get("pid"), holder.get("host"), holder.get("job_id") or "-", why)
-                self.path.unlink(missing_ok=True)
+                self.file.remove()
                 continue
-            self.me["renewed"] = time.time()
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.me, f)
-                f.flush()
-                os.fsync(f.fileno())
             self.held = True
             if self._renew:
                 self._stop.clear()
@@ -118,8 +162,9 @@ class RootLock:
 
     def _holder(self) -> dict | None:
         try:
-            return json.loads(self.path.read_text())
-        except (FileNotFoundError, ValueError):
+            text = self.file.read()
+            return None if text is None else json.loads(text)
+        except ValueError:
             return None
 
     def _takeover_reason(self, holder: dict) -> str | None:
@@ -162,16 +207,10 @@ class RootLock:
                          self.path, holder)
             return False
         self.me["renewed"] = time.time()
-        tmp = self.path.with_name(f"{LOCK_NAME}.renew-{os.getpid()}")
         try:
-            with open(tmp, "w") as f:
-                json.dump(self.me, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            self.file.replace(json.dumps(self.me))
         except OSError as e:
             logger.warning("could not renew the checkpoint lock lease %s: %s", self.path, e)
-            tmp.unlink(missing_ok=True)
             return False
         return True
 
@@ -189,5 +228,5 @@ class RootLock:
         if self.held:
             holder = self._holder()
             if holder is not None and holder.get("pid") == self.me["pid"] and holder.get("host") == self.me["host"]:
-                self.path.unlink(missing_ok=True)
+                self.file.remove()
             self.held = False

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .adapters import ddp_resume_not_bitwise, tensor_specs, wrapper_kind
 from .collective import Collective
 from .config import CheckpointConfig
-from .discovery import CheckpointDiscovery
+from .discovery import make_discovery
 from .engine import AsyncWriter
 from .errors import CheckpointLockedError, ConfigError
 from .events import EventLog
@@ -37,6 +37,7 @@ from .preemption import PreemptionWatcher
 from .resume import ProbeFn, ResumeExtras
 from .schedule import SaveSchedule
 from .state import CheckpointState, TrainState
+from .storage import open_config_store
 from .topology import check_shared_root, local_world_size
 from .transaction import BackgroundSave, PhaseHook, SaveContext, SaveTransaction, save_options
 
@@ -92,7 +93,7 @@ class CheckpointManager:
         probe: ProbeFn | None = None, run_id: str | None = None,
     ) -> None:
         self.config = config
-        self.root = Path(config.root)
+        self.store, self.root = open_config_store(config)  # a plain path: POSIX; s3://bucket/prefix: S3
         self.collective = Collective(process_group, timeout_s=config.timeout_s)
         self.rank, self.world_size = self.collective.rank, self.collective.world_size
         self.state = CheckpointState(
@@ -122,13 +123,13 @@ class CheckpointManager:
                                          thread_count=config.thread_count,
                                          write_timeout_s=config.effective_write_timeout_s)
                              if self.background is not None and config.async_mode != "off" else None)
-        self.discovery = CheckpointDiscovery(self.root, config, rank=self.rank, locked=config.lock)
+        self.discovery = make_discovery(self.store, config, rank=self.rank, locked=config.lock)
         self.collective.agree(self.discovery.prepare_root, what="preparing the checkpoint root",
                               error_type=ConfigError)
         check_shared_root(self.collective, self.root)  # node-local disks: ConfigError on every rank
         self.events = EventLog(config.event_log, self.rank)
         self.collective.agree(self.events.check_appendable, what="opening the event log", error_type=ConfigError)
-        self.lock = RootLock(self.root, lease_s=config.lock_lease_s, renew=True) if config.lock else None
+        self.lock = RootLock.of(self.store, lease_s=config.lock_lease_s, renew=True) if config.lock else None
         if (lock := self.lock) is not None:
             self.collective.agree(lambda: lock.acquire() if self.rank == 0 else None,
                                   what="locking the checkpoint root", error_type=CheckpointLockedError)
@@ -147,10 +148,11 @@ class CheckpointManager:
         self._rollback_from: int | None = None  # rank 0: set aside newer checkpoints at the next commit
         self._save_ctx = SaveContext(
             root=self.root, rank=self.rank, world_size=self.world_size, wrapper=self.wrapper, on_phase=on_phase,
-            model_specs=self.model_specs, events=self.events, before_commit=self._before_commit, **save_options(config))
+            model_specs=self.model_specs, events=self.events, before_commit=self._before_commit, store=self.store,
+            **save_options(config))
         self.loader = CheckpointLoader(collective=self.collective, state=self.state, config=config,
                                        events=self.events, model_specs=self.model_specs,
-                                       local_world_size=self.local_world_size)
+                                       local_world_size=self.local_world_size, store=self.store)
 
     @property
     def extra_state(self) -> dict[str, Any]:
@@ -280,7 +282,7 @@ class CheckpointManager:
         self.train_state.record(step, loss, counters, history_len=self.config.loss_history_len, metrics=metrics)
         self._explicit_counters.update(counters)
 
-    def save(self, step: int, *, loss: float | None = None, metrics: dict | None = None, **counters: int) -> Path:
+    def save(self, step: int, *, loss: float | None = None, metrics: dict | None = None, **counters: int) -> Path | str:
         """Save the whole training state as ``step-<step>`` (``metrics`` as for :meth:`maybe_save`).
 
         The commit protocol is :class:`~distckpt.transaction.SaveTransaction`'s. With
@@ -290,7 +292,7 @@ class CheckpointManager:
         raises its error, on every rank).
 
         Returns:
-            The checkpoint directory (committed when blocking; committed later when async).
+            The checkpoint directory, on S3 its data-prefix URL (committed when blocking; later when async).
 
         Raises:
             CheckpointSaveError: on every rank if any rank failed; nothing was committed.
@@ -300,7 +302,7 @@ class CheckpointManager:
         return self._save(step, loss=loss, counters=counters, metrics=metrics)
 
     def _save(self, step: int, *, loss: float | None = None, counters: dict[str, int] | None = None,
-              blocking: bool = False, full: bool = False, metrics: dict[str, float] | None = None) -> Path:
+              blocking: bool = False, full: bool = False, metrics: dict[str, float] | None = None) -> Path | str:
         self._check_open()
         self.collective.arrive(f"save(step={step})", timeout_s=self.config.effective_arrival_timeout_s)
         if loss is not None or counters or metrics or step != self.train_state.step:

@@ -62,6 +62,8 @@ class Manifest:
         batch_change: set when the run that wrote it resumed with another global batch
             (``batch_policy: keep_local_batch``): policy, step rule, global batch, world size and
             step before/after (``TrainState.batch_change``).
+        data_prefix: object storage only: the save's data prefix relative to the root
+            (``data/step-N-<id>``); absent on POSIX, where the manifest sits in the directory.
     """
 
     step: int
@@ -85,9 +87,13 @@ class Manifest:
     hardware: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     batch_change: dict[str, Any] | None = None
+    data_prefix: str | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+        data = asdict(self)
+        if data["data_prefix"] is None:  # POSIX manifests stay byte-for-byte as before
+            del data["data_prefix"]
+        return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, path: str = "<memory>") -> "Manifest":

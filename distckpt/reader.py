@@ -26,6 +26,7 @@ from .engine.blocking import raise_as_corrupt
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 from .layout import MANIFEST
 from .manifest import Manifest
+from .storage import is_s3_url, open_store, split_location
 
 __all__ = ["GROUPS", "ItemInfo", "CheckpointReader", "item_group", "resolve_checkpoint"]
 
@@ -79,13 +80,22 @@ class ItemInfo:
                 "dtype": self.dtype, "size_bytes": self.size_bytes, "shards": self.shards}
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint directory from a checkpoint directory or a root (its newest committed one).
+def resolve_checkpoint(path: str | os.PathLike) -> Path | str:
+    """A checkpoint directory from a checkpoint directory or a root (its newest committed one);
+    on S3 (``s3://...``) the checkpoint's data-prefix URL, from itself or from a root.
 
     Raises:
         CheckpointNotFoundError: ``path`` does not exist, or holds neither DCP metadata nor a
             committed checkpoint.
     """
+    if is_s3_url(os.fspath(path)):
+        root, location = split_location(os.fspath(path))
+        if location is not None:
+            return location
+        for _, loc, result in open_store(root).find_committed():
+            if isinstance(result, Manifest):
+                return loc
+        raise CheckpointNotFoundError(f"{root}: no committed checkpoint under it")
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: no such file or directory")
@@ -101,7 +111,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         "checkpoint under it")
 
 
-def _catalogue(metadata: Metadata, path: Path) -> dict[str, ItemInfo]:
+def _catalogue(metadata: Metadata, path: Path | str) -> dict[str, ItemInfo]:
     stored: dict[str, list[int]] = {}
     for index, info in (metadata.storage_data or {}).items():
         stored.setdefault(index.fqn, []).append(info.length)
@@ -114,8 +124,8 @@ def _catalogue(metadata: Metadata, path: Path) -> dict[str, ItemInfo]:
             covered = sum(_volume(c.sizes) for c in md.chunks)
             if covered < numel:
                 raise CheckpointCorruptError(
-                    f"{path / '.metadata'}: tensor {key!r} of shape {list(md.size)} has shards "
-                    f"covering {covered} of {numel} elements", path=str(path / ".metadata"))
+                    f"{path}/.metadata: tensor {key!r} of shape {list(md.size)} has shards "
+                    f"covering {covered} of {numel} elements", path=f"{path}/.metadata")
             itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
             items[key] = ItemInfo(key=key, group=item_group(key), kind="tensor", shape=list(md.size),
                                   dtype=str(md.properties.dtype), size_bytes=numel * itemsize,
@@ -168,7 +178,10 @@ class CheckpointReader:
     """
 
     def __init__(self, checkpoint_dir: str | os.PathLike, *, check_files: bool = True) -> None:
-        self.path = Path(checkpoint_dir)
+        if is_s3_url(os.fspath(checkpoint_dir)):
+            self._init_s3(os.fspath(checkpoint_dir), check_files)
+            return
+        self.path: Path | str = Path(checkpoint_dir)
         if not self.path.is_dir():
             raise CheckpointNotFoundError(f"{self.path}: no such checkpoint directory")
         self.metadata = read_dcp_metadata(self.path)
@@ -183,7 +196,30 @@ class CheckpointReader:
                 self.manifest_error = e
         expected = ({f.path: (f.size_bytes, f.hash) for f in self.manifest.files}
                     if check_files and self.manifest is not None else None)
-        self._storage = _CachedReader(self.path, self.metadata, expected)
+        self._storage: Any = _CachedReader(self.path, self.metadata, expected)
+        self.items = _catalogue(self.metadata, self.path)
+
+    def _init_s3(self, url: str, check_files: bool) -> None:
+        """The same over an S3 data prefix (a committed checkpoint, or a plain ``dcp.save``)."""
+        from .storage.s3_dcp import S3Reader
+
+        root, location = split_location(url)
+        self.path = location or url
+        store = open_store(root)
+        self.metadata = store.read_dcp_metadata(self.path)
+        self.manifest, self.manifest_error = None, None
+        if location is not None:
+            try:
+                self.manifest = store.read_manifest(location)
+            except CheckpointCorruptError as e:
+                if check_files:
+                    raise
+                self.manifest_error = e
+        expected = ({f.path: (f.size_bytes, f.hash) for f in self.manifest.files}
+                    if check_files and self.manifest is not None else None)
+        reader = S3Reader(self.path, expected_files=expected, endpoint_url=None, region=None)
+        reader.read_metadata = lambda *a, **k: self.metadata  # type: ignore[method-assign]  # parsed once
+        self._storage = reader
         self.items = _catalogue(self.metadata, self.path)
 
     def keys(self, group: str | None = None) -> list[str]:

@@ -101,7 +101,8 @@ def release_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.Path
             raise FileExistsError(f"{out / name} exists; pass overwrite (--force) to replace the release files")
     extra, not_shown = _extra_values(reader)
     config = {
-        "source": str(reader.path.resolve()), "released": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": str(reader.path.resolve() if isinstance(reader.path, Path) else reader.path),
+        "released": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "step": manifest.step, "epoch": state.get("epoch", manifest.epoch),
         "batch_in_epoch": state.get("batch_in_epoch"),
         "global_samples_seen": state.get("global_samples_seen", manifest.global_samples_seen),

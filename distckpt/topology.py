@@ -37,14 +37,14 @@ def local_world_size(collective: Collective) -> int:
     return hosts.count(hosts[collective.rank])
 
 
-def check_shared_root(collective: Collective, root: Path) -> None:
+def check_shared_root(collective: Collective, root: Path | str) -> None:
     """Check that every rank sees the files rank 0 writes in ``root``. Collective.
 
     Raises:
         ConfigError: on every rank, naming the ranks and hosts that do not see rank 0's token.
     """
-    if not collective.enabled or collective.world_size == 1:
-        return
+    if not collective.enabled or collective.world_size == 1 or not isinstance(root, Path):
+        return  # a URL root (object storage) is the same storage for every node
     token = collective.broadcast(uuid.uuid4().hex if collective.rank == 0 else "")  # rank 0's on every rank
     probe = root / f"{PROBE_PREFIX}{token}"
     write_error = None

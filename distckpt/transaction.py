@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -33,7 +32,6 @@ import torch
 
 from ._version import __version__
 from .collective import Collective
-from .commit import commit, find_committed, list_files
 from .config import KeepBest
 from .engine import dcp_save
 from .engine.blocking import describe_exception
@@ -41,10 +39,11 @@ from .errors import CheckpointSaveError
 from .events import EventLog
 from .incremental import References, reference_entries, reuse_for
 from .integrity import hash_file
-from .layout import checkpoint_name, pending_name
+from .layout import checkpoint_name
 from .manifest import Manifest, TensorSpec, model_fingerprint
 from .retention import best_steps, steps_to_delete
 from .state import TrainState
+from .storage import CheckpointStore, open_store
 from .topology import hardware_summary
 
 __all__ = ["BackgroundSave", "PHASES", "PhaseHook", "RankOutcome", "SaveContext", "SaveTransaction", "save_options"]
@@ -103,9 +102,10 @@ class SaveContext:
             (the manager sets aside a rolled-back run's newer checkpoints there).
         keep_best: best-K retention by a metric of the manifests, or ``None``.
         incremental, full_every: incremental saves (``CheckpointConfig``; :mod:`distckpt.incremental`).
+        store: the root's storage (:mod:`distckpt.storage`); ``None``: the POSIX directory ``root``.
     """
 
-    root: Path
+    root: Path | str
     rank: int
     world_size: int
     wrapper: str
@@ -120,6 +120,7 @@ class SaveContext:
     keep_best: KeepBest | None = None
     incremental: bool = False
     full_every: int | None = None
+    store: CheckpointStore | None = None
 
 
 class SaveTransaction:
@@ -136,8 +137,11 @@ class SaveTransaction:
     def __init__(self, ctx: SaveContext, *, step: int, save_id: str, train_state: TrainState,
                  full: bool) -> None:
         self.ctx, self.step, self.train_state, self.full = ctx, step, train_state, full
-        self.pending = ctx.root / pending_name(step, save_id)
-        self.final = ctx.root / checkpoint_name(step)
+        self.store = ctx.store if ctx.store is not None else open_store(ctx.root)
+        # Paths on POSIX (as before); s3:// URL strings on object storage.
+        as_loc: Callable[[str], Path | str] = Path if self.store.kind == "posix" else str
+        self.pending = as_loc(self.store.pending_location(step, save_id))
+        self.final = as_loc(self.store.final_location(step, str(self.pending)))
         self.t0 = time.perf_counter()
 
     def phase(self, name: str, step: int | None = None, **fields: Any) -> None:
@@ -156,10 +160,10 @@ class SaveTransaction:
             self.phase("stage")
             sd = build_state_dict()
             self.phase("write", pending=str(self.pending), blocking=True)
-            self.pending.mkdir(parents=True, exist_ok=True)
+            self.store.begin_write(str(self.pending))
             t_stage = time.perf_counter() - self.t0
             files = dcp_save(sd, self.pending, process_group=collective.group, thread_count=self.ctx.thread_count,
-                             write_timeout_s=self.ctx.write_timeout_s, reuse=self._reuse())
+                             write_timeout_s=self.ctx.write_timeout_s, reuse=self._reuse(), writer=self._writer())
             return RankOutcome(None, t_stage, time.perf_counter() - self.t0 - t_stage, files)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -177,9 +181,10 @@ class SaveTransaction:
             self.phase("stage")
             sd = build_state_dict()
             self.phase("write", pending=str(self.pending), blocking=False)
-            self.pending.mkdir(parents=True, exist_ok=True)
-            reuse = self._reuse()
-            upload = async_writer.start(sd, self.pending, reuse) if reuse else async_writer.start(sd, self.pending)
+            self.store.begin_write(str(self.pending))
+            reuse, writer = self._reuse(), self._writer()
+            upload = async_writer.start(sd, self.pending, **({"reuse": reuse} if reuse else {}),
+                                        **({"writer": writer} if writer is not None else {}))
             return upload, RankOutcome(None, time.perf_counter() - self.t0)
         except BaseException as e:  # noqa: BLE001 - as in write()
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -191,6 +196,13 @@ class SaveTransaction:
         if not self.ctx.incremental:
             return None
         return functools.partial(reuse_for, self.ctx.root, self.step, full_every=self.ctx.full_every)
+
+    def _writer(self) -> object | None:
+        """The store's DCP writer; ``None`` on POSIX (the engine's own, as before)."""
+        if self.store.kind == "posix":
+            return None
+        return self.store.dcp_writer(str(self.pending), thread_count=self.ctx.thread_count,
+                                     write_timeout_s=self.ctx.write_timeout_s)
 
     def agree_started(self, collective: Collective, outcome: RankOutcome) -> None:
         """All ranks agree that the background write started everywhere (training thread).
@@ -267,12 +279,12 @@ class SaveTransaction:
             distckpt_version=__version__, model=ctx.model_specs,
             model_fingerprint=model_fingerprint(ctx.model_specs),
             loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == self.step else None,
-            timings_s=timings, files=list_files(self.pending, files)
+            timings_s=timings, files=self.store.list_files(str(self.pending), files)
             + (reference_entries(self.pending) if ctx.incremental else []), run_id=ts.run_id,
             metrics=dict(ts.metrics), probe_loss=ts.probe_loss, hardware=hardware_summary(),
             batch_change=ts.batch_change)
         for entry in manifest.files:
-            if entry.hash is None:  # no writer reported it: hash it here rather than skip it
+            if entry.hash is None and isinstance(self.pending, Path):  # no writer reported it: hash it here
                 logger.warning("no writer reported a hash for %s; hashing it on rank 0", entry.path)
                 entry.hash = hash_file(self.pending / entry.path)[1]
         return manifest
@@ -286,7 +298,7 @@ class SaveTransaction:
             manifest.timings_s["commit"] = time.perf_counter() - t0  # up to the manifest write
             if self.ctx.before_commit is not None:
                 self.ctx.before_commit()
-            commit(self.pending, self.final, manifest, on_phase=self.phase)
+            self.store.commit(str(self.pending), self.step, manifest, on_phase=self.phase)
         except Exception as e:  # noqa: BLE001 - broadcast to every rank
             return describe_exception(e)
         try:
@@ -297,7 +309,7 @@ class SaveTransaction:
 
     def _apply_retention(self) -> None:
         root = self.ctx.root
-        manifests = {s: r for s, _, r in find_committed(root) if isinstance(r, Manifest)}
+        manifests = {s: r for s, _, r in self.store.find_committed() if isinstance(r, Manifest)}
         committed = list(manifests)
         best, kb = [], self.ctx.keep_best
         if kb is not None and (best := best_steps({s: m.metrics for s, m in manifests.items() if s <= self.step}, kb)):
@@ -308,18 +320,24 @@ class SaveTransaction:
             logger.warning("%s holds checkpoints newer than the step-%d just committed (steps %s); "
                            "retention leaves them, and a later load: true resumes from step %d",
                            root, self.step, newer, max(newer))
-        refs = References(root)  # a checkpoint others refer to is deferred, not deleted
+        # POSIX: a checkpoint an incremental one refers to is deferred, not deleted.
+        refs = References(Path(root)) if self.store.kind == "posix" else None
         for step in steps_to_delete(committed, keep_last=self.ctx.keep_last,
                                     keep_every_steps=self.ctx.keep_every_steps, just_committed=self.step,
                                     also_keep=best):
             self.phase("retention", step)
-            logger.info("retention: %s %s", refs.retire(root / checkpoint_name(step)), root / checkpoint_name(step))
-        for name in refs.collect():
-            logger.info("retention: deleted %s (no kept checkpoint refers to it any more)", root / name)
+            if refs is not None:
+                logger.info("retention: %s %s", refs.retire(Path(root) / checkpoint_name(step)),
+                            Path(root) / checkpoint_name(step))
+            else:
+                self.store.delete_checkpoint(step)
+                logger.info("retention: deleted %s of %s", checkpoint_name(step), root)
+        for name in refs.collect() if refs is not None else []:
+            logger.info("retention: deleted %s (no kept checkpoint refers to it any more)", Path(root) / name)
 
     def _abort(self, collective: Collective) -> None:
         if self.ctx.rank == 0:
-            shutil.rmtree(self.pending, ignore_errors=True)
+            self.store.abort(str(self.pending))
         collective.barrier()
 
 

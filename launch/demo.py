@@ -29,12 +29,16 @@ for f against d); changed world size
 global batch doubled and its step kept.
 
 Sample accounting (kept history, duplicated and skipped samples): see ``launch/jobs.py``.
+
+``--storage s3`` runs the same jobs with every checkpoint root on S3 (a SeaweedFS server the demo
+starts on loopback and stops at the end); ``summary.json`` then says ``"storage": "s3"``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -48,6 +52,7 @@ if str(REPO) not in sys.path:  # `launch` is a folder, not an installed package
 from distckpt import ConfigError  # noqa: E402
 from launch.config import load_job_config  # noqa: E402
 from launch.jobs import Run, committed_steps, kept_history, launch, sample_accounting  # noqa: E402
+from launch.s3_server import committed_locations, copy_root  # noqa: E402
 
 __all__ = ["main"]
 
@@ -181,6 +186,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="extra override for every run (repeatable), e.g. --set model.d_model=64")
     p.add_argument("--tolerance", type=float, default=1e-4, help="max |loss diff| after a world-size change")
     p.add_argument("--run-timeout-s", type=float, default=240.0, help="timeout of each torchrun job")
+    p.add_argument("--storage", choices=("posix", "s3"), default="posix",
+                   help="s3: every checkpoint root is s3://distckpt-demo/<run> on a SeaweedFS server the demo "
+                        "starts on loopback (launch/s3_server.py; needs the s3 extra)")
     return p.parse_args(argv)
 
 
@@ -202,20 +210,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.epoch_steps:
         g, window = cfg.data.global_batch_size, cfg.data.seq_len + 1
         overrides.insert(0, f"data.max_bytes={args.epoch_steps * g * window}")
-    shared = out / "ckpt_killed"
+    server = None
+    if args.storage == "s3":  # one fresh server for the whole demo; torchrun's workers inherit its env
+        from launch.s3_server import S3Server
+
+        server = S3Server().start()
+        server.create_bucket("distckpt-demo")
+        os.environ.update(server.env())
+    roots: dict[str, Any] = {name: out / name / "checkpoints" for name in ("baseline", "resume_4to2", "resume_4to4")}
+    roots.update(ckpt_killed=out / "ckpt_killed", ckpt_killed_copy=out / "ckpt_killed_copy",
+                 ckpt_killed_copy_local=out / "ckpt_killed_copy_local")
+    if server is not None:
+        roots = {name: f"s3://distckpt-demo/{name}" for name in roots}
+    shared = roots["ckpt_killed"]
     runs = {
-        "baseline": Run("baseline", args.nproc, out / "baseline", out / "baseline" / "checkpoints"),
+        "baseline": Run("baseline", args.nproc, out / "baseline", roots["baseline"]),
         "killed": Run("killed", args.nproc, out / "killed", shared),
     }
     runs["resume_2to2"] = Run("resume_2to2", args.nproc, out / "resume_2to2", shared, parent=runs["killed"])
-    runs["resume_2to4"] = Run("resume_2to4", args.nproc_alt, out / "resume_2to4", out / "ckpt_killed_copy",
+    runs["resume_2to4"] = Run("resume_2to4", args.nproc_alt, out / "resume_2to4", roots["ckpt_killed_copy"],
                               parent=runs["killed"])
-    runs["resume_4to2"] = Run("resume_4to2", args.nproc, out / "resume_4to2", out / "resume_4to2" / "checkpoints",
+    runs["resume_4to2"] = Run("resume_4to2", args.nproc, out / "resume_4to2", roots["resume_4to2"],
                               parent=runs["resume_2to4"])
-    runs["resume_4to4"] = Run("resume_4to4", args.nproc_alt, out / "resume_4to4", out / "resume_4to4" / "checkpoints",
+    runs["resume_4to4"] = Run("resume_4to4", args.nproc_alt, out / "resume_4to4", roots["resume_4to4"],
                               parent=runs["resume_2to4"], reference=runs["resume_2to4"])
     runs["resume_2to4_local"] = Run("resume_2to4_local", args.nproc_alt, out / "resume_2to4_local",
-                                    out / "ckpt_killed_copy_local", parent=runs["killed"])
+                                    roots["ckpt_killed_copy_local"], parent=runs["killed"])
     g_local = cfg.data.global_batch_size * args.nproc_alt // args.nproc  # the per-rank batch kept
     extra = {"resume_2to4_local": [f"data.global_batch_size={g_local}", "checkpoint.batch_policy=keep_local_batch"]}
     for path in [r.out for r in runs.values()] + [shared, out / "ckpt_killed_copy", out / "ckpt_killed_copy_local"]:
@@ -242,20 +262,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         go(runs["baseline"])
         go(runs["killed"], kill_when=should_kill)
-        shutil.copytree(shared, out / "ckpt_killed_copy")  # d resumes the same checkpoint as c
-        shutil.copytree(shared, out / "ckpt_killed_copy_local")  # and so does g
+        if server is None:
+            shutil.copytree(shared, out / "ckpt_killed_copy")  # d resumes the same checkpoint as c
+            shutil.copytree(shared, out / "ckpt_killed_copy_local")  # and so does g
+        else:
+            copy_root(server, shared, roots["ckpt_killed_copy"])
+            copy_root(server, shared, roots["ckpt_killed_copy_local"])
         go(runs["resume_2to2"])
         go(runs["resume_2to4"])
         d = runs["resume_2to4"]
-        later = [s for s in committed_steps(d.ckpt_root) if (d.resumed_from or 0) < s < n]
+        where = (committed_locations(d.ckpt_root) if server is not None
+                 else {s: d.ckpt_root / f"step-{s:09d}" for s in committed_steps(d.ckpt_root)})
+        later = [s for s in sorted(where) if (d.resumed_from or 0) < s < n]
         if later:  # the oldest checkpoint the 4 ranks wrote after their resume
             for name in ("resume_4to2", "resume_4to4"):
-                runs[name].load_path = d.ckpt_root / f"step-{later[0]:09d}"
+                runs[name].load_path = where[later[0]]
                 go(runs[name])
         go(runs["resume_2to4_local"])
     except (TimeoutError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        if server is not None:
+            server.stop()
 
     base_start = runs["baseline"].event("start") or {}
     info = {"global_batch_size": cfg.data.global_batch_size, "sampler_seed": cfg.data.seed,
@@ -267,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"runs": rows, "requirements": reqs, "steps": n, "interval_steps": interval,
                "global_batch_size": info["global_batch_size"], "steps_per_epoch": info["steps_per_epoch"],
                "tolerance": args.tolerance, "total_seconds": round(total, 1), "config": args.config,
-               "overrides": overrides}
+               "overrides": overrides, "storage": args.storage}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print()
     print_table(rows)

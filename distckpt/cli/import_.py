@@ -8,6 +8,8 @@ from ..commit import existing_checkpoints
 from ..errors import ConfigError
 from ..export import import_weights
 from ..manifest import Manifest
+from ..storage import is_s3_url, open_store
+from ..store_import import import_to_store
 from ._common import fmt_bytes, print_json
 
 NAME = "import"
@@ -25,6 +27,7 @@ examples:
   distckpt import model.safetensors runs/finetune/ckpt
   distckpt import pretrained.pt runs/finetune/ckpt --step 1000 --json
   distckpt import runs/plain_dcp/step-000000500 runs/finetune/ckpt --step 500
+  distckpt import model.safetensors s3://bucket/finetune      (an S3 root: AWS_* environment)
 """
 
 
@@ -39,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.step < 0:
         raise ValueError(f"--step {args.step}: must be >= 0")
+    if is_s3_url(args.root):
+        path: object = import_to_store(args.weights, args.root, step=args.step,
+                                       on_existing="archive" if args.archive_existing else "refuse")
+        return report(args, path, open_store(args.root).read_manifest(str(path)))
     existing = existing_checkpoints(args.root)
     if existing and not args.archive_existing:  # checked again under the root's lock
         raise ConfigError(
@@ -47,7 +54,10 @@ def run(args: argparse.Namespace) -> int:
             "--archive-existing to rename them archived-step-N-<n> (nothing is deleted)")
     path = import_weights(args.weights, args.root, step=args.step,
                           on_existing="archive" if args.archive_existing else "refuse")
-    m = Manifest.read(path)
+    return report(args, path, Manifest.read(path))
+
+
+def report(args: argparse.Namespace, path: object, m: Manifest) -> int:
     size = sum(f.size_bytes for f in m.files)
     if args.json:
         print_json({"checkpoint": str(path), "step": m.step, "tensors": len(m.model), "size_bytes": size,

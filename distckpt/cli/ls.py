@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from ..commit import find_committed
 from ..engine import read_dcp_metadata
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
-from ..layout import LATEST, MANIFEST, is_deferred, is_deleting, is_pending, parse_set_aside
+from ..layout import LATEST, MANIFEST, checkpoint_name, is_deferred, is_deleting, is_pending, parse_set_aside
 from ..manifest import Manifest
+from ..storage import is_s3_url, open_store, split_location
 from ._common import fmt_bytes, fmt_float, fmt_time, print_json, print_table
 
 NAME = "ls"
 HELP = "list the checkpoints of a root: step, time, size, world size, wrapper, loss, metrics, status"
 EPILOG = """examples:
   distckpt ls runs/demo/ckpt
+  distckpt ls s3://bucket/run1                         (an S3 root: AWS_* environment)
   distckpt ls runs/demo/ckpt --json | jq '.checkpoints[] | select(.status == "committed") | .step'
 """
 
@@ -79,9 +82,44 @@ def list_root(root: Path) -> list[dict]:
     return rows
 
 
+def list_s3_root(root: str) -> list[dict]:
+    """:func:`list_root` of an ``s3://`` root: committed (or corrupt) checkpoints by manifest,
+    then unreferenced data prefixes (``pending``) and set-aside manifests.
+
+    Raises:
+        CheckpointNotFoundError: ``root`` names one checkpoint, not a root.
+    """
+    if split_location(root)[1] is not None:
+        raise CheckpointNotFoundError(f"{root} is a checkpoint, not a root: run `distckpt inspect {root}`")
+    store: Any = open_store(root)  # an S3Store
+    latest = store.read_latest()
+    rows = []
+    for step, location, result in reversed(store.find_committed()):
+        if isinstance(result, Manifest):
+            try:
+                store.read_dcp_metadata(location)
+            except CheckpointCorruptError as e:
+                result = e
+        name = location.rsplit("/", 1)[-1]
+        row = {"name": name, "step": step, "status": "committed", "latest": checkpoint_name(step) == latest,
+               "path": location}
+        if isinstance(result, Manifest):
+            row.update(time=fmt_time(result.wall_time), wall_time=result.wall_time,
+                       size_bytes=sum(f.size_bytes for f in result.files), world_size=result.world_size,
+                       state_dict_type=result.state_dict_type, wrapper=result.wrapper, loss=result.loss)
+        else:
+            row.update(status="corrupt", reason=str(result))
+        rows.append(row)
+    rows += [{"name": rel.rsplit("/", 1)[-1], "step": None, "status": "pending", "latest": False}
+             for rel in store.unreferenced()]
+    rows += [{"name": name, "step": aside[1], "status": "set aside", "reason": aside[0], "latest": False}
+             for name in store.set_aside_names() if (aside := parse_set_aside(name)) is not None]
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
-    root = Path(args.root)
-    rows = list_root(root)
+    root = args.root if is_s3_url(args.root) else Path(args.root)
+    rows = list_s3_root(root) if isinstance(root, str) else list_root(root)
     if args.json:
         print_json({"root": str(root), "checkpoints": rows})
         return 0

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
-from ..audit import audit_checkpoint
+from ..audit import audit_checkpoint, audit_store_checkpoint
 from ..commit import find_committed
 from ..errors import CheckpointNotFoundError
 from ..incremental import References
@@ -23,6 +24,7 @@ from ..layout import MANIFEST, checkpoint_name, is_deferred
 from ..lock import RootLock
 from ..manifest import Manifest
 from ..retention import steps_to_delete
+from ..storage import is_s3_url, open_store, split_location
 from ._common import print_json
 
 NAME = "prune"
@@ -41,11 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    root = Path(args.root)
     if args.keep_last < 1:
         raise ValueError(f"--keep-last {args.keep_last}: must be >= 1 (the newest checkpoint is always kept)")
     if args.keep_every is not None and args.keep_every < 1:
         raise ValueError(f"--keep-every {args.keep_every}: must be >= 1")
+    if is_s3_url(args.root):
+        return report(args, args.root, *prune_store(open_store(args.root), args))
+    root = Path(args.root)
     if not root.exists():
         raise CheckpointNotFoundError(f"{root}: no such checkpoint root")
     if not root.is_dir():
@@ -83,6 +87,47 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if lock is not None:
             lock.release()
+    return report(args, root, committed, doomed, corrupt, deferred)
+
+
+def prune_store(store: Any, args: argparse.Namespace) -> tuple[list[int], list[int], list[str]]:
+    """Prune an object-storage root (lock, audit the kept ones, manifest-first deletes).
+
+    Returns:
+        ``(committed steps, deleted steps, corrupt names)``.
+    """
+    if split_location(store.root)[1] is not None:
+        raise CheckpointNotFoundError(f"{store.root} is a checkpoint; pass its root")
+    lock = None
+    if not args.dry_run:
+        lock = RootLock.of(store)
+        lock.acquire()
+    try:
+        found = store.find_committed()
+        committed = sorted(s for s, _, r in found if isinstance(r, Manifest))
+        corrupt = sorted(checkpoint_name(s) for s, _, r in found if not isinstance(r, Manifest))
+        where = {s: loc for s, loc, _ in found}
+        good = 0
+        for step in sorted(committed, reverse=True):
+            if good == args.keep_last:
+                break
+            if audit_store_checkpoint(store, where[step]).ok:
+                good += 1
+            else:
+                committed.remove(step)
+                corrupt.append(checkpoint_name(step))
+        doomed = steps_to_delete(committed, keep_last=args.keep_last, keep_every_steps=args.keep_every)
+        for step in doomed if not args.dry_run else []:
+            store.delete_checkpoint(step)
+    finally:
+        if lock is not None:
+            lock.release()
+    return committed, doomed, sorted(corrupt)
+
+
+def report(args: argparse.Namespace, root: Path | str, committed: list[int], doomed: list[int],
+           corrupt: list[str], deferred: list[str] | None = None) -> int:
+    deferred = deferred or []
     kept = [s for s in committed if s not in doomed]
     if args.json:
         print_json({"root": str(root), "dry_run": args.dry_run, "deleted": [checkpoint_name(s) for s in doomed],
@@ -92,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     verb = "would delete" if args.dry_run else "deleted"
     for s in doomed:
         note = "  (deferred: a kept incremental checkpoint refers to it)" if checkpoint_name(s) in deferred else ""
-        print(f"{verb}  {root / checkpoint_name(s)}{note}")
+        print(f"{verb}  {root}/{checkpoint_name(s)}{note}")
     print(f"{verb} {len(doomed)}, kept {len(kept)} committed checkpoint(s)"
           + (f"; {len(corrupt)} corrupt left untouched: {', '.join(corrupt)}" if corrupt else ""))
     return 0

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
-from ..audit import audit_checkpoint
+from ..audit import audit_checkpoint, audit_store_checkpoint
 from ..errors import CheckpointNotFoundError
 from ..layout import MANIFEST, checkpoint_dirs, is_deferred, is_pending, parse_step
+from ..storage import is_s3_url, open_store, split_location
 from ._common import fmt_bytes, print_json
 from ._errors import EXIT_FAILED, EXIT_OK
 
@@ -20,6 +22,7 @@ HELP = "check every file's size and xxh3-128 hash against its manifest (exit 1 n
 EPILOG = """examples:
   distckpt verify runs/demo/ckpt                       (every step-* checkpoint of a root)
   distckpt verify runs/demo/ckpt/step-000000020 --json
+  distckpt verify s3://bucket/run1                     (every committed checkpoint of an S3 root)
 """
 
 
@@ -46,9 +49,29 @@ def targets(path: Path) -> tuple[list[Path], list[str]]:
     return found, pending
 
 
+def s3_targets(url: str) -> tuple[Any, list[str], list[str]]:
+    """``(store, checkpoint locations, unreferenced data prefixes)`` of an ``s3://`` root or checkpoint.
+
+    Raises:
+        CheckpointNotFoundError: no checkpoint there.
+    """
+    root, location = split_location(url)
+    store: Any = open_store(root)  # an S3Store (unreferenced() is S3's)
+    if location is not None:
+        return store, [location], []
+    found = [loc for _, loc, _ in reversed(store.find_committed())]
+    if not found:
+        raise CheckpointNotFoundError(f"{root}: holds no committed checkpoint to verify")
+    return store, found, store.unreferenced()
+
+
 def run(args: argparse.Namespace) -> int:
-    found, pending = targets(Path(args.path))
-    reports = [audit_checkpoint(p) for p in found]
+    if is_s3_url(args.path):
+        store, locations, pending = s3_targets(args.path)
+        reports = [audit_store_checkpoint(store, loc) for loc in locations]
+    else:
+        found, pending = targets(Path(args.path))
+        reports = [audit_checkpoint(p) for p in found]
     bad = [r for r in reports if not r.ok]
     if args.json:
         print_json({"ok": not bad, "skipped_pending": pending, "checkpoints": [
@@ -66,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             for e in r.problems:
                 print(f"  {e}")
     for name in pending:
-        print(f"skipped  {Path(args.path) / name}  (pending: an unfinished save)")
+        print(f"skipped  {args.path.rstrip('/')}/{name}  (pending: an unfinished save)")
     if bad:
         print(f"{len(bad)} of {len(reports)} checkpoint(s) corrupt")
     return EXIT_FAILED if bad else EXIT_OK

@@ -63,15 +63,17 @@ class AsyncWriter:
         self._staged: Future | None = None
 
     def start(self, state_dict: dict[str, Any], directory: str | os.PathLike,
-              reuse: ReuseIndex | Callable[[], ReuseIndex] | None = None) -> Future:
+              reuse: ReuseIndex | Callable[[], ReuseIndex] | None = None, writer: Any = None) -> Future:
         """Stage ``state_dict`` and start writing it into ``directory`` (incrementally
-        against ``reuse`` when given: the staged copy is hashed in the background write).
+        against ``reuse`` when given: the staged copy is hashed in the background write; through
+        ``writer``, an object store's, when given: thread mode only, never incremental).
 
         Returns:
             The upload future: done when this rank's files are written (or failed).
         """
-        writer = hashing_writer(directory, thread_count=self.thread_count,
-                                write_timeout_s=self.write_timeout_s, reuse=reuse)
+        if writer is None:
+            writer = hashing_writer(directory, thread_count=self.thread_count,
+                                    write_timeout_s=self.write_timeout_s, reuse=reuse)
         self._writer = writer
         device = cuda_device_of(state_dict) if self.cuda else None
         # DefaultStager syncs only the current device after its non-blocking copies and makes

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..errors import CheckpointCorruptError, DistCkptError
+from ..errors import CheckpointCorruptError, DistCkptError, StorageError
 from .incremental_writer import IncrementalFileSystemWriter, ReuseIndex
 from .safe_io import SafeFileSystemReader, SafeLoadPlanner
 from .writer import CheckedFileSystemWriter
@@ -81,7 +81,7 @@ def _safe_str(exc: BaseException) -> str:
 
 # Not a property of the checkpoint: raised as they are, never counted as corruption (which
 # would make the manager set a good checkpoint aside and fall back).
-_NOT_CORRUPTION = (KeyboardInterrupt, SystemExit, MemoryError)
+_NOT_CORRUPTION = (KeyboardInterrupt, SystemExit, MemoryError, StorageError)
 
 
 def _inner_failures(exc: BaseException) -> list[BaseException]:
@@ -113,6 +113,7 @@ def dcp_save(
     thread_count: int = 1,
     write_timeout_s: float | None = None,
     reuse: ReuseIndex | Callable[[], ReuseIndex] | None = None,
+    writer: Any = None,
 ) -> dict[str, tuple[int, str]]:
     """``dcp.save`` into ``directory`` with per-file fsync. All ranks call it.
 
@@ -123,6 +124,8 @@ def dcp_save(
             timing out the process group; ``None`` for no deadline.
         reuse: write incrementally against this index, or a callable returning it (``None``:
             a plain save).
+        writer: a ready writer with the same ``fs.written`` contract (an object store's);
+            ``None``: :func:`hashing_writer` into ``directory``.
 
     Returns:
         ``{file name: (size_bytes, xxh3_128 hex)}`` of the files this rank wrote.
@@ -131,7 +134,8 @@ def dcp_save(
         BaseException: whatever DCP raises on this rank; the caller gathers outcomes across
             ranks before deciding (see ``CheckpointManager.save``).
     """
-    writer = hashing_writer(directory, thread_count=thread_count, write_timeout_s=write_timeout_s, reuse=reuse)
+    if writer is None:
+        writer = hashing_writer(directory, thread_count=thread_count, write_timeout_s=write_timeout_s, reuse=reuse)
     with gc_paused(), _no_single_process_warning("save"):
         dcp.save(state_dict, storage_writer=writer, process_group=process_group,
                  no_dist=_single_rank(process_group))

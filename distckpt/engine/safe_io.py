@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..errors import CheckpointCorruptError
 from ..integrity import check_file
 
-__all__ = ["read_dcp_metadata", "SafeFileSystemReader", "SafeLoadPlanner"]
+__all__ = ["read_dcp_metadata", "parse_dcp_metadata", "SafeFileSystemReader", "SafeLoadPlanner"]
 
 _ALLOWED: dict[str, set[str]] = {
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
@@ -65,11 +65,24 @@ def read_dcp_metadata(checkpoint_dir: str | os.PathLike) -> Metadata:
 def _read_metadata_file(path: str) -> Metadata:
     try:
         with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f, path).load()
-    except CheckpointCorruptError:
-        raise
+            return parse_dcp_metadata(f, path)
     except FileNotFoundError as e:
         raise CheckpointCorruptError(f"{path}: DCP metadata file missing", path=path) from e
+    except OSError as e:
+        raise CheckpointCorruptError(f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})", path=path) from e
+
+
+def parse_dcp_metadata(f: io.IOBase | io.BytesIO, path: str) -> Metadata:
+    """Unpickle DCP ``Metadata`` from an open binary file with the allow-list unpickler (used
+    for ``.metadata`` read from object storage too; ``path`` names it in errors).
+
+    Raises:
+        CheckpointCorruptError: a disallowed type, garbage, or not DCP metadata.
+    """
+    try:
+        metadata = _MetadataUnpickler(f, path).load()
+    except CheckpointCorruptError:
+        raise
     except Exception as e:  # pickle raises many types on garbage
         raise CheckpointCorruptError(f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})", path=path) from e
     if not isinstance(metadata, Metadata):

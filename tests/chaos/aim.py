@@ -16,7 +16,7 @@ from distckpt.commit import find_committed
 from distckpt.layout import LATEST, MANIFEST, checkpoint_name, is_deleting, is_pending, parse_step
 from distckpt.manifest import Manifest
 
-__all__ = ["PHASE_WEIGHTS", "Aim", "choose_aim", "next_world_size", "inspect_root", "classify_phase",
+__all__ = ["PHASE_WEIGHTS", "Aim", "choose_aim", "next_world_size", "inspect_root", "inspect_s3_root", "classify_phase",
            "lost_checkpoints", "describe_disk"]
 
 # Aiming weights: mostly inside a save, the commit transitions as often as the long write.
@@ -42,7 +42,7 @@ class Aim:
 
 
 def choose_aim(rng: random.Random, resume: int | None, steps: int, interval: int, pause: float,
-               write_s: float, step_s: float) -> Aim | None:
+               write_s: float, step_s: float, weights: dict[str, float] = PHASE_WEIGHTS) -> Aim | None:
     """Draw phase, occurrence and offset; ``None`` when no save is left before ``steps``.
 
     Args:
@@ -58,8 +58,8 @@ def choose_aim(rng: random.Random, resume: int | None, steps: int, interval: int
     saves_left = (steps - start + interval - 1) // interval  # the save at `steps` included
     if saves_left < 1:
         return None
-    phases = [p for p in PHASE_WEIGHTS if p != "train" or saves_left >= 2]
-    phase = rng.choices(phases, weights=[PHASE_WEIGHTS[p] for p in phases])[0]
+    phases = [p for p in weights if p != "train" or saves_left >= 2]
+    phase = rng.choices(phases, weights=[weights[p] for p in phases])[0]
     limit = saves_left - 1 if phase == "train" else saves_left
     occurrence = 2 if limit >= 2 and rng.random() < 0.25 else 1
     u = rng.random()
@@ -122,6 +122,28 @@ def inspect_root(root: Path) -> dict[str, Any]:
         pass
     return {"valid": sorted(valid), "invalid": invalid, "pending": pending, "latest": latest, "other": other,
             "deleting": deleting}
+
+
+def inspect_s3_root(root: str) -> dict[str, Any]:
+    """:func:`inspect_root` of an ``s3://`` root: ``valid``/``invalid`` by manifest, ``pending``
+    = data prefixes no manifest references (``manifest``: always false, the manifest is the
+    commit), ``deleting``: none (retention deletes the manifest first)."""
+    from distckpt.storage import open_store
+
+    store: Any = open_store(root)
+    valid, invalid = [], {}
+    for step, _, result in store.find_committed():
+        if isinstance(result, Manifest):
+            valid.append(step)
+        else:
+            invalid[step] = str(result)[:200]
+    pending = []
+    for rel in store.unreferenced():
+        names = set(store.object_sizes(store.location(rel)))
+        pending.append({"name": rel.rsplit("/", 1)[-1], "step": int(rel.split("-")[1]), "files": len(names),
+                        "metadata": ".metadata" in names, "manifest": False, "manifest_tmp": False})
+    return {"valid": sorted(valid), "invalid": invalid, "pending": pending, "latest": store.read_latest(),
+            "other": [], "deleting": []}
 
 
 def classify_phase(disk: dict[str, Any], save_step: int | None, last_event: tuple[str, int | None] | None,

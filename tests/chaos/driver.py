@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import shutil
 import sys
@@ -20,7 +21,17 @@ from distckpt.commit import verify
 from distckpt.layout import checkpoint_name
 from launch.config import load_job_config
 from launch.jobs import REPO, Run
-from tests.chaos.aim import choose_aim, classify_phase, describe_disk, inspect_root, lost_checkpoints, next_world_size
+from launch.s3_server import committed_locations
+from tests.chaos.aim import (
+    PHASE_WEIGHTS,
+    choose_aim,
+    classify_phase,
+    describe_disk,
+    inspect_root,
+    inspect_s3_root,
+    lost_checkpoints,
+    next_world_size,
+)
 from tests.chaos.report import build_report, load_model_tensors, param_diff, print_summary
 from tests.chaos.runner import KillRecord, Segment, median, phase_durations, run_job
 
@@ -54,6 +65,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tolerance", type=float, default=1e-4, help="max |param diff| after a world-size change")
     p.add_argument("--run-timeout-s", type=float, default=180.0, help="timeout of each torchrun job")
     p.add_argument("--config", default="launch/configs/ddp.yaml", help="job YAML")
+    p.add_argument("--storage", choices=("posix", "s3"), default="posix",
+                   help="s3: the chaos root is s3://distckpt-chaos/checkpoints on a SeaweedFS server started "
+                        "on loopback (the reference run stays on local disk)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="section.key=value",
                    help="extra override for every job (repeatable; wins over the defaults)")
     return p.parse_args(argv)
@@ -63,6 +77,17 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the chaos test; returns 0 when every requirement holds, 1 when one fails, 2 on bad input."""
     args = _parse_args(argv)
+    if args.storage != "s3":
+        return _run(args)
+    from launch.s3_server import S3Server
+
+    with S3Server() as server:  # stopped (and its data removed) whatever happens
+        server.create_bucket("distckpt-chaos")
+        os.environ.update(server.env())  # the torchrun jobs inherit endpoint and keys
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     n, interval, g = args.kills, args.interval, args.global_batch
     steps = args.steps or interval * (2 * n + 4)
@@ -122,7 +147,24 @@ def main(argv: list[str] | None = None) -> int:
         return ref_cache[step]
 
     # 2. chaos segments
-    root = out / "chaos" / "checkpoints"
+    root: Any = out / "chaos" / "checkpoints"
+    weights, inspect = PHASE_WEIGHTS, inspect_root
+    if args.storage == "s3":  # S3's commit has no rename phase
+        root, inspect = "s3://distckpt-chaos/checkpoints", inspect_s3_root
+        weights = {k: v for k, v in PHASE_WEIGHTS.items() if k != "rename"}
+
+    def ckpt(step: int) -> Any:
+        """The checkpoint of ``step`` in the chaos root (a directory, or an S3 data prefix)."""
+        if args.storage == "s3":
+            return committed_locations(root)[step]
+        return root / checkpoint_name(step)
+
+    def problems_of(step: int) -> list[str]:
+        if args.storage == "s3":
+            from distckpt.storage import open_store
+
+            return [str(p)[:300] for p in open_store(root).verify(ckpt(step))]
+        return [str(p)[:300] for p in verify(root / checkpoint_name(step))]
     segments: list[Segment] = []
     kills: list[KillRecord] = []
     lineage_of: dict[int, frozenset[int]] = {}  # committed step -> world sizes in its history
@@ -142,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             lineage_of[s] = segment.lineage
             error = None
             try:
-                d = param_diff(load_model_tensors(root / checkpoint_name(s)), ref_params(s))
+                d = param_diff(load_model_tensors(ckpt(s)), ref_params(s))
             except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be read fails the check
                 d, error = math.inf, f"{type(e).__name__}: {e}"[:300]
                 log(f"cannot compare step {s} with the reference: {error}")
@@ -163,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         aim = None
         if not last:
             aim = choose_aim(rng, expected_resume, steps, interval, pause,
-                              median(write_durations, 0.05), step_s)
+                             median(write_durations, 0.05), step_s, weights)
             if aim is None:
                 log(f"no save left after step {expected_resume}: stopping at {len(kills)} kills")
                 last = True
@@ -193,12 +235,12 @@ def main(argv: list[str] | None = None) -> int:
             seg.error = f"exit {run.returncode}"
             log(f"{run.name}: exit {run.returncode} without a kill; log tail:")
             print((run.out / "torchrun.log").read_text()[-3000:], file=sys.stderr)
-        disk = inspect_root(root)
+        disk = inspect(root)
         lost = lost_checkpoints(prev_valid, disk["valid"], keep_last)
         lost_total += lost
         new_diffs = compare_new(seg, disk["valid"])
         newest = disk["valid"][-1] if disk["valid"] else None
-        problems = [str(p)[:300] for p in verify(root / checkpoint_name(newest))] if newest is not None else []
+        problems = problems_of(newest) if newest is not None else []
         if problems:
             verify_failed_steps.add(newest)
         if run.killed:
@@ -234,20 +276,21 @@ def main(argv: list[str] | None = None) -> int:
             break
 
     # 3. analysis
-    end_disk = inspect_root(root)
+    end_disk = inspect(root)
     total = time.monotonic() - t_start
     settings = {"steps": steps, "interval_steps": interval, "keep_last": keep_last,
                 "global_batch_size": g, "steps_per_epoch": info["steps_per_epoch"],
                 "dataset_len": info["dataset_len"], "world_sizes": args.world_sizes,
                 "ref_world_size": args.ref_world_size, "fixed_kills": args.fixed_kills,
                 "pause_ms": args.pause_ms, "seed": args.seed, "tolerance": args.tolerance,
-                "config": args.config, "overrides": overrides}
+                "config": args.config, "overrides": overrides, "storage": args.storage}
     reference = {"world_size": ref.nproc, "wall_seconds": round(ref.wall_seconds, 2),
                  "write_phase_ms": round(median(phase_durations(ref_events, "write", "manifest"), 0) * 1e3, 1),
                  "step_ms": round(step_s * 1e3, 2)}
     report = build_report(args, segments=segments, kills=kills, diffs=diffs, lost_total=lost_total,
                           verify_failed_steps=verify_failed_steps, lineage_of=lineage_of, steps=steps, info=info,
                           settings=settings, end_disk=end_disk, reference=reference, wall_seconds=total)
+    report["storage"] = args.storage
     ok = report["ok"]
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")

@@ -30,6 +30,11 @@ def load_model_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     Uses distckpt's safe reader (allow-list metadata unpickler, manifest size + hash check of
     each file read) with ``dcp.load(..., no_dist=True)``: no process group needed.
     """
+    if str(path).startswith("s3://"):  # an S3 checkpoint (its data prefix): the tools' reader
+        from distckpt.reader import CheckpointReader
+
+        reader_s3 = CheckpointReader(str(path))
+        return reader_s3.read([k for k in reader_s3.keys("model") if reader_s3.items[k].kind == "tensor"])
     path = Path(path)
     metadata = read_dcp_metadata(path)
     target = {k: torch.empty(md.size, dtype=md.properties.dtype)

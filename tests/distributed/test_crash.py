@@ -73,7 +73,7 @@ def test_bit_flip_found_while_reading_falls_back_on_every_rank(tmp_path, fast_lo
 
 def load_with_metadata_error_on_rank_1(rank, world_size, opts):
     """``.metadata`` of the newest checkpoint unreadable on rank 1 only (one node's I/O error)."""
-    import distckpt.loading as manager_module  # where the load reads .metadata
+    import distckpt.storage.posix as manager_module  # where the load reads .metadata (POSIX store)
     from distckpt.errors import CheckpointCorruptError
 
     if rank == 1:

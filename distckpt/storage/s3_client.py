@@ -1,0 +1,254 @@
+"""Thin S3 object operations for distckpt (boto3), with errors that name the bucket and key but
+never the credentials.
+
+Credentials come from boto3's standard chain (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``,
+profiles, instance roles); the endpoint from ``endpoint_url`` or ``AWS_ENDPOINT_URL``. Requests
+are retried by botocore's ``standard`` mode: throttling (503 ``SlowDown``), 5xx and connection
+errors, with exponential backoff and jitter, up to ``MAX_ATTEMPTS`` attempts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from typing import Any, Callable
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from ..errors import ConfigError, StorageError
+
+__all__ = ["MAX_ATTEMPTS", "TRANSFER", "S3Objects", "client_hooks", "get_client", "reset_clients", "split_url"]
+
+MAX_ATTEMPTS = 5
+# Downloads: parallel ranged GETs of 32 MiB above 64 MiB, 8 in flight (README "Object storage"
+# has the measurements). Uploads stream their own multipart parts (s3_dcp).
+TRANSFER = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=32 << 20, max_concurrency=8)
+client_hooks: list[Callable[[Any], None]] = []
+"""Called with every new client: a seam for tests to register botocore event handlers (fault
+injection); empty in production."""
+
+_CRED_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+_clients: dict[tuple[int, str | None, str | None, str], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/a/b`` -> ``("bucket", "a/b")`` (no leading/trailing slash on the key).
+
+    Raises:
+        ConfigError: not an ``s3://`` URL, or no bucket.
+    """
+    if not url.startswith("s3://"):
+        raise ConfigError(f"{url!r} is not an s3:// URL")
+    bucket, _, key = url[len("s3://"):].partition("/")
+    if not bucket:
+        raise ConfigError(f"{url!r}: no bucket (expected s3://bucket/prefix)")
+    return bucket, key.strip("/")
+
+
+def get_client(endpoint_url: str | None = None, region: str | None = None) -> Any:
+    """A boto3 S3 client shared by this process's threads (boto3 clients are thread-safe)."""
+    endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    # Keyed by a digest of the credential variables too (never the values): a changed key gets a new client.
+    creds = hashlib.sha256("\0".join(os.environ.get(v, "") for v in _CRED_VARS).encode()).hexdigest()
+    key = (os.getpid(), endpoint_url, region, creds)
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            config = Config(retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"}, connect_timeout=5,
+                            read_timeout=60, max_pool_connections=32,
+                            s3={"addressing_style": "path"} if endpoint_url else None)
+            client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region,
+                                                    config=config)
+            for hook in client_hooks:
+                hook(client)
+            _clients[key] = client
+    return client
+
+
+def reset_clients() -> None:
+    """Forget this process's clients (the next request makes a new one: new hooks, new settings)."""
+    with _clients_lock:
+        _clients.clear()
+
+
+def describe(e: BaseException) -> str:
+    """One line for an S3 failure: the error code and message boto reports (no credentials)."""
+    if isinstance(e, ClientError):
+        err = e.response.get("Error", {})
+        return f"{err.get('Code', '?')}: {err.get('Message') or e}"
+    return f"{type(e).__name__}: {e}"
+
+
+def error_code(e: BaseException) -> str:
+    return str(e.response.get("Error", {}).get("Code", "")) if isinstance(e, ClientError) else ""
+
+
+class S3Objects:
+    """Operations on the objects of one bucket; every failure becomes
+    :class:`~distckpt.errors.StorageError` (an ``OSError``) naming ``s3://bucket/key``
+    (``FileExistsError`` for a failed conditional create).
+
+    Args:
+        bucket: the bucket.
+        endpoint_url, region: as :func:`get_client`.
+    """
+
+    def __init__(self, bucket: str, *, endpoint_url: str | None = None, region: str | None = None) -> None:
+        self.bucket, self.endpoint_url, self.region = bucket, endpoint_url, region
+
+    @property
+    def client(self) -> Any:
+        return get_client(self.endpoint_url, self.region)
+
+    def url(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    def _fail(self, what: str, key: str, e: BaseException) -> StorageError:
+        return StorageError(f"S3 {what} {self.url(key)} failed after {MAX_ATTEMPTS} attempt(s): {describe(e)}")
+
+    def put(self, key: str, body: bytes, *, if_absent: bool = False) -> None:
+        """PUT one object; with ``if_absent`` a conditional create (``If-None-Match: *``).
+
+        Raises:
+            FileExistsError: ``if_absent`` and the object exists.
+            StorageError: any other failure (after retries).
+        """
+        kwargs: dict[str, Any] = {"IfNoneMatch": "*"} if if_absent else {}
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=body, **kwargs)
+        except ClientError as e:
+            if if_absent and error_code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                raise FileExistsError(f"{self.url(key)} already exists (conditional create refused)") from e
+            raise self._fail("PUT", key, e) from e
+        except BotoCoreError as e:
+            raise self._fail("PUT", key, e) from e
+
+    def get(self, key: str) -> bytes | None:
+        """The object's bytes, or ``None`` when it does not exist. Raises ``StorageError``."""
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        except ClientError as e:
+            if error_code(e) in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise self._fail("GET", key, e) from e
+        except BotoCoreError as e:
+            raise self._fail("GET", key, e) from e
+
+    def create_multipart(self, key: str) -> str:
+        """Start a multipart upload; returns its id. Raises ``StorageError``."""
+        try:
+            return str(self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"])
+        except (ClientError, BotoCoreError) as e:
+            raise self._fail("PUT (multipart start)", key, e) from e
+
+    def upload_part(self, key: str, upload_id: str, number: int, body: bytes | bytearray) -> dict[str, Any]:
+        """Upload part ``number`` (1-based); returns ``{"PartNumber", "ETag"}``. Raises ``StorageError``."""
+        try:
+            etag = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
+                                           Body=body)["ETag"]
+        except (ClientError, BotoCoreError) as e:
+            raise self._fail(f"PUT (part {number})", key, e) from e
+        return {"PartNumber": number, "ETag": etag}
+
+    def complete_multipart(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> None:
+        """Make the uploaded parts the object. Raises ``StorageError``."""
+        try:
+            self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
+                                                  MultipartUpload={"Parts": parts})
+        except (ClientError, BotoCoreError) as e:
+            raise self._fail("PUT (multipart complete)", key, e) from e
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        """Discard an unfinished multipart upload (best effort: the server expires it otherwise)."""
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except (ClientError, BotoCoreError):
+            pass
+
+    def download(self, key: str, fileobj: Any) -> None:
+        """Download into a file object (parallel ranged GETs when large). Raises ``StorageError``
+        (``FileNotFoundError`` when absent)."""
+        try:
+            self.client.download_fileobj(self.bucket, key, fileobj, Config=TRANSFER)
+        except ClientError as e:
+            if error_code(e) in ("NoSuchKey", "404", "NotFound"):
+                raise FileNotFoundError(f"{self.url(key)}: no such object") from e
+            raise self._fail("GET", key, e) from e
+        except Exception as e:  # noqa: BLE001 - botocore / s3transfer failures
+            raise self._fail("GET", key, e) from e
+
+    def list_objects(self, prefix: str) -> dict[str, int]:
+        """``{key: size}`` of every object under ``prefix``. Raises ``StorageError``."""
+        out: dict[str, int] = {}
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                for obj in page.get("Contents", []):
+                    out[obj["Key"]] = int(obj["Size"])
+        except (ClientError, BotoCoreError) as e:
+            raise self._fail("LIST", prefix, e) from e
+        return out
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        """Names of the "directories" directly under ``prefix`` (which ends with ``/``)."""
+        names: list[str] = []
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=prefix, Delimiter="/"):
+                names += [p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", [])]
+        except (ClientError, BotoCoreError) as e:
+            raise self._fail("LIST", prefix, e) from e
+        return names
+
+    def delete(self, keys: list[str]) -> None:
+        """Delete objects (absent ones are fine). Raises ``StorageError``."""
+        for start in range(0, len(keys), 1000):
+            batch = keys[start:start + 1000]
+            try:
+                self.client.delete_objects(Bucket=self.bucket,
+                                           Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+            except (ClientError, BotoCoreError) as e:
+                raise self._fail("DELETE", batch[0], e) from e
+
+    def delete_prefix(self, prefix: str) -> list[str]:
+        """Delete every object under ``prefix`` (ends with ``/``); returns their keys."""
+        keys = sorted(self.list_objects(prefix))
+        self.delete(keys)
+        return keys
+
+    def copy(self, src: str, dst: str) -> None:
+        try:
+            self.client.copy_object(Bucket=self.bucket, Key=dst, CopySource={"Bucket": self.bucket, "Key": src})
+        except (ClientError, BotoCoreError) as e:
+            raise self._fail("COPY", src, e) from e
+
+    def check_bucket(self, root: str) -> None:
+        """Fail early when the bucket is missing or the credentials do not grant access.
+
+        Raises:
+            ConfigError: naming the bucket (and the endpoint), never the credentials.
+        """
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except ClientError as e:
+            code = error_code(e)
+            if code in ("404", "NoSuchBucket", "NotFound"):
+                raise ConfigError(f"CheckpointConfig.root={root!r}: bucket {self.bucket!r} does not exist "
+                                  f"at {self._endpoint()}; create it first") from None
+            if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+                raise ConfigError(f"CheckpointConfig.root={root!r}: access to bucket {self.bucket!r} at "
+                                  f"{self._endpoint()} was denied ({code}): check the credentials in "
+                                  "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (not shown)") from None
+            raise ConfigError(f"CheckpointConfig.root={root!r}: bucket {self.bucket!r}: {describe(e)}") from None
+        except BotoCoreError as e:
+            raise ConfigError(f"CheckpointConfig.root={root!r}: cannot reach S3 for bucket {self.bucket!r} "
+                              f"({type(e).__name__}: {e})") from None
+
+    def _endpoint(self) -> str:
+        return str(self.client.meta.endpoint_url)
+

@@ -1,0 +1,251 @@
+"""Checkpoints on a real S3 server (SeaweedFS), one process: the commit protocol, discovery,
+retention, leftovers, the lock, plain-DCP readability and construction errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager, CheckpointSaveError, ConfigError
+from distckpt.storage import open_store
+from tests.distributed.trainer import build, full_params, train_steps
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(120)]
+
+
+def manager_for(root: str, **kw):
+    model, optimizer, scheduler, scaler, loader = build(0, 1, kw.pop("build", {}))
+    on_phase = kw.pop("on_phase", None)
+    cfg = CheckpointConfig(root=root, interval_steps=None, **kw)
+    return (CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
+                              dataloader=loader, on_phase=on_phase),
+            (model, optimizer, scheduler, scaler, loader))
+
+
+def keys(server, root: str) -> list[str]:
+    bucket, _, prefix = root[len("s3://"):].partition("/")
+    out = []
+    for page in server.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+        out += [o["Key"][len(prefix) + 1:] for o in page.get("Contents", [])]
+    return sorted(out)
+
+
+def get(server, root: str, rel: str) -> bytes:
+    bucket, _, prefix = root[len("s3://"):].partition("/")
+    return server.client().get_object(Bucket=bucket, Key=f"{prefix}/{rel}")["Body"].read()
+
+
+def put(server, root: str, rel: str, body: bytes) -> None:
+    bucket, _, prefix = root[len("s3://"):].partition("/")
+    server.client().put_object(Bucket=bucket, Key=f"{prefix}/{rel}", Body=body)
+
+
+def test_save_commits_manifest_last_and_load_restores_bitwise(s3_server, s3_root):
+    manager, objs = manager_for(s3_root, keep_last=2)
+    for step in (3, 6, 9):
+        train_steps(*objs, 3)
+        location = manager.save(step)
+    expected = {k: v.clone() for k, v in full_params(objs[0]).items()}
+    manager.close()
+    assert isinstance(location, str) and location.startswith(f"{s3_root}/data/step-000000009-")
+    names = keys(s3_server, s3_root)
+    # retention kept 2: manifests and data of steps 6 and 9 only; no .lock after close
+    assert [n for n in names if n.startswith("manifests/")] == ["manifests/step-000000006.json",
+                                                                "manifests/step-000000009.json"]
+    data = sorted({n.split("/")[1] for n in names if n.startswith("data/")})
+    assert [d.rsplit("-", 1)[0] for d in data] == ["step-000000006", "step-000000009"]
+    assert get(s3_server, s3_root, "latest") == b"step-000000009\n"
+    assert ".lock" not in names
+    manifest = json.loads(get(s3_server, s3_root, "manifests/step-000000009.json"))
+    assert manifest["data_prefix"] == location[len(s3_root) + 1:]
+    assert {f["path"] for f in manifest["files"]} == {".metadata"} | {f"__0_{i}.distcp" for i in range(4)}
+    assert all(len(f["hash"]) == 32 for f in manifest["files"])  # xxh3-128 from the write path
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] not in json.dumps(manifest)
+
+    fresh, (model, *_) = manager_for(s3_root)
+    state = fresh.load()
+    fresh.close()
+    assert state is not None and state.step == 9 and state.checkpoint_path == location
+    for k, v in full_params(model).items():
+        assert torch.equal(v, expected[k]), k
+
+
+def test_plain_dcp_load_with_fsspec_reader_reads_a_committed_checkpoint(s3_server, s3_root):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # where torch 2.13 keeps it
+
+    manager, objs = manager_for(s3_root)
+    train_steps(*objs, 2)
+    location = manager.save(2)
+    manager.close()
+    sd = {"model": {k: torch.zeros_like(v) for k, v in objs[0].state_dict().items()}}
+    dcp.load(sd, storage_reader=FsspecReader(location, endpoint_url=s3_server.endpoint_url), no_dist=True)
+    for k, v in objs[0].state_dict().items():
+        assert torch.equal(sd["model"][k], v), k
+
+
+def test_a_stale_writer_cannot_replace_a_newer_commit(s3_server, s3_root):
+    manager, objs = manager_for(s3_root)
+    train_steps(*objs, 3)
+    manager.save(3)
+    committed = get(s3_server, s3_root, "manifests/step-000000003.json")
+    manager.close()
+    # A job that lost the root (no lock: it thinks it still owns it) saves the same step again.
+    stale, objs2 = manager_for(s3_root, lock=False, load=True)
+    stale.load()
+    train_steps(*objs2, 1)
+    with pytest.raises(CheckpointSaveError, match="manifests/step-000000003.json already exists"):
+        stale.save(3)
+    stale.close()
+    assert get(s3_server, s3_root, "manifests/step-000000003.json") == committed
+    data = sorted({n.split("/")[1] for n in keys(s3_server, s3_root) if n.startswith("data/")})
+    assert len(data) == 1  # the stale save's objects were removed by its abort
+
+
+def test_interrupted_save_leftovers_are_removed_at_start_and_nothing_else(s3_server, s3_root):
+    manager, objs = manager_for(s3_root)
+    train_steps(*objs, 3)
+    manager.save(3)
+    manager.close()
+    put(s3_server, s3_root, "data/step-000000006-0123abcd/__0_0.distcp", b"half a save")  # no manifest
+    put(s3_server, s3_root, "data/notours/x", b"someone else's")
+    put(s3_server, s3_root, "other/y", b"someone else's")
+    fresh, _ = manager_for(s3_root)
+    assert fresh.load().step == 3
+    fresh.close()
+    names = keys(s3_server, s3_root)
+    assert not any("step-000000006" in n for n in names)
+    assert "data/notours/x" in names and "other/y" in names
+
+
+def test_flipped_byte_fails_the_load_naming_the_object(s3_server, s3_root):
+    manager, objs = manager_for(s3_root)
+    train_steps(*objs, 3)
+    location = manager.save(3)
+    manager.close()
+    rel = location[len(s3_root) + 1:] + "/__0_0.distcp"
+    body = bytearray(get(s3_server, s3_root, rel))
+    body[len(body) // 2] ^= 0x01
+    put(s3_server, s3_root, rel, bytes(body))
+    fresh, _ = manager_for(s3_root)
+    with pytest.raises(CheckpointCorruptError, match="__0_0.distcp: xxh3_128 .* does not match"):
+        fresh.load()
+    fresh.close()
+    assert [str(e) for e in open_store(s3_root).verify(location)][0].startswith(f"{location}/__0_0.distcp")
+
+
+def test_the_lock_refuses_a_second_manager_on_the_same_root(s3_server, s3_root):
+    from distckpt import CheckpointLockedError
+
+    first, _ = manager_for(s3_root)
+    assert json.loads(get(s3_server, s3_root, ".lock"))["pid"] == os.getpid()
+    # the same process re-acquires (an unclosed manager), so fake another host's live lease
+    record = json.loads(get(s3_server, s3_root, ".lock"))
+    put(s3_server, s3_root, ".lock", json.dumps(dict(record, host="elsewhere", pid=1)).encode())
+    with pytest.raises(CheckpointLockedError, match=".lock: checkpoint root is locked by host=elsewhere"):
+        manager_for(s3_root)
+    first.lock.held = False  # not ours any more
+    first.close()
+
+
+def test_missing_bucket_is_a_config_error_naming_the_bucket(s3_server):
+    with pytest.raises(ConfigError, match="bucket 'no-such-bucket-xyz' does not exist") as e:
+        manager_for("s3://no-such-bucket-xyz/run")
+    assert os.environ["AWS_ACCESS_KEY_ID"] not in str(e.value)
+
+
+def test_bad_credentials_are_a_config_error_naming_the_bucket_not_the_keys(s3_server, s3_root, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "WRONG-KEY-ID-123")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-456")
+    with pytest.raises(ConfigError, match="access to bucket 'distckpt-tests' .* was denied") as e:
+        manager_for(s3_root)
+    assert "WRONG-KEY-ID-123" not in str(e.value) and "wrong-secret-456" not in str(e.value)
+
+
+def test_async_save_and_event_log_on_s3(s3_server, s3_root, tmp_path):
+    log = tmp_path / "events.jsonl"
+    manager, objs = manager_for(s3_root, async_mode="thread", event_log=str(log))
+    train_steps(*objs, 3)
+    location = manager.save(3)  # returns once staged; uploads and commits in the background
+    expected = {k: v.clone() for k, v in full_params(objs[0]).items()}
+    manager.wait()
+    manager.close()
+    phases = [json.loads(line)["phase"] for line in log.read_text().splitlines()]
+    assert phases == ["stage", "write", "manifest", "latest", "committed"]  # no rename on S3
+    assert open_store(s3_root).read_latest() == "step-000000003"
+    fresh, (model, *_) = manager_for(s3_root)
+    assert fresh.load().checkpoint_path == location
+    fresh.close()
+    for k, v in full_params(model).items():
+        assert torch.equal(v, expected[k]), k
+
+
+def test_process_async_mode_is_refused_on_s3():
+    with pytest.raises(ConfigError, match="async_mode='process' is not supported on s3:// roots"):
+        CheckpointConfig(root="s3://bucket/run", async_mode="process")
+
+
+def test_load_path_may_name_a_checkpoint_of_another_s3_root(s3_server, s3_root):
+    manager, objs = manager_for(s3_root)
+    train_steps(*objs, 3)
+    location = manager.save(3)
+    expected = {k: v.clone() for k, v in full_params(objs[0]).items()}
+    manager.close()
+    other, objs2 = manager_for(f"{s3_root}-other", load_path=location)
+    state = other.load()
+    train_steps(*objs2, 1)
+    other.save(4)  # commits into its own root; the source root is untouched
+    other.close()
+    assert state.step == 3 and state.checkpoint_path == location
+    assert [n for n in keys(s3_server, f"{s3_root}-other") if n.startswith("manifests/")] == [
+        "manifests/step-000000004.json"]
+    assert [n for n in keys(s3_server, s3_root) if n.startswith("manifests/")] == ["manifests/step-000000003.json"]
+    fresh, (model2, *_) = manager_for(s3_root)
+    fresh.load()
+    fresh.close()
+    for k, v in full_params(model2).items():
+        assert torch.equal(v, expected[k]), k
+
+
+def test_a_fresh_run_in_a_used_s3_root_refuses_or_archives(s3_server, s3_root):
+    manager, objs = manager_for(s3_root)
+    train_steps(*objs, 3)
+    manager.save(3)
+    manager.close()
+    with pytest.raises(ConfigError, match="already holds 1 checkpoint\\(s\\), newest step-000000003"):
+        manager_for(s3_root, load=False)
+    archived, _ = manager_for(s3_root, load=False, on_existing="archive")
+    archived.close()
+    names = keys(s3_server, s3_root)
+    assert "manifests/archived-step-000000003-0.json" in names and "manifests/step-000000003.json" not in names
+    assert any(n.startswith("data/step-000000003-") for n in names)  # nothing deleted
+    fresh, _ = manager_for(s3_root)
+    assert fresh.load() is None  # an archived checkpoint is never loaded
+    fresh.close()
+    assert any(n.startswith("data/step-000000003-") for n in keys(s3_server, s3_root))  # nor removed as leftover
+
+
+def test_rollback_on_s3_sets_newer_checkpoints_aside_at_the_first_save(s3_server, s3_root):
+    manager, objs = manager_for(s3_root)
+    locations = {}
+    for step in (3, 6):
+        train_steps(*objs, 3)
+        locations[step] = manager.save(step)
+    manager.close()
+    rollback, objs2 = manager_for(s3_root, load_path=locations[3])
+    assert rollback.load().step == 3
+    assert "manifests/step-000000006.json" in keys(s3_server, s3_root)  # only loading changes nothing
+    train_steps(*objs2, 1)
+    rollback.save(4)
+    rollback.close()
+    names = keys(s3_server, s3_root)
+    assert [n for n in names if n.startswith("manifests/")] == [
+        "manifests/rolledback-step-000000006-0.json", "manifests/step-000000003.json",
+        "manifests/step-000000004.json"]
+    assert get(s3_server, s3_root, "latest") == b"step-000000004\n"
+    fresh, _ = manager_for(s3_root)
+    assert fresh.load().step == 4
+    fresh.close()
