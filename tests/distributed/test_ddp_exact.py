@@ -19,7 +19,8 @@ K = 16
 RESUME_AT = (3, 13)  # after the first few steps; after many (mid-epoch at both world sizes)
 
 
-@pytest.mark.parametrize("world_size", [3, 4])
+# 3 ranks in `make test-slow`: the default suite keeps 4 (the bug needs >= 3 ranks either way).
+@pytest.mark.parametrize("world_size", [pytest.param(3, marks=pytest.mark.slow), 4])
 def test_ddp_same_world_resume_is_bitwise(tmp_path, world_size):
     opts = {"until": K, "wrapper": "ddp", "ddp_fixed_buckets": True, "width": 640,
             "global_batch_size": 12 if world_size == 3 else 8}

@@ -146,10 +146,14 @@ def _evict(path: str) -> None:
     "save_wrapper,save_ws,load_ws,reader_kw,with_hashes,cold",
     [
         ("fsdp2", 2, 3, {}, False, False),
-        ("fsdp2", 2, 3, {"direct_min_bytes": 4096, "thread_count": 1}, False, True),
+        # Variants of the reader's knobs: `make test-slow` (the default suite keeps the two above
+        # and below, which cover the stock-like and the direct+hashes paths).
+        pytest.param("fsdp2", 2, 3, {"direct_min_bytes": 4096, "thread_count": 1}, False, True,
+                     marks=pytest.mark.slow),
         ("fsdp2", 2, 4, {"direct_min_bytes": 4096}, True, True),
-        ("fsdp2", 2, 4, {"gap_read_bytes": 0, "max_request_bytes": 1 << 20}, True, False),
-        ("ddp", 2, 3, {"direct_min_bytes": 4096}, False, True),
+        pytest.param("fsdp2", 2, 4, {"gap_read_bytes": 0, "max_request_bytes": 1 << 20}, True, False,
+                     marks=pytest.mark.slow),
+        pytest.param("ddp", 2, 3, {"direct_min_bytes": 4096}, False, True, marks=pytest.mark.slow),
     ],
     ids=["fsdp2x2-fsdp2x3", "fsdp2x2-fsdp2x3-direct-cold", "fsdp2x2-fsdp2x4-direct-hashes-cold",
          "fsdp2x2-fsdp2x4-skip-gaps-hashes", "ddp2-fsdp2x3-direct-cold"],

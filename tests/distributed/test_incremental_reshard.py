@@ -61,7 +61,7 @@ def refs(path):
             if s.relative_path.startswith("../")}
 
 
-@pytest.mark.parametrize("async_mode", ["thread", "process"])
+@pytest.mark.parametrize("async_mode", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_incremental_fsdp2_two_ranks_then_resume_on_one(tmp_path, async_mode):
     root = str(tmp_path)
     two = values(run_ranks(run, 2, {"root": root, "saves": [1, 2], "async_mode": async_mode}))
@@ -104,7 +104,7 @@ def save_then_die_mid_write(rank, world_size, opts):
     return run(rank, world_size, {**opts, "saves": [1, 2]})
 
 
-@pytest.mark.parametrize("victim", [0, 1])
+@pytest.mark.parametrize("victim", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_kill_mid_incremental_write_keeps_the_previous_checkpoint(tmp_path, victim):
     root = str(tmp_path)
     results = run_ranks(save_then_die_mid_write, 2, {"root": root, "victim": victim}, expect_death=True)
