@@ -22,6 +22,7 @@ from typing import Callable
 from .errors import CheckpointCorruptError
 from .integrity import check_file
 from .layout import (
+    DEFERRED_MANIFEST,
     LATEST,
     MANIFEST,
     SET_ASIDE_REASONS,
@@ -110,6 +111,10 @@ def commit(pending_dir: str | os.PathLike, final_dir: str | os.PathLike, manifes
     """
     pending_dir, final_dir = Path(pending_dir), Path(final_dir)
     if final_dir.exists():
+        if is_deferred(final_dir):
+            raise FileExistsError(f"{final_dir} is a deferred checkpoint (retired by retention, {DEFERRED_MANIFEST}) "
+                                  "whose files later incremental checkpoints still refer to: it cannot be replaced "
+                                  "until they are gone; save another step, or use another root")
         if not (final_dir / MANIFEST).exists():
             raise FileExistsError(f"{final_dir} exists and is not a distckpt checkpoint (no {MANIFEST}); "
                                   "distckpt never overwrites or deletes it: move it out of the root")

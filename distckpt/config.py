@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .errors import ConfigError
-from .layout import checkpoint_name
+from .layout import check_root_scheme, checkpoint_name
 
 __all__ = ["CheckpointConfig", "KeepBest", "LOADABLE"]
 
@@ -189,6 +189,7 @@ class CheckpointConfig:
         self.root = os.fspath(self.root)
         if not self.root:
             raise ConfigError("CheckpointConfig.root must be a non-empty directory path")
+        check_root_scheme(self.root, "CheckpointConfig.root")
         if self.root.startswith("s3://"):
             if len(self.root[5:].split("/", 1)[0]) < 3:
                 raise ConfigError(f"CheckpointConfig.root={self.root!r}: expected s3://bucket/prefix "
@@ -240,6 +241,9 @@ class CheckpointConfig:
         if not isinstance(self.incremental, bool):
             raise ConfigError(f"CheckpointConfig.incremental={self.incremental!r}: must be true or false")
         _positive("full_every", self.full_every, allow_none=True, integer=True)
+        if self.full_every is not None and not self.incremental:
+            raise ConfigError(f"CheckpointConfig.full_every={self.full_every!r} needs incremental: true "
+                              "(every save of a non-incremental run is full); set incremental: true or drop it")
         if self.incremental and "://" in self.root:
             raise ConfigError(
                 f"CheckpointConfig.incremental=true with root={self.root!r}: incremental checkpoints refer to "

@@ -29,11 +29,11 @@ from .commit import (
 )
 from .config import CheckpointConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, IncompatibleCheckpointError
-from .layout import LATEST, MANIFEST, checkpoint_name, parse_step
+from .layout import LATEST, MANIFEST, checkpoint_name, parse_set_aside, parse_step
 from .manifest import Manifest, TensorSpec, model_fingerprint
 from .storage import store_of
 
-__all__ = ["CheckpointDiscovery", "StoreDiscovery", "check_model_fits", "make_discovery"]
+__all__ = ["CheckpointDiscovery", "StoreDiscovery", "check_model_fits", "make_discovery", "refuse_corrupt_only"]
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,29 @@ class CheckpointDiscovery:
                 f"no committed checkpoint in {self.root} is loadable (newest problem: {newest_error}). "
                 "Restore the files, point load_path at a good copy, or move the root away to start "
                 "fresh.", path=newest_error.path)
+        refuse_corrupt_only(str(self.root), [e.name for e in os.scandir(self.root)] if self.root.is_dir() else [])
         return None
+
+
+def refuse_corrupt_only(root: str, names: list[str]) -> None:
+    """A resume finding no committed checkpoint in ``root`` must not start fresh over the run's
+    checkpoints set aside as corrupt (``corrupt-step-N-<n>``, e.g. by an earlier start's
+    ``fallback_to_older``): a restart would otherwise train from step 0 into the run's root.
+
+    Args:
+        root: the checkpoint root (for the message).
+        names: the root's entry names (set-aside names, possibly with a ``manifests/`` prefix).
+
+    Raises:
+        CheckpointCorruptError: names the corrupt checkpoints and what to do.
+    """
+    corrupt = sorted(n for n in names if (parsed := parse_set_aside(n.rsplit("/", 1)[-1])) and parsed[0] == "corrupt")
+    if corrupt:
+        raise CheckpointCorruptError(
+            f"no committed checkpoint in {root}: it holds only checkpoints set aside as corrupt "
+            f"({', '.join(corrupt)}). Restore one (rename it back to step-N after repairing its files), "
+            "point load_path at a good copy, or move the root away (or set load: false) to start "
+            "fresh deliberately.", path=root)
 
 
 def check_model_fits(manifest: Manifest, path: str, live: dict[str, TensorSpec],
@@ -375,6 +397,7 @@ class StoreDiscovery:
             raise CheckpointCorruptError(
                 f"no committed checkpoint in {self.root} is loadable (newest problem: {newest_error}).",
                 path=newest_error.path)
+        refuse_corrupt_only(self.root, [f"manifests/{n}" for n in self.store.set_aside_names()])
         return None
 
 

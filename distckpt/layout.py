@@ -7,6 +7,8 @@ import os
 import re
 from pathlib import Path
 
+from .errors import ConfigError
+
 __all__ = [
     "LATEST",
     "MANIFEST",
@@ -20,6 +22,8 @@ __all__ = [
     "parse_set_aside",
     "DEFERRED_MANIFEST",
     "is_deferred",
+    "check_root_scheme",
+    "refuse_output_in_checkpoint",
 ]
 
 LATEST = "latest"
@@ -98,3 +102,41 @@ def is_deferred(checkpoint_dir: str | os.PathLike) -> bool:
     kept (incremental) checkpoint refers to its files: never loaded, deleted by distckpt later."""
     path = Path(checkpoint_dir)
     return (path / DEFERRED_MANIFEST).exists() and not (path / MANIFEST).exists()
+
+
+_URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")
+
+
+def check_root_scheme(root: str, what: str = "root") -> None:
+    """Refuse a root that looks like a URL of a scheme distckpt does not support (``gs://``,
+    ``S3://``, ``s3a://``, ``s3:/``): it would otherwise be taken as a local relative directory.
+
+    Args:
+        root: the root as given.
+        what: the name of the setting, for the message.
+
+    Raises:
+        ConfigError: names the supported schemes (``s3://``, ``file://``, or a plain path).
+    """
+    if not _URL_RE.match(root) or root.startswith(("s3://", "file://")):
+        return
+    scheme = root.split(":", 1)[0]
+    hint = (f" Did you mean s3://{root.split(':', 1)[1].lstrip('/')}?"
+            if scheme.lower() in ("s3", "s3a", "s3n") else "")
+    raise ConfigError(f"{what}={root!r}: unsupported URL scheme {scheme + ':'!r}; supported roots are "
+                      f"s3://bucket/prefix, file:///path or a plain directory path.{hint}")
+
+
+def refuse_output_in_checkpoint(out: str | os.PathLike, what: str = "output") -> None:
+    """Refuse to write ``out`` (a file or directory) inside a checkpoint: a directory holding a
+    distckpt manifest (committed or deferred), checked for ``out`` and each of its parents --
+    written files would make the checkpoint fail verification, or overwrite its data.
+
+    Raises:
+        ConfigError: names the checkpoint; write elsewhere.
+    """
+    path = Path(out).resolve()
+    for d in (path, *path.parents):
+        if (d / MANIFEST).is_file() or (d / DEFERRED_MANIFEST).is_file():
+            raise ConfigError(f"{what} {str(out)!r} is inside the checkpoint {d}: distckpt never writes into a "
+                              "checkpoint (it would damage it); choose a path outside it")

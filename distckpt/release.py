@@ -25,6 +25,7 @@ from ._version import __version__
 from .commit import write_atomic
 from .errors import CheckpointNotFoundError
 from .export import ExportDtype, ExportResult, export_checkpoint
+from .layout import refuse_output_in_checkpoint
 from .reader import CheckpointReader
 from .state import unpack
 
@@ -81,6 +82,7 @@ def release_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.Path
         CheckpointCorruptError: damaged metadata or a file failing its hash check.
         FileExistsError: a release file exists and ``overwrite`` is false.
         FileNotFoundError: the parent of the release directory does not exist.
+        ConfigError: the release directory is inside a checkpoint (a directory with a manifest).
         ValueError: an unknown dtype, or a checkpoint without model tensors.
     """
     reader = CheckpointReader(checkpoint_dir)
@@ -94,6 +96,7 @@ def release_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.Path
     out = Path(out_dir)
     if name_with_step:
         out = out.with_name(release_dir_name(out.name, manifest.step, manifest.loss))
+    refuse_output_in_checkpoint(out, "release directory")
     if not out.parent.is_dir():
         raise FileNotFoundError(f"{out.parent} does not exist; create it first")
     for name in (MODEL_FILE, CARD_FILE, CONFIG_FILE):
@@ -118,7 +121,8 @@ def release_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.Path
     out.mkdir(exist_ok=True)
     model = export_checkpoint(reader.path, out / MODEL_FILE, format="safetensors", dtype=dtype,
                               model_only=True, overwrite=overwrite, progress=progress)
-    write_atomic(out / CONFIG_FILE, json.dumps(config, indent=1, default=str) + "\n")
+    # strict JSON: a non-finite loss/metric (NaN, inf) is written as null
+    write_atomic(out / CONFIG_FILE, json.dumps(_finite(config), indent=1, default=str, allow_nan=False) + "\n")
     write_atomic(out / CARD_FILE, model_card(config, model))
     return ReleaseResult(path=str(out), files=[MODEL_FILE, CARD_FILE, CONFIG_FILE], model=model,
                          training_config=config)
@@ -187,3 +191,14 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     raise TypeError(f"not JSON data: {type(value).__name__}")
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, +-inf) replaced by ``None``, in containers too."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

@@ -19,7 +19,7 @@ from torch import nn
 
 from .collective import Collective
 from .config import CheckpointConfig
-from .errors import IncompatibleCheckpointError
+from .errors import ConfigError, IncompatibleCheckpointError
 from .manifest import Manifest
 from .probe import ProbeFn, relative_difference, run_probe
 from .state import TrainState
@@ -43,7 +43,8 @@ class ResumeExtras:
     def __init__(self, *, probe: ProbeFn | None, run_id: str | None, model: nn.Module,
                  collective: Collective, config: CheckpointConfig) -> None:
         if run_id is not None and (not isinstance(run_id, str) or not run_id):
-            raise TypeError(f"run_id={run_id!r}: expected a non-empty string")
+            raise ConfigError(f"CheckpointManager(run_id={run_id!r}): expected a non-empty string "
+                              "(the experiment tracker's run id) or None")
         self.probe, self.model, self.collective, self.config = probe, model, collective, config
         self.explicit_run_id = run_id is not None
         self.run_id: str = collective.broadcast(run_id or uuid.uuid4().hex[:16])

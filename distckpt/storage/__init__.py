@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..layout import check_root_scheme
 from .base import CheckpointStore, is_s3_url
 
 __all__ = ["CheckpointStore", "is_s3_url", "open_store", "open_config_store", "split_location", "store_of"]
@@ -28,9 +29,11 @@ def open_store(root: str | os.PathLike, *, endpoint_url: str | None = None,
         endpoint_url, region: S3 only; default ``$AWS_ENDPOINT_URL`` / ``$AWS_DEFAULT_REGION``.
 
     Raises:
-        ConfigError: a malformed ``s3://`` URL (credentials are never named).
+        ConfigError: a malformed ``s3://`` URL (credentials are never named), or a URL of
+            another scheme (``gs://``, ``S3://``, ``s3a://``).
     """
     text = os.fspath(root)
+    check_root_scheme(text)
     if is_s3_url(text):
         from .s3 import S3Store  # boto3 is only needed for s3:// roots
 

@@ -416,3 +416,38 @@ def test_leftovers_of_interrupted_delete_and_latest_update_are_removed(tmp_path,
     # Not provably distckpt's: kept, with a warning.
     assert (no_manifest / "__0_0.distcp").read_bytes() == b"not distckpt's"
     assert f"ignoring {no_manifest}" in caplog.text
+
+
+def _truncate_data(checkpoint):
+    data = max(checkpoint.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    data.write_bytes(data.read_bytes()[:10])
+
+
+def test_restart_after_every_checkpoint_set_aside_as_corrupt_refuses(tmp_path):
+    first, _ = trained_manager(tmp_path, steps=(3, 6))
+    first.close()
+    _truncate_data(tmp_path / "step-000000003")
+    _truncate_data(tmp_path / "step-000000006")
+    manager, _ = manager_for(tmp_path, fallback_to_older=True)
+    with pytest.raises(CheckpointCorruptError, match="is loadable"):
+        manager.load()
+    manager.close()
+    assert sorted(p.name for p in tmp_path.glob("corrupt-*")) == ["corrupt-step-000000003-0",
+                                                                 "corrupt-step-000000006-0"]
+    for kw in ({"fallback_to_older": True}, {}):  # the restart (same config) and one without fallback
+        manager, _ = manager_for(tmp_path, **kw)
+        with pytest.raises(CheckpointCorruptError, match="only checkpoints set aside as corrupt") as err:
+            manager.load()  # never a fresh start into the run's root
+        assert "corrupt-step-000000003-0, corrupt-step-000000006-0" in str(err.value)
+        assert "load_path" in str(err.value) and "load: false" in str(err.value)
+        manager.close()
+    assert not list(tmp_path.glob("step-*"))  # nothing trained or committed
+
+
+def test_rolled_back_or_archived_only_root_still_starts_fresh(tmp_path):
+    first, _ = trained_manager(tmp_path, steps=(3,))
+    first.close()
+    (tmp_path / "step-000000003").rename(tmp_path / "archived-step-000000003-0")
+    manager, _ = manager_for(tmp_path)
+    assert manager.load() is None
+    manager.close()
