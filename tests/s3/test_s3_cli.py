@@ -55,6 +55,8 @@ def test_cli_ls_inspect_diff_export_prune_and_verify_on_s3(s3_server, s3_root, t
         assert torch.equal(v, params[k[len("model."):]]), k
 
     capsys.readouterr()
+    assert main(["prune", s3_root, "--keep-last", "2", "--dry-run"]) == 0  # names what is really there
+    assert f"would delete  {locations[2]}\n" in capsys.readouterr().out
     assert main(["prune", s3_root, "--keep-last", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["deleted"] == ["step-000000002"]
     assert not any("step-000000002" in n for n in keys(s3_server, s3_root))
