@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -112,6 +113,7 @@ class RootLock:
     def __init__(self, root: str | os.PathLike, *, lease_s: float = 300.0, renew: bool = False,
                  lock_file: Any = None) -> None:
         self.file = lock_file if lock_file is not None else PosixLockFile(Path(root) / LOCK_NAME)
+        self.root = str(root)
         self.path = self.file.where
         now = time.time()
         self.lease_s = float(lease_s)
@@ -220,13 +222,31 @@ class RootLock:
                 return
 
     def release(self) -> None:
-        """Stop renewing; remove the lock if this process holds it."""
+        """Stop renewing; remove the lock if this process holds it.
+
+        Called while another exception propagates (a ``finally`` or ``with`` exit after a failed
+        save), a failure to reach the lock is logged, not raised, so that exception surfaces.
+
+        Raises:
+            OSError: (e.g. :class:`~distckpt.errors.StorageError`) the lock could not be read or
+                removed, when no other exception is propagating.
+        """
         self._stop.set()
         if self._renewer is not None:
             self._renewer.join()
             self._renewer = None
-        if self.held:
+        if not self.held:
+            return
+        propagating = sys.exc_info()[1]
+        try:
             holder = self._holder()
             if holder is not None and holder.get("pid") == self.me["pid"] and holder.get("host") == self.me["host"]:
                 self.file.remove()
+        except OSError as e:
+            if propagating is None:
+                raise
+            logger.warning("could not release the checkpoint lock of root %s (%s) after %s; it is taken over "
+                           "once this process is gone or its lease (%g s) expired", self.root,
+                           type(e).__name__, type(propagating).__name__, self.lease_s)
+        finally:
             self.held = False

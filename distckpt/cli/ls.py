@@ -106,7 +106,8 @@ def list_s3_root(root: str) -> list[dict]:
         if isinstance(result, Manifest):
             row.update(time=fmt_time(result.wall_time), wall_time=result.wall_time,
                        size_bytes=sum(f.size_bytes for f in result.files), world_size=result.world_size,
-                       state_dict_type=result.state_dict_type, wrapper=result.wrapper, loss=result.loss)
+                       state_dict_type=result.state_dict_type, wrapper=result.wrapper, loss=result.loss,
+                       metrics=result.metrics)
         else:
             row.update(status="corrupt", reason=str(result))
         rows.append(row)

@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     if args.keep_every is not None and args.keep_every < 1:
         raise ValueError(f"--keep-every {args.keep_every}: must be >= 1")
     if is_s3_url(args.root):
-        return report(args, args.root, *prune_store(open_store(args.root), args))
+        committed, doomed, corrupt, where = prune_store(open_store(args.root), args)
+        return report(args, args.root, committed, doomed, corrupt, where=where)
     root = Path(args.root)
     if not root.exists():
         raise CheckpointNotFoundError(f"{root}: no such checkpoint root")
@@ -90,11 +91,11 @@ def run(args: argparse.Namespace) -> int:
     return report(args, root, committed, doomed, corrupt, deferred)
 
 
-def prune_store(store: Any, args: argparse.Namespace) -> tuple[list[int], list[int], list[str]]:
+def prune_store(store: Any, args: argparse.Namespace) -> tuple[list[int], list[int], list[str], dict[int, str]]:
     """Prune an object-storage root (lock, audit the kept ones, manifest-first deletes).
 
     Returns:
-        ``(committed steps, deleted steps, corrupt names)``.
+        ``(committed steps, deleted steps, corrupt names, {step: location (data prefix URL)})``.
     """
     if split_location(store.root)[1] is not None:
         raise CheckpointNotFoundError(f"{store.root} is a checkpoint; pass its root")
@@ -122,11 +123,11 @@ def prune_store(store: Any, args: argparse.Namespace) -> tuple[list[int], list[i
     finally:
         if lock is not None:
             lock.release()
-    return committed, doomed, sorted(corrupt)
+    return committed, doomed, sorted(corrupt), where
 
 
 def report(args: argparse.Namespace, root: Path | str, committed: list[int], doomed: list[int],
-           corrupt: list[str], deferred: list[str] | None = None) -> int:
+           corrupt: list[str], deferred: list[str] | None = None, where: dict[int, str] | None = None) -> int:
     deferred = deferred or []
     kept = [s for s in committed if s not in doomed]
     if args.json:
@@ -137,7 +138,7 @@ def report(args: argparse.Namespace, root: Path | str, committed: list[int], doo
     verb = "would delete" if args.dry_run else "deleted"
     for s in doomed:
         note = "  (deferred: a kept incremental checkpoint refers to it)" if checkpoint_name(s) in deferred else ""
-        print(f"{verb}  {root}/{checkpoint_name(s)}{note}")
+        print(f"{verb}  {(where or {}).get(s) or f'{root}/{checkpoint_name(s)}'}{note}")
     print(f"{verb} {len(doomed)}, kept {len(kept)} committed checkpoint(s)"
           + (f"; {len(corrupt)} corrupt left untouched: {', '.join(corrupt)}" if corrupt else ""))
     return 0

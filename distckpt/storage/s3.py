@@ -299,8 +299,13 @@ class S3Store:
                 referenced.add(self._parse_manifest(step, self.objects.get(key), "").data_prefix)
             except CheckpointCorruptError:
                 unsure.add(checkpoint_name(step))
+        # From the objects, not the "directories": some servers (SeaweedFS) keep a prefix
+        # after its last object is deleted, which is no save at all.
+        base = self.key(DATA)
+        names = {rest.split("/", 1)[0] for k in self.objects.list_objects(base)
+                 if "/" in (rest := k[len(base):]) and not rest.endswith("/")}
         loose = []
-        for name in self.objects.list_dirs(self.key(DATA)):
+        for name in sorted(names):
             m = _DATA_RE.match(name)
             if m is not None and f"{DATA}{name}" not in referenced and m.group(1) not in unsure:
                 loose.append(f"{DATA}{name}")

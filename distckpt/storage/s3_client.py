@@ -42,6 +42,8 @@ def split_url(url: str) -> tuple[str, str]:
     Raises:
         ConfigError: not an ``s3://`` URL, or no bucket.
     """
+    if url.rstrip("/") == "s3:":  # "s3://" (or its trailing "/" stripped by a caller)
+        raise ConfigError("'s3://': no bucket (expected s3://bucket/prefix)")
     if not url.startswith("s3://"):
         raise ConfigError(f"{url!r} is not an s3:// URL")
     bucket, _, key = url[len("s3://"):].partition("/")

@@ -55,6 +55,8 @@ def test_cli_ls_inspect_diff_export_prune_and_verify_on_s3(s3_server, s3_root, t
         assert torch.equal(v, params[k[len("model."):]]), k
 
     capsys.readouterr()
+    assert main(["prune", s3_root, "--keep-last", "2", "--dry-run"]) == 0  # names what is really there
+    assert f"would delete  {locations[2]}\n" in capsys.readouterr().out
     assert main(["prune", s3_root, "--keep-last", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["deleted"] == ["step-000000002"]
     assert not any("step-000000002" in n for n in keys(s3_server, s3_root))
@@ -69,3 +71,25 @@ def test_cli_ls_inspect_diff_export_prune_and_verify_on_s3(s3_server, s3_root, t
     out = capsys.readouterr().out
     assert f"CORRUPT  {locations[6]}" in out and f"ok       {locations[4]}" in out
     assert f"{locations[6]}/__0_1.distcp: xxh3_128" in out and "does not match the manifest" in out
+
+
+def test_retention_leaves_no_pending_rows_and_ls_shows_metrics(s3_server, s3_root, caplog, capsys):
+    # SeaweedFS keeps a data prefix after retention deletes its objects: not an unfinished save.
+    manager, objs = manager_for(s3_root, keep_last=1)
+    for step in (1, 2, 3):
+        train_steps(*objs, 1)
+        manager.save(step, loss=0.5, metrics={"acc": 0.25})
+    manager.close()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="distckpt"):
+        manager, _ = manager_for(s3_root, keep_last=1)
+        assert manager.load().step == 3  # rank 0 removes leftovers here
+        manager.close()
+    assert not [r for r in caplog.records if "left by" in r.getMessage()]
+    capsys.readouterr()
+    assert main(["ls", s3_root, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert [(r["step"], r["status"]) for r in rows] == [(3, "committed")]
+    assert rows[0]["metrics"] == {"acc": 0.25}
+    assert main(["verify", s3_root]) == 0
+    assert "skipped" not in capsys.readouterr().out

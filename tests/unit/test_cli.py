@@ -399,3 +399,10 @@ def test_prune_refuses_a_root_a_job_is_writing(tmp_path, capsys):
     (root / ".lock").write_text(json.dumps({"host": "elsewhere", "pid": 1, "job_id": "J"}))
     code, _, err = run(capsys, "prune", root, "--keep-last", "1")
     assert code == 2 and "locked" in err and len(list(root.glob("step-*"))) == 2
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3:///run1"])
+def test_s3_url_without_bucket_says_so(capsys, url):
+    pytest.importorskip("boto3")
+    code, _, err = run(capsys, "ls", url)
+    assert code != 0 and "no bucket (expected s3://bucket/prefix)" in err and "not an s3:// URL" not in err

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from distckpt import CheckpointConfig, CheckpointLockedError, CheckpointManager
+from distckpt.errors import CheckpointSaveError, StorageError
 from distckpt.lock import LOCK_NAME, RootLock, job_id
 from tests.distributed.trainer import Net
 
@@ -106,3 +107,20 @@ def test_manager_takes_over_an_expired_lease_of_another_host(tmp_path):
     manager = CheckpointManager(CheckpointConfig(root=str(tmp_path), lock_lease_s=60.0), model=Net(), optimizer=None)
     assert _holder(tmp_path)["pid"] == os.getpid()
     manager.close()
+
+
+def test_failed_lock_release_does_not_mask_the_error_leaving_the_with_block(tmp_path, caplog):
+    def unreachable(*_):
+        raise StorageError("S3 GET s3://b/r/.lock failed (server gone)")
+
+    cfg = CheckpointConfig(root=str(tmp_path))
+    with pytest.raises(CheckpointSaveError, match="save of step-5 failed"):
+        with CheckpointManager(cfg, model=Net(), optimizer=None) as manager:
+            manager.lock.file.read = unreachable  # the storage died mid-run
+            raise CheckpointSaveError("save of step-5 failed")
+    assert any(f"checkpoint lock of root {tmp_path}" in r.getMessage() and r.levelname == "WARNING"
+               for r in caplog.records)
+    manager = CheckpointManager(cfg, model=Net(), optimizer=None)  # this process's stale lock: taken over
+    manager.lock.file.read = unreachable
+    with pytest.raises(StorageError, match="server gone"):  # a plain close still reports it
+        manager.close()
