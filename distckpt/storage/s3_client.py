@@ -196,17 +196,6 @@ class S3Objects:
             raise self._fail("LIST", prefix, e) from e
         return out
 
-    def list_dirs(self, prefix: str) -> list[str]:
-        """Names of the "directories" directly under ``prefix`` (which ends with ``/``)."""
-        names: list[str] = []
-        try:
-            for page in self.client.get_paginator("list_objects_v2").paginate(
-                    Bucket=self.bucket, Prefix=prefix, Delimiter="/"):
-                names += [p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", [])]
-        except (ClientError, BotoCoreError) as e:
-            raise self._fail("LIST", prefix, e) from e
-        return names
-
     def delete(self, keys: list[str]) -> None:
         """Delete objects (absent ones are fine). Raises ``StorageError``."""
         for start in range(0, len(keys), 1000):
