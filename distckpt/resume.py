@@ -87,6 +87,11 @@ class ResumeExtras:
         assert loaded is not None  # a probe is set
         train_state.probe_loss_loaded = loaded
         saved = manifest.probe_loss
+        if "model" not in self.config.load_selection:  # fresh weights on purpose: nothing to compare
+            if self.collective.rank == 0:
+                logger.info("probe loss after loading %s: %.6g; the model was not loaded (load selection), "
+                            "so it is not compared with the save's %s", path, loaded, saved)
+            return
         if saved is None:
             if self.collective.rank == 0:
                 logger.info("probe loss after loading %s: %.6g; none recorded at its save, nothing to compare",
@@ -102,8 +107,8 @@ class ResumeExtras:
                    f"{diff:.3g} > probe_tolerance {tol:g}): the model does not compute what it computed at the "
                    "save, so something it depends on was not restored (weights not loaded or changed after "
                    "the load, a non-persistent buffer, a different probe batch or model code). Check the "
-                   "load selection and the model, or set probe_on_mismatch: warn to continue anyway.")
+                   "load selection and the model")
         if self.config.probe_on_mismatch == "raise":
-            raise IncompatibleCheckpointError(message)
+            raise IncompatibleCheckpointError(message + ", or set probe_on_mismatch: warn to continue anyway.")
         if self.collective.rank == 0:
-            logger.warning("%s", message)
+            logger.warning("%s (probe_on_mismatch: warn: continuing)", message)

@@ -38,10 +38,13 @@ def hostile_probe(model):
     return nn.functional.mse_loss(model(PROBE_DATA.x[:32]), PROBE_DATA.y[:32])
 
 
-def run(root, *, until, probe=None, interval=2, **config):
+def run(root, *, until, probe=None, interval=2, prepare=None, **config):
     """The tiny trainer (dropout, AdamW, LambdaLR, GradScaler, StatefulDataLoader) resumed from
-    ``root`` when it holds a checkpoint, trained to ``until``. Returns (losses, params, state, manager)."""
+    ``root`` when it holds a checkpoint, trained to ``until`` (``prepare(model)`` first, when given).
+    Returns (losses, params, state, manager)."""
     model, optimizer, scheduler, scaler, loader = build(0, 1, {})
+    if prepare is not None:
+        prepare(model)
     manager = CheckpointManager(
         CheckpointConfig(root=str(root), interval_steps=interval, keep_last=None, **config), model=model,
         optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader, probe=probe)
@@ -94,22 +97,41 @@ def test_probe_match_after_load_recorded_in_manifest(tmp_path, caplog):
     assert "probe loss after loading" in caplog.text and "restored" in caplog.text
 
 
+def shifted_probe(model):
+    """Depends on ``model.shift``, a non-persistent buffer: never in a checkpoint."""
+    return hostile_probe(model) + model.shift.sum()
+
+
+def with_shift(value):
+    def prepare(model):
+        model.register_buffer("shift", torch.full((1,), value), persistent=False)
+    return prepare
+
+
 @pytest.mark.parametrize("on_mismatch", ["raise", "warn"])
 def test_probe_mismatch_on_a_wrong_restore(tmp_path, on_mismatch, caplog):
-    """The model deliberately not loaded (exclude_from_loading: [model]): the probe sees
-    the fresh weights, and says so with both values."""
-    run(tmp_path, until=4, probe=hostile_probe)
+    """The probe depends on a non-persistent buffer the run had changed (0.5), which a restart
+    does not restore (0.0): the probe says so with both values."""
+    run(tmp_path, until=4, probe=shifted_probe, prepare=with_shift(0.5))
     saved = Manifest.read(tmp_path / "step-000000004").probe_loss
-    kw = {"exclude_from_loading": ["model"], "probe_on_mismatch": on_mismatch}
+    kw = {"probe_on_mismatch": on_mismatch}
     if on_mismatch == "raise":
         with pytest.raises(IncompatibleCheckpointError, match="probe loss after loading") as err:
-            run(tmp_path, until=4, probe=hostile_probe, **kw)
+            run(tmp_path, until=4, probe=shifted_probe, prepare=with_shift(0.0), **kw)
         assert f"at save {saved:.6g}" in str(err.value) and "probe_tolerance 0.01" in str(err.value)
     else:
         with caplog.at_level(logging.WARNING, logger="distckpt"):
-            _, _, state, _ = run(tmp_path, until=4, probe=hostile_probe, **kw)
+            _, _, state, _ = run(tmp_path, until=4, probe=shifted_probe, prepare=with_shift(0.0), **kw)
         assert state.probe_loss_loaded != saved and f"at save {saved:.6g}" in caplog.text
-        assert f"{state.probe_loss_loaded:.6g}" in caplog.text
+        assert f"{state.probe_loss_loaded:.6g}" in caplog.text and "set probe_on_mismatch" not in caplog.text
+
+
+def test_probe_not_compared_when_the_model_is_not_loaded(tmp_path, caplog):
+    """exclude_from_loading: [model] keeps fresh weights on purpose: no mismatch is raised."""
+    run(tmp_path, until=4, probe=hostile_probe)
+    with caplog.at_level(logging.INFO, logger="distckpt"):
+        _, _, state, _ = run(tmp_path, until=4, probe=hostile_probe, exclude_from_loading=["model"])
+    assert state.probe_loss_loaded is not None and "the model was not loaded" in caplog.text
 
 
 def test_probe_tolerance_validated():
