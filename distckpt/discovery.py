@@ -122,7 +122,8 @@ class CheckpointDiscovery:
         if not newer:
             return False
         what = (f"load_path={self.config.resolved_load_path!r}" if self.config.resolved_load_path is not None
-                else f"step_rule='rescale' (step {step})")
+                else f"step_rule='rescale' (step {step})" if self.config.step_rule == "rescale"
+                else f"the resumed step {step} (the load selection left out counters)")
         if not self.locked:
             raise ConfigError(f"{what} rolls back {self.root}, whose newer "
                               "checkpoints must be set aside before this run saves: that needs lock: true")
@@ -139,9 +140,10 @@ class CheckpointDiscovery:
                  for s, p in existing_checkpoints(self.root) if s > step]
         repair_latest(self.root)
         if moved:
-            logger.warning("rollback to %s: set aside %d newer checkpoint(s), kept: %s. Remove load_path "
-                           "from the config now: a restart with it rolls back again.",
-                           checkpoint_name(step), len(moved), ", ".join(moved))
+            again = ("Remove load_path/load_step from the config now: a restart with it rolls back again."
+                     if self.config.resolved_load_path is not None else "")
+            logger.warning("rollback to %s: set aside %d newer checkpoint(s), kept: %s. %s",
+                           checkpoint_name(step), len(moved), ", ".join(moved), again)
 
 
     def choose(self, rejected: list[str]) -> str | None:
