@@ -1,9 +1,10 @@
 """Asynchronous write: stage the state_dict, then run DCP's save in the background.
 
-Layering (as in ``torch.distributed.checkpoint.async_save``): a persistent
-``DefaultStager`` copies tensors off the training tensors into buffers it keeps and reuses
-across saves (pinned on CUDA, shared memory for the process executor); the same DCP save then
-runs in a thread or a separate process. Two completions: *staged* (training may mutate the
+Layering (as in ``torch.distributed.checkpoint.async_save``): a persistent stager
+(:class:`~distckpt.engine.staging.ReusingStager` over DCP's ``DefaultStager``) copies tensors
+off the training tensors into buffers it keeps and reuses across saves (pinned on CUDA, shared
+memory for the process executor); the same DCP save then runs in a thread or a separate
+process, with the cyclic GC paused until it ends (:data:`~distckpt.engine.blocking.GC_PAUSE`). Two completions: *staged* (training may mutate the
 parameters again) and *written* (files are on disk; the commit may follow).
 """
 
