@@ -4,7 +4,8 @@ Layering (as in ``torch.distributed.checkpoint.async_save``): a persistent stage
 (:class:`~distckpt.engine.staging.ReusingStager` over DCP's ``DefaultStager``) copies tensors
 off the training tensors into buffers it keeps and reuses across saves (pinned on CUDA, shared
 memory for the process executor); the same DCP save then runs in a thread or a separate
-process, with the cyclic GC paused until it ends (:data:`~distckpt.engine.blocking.GC_PAUSE`). Two completions: *staged* (training may mutate the
+process (in a thread, with the cyclic GC paused until it ends:
+:data:`~distckpt.engine.blocking.GC_PAUSE`). Two completions: *staged* (training may mutate the
 parameters again) and *written* (files are on disk; the commit may follow).
 """
 
@@ -89,22 +90,27 @@ class AsyncWriter:
                 # The background copy runs on its own stream, which does not wait for the
                 # kernels already queued (the optimizer step): wait for them here.
                 torch.cuda.synchronize(device)
-            # No cyclic GC until this rank's write is done: a generation-2 collection triggered
-            # by DCP's planning stalls this rank, and the others wait for it at the next
-            # collective (see blocking.gc_paused). Training allocations wait with it.
-            GC_PAUSE.acquire()
+            # Thread mode: no cyclic GC until this rank's write is done. A generation-2
+            # collection triggered by DCP's planning in this process stalls this rank, and the
+            # others wait for it at the next collective (see blocking.gc_paused); training
+            # allocations wait with it. The process executor plans in its own process.
+            pause = self.checkpointer_type == AsyncCheckpointerType.THREAD
+            if pause:
+                GC_PAUSE.acquire()
             try:
                 response = dcp.async_save(state_dict, storage_writer=writer, process_group=self.process_group,
                                           async_checkpointer_type=self.checkpointer_type,
                                           async_stager=self.stager)
             except BaseException:
-                GC_PAUSE.release()
+                if pause:
+                    GC_PAUSE.release()
                 raise
         if isinstance(response, AsyncSaveResponse):
             self._staged, upload = response.staging_completion, response.upload_completion
         else:
             self._staged, upload = None, response
-        upload.add_done_callback(lambda _: GC_PAUSE.release())
+        if pause:
+            upload.add_done_callback(lambda _: GC_PAUSE.release())
         return upload
 
     def written_files(self, directory: str | os.PathLike, rank: int) -> dict[str, tuple[int, str]]:
