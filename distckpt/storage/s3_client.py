@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import threading
 from typing import Any, Callable
 
@@ -36,11 +37,15 @@ _clients: dict[tuple[int, str | None, str | None, str], Any] = {}
 _clients_lock = threading.Lock()
 
 
+# What botocore accepts as a bucket name (its own check raises a bare regex message otherwise).
+_BUCKET_RE = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
+
+
 def split_url(url: str) -> tuple[str, str]:
     """``s3://bucket/a/b`` -> ``("bucket", "a/b")`` (no leading/trailing slash on the key).
 
     Raises:
-        ConfigError: not an ``s3://`` URL, or no bucket.
+        ConfigError: not an ``s3://`` URL, no bucket, or a bucket name S3 clients refuse.
     """
     if url.rstrip("/") == "s3:":  # "s3://" (or its trailing "/" stripped by a caller)
         raise ConfigError("'s3://': no bucket (expected s3://bucket/prefix)")
@@ -49,6 +54,10 @@ def split_url(url: str) -> tuple[str, str]:
     bucket, _, key = url[len("s3://"):].partition("/")
     if not bucket:
         raise ConfigError(f"{url!r}: no bucket (expected s3://bucket/prefix)")
+    if not _BUCKET_RE.fullmatch(bucket):
+        raise ConfigError(
+            f"{url!r}: {bucket!r} is not a valid bucket name (letters, digits, '.', '-' and '_', at most 255 "
+            "characters; AWS itself allows only 3-63 lowercase letters, digits, '.' and '-'): fix the URL")
     return bucket, key.strip("/")
 
 
