@@ -191,6 +191,10 @@ def test_bench_load_smoke(tmp_path):
         assert "error" not in r and r["bitwise_equal"], r
         assert r["load_s"] > 0 and r["read_data_s"] > 0 and r["disk_read_gbps"] > 0
     assert any("reshard_ratio" in r for r in rows) and any("speedup_vs_stock" in r for r in rows)
+    for r in rows:  # the fast reader's counters: bytes read vs the bytes the plans need
+        if r["reader"] != "stock":
+            assert r["bytes_needed"] > 0 and r["read_amplification"] == r["bytes_read"] / r["bytes_needed"] >= 1, r
+    assert "read / needed MiB" in (out / "results.md").read_text()
     assert results["meta"]["cold_method"] and results["meta"]["verdicts"]
     assert results["meta"]["page_reporting"]["state"]
     assert "## Goals" in (out / "results.md").read_text()
