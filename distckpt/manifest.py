@@ -24,7 +24,8 @@ SCHEMA_VERSION = 4
 # v2 -> v3: a file path may name another checkpoint's file ("../step-N/__0_0.distcp", an
 # incremental checkpoint's reference): an older distckpt would delete referenced checkpoints.
 # v3 -> v4: files may carry "block_ends" + "block_hashes" (xxh3_128 per block, integrity.py);
-# an older distckpt would call such a manifest malformed, so it says "upgrade" instead.
+# an older distckpt would call such a manifest malformed, so it says "upgrade" instead. A
+# manifest without block digests (S3, async_mode: process) is still written as v3.
 
 
 @dataclass(kw_only=True)
@@ -112,6 +113,8 @@ class Manifest:
         for f in data["files"]:  # files without blocks (and S3 manifests) keep their old form
             if f["block_ends"] is None and f["block_hashes"] is None:
                 del f["block_ends"], f["block_hashes"]
+        if data["schema_version"] == 4 and not any("block_ends" in f for f in data["files"]):
+            data["schema_version"] = 3  # no block digests: a v3 manifest, which older distckpt reads
         return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod
