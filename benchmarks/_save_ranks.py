@@ -16,6 +16,8 @@ SAVE_MODES = ("naive_torch_save", "blocking", "async_thread", "async_process", "
 ASYNC_MODES = ("async_thread", "async_process", "async_thread_bgstage")
 TRAIN_MODES = ("train_none", "train_async", "train_blocking")
 _DISK = "disk"
+# The copy-limit probe: the state copied into buffers it already owns, on every rank at once.
+COPY_LIMIT = "copy_limit"
 # fp32 parameter + AdamW exp_avg + exp_avg_sq (the per-tensor ``step`` scalars are extra).
 _BYTES_PER_PARAM = 12
 _MIB = 1 << 20
@@ -259,6 +261,38 @@ def _save_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
             "baseline_rss_bytes": baseline_rss, "bg_peak_rss_bytes": children.peak_bytes,
             "local_state_bytes": local_bytes, "global_state_bytes": global_bytes,
             "build_s": t_build}
+
+
+def _copy_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """The staging copy's physical limit: this rank's local state (parameters + optimizer
+    state) copied tensor by tensor into buffers allocated and touched beforehand, every rank at
+    the same time (as staging does). Runs in its own rank set so its buffers stay out of the
+    save modes' RSS.
+
+    Returns:
+        ``{"copy_s": [seconds per copy, "copy_bytes": local state bytes}``.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    model, optimizer, local_bytes, _ = _build_state(spec["size_bytes"], world_size, spec.get("device", "cpu"))
+    sources = [t.to_local() if isinstance(t, DTensor) else t for t in model.parameters()]
+    for state in optimizer.state.values():
+        sources += [v.to_local() if isinstance(v, DTensor) else v for v in state.values()
+                    if isinstance(v, torch.Tensor)]
+    buffers = [torch.empty_like(t, device="cpu") for t in sources]
+    times = []
+    with torch.no_grad():
+        for i in range(1 + spec.get("copies", 3)):  # the first copy touches the buffers' pages
+            dist.barrier()
+            t0 = time.perf_counter()
+            for dst, src in zip(buffers, sources):
+                dst.copy_(src)
+            if i:
+                times.append(time.perf_counter() - t0)
+    dist.barrier()
+    return {"copy_s": times, "copy_bytes": local_bytes}
 
 
 def _train_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:

@@ -42,9 +42,19 @@ def _verdicts(rows: list[dict[str, Any]]) -> list[str]:
             out.append(f"- stall {mode} <= {limit:.0%} of blocking e2e at {tag}, ws=2: not measured")
             continue
         v = r["stall_over_blocking_e2e"]
+        copy = r.get("stall_over_copy_limit")
+        bound = ""
+        blocking = find("blocking", target, 2)
+        if copy is not None and blocking is not None and mode != "async_thread_bgstage":
+            # Staging in the loop cannot beat copying the local state once.
+            floor = r["copy_limit_s"] / blocking["end_to_end_s"]
+            bound = (f"; stall = {copy:.2f}x the measured copy limit, which alone is {floor:.1%} of blocking"
+                     + (": the goal is below what this machine's memory copy allows" if floor > limit else ""))
+        elif copy is not None:
+            bound = f"; stall = {copy:.2f}x the measured copy limit"
         out.append(f"- stall {mode} <= {limit:.0%} of blocking e2e at {tag}, ws=2: "
                    f"**{'met' if v <= limit else 'missed'}** ({v:.1%}"
-                   + ("" if v <= limit else f", {v / limit:.1f}x the limit") + ")")
+                   + ("" if v <= limit else f", {v / limit:.1f}x the limit") + bound + ")")
     worst = [(r["e2e_over_blocking_e2e"], r) for r in save if r.get("e2e_over_blocking_e2e") is not None
              and math.isfinite(r["e2e_over_blocking_e2e"])]
     if worst:
@@ -57,11 +67,11 @@ def _verdicts(rows: list[dict[str, Any]]) -> list[str]:
         cells = [r for r in save if r["mode"] == "blocking" and r["world_size"] == ws
                  and r.get("write_over_disk") is not None]
         if not cells:
-            out.append(f"- blocking write >= 80% of disk bandwidth at ws={ws}: not measured")
+            out.append(f"- blocking write >= 85% of disk bandwidth at ws={ws}: not measured")
             continue
         parts = ", ".join(f"{r['size_mib']:g} MiB {r['write_over_disk']:.0%}" for r in cells)
-        ok = all(r["write_over_disk"] >= 0.8 for r in cells)
-        out.append(f"- blocking write >= 80% of disk bandwidth at ws={ws}: **{'met' if ok else 'missed'}** ({parts})")
+        ok = all(r["write_over_disk"] >= 0.85 for r in cells)
+        out.append(f"- blocking write >= 85% of disk bandwidth at ws={ws}: **{'met' if ok else 'missed'}** ({parts})")
     dist_rows = [r for r in save if r["mode"] != "naive_torch_save"]
     if dist_rows:
         slack = _RSS_SLACK_BYTES
@@ -109,17 +119,19 @@ def render_markdown(results: dict[str, Any]) -> str:
              "RSS budget = baseline RSS before the state was built + 2 x local state.", ""]
     save = [r for r in rows if r["experiment"] == "save"]
     header = ("| size MiB | ws | mode | stall s | e2e s | write GB/s | disk GB/s | write/disk | stall/blk e2e "
-              "| e2e/blk e2e | first save s | peak RSS MiB | RSS budget MiB | bg RSS MiB | n |")
+              "| copy limit s | stall/copy | e2e/blk e2e | first save s | peak RSS MiB | RSS budget MiB "
+              "| bg RSS MiB | n |")
     lines += ["## Save", "", header, "|" + "---|" * (header.count("|") - 1)]
     for r in save:
         if "error" in r:
             lines.append(f"| {r['size_mib']:g} | {r['world_size']} | {r['mode']} | FAILED: "
-                         f"{r['error'].splitlines()[0][:120]} |" + " |" * 11)
+                         f"{r['error'].splitlines()[0][:120]} |" + " |" * 13)
             continue
         lines.append(
             f"| {r['size_mib']:g} | {r['world_size']} | {r['mode']} | {_fmt(r['stall_s'])} | "
             f"{_fmt(r['end_to_end_s'])} | {_fmt(r['write_gbps'], '.2f')} | {_fmt(r['disk_write_gbps'], '.2f')} | "
             f"{_fmt(r.get('write_over_disk'), '.0%')} | {_fmt(r.get('stall_over_blocking_e2e'), '.1%')} | "
+            f"{_fmt(r.get('copy_limit_s'))} | {_fmt(r.get('stall_over_copy_limit'), '.2f')} | "
             f"{_fmt(r.get('e2e_over_blocking_e2e'), '.2f')} | {_fmt(r['first_save_s'])} | "
             f"{_mib(r['peak_rss_bytes'])} | {_mib(r['rss_budget_bytes'])} | {_mib(r['bg_peak_rss_bytes'])} | "
             f"{r['repeats']} |")

@@ -85,8 +85,10 @@ from benchmarks._save_ranks import (
     _MIB,
     _TRAIN_MODEL,
     ASYNC_MODES,
+    COPY_LIMIT,
     SAVE_MODES,
     TRAIN_MODES,
+    _copy_worker,
     _save_worker,
     _train_worker,
 )
@@ -98,6 +100,7 @@ __all__ = ["main", "SAVE_MODES", "TRAIN_MODES"]
 _TARGETS: dict[str, Callable[[int, int, dict[str, Any]], Any]] = {
     "save": _save_worker,
     "train": _train_worker,
+    "copy": _copy_worker,
 }
 
 
@@ -172,8 +175,9 @@ def _run_save_block(args, size_mib: float, world_size: int, modes: list[str], th
     size_bytes = int(size_mib * _MIB)
     samples: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     disk: list[float] = []  # per round: median of that round's probes
+    copy: list[float | None] = []  # per round: the copy limit (max over ranks, median of copies)
     errors: dict[str, str] = {}
-    items = list(modes)
+    items = list(modes) + ([COPY_LIMIT] if any(m in ASYNC_MODES for m in modes) else [])
     source = _disk_source(size_bytes) if with_disk else None
     if with_disk:  # probes spread through the round: the disk's speed drifts within seconds
         for k in range(args.disk_probes):
@@ -189,6 +193,11 @@ def _run_save_block(args, size_mib: float, world_size: int, modes: list[str], th
                 if mode.startswith(_DISK):
                     probes.append(_disk_write_seconds(root, source))
                     continue
+                if mode == COPY_LIMIT:
+                    copy.append(_copy_limit_s(_run_ranks("copy", world_size, {"size_bytes": size_bytes},
+                                                          timeout_s=_save_timeout(args, size_bytes, world_size))))
+                    _log(f"copy limit {size_mib:g} MiB ws={world_size} round {r}: {copy[-1]:.3f} s")
+                    continue
                 t0 = time.perf_counter()
                 spec = {"mode": mode.split("@")[0], "size_bytes": size_bytes, "root": str(root),
                         "saves_per_process": args.saves_per_process, "thread_count": thread_counts[mode],
@@ -201,16 +210,25 @@ def _run_save_block(args, size_mib: float, world_size: int, modes: list[str], th
                      f"(rank set {time.perf_counter() - t0:.1f} s, "
                      f"state built in {samples[mode][-1]['build_s']:.1f} s)")
             except BenchError as e:
+                _log(f"FAILED {mode} {size_mib:g} MiB ws={world_size}: {e}")
+                if mode == COPY_LIMIT:  # keeps one entry per round; tried again next round
+                    copy.append(None)
+                    continue
                 errors[mode] = str(e)
                 samples[mode].append(None)
-                _log(f"FAILED {mode} {size_mib:g} MiB ws={world_size}: {e}")
             finally:
                 _clean(root)
         if probes:
             disk.append(_median(probes))
             _log(f"disk probe {size_mib:g} MiB round {r}: "
                  + ", ".join(f"{size_bytes / t / 1e9:.2f}" for t in probes) + " GB/s")
-    return {"size_bytes": size_bytes, "samples": samples, "disk_s": disk, "errors": errors}
+    return {"size_bytes": size_bytes, "samples": samples, "disk_s": disk, "copy_s": copy, "errors": errors}
+
+
+def _copy_limit_s(values: list[dict[str, Any]]) -> float:
+    """Per copy the slowest rank (staging waits for it too), median over copies."""
+    n = len(values[0]["copy_s"])
+    return _median([max(v["copy_s"][i] for v in values) for i in range(n)])
 
 
 def _save_sample(values: list[dict[str, Any]]) -> dict[str, Any]:
@@ -294,6 +312,12 @@ def _save_rows(block: dict[str, Any], world_size: int, thread_counts: dict[str, 
         for key in ("stage", "write", "commit"):
             if timings:
                 row[f"manifest_{key}_s"] = _median([t.get(key, float("nan")) for t in timings])
+        copies = block.get("copy_s", [])
+        if mode in ASYNC_MODES and any(c is not None for c in copies):
+            row["copy_limit_s"] = _median([c for c in copies if c is not None])
+            row["stall_over_copy_limit"] = _median([
+                s / c for r, c in enumerate(copies)
+                if c is not None and (s := round_value(mode, r, "stall_s")) is not None])
         if mode in ASYNC_MODES and "blocking" in by_mode:
             row["stall_over_blocking_e2e"] = _median(paired(mode, "blocking", "stall_s", "end_to_end_s"))
             row["e2e_over_blocking_e2e"] = _median(paired(mode, "blocking", "end_to_end_s", "end_to_end_s"))

@@ -275,10 +275,16 @@ def set_aside(checkpoint_dir: str | os.PathLike, reason: str = "corrupt") -> Pat
     return dst
 
 
-def delete_checkpoint(checkpoint_dir: str | os.PathLike) -> None:
+def delete_checkpoint(checkpoint_dir: str | os.PathLike,
+                      remove: Callable[[Path], None] | None = None) -> None:
     """Delete a committed checkpoint: first rename it to ``.deleting-<name>-<id>`` (durable),
     so a crash mid-delete leaves a directory that is provably distckpt's deletion (removed at
     the next start) and never a ``step-*`` directory that lacks files.
+
+    Args:
+        remove: called with the renamed directory to remove its files (e.g.
+            :meth:`distckpt.purge.Purger.submit`, in the background); ``None``: removed here,
+            ignoring errors.
 
     Raises:
         OSError: the rename failed (the checkpoint is then untouched).
@@ -290,4 +296,7 @@ def delete_checkpoint(checkpoint_dir: str | os.PathLike) -> None:
     except FileNotFoundError:
         return
     fsync_dir(src.parent)
-    shutil.rmtree(doomed, ignore_errors=True)
+    if remove is not None:
+        remove(doomed)
+    else:
+        shutil.rmtree(doomed, ignore_errors=True)

@@ -81,7 +81,8 @@ class CheckpointConfig:
         loss_history_len: number of recent losses kept in the checkpoint.
         seed: base seed for deriving RNG state of ranks that did not exist at save time.
         async_mode: ``"off"`` (blocking save), ``"thread"`` or ``"process"``: ``save`` returns
-            once the state is staged (copied); the write and the commit finish in the background.
+            once the state is staged (copied); the write and the commit finish in the background
+            (``"thread"``: with Python's cyclic GC paused until this rank's write ends).
         background_staging: with async, copy in a background thread too; the loop must call
             ``manager.wait_staged()`` before ``optimizer.step()``.
         thread_count: writer threads (and files) per rank for DCP's ``FileSystemWriter``

@@ -18,21 +18,23 @@ import uuid
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import torch
 
-from .commit import commit, existing_checkpoints, list_files, repair_latest, set_aside
+from .commit import existing_checkpoints, repair_latest, set_aside
 from .errors import CheckpointNotFoundError, ConfigError
 from .integrity import hash_file
-from .layout import checkpoint_name, pending_name, refuse_output_in_checkpoint
+from .layout import checkpoint_name, refuse_output_in_checkpoint
 from .manifest import Manifest, TensorSpec, model_fingerprint
 from .reader import CheckpointReader
 from .single_file import SafetensorsWriter, TorchZipWriter
 from .state import WEIGHTS_ONLY_KEY
+from .storage import CheckpointStore
+from .storage.posix import PosixStore
 
 __all__ = ["ExportFormat", "ExportDtype", "ExportResult", "export_checkpoint", "import_weights",
-           "load_weights"]
+           "import_into", "load_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -350,24 +352,12 @@ def import_weights(weights_path: str | os.PathLike, root: str | os.PathLike, *, 
             ``load`` would resume those, not the import).
         CheckpointLockedError: another job writes this root.
     """
-    import torch.distributed.checkpoint as dcp
-
-    from ._version import __version__
-    from .engine.blocking import hashing_writer
-    from .lock import RootLock
-    from .state import TrainState, pack
-
-    t0 = time.perf_counter()
     if on_existing not in ("refuse", "archive"):
         raise ValueError(f"on_existing={on_existing!r}: expected 'refuse' or 'archive'")
-    weights = load_weights(weights_path)
     root = Path(root)
     final = root / checkpoint_name(step)
-    root.mkdir(parents=True, exist_ok=True)
-    lock = RootLock(root)
-    lock.acquire()
-    pending = root / pending_name(step, uuid.uuid4().hex[:12])
-    try:
+
+    def refuse_or_archive() -> None:
         existing = existing_checkpoints(root)
         if existing and on_existing != "archive":
             raise ConfigError(
@@ -380,42 +370,71 @@ def import_weights(weights_path: str | os.PathLike, root: str | os.PathLike, *, 
             logger.warning("import: set aside the %d checkpoint(s) of %s: %s", len(moved), root, ", ".join(moved))
         if final.exists():
             raise FileExistsError(f"{final} already exists; import into another root or pick another step")
+
+    return Path(import_into(PosixStore(str(root)), weights_path, step=step, before_write=refuse_or_archive))
+
+
+def import_into(store: CheckpointStore, weights_path: str | os.PathLike, *, step: int,
+                before_write: Callable[[], None]) -> str:
+    """:func:`import_weights` into any store's root (``s3://``: :mod:`distckpt.store_import`),
+    written in this process (``dcp.save``, no process group); returns the committed checkpoint's
+    location. ``before_write`` runs holding the root's lock, before anything is written: the
+    store's refuse-or-archive of the checkpoints the root holds.
+
+    Raises:
+        CheckpointNotFoundError, ValueError: as :func:`load_weights`.
+        CheckpointLockedError: another job writes this root.
+        OSError, FileExistsError, ConfigError: from the write, the commit or ``before_write``;
+            nothing is committed and the pending location is removed.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from ._version import __version__
+    from .lock import RootLock
+    from .state import TrainState, pack
+
+    t0 = time.perf_counter()
+    weights = load_weights(weights_path)
+    store.prepare()
+    lock = RootLock.of(store)
+    lock.acquire()
+    pending = store.pending_location(step, uuid.uuid4().hex[:12])
+    try:
+        before_write()
         state = {
             "model": weights,
             "train_state": pack(TrainState(step=step).to_saved()),
             "rank_state": {"rank0": {"rng": pack(_derived_rng_state(step))}},
             WEIGHTS_ONLY_KEY: pack({"source": str(Path(weights_path).resolve()),
-                              "size_bytes": Path(weights_path).stat().st_size, "time": time.time()}),
+                                    "size_bytes": Path(weights_path).stat().st_size, "time": time.time()}),
         }
-        pending.mkdir()
-        writer = hashing_writer(pending, thread_count=1)
+        store.begin_write(pending)
+        writer = store.dcp_writer(pending, thread_count=1, write_timeout_s=None)
         t_write = time.perf_counter()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
             dcp.save(state, storage_writer=writer, no_dist=True)
         t_write = time.perf_counter() - t_write
         specs = {k: TensorSpec(shape=list(v.shape), dtype=str(v.dtype)) for k, v in sorted(weights.items())}
-        files = list_files(pending, dict(writer.fs.written))
+        files = store.list_files(pending, dict(writer.fs.written))
         for entry in files:
-            if entry.hash is None:
-                entry.hash = hash_file(pending / entry.path)[1]
+            if entry.hash is None and store.kind == "posix":  # not reported by the writer: hash it here
+                entry.hash = hash_file(Path(pending) / entry.path)[1]
         manifest = Manifest(
             step=step, wall_time=time.time(), world_size=1, wrapper="plain", state_dict_type="full",
             torch_version=torch.__version__, distckpt_version=__version__, model=specs,
             model_fingerprint=model_fingerprint(specs),
             timings_s={"stage": 0.0, "write": t_write, "commit": time.perf_counter() - t0 - t_write},
             files=files)
-        commit(pending, final, manifest)
+        location = store.commit(pending, step, manifest)
     except BaseException:
-        import shutil
-
-        shutil.rmtree(pending, ignore_errors=True)
+        store.abort(pending)
         raise
     finally:
         lock.release()
-    logger.info("imported %s as %s (%d tensors) in %.2f s", weights_path, final, len(weights),
+    logger.info("imported %s as %s (%d tensors) in %.2f s", weights_path, location, len(weights),
                 time.perf_counter() - t0)
-    return final
+    return location
 
 
 def _derived_rng_state(step: int) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Callable
 
 from .commit import delete_checkpoint, fsync_dir, validate
 from .engine import read_dcp_metadata
@@ -120,10 +121,13 @@ class References:
 
     Args:
         root: the checkpoint root.
+        remove: removes a deleted checkpoint's renamed ``.deleting-*`` directory (see
+            :func:`~distckpt.commit.delete_checkpoint`); ``None``: at once, on this thread.
     """
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, remove: Callable[[Path], None] | None = None) -> None:
         self.root = Path(root)
+        self._remove = remove
         self._refs: dict[str, dict[str, set[str]]] = {}  # referrer -> owner -> files
         for entry in os.scandir(self.root):
             if entry.is_dir() and os.path.exists(os.path.join(entry.path, MANIFEST)):
@@ -153,7 +157,7 @@ class References:
         path = Path(checkpoint_dir)
         self.forget(path.name)
         if not self.referenced(path.name):
-            delete_checkpoint(path)
+            delete_checkpoint(path, self._remove)
             return "deleted"
         os.replace(path / MANIFEST, path / DEFERRED_MANIFEST)  # no longer a committed checkpoint
         fsync_dir(path)
@@ -173,7 +177,7 @@ class References:
             if self.referenced(path.name):
                 self._trim(path)
             else:
-                delete_checkpoint(path)
+                delete_checkpoint(path, self._remove)
                 deleted.append(path.name)
         return deleted
 

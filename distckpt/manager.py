@@ -349,18 +349,18 @@ class CheckpointManager:
             self.async_writer.wait_staged()
 
     def wait(self) -> None:
-        """Block until the in-flight save (if any) is committed or failed.
+        """Block until the in-flight save (if any) is committed or failed, and retention's file removal is done.
 
         Raises:
             CheckpointSaveError: the background save failed (on every rank); nothing of it
                 was committed. Training may continue; the next save starts clean.
         """
         self._check_open()
+        self._save_ctx.purger.join()  # a blocking save's retention removes files in the background
         inflight, self._inflight = self._inflight, None
-        if inflight is None:
-            return
-        self.wait_staged()
-        inflight.join()
+        if inflight is not None:
+            self.wait_staged()
+            inflight.join()
 
     def close(self) -> None:
         """Drain the in-flight save, release the async staging buffers and the lock, and destroy

@@ -10,11 +10,12 @@ while peak memory stays about one batch (a few tensors), not the whole checkpoin
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -185,17 +186,8 @@ class CheckpointReader:
         if not self.path.is_dir():
             raise CheckpointNotFoundError(f"{self.path}: no such checkpoint directory")
         self.metadata = read_dcp_metadata(self.path)
-        self.manifest: Manifest | None = None
-        self.manifest_error: CheckpointCorruptError | None = None
-        if (self.path / MANIFEST).exists():
-            try:
-                self.manifest = Manifest.read(self.path)
-            except CheckpointCorruptError as e:
-                if check_files:
-                    raise
-                self.manifest_error = e
-        expected = ({f.path: (f.size_bytes, f.hash) for f in self.manifest.files}
-                    if check_files and self.manifest is not None else None)
+        read = functools.partial(Manifest.read, self.path) if (self.path / MANIFEST).exists() else None
+        expected = self._read_manifest(read, check_files)
         self._storage: Any = _CachedReader(self.path, self.metadata, expected)
         self.items = _catalogue(self.metadata, self.path)
 
@@ -207,20 +199,32 @@ class CheckpointReader:
         self.path = location or url
         store = open_store(root)
         self.metadata = store.read_dcp_metadata(self.path)
-        self.manifest, self.manifest_error = None, None
-        if location is not None:
-            try:
-                self.manifest = store.read_manifest(location)
-            except CheckpointCorruptError as e:
-                if check_files:
-                    raise
-                self.manifest_error = e
-        expected = ({f.path: (f.size_bytes, f.hash) for f in self.manifest.files}
-                    if check_files and self.manifest is not None else None)
+        read = functools.partial(store.read_manifest, location) if location is not None else None
+        expected = self._read_manifest(read, check_files)
         reader = S3Reader(self.path, expected_files=expected, endpoint_url=None, region=None)
         reader.read_metadata = lambda *a, **k: self.metadata  # type: ignore[method-assign]  # parsed once
         self._storage = reader
         self.items = _catalogue(self.metadata, self.path)
+
+    def _read_manifest(self, read_manifest: Callable[[], Manifest] | None,
+                       check_files: bool) -> dict[str, tuple[int, str | None]] | None:
+        """Set ``manifest`` and ``manifest_error`` from ``read_manifest()`` (``None``: the
+        checkpoint has none); return the files to check as ``expected_files`` (``None``: none).
+
+        Raises:
+            CheckpointCorruptError: an unreadable manifest, with ``check_files``.
+        """
+        self.manifest: Manifest | None = None
+        self.manifest_error: CheckpointCorruptError | None = None
+        if read_manifest is not None:
+            try:
+                self.manifest = read_manifest()
+            except CheckpointCorruptError as e:
+                if check_files:
+                    raise
+                self.manifest_error = e
+        return ({f.path: (f.size_bytes, f.hash) for f in self.manifest.files}
+                if check_files and self.manifest is not None else None)
 
     def keys(self, group: str | None = None) -> list[str]:
         """Sorted keys, optionally of one group."""

@@ -41,6 +41,7 @@ from .incremental import References, reference_entries, reuse_for
 from .integrity import hash_file
 from .layout import checkpoint_name
 from .manifest import Manifest, TensorSpec, model_fingerprint
+from .purge import Purger
 from .retention import best_steps, steps_to_delete
 from .state import TrainState
 from .storage import CheckpointStore, open_store
@@ -103,6 +104,8 @@ class SaveContext:
         keep_best: best-K retention by a metric of the manifests, or ``None``.
         incremental, full_every: incremental saves (``CheckpointConfig``; :mod:`distckpt.incremental`).
         store: the root's storage (:mod:`distckpt.storage`); ``None``: the POSIX directory ``root``.
+        purger: removes the files of checkpoints retention deleted, in the background (rank 0,
+            POSIX); joined before the next retention, by ``BackgroundSave`` and the manager's ``wait``.
     """
 
     root: Path | str
@@ -121,6 +124,7 @@ class SaveContext:
     incremental: bool = False
     full_every: int | None = None
     store: CheckpointStore | None = None
+    purger: Purger = dataclasses.field(default_factory=Purger)
 
 
 class SaveTransaction:
@@ -320,8 +324,10 @@ class SaveTransaction:
             logger.warning("%s holds checkpoints newer than the step-%d just committed (steps %s); "
                            "retention leaves them, and a later load: true resumes from step %d",
                            root, self.step, newer, max(newer))
-        # POSIX: a checkpoint an incremental one refers to is deferred, not deleted.
-        refs = References(Path(root)) if self.store.kind == "posix" else None
+        self.ctx.purger.join()  # the previous save's removals: References reads every directory
+        # POSIX: a checkpoint an incremental one refers to is deferred, not deleted. The rename
+        # to .deleting- happens here; the removal of its files runs on the purger's thread.
+        refs = References(Path(root), remove=self.ctx.purger.submit) if self.store.kind == "posix" else None
         for step in steps_to_delete(committed, keep_last=self.ctx.keep_last,
                                     keep_every_steps=self.ctx.keep_every_steps, just_committed=self.step,
                                     also_keep=best):
@@ -365,6 +371,8 @@ class BackgroundSave:
                     on_committed(self.seconds)
             except Exception as e:  # noqa: BLE001 - raised on the training thread by join()
                 self._error = e
+            finally:
+                tx.ctx.purger.join()  # joining this thread means retention's removals are done too
 
         self._thread = threading.Thread(target=run, name=f"distckpt-commit-{tx.step}", daemon=True)
         self._thread.start()

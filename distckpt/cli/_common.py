@@ -8,13 +8,23 @@ import math
 from datetime import datetime, timezone
 from typing import Any, Sequence
 
-__all__ = ["add_common", "print_json", "print_table", "fmt_bytes", "fmt_time", "fmt_float"]
+__all__ = ["add_common", "add_checkpoint_output", "print_json", "print_table", "fmt_bytes", "fmt_time", "fmt_float"]
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
     """``--json`` and ``--debug``, accepted after every subcommand."""
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+
+
+def add_checkpoint_output(parser: argparse.ArgumentParser, *, out_help: str, force_help: str) -> None:
+    """What ``export`` and ``release`` share: ``checkpoint`` (a directory or a root), ``out``,
+    ``--dtype``, ``--force`` and ``--no-progress``."""
+    parser.add_argument("checkpoint", help="checkpoint directory, or a root (its newest committed checkpoint)")
+    parser.add_argument("out", help=out_help)
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="cast floating-point model tensors")
+    parser.add_argument("--force", action="store_true", help=force_help)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def print_json(obj: Any) -> None:

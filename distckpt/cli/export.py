@@ -8,7 +8,7 @@ from typing import Literal
 
 from ..export import export_checkpoint
 from ..reader import resolve_checkpoint
-from ._common import fmt_bytes, print_json
+from ._common import add_checkpoint_output, fmt_bytes, print_json
 
 NAME = "export"
 HELP = "write a checkpoint's FULL tensors into one safetensors or torch.save file (no process group)"
@@ -23,14 +23,10 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint directory, or a root (its newest committed checkpoint)")
-    p.add_argument("out", help="output file")
+    add_checkpoint_output(p, out_help="output file", force_help="replace OUT if it exists")
     p.add_argument("--format", choices=("safetensors", "torch"),
                    help="output format (default: from OUT's suffix: .safetensors, else torch)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="cast floating-point model tensors")
     p.add_argument("--model-only", action="store_true", help="only model tensors, keys without 'model.'")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import argparse
 
 from ..reader import resolve_checkpoint
 from ..release import release_checkpoint
-from ._common import fmt_bytes, print_json
+from ._common import add_checkpoint_output, fmt_bytes, print_json
 
 NAME = "release"
 HELP = "write OUT/model.safetensors (model only), OUT/model_card.md and OUT/training_config.json"
@@ -23,13 +23,10 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint directory, or a root (its newest committed checkpoint)")
-    p.add_argument("out", help="release directory (created; its parent must exist)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="cast floating-point model tensors")
+    add_checkpoint_output(p, out_help="release directory (created; its parent must exist)",
+                          force_help="replace the release files if they exist")
     p.add_argument("--name-with-step", action="store_true",
                    help="write to OUT-step<N>-loss<L> (the checkpoint's step and loss)")
-    p.add_argument("--force", action="store_true", help="replace the release files if they exist")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,9 +1,11 @@
 """Asynchronous write: stage the state_dict, then run DCP's save in the background.
 
-Layering (as in ``torch.distributed.checkpoint.async_save``): a persistent
-``DefaultStager`` copies tensors off the training tensors into buffers it keeps and reuses
-across saves (pinned on CUDA, shared memory for the process executor); the same DCP save then
-runs in a thread or a separate process. Two completions: *staged* (training may mutate the
+Layering (as in ``torch.distributed.checkpoint.async_save``): a persistent stager
+(:class:`~distckpt.engine.staging.ReusingStager` over DCP's ``DefaultStager``) copies tensors
+off the training tensors into buffers it keeps and reuses across saves (pinned on CUDA, shared
+memory for the process executor); the same DCP save then runs in a thread or a separate
+process (in a thread, with the cyclic GC paused until it ends:
+:data:`~distckpt.engine.blocking.GC_PAUSE`). Two completions: *staged* (training may mutate the
 parameters again) and *written* (files are on disk; the commit may follow).
 """
 
@@ -18,12 +20,13 @@ from typing import Any, Callable, Literal
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from ..integrity import hash_file
-from .blocking import hashing_writer
+from .blocking import GC_PAUSE, hashing_writer
 from .incremental_writer import ReuseIndex
+from .staging import ReusingStager
 
 __all__ = ["AsyncWriter", "AsyncMode", "cuda_device_of"]
 
@@ -53,7 +56,7 @@ class AsyncWriter:
             use_async_staging=background_staging, use_non_blocking_copy=self.cuda)
         self.background_staging = background_staging
         # Built at the first save, on the device of the state's tensors (see start()).
-        self.stager: DefaultStager | None = None
+        self.stager: ReusingStager | None = None
         self._stager_device: torch.device | None = None
         self.checkpointer_type = (AsyncCheckpointerType.PROCESS if mode == "process"
                                   else AsyncCheckpointerType.THREAD)
@@ -82,18 +85,33 @@ class AsyncWriter:
             if self.stager is None or device != self._stager_device:
                 if self.stager is not None:
                     self.stager.close()
-                self.stager, self._stager_device = DefaultStager(self.options), device
+                self.stager, self._stager_device = ReusingStager(self.options), device
             if device is not None and self.background_staging:
                 # The background copy runs on its own stream, which does not wait for the
                 # kernels already queued (the optimizer step): wait for them here.
                 torch.cuda.synchronize(device)
-            response = dcp.async_save(state_dict, storage_writer=writer, process_group=self.process_group,
-                                      async_checkpointer_type=self.checkpointer_type, async_stager=self.stager)
+            # Thread mode: no cyclic GC until this rank's write is done. A generation-2
+            # collection triggered by DCP's planning in this process stalls this rank, and the
+            # others wait for it at the next collective (see blocking.gc_paused); training
+            # allocations wait with it. The process executor plans in its own process.
+            pause = self.checkpointer_type == AsyncCheckpointerType.THREAD
+            if pause:
+                GC_PAUSE.acquire()
+            try:
+                response = dcp.async_save(state_dict, storage_writer=writer, process_group=self.process_group,
+                                          async_checkpointer_type=self.checkpointer_type,
+                                          async_stager=self.stager)
+            except BaseException:
+                if pause:
+                    GC_PAUSE.release()
+                raise
         if isinstance(response, AsyncSaveResponse):
-            self._staged = response.staging_completion
-            return response.upload_completion
-        self._staged = None
-        return response
+            self._staged, upload = response.staging_completion, response.upload_completion
+        else:
+            self._staged, upload = None, response
+        if pause:
+            upload.add_done_callback(lambda _: GC_PAUSE.release())
+        return upload
 
     def written_files(self, directory: str | os.PathLike, rank: int) -> dict[str, tuple[int, str]]:
         """``{file name: (size_bytes, xxh3_128)}`` of this rank's files of the last save.

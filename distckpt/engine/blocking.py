@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -16,7 +17,7 @@ from .incremental_writer import IncrementalFileSystemWriter, ReuseIndex
 from .safe_io import SafeFileSystemReader, SafeLoadPlanner
 from .writer import CheckedFileSystemWriter
 
-__all__ = ["dcp_save", "dcp_load", "describe_exception", "gc_paused", "hashing_writer", "raise_as_corrupt",
+__all__ = ["dcp_save", "dcp_load", "describe_exception", "GC_PAUSE", "gc_paused", "hashing_writer", "raise_as_corrupt",
            "run_load"]
 
 
@@ -36,24 +37,51 @@ def _no_single_process_warning(action: str) -> Iterator[None]:
         yield
 
 
+class _GcPause:
+    """Process-wide pause of the automatic (cyclic) GC, counted so that overlapping holders (a
+    background save's write, a blocking load in the training thread) resume it only when the
+    last one releases; it stays off if it was off before the first holder (a training loop
+    that manages GC itself, as torchtitan's GC handler does)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._was_enabled = False
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._holders += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0 and self._was_enabled:
+                gc.enable()
+
+
+GC_PAUSE = _GcPause()
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause Python's automatic (cyclic) garbage collection for a blocking DCP call.
+    """Pause Python's automatic (cyclic) garbage collection for a DCP call (:data:`GC_PAUSE`).
 
     DCP's planning allocates many small containers (plans, metadata, pickled objects), which
     triggers generation-2 collections; each scans every object of the process (a large
-    fraction of a fast load's time, see README "Benchmarks"), and in a multi-rank load the
-    stalled rank holds up every other rank at the next collective. Nothing a save or load allocates needs the cycle
-    collector; reference counting frees it. Same idea as torchtitan's GC handler, which
-    disables automatic GC during training and collects at chosen steps.
+    fraction of a fast load's time, see README "Benchmarks"; 0.2-0.5 s per collection in a
+    background save), and in a multi-rank save or load the stalled rank holds up every other
+    rank at the next collective. Nothing a save or load allocates needs the cycle collector;
+    reference counting frees it. Same idea as torchtitan's GC handler, which disables automatic
+    GC during training and collects at chosen steps.
     """
-    was_enabled = gc.isenabled()
-    gc.disable()
+    GC_PAUSE.acquire()
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        GC_PAUSE.release()
 
 
 def describe_exception(exc: BaseException, *, dcp_ranks: bool = True) -> str:

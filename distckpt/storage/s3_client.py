@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import threading
 from typing import Any, Callable
 
@@ -36,11 +37,17 @@ _clients: dict[tuple[int, str | None, str | None, str], Any] = {}
 _clients_lock = threading.Lock()
 
 
+# Error codes of a request the credentials or the bucket policy do not allow (never retried).
+_AUTH_CODES = ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch")
+# What botocore accepts as a bucket name (its own check raises a bare regex message otherwise).
+_BUCKET_RE = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
+
+
 def split_url(url: str) -> tuple[str, str]:
     """``s3://bucket/a/b`` -> ``("bucket", "a/b")`` (no leading/trailing slash on the key).
 
     Raises:
-        ConfigError: not an ``s3://`` URL, or no bucket.
+        ConfigError: not an ``s3://`` URL, no bucket, or a bucket name S3 clients refuse.
     """
     if url.rstrip("/") == "s3:":  # "s3://" (or its trailing "/" stripped by a caller)
         raise ConfigError("'s3://': no bucket (expected s3://bucket/prefix)")
@@ -49,6 +56,10 @@ def split_url(url: str) -> tuple[str, str]:
     bucket, _, key = url[len("s3://"):].partition("/")
     if not bucket:
         raise ConfigError(f"{url!r}: no bucket (expected s3://bucket/prefix)")
+    if not _BUCKET_RE.fullmatch(bucket):
+        raise ConfigError(
+            f"{url!r}: {bucket!r} is not a valid bucket name (letters, digits, '.', '-' and '_', at most 255 "
+            "characters; AWS itself allows only 3-63 lowercase letters, digits, '.' and '-'): fix the URL")
     return bucket, key.strip("/")
 
 
@@ -112,7 +123,14 @@ class S3Objects:
         return f"s3://{self.bucket}/{key}"
 
     def _fail(self, what: str, key: str, e: BaseException) -> StorageError:
-        return StorageError(f"S3 {what} {self.url(key)} failed after {MAX_ATTEMPTS} attempt(s): {describe(e)}")
+        # botocore retries only transient failures: report the attempts it really made.
+        retries = e.response.get("ResponseMetadata", {}).get("RetryAttempts") if isinstance(e, ClientError) else None
+        attempts = MAX_ATTEMPTS if retries is None else int(retries) + 1
+        hint = ""
+        if error_code(e) in _AUTH_CODES:
+            hint = ("; check the credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (not shown) "
+                    "and the bucket policy")
+        return StorageError(f"S3 {what} {self.url(key)} failed after {attempts} attempt(s): {describe(e)}{hint}")
 
     def put(self, key: str, body: bytes, *, if_absent: bool = False) -> None:
         """PUT one object; with ``if_absent`` a conditional create (``If-None-Match: *``).
@@ -231,7 +249,7 @@ class S3Objects:
             if code in ("404", "NoSuchBucket", "NotFound"):
                 raise ConfigError(f"CheckpointConfig.root={root!r}: bucket {self.bucket!r} does not exist "
                                   f"at {self._endpoint()}; create it first") from None
-            if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            if code in _AUTH_CODES:
                 raise ConfigError(f"CheckpointConfig.root={root!r}: access to bucket {self.bucket!r} at "
                                   f"{self._endpoint()} was denied ({code}): check the credentials in "
                                   "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (not shown)") from None

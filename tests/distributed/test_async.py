@@ -27,7 +27,9 @@ def async_manager(rank, world_size, opts):
 
 def save_async_keep_training(rank, world_size, opts):
     manager, model, optimizer, scheduler, scaler, loader = async_manager(rank, world_size, opts)
-    train_steps(model, optimizer, scheduler, scaler, loader, 3)
+    train_steps(model, optimizer, scheduler, scaler, loader, 1)
+    manager.save(1)  # stages through DCP's DefaultStager; the save at step 3 reuses its copy
+    train_steps(model, optimizer, scheduler, scaler, loader, 2)
     import copy
 
     expected = copy.deepcopy({"params": full_params(model), "optim": full_optim(model, optimizer)})
@@ -36,6 +38,7 @@ def save_async_keep_training(rank, world_size, opts):
     manager.wait_staged()
     train_steps(model, optimizer, scheduler, scaler, loader, 4)
     manager.wait()
+    expected["reused_saves"] = manager.async_writer.stager.reused_saves
     manager.close()
     return expected
 
@@ -48,15 +51,17 @@ def test_async_checkpoint_equals_state_at_save_call(tmp_path, mode, background_s
 
 def check_async_equals_state_at_save(tmp_path, world_size: int, opts: dict, *, backend: str = "gloo",
                                      timeout_s: float = 120.0) -> dict:
-    """Async save at step 3 while training mutates the parameters (4 more steps before the write
-    ends); the checkpoint loaded in fresh processes equals the state at the ``save()`` call,
-    bitwise. Returns rank 0's loaded report."""
+    """Async saves at steps 1 and 3 (the second reusing the first's staged copy) while training
+    mutates the parameters (4 more steps before the write ends); the checkpoint loaded in fresh
+    processes equals the state at the second ``save()`` call, bitwise. Returns rank 0's loaded
+    report."""
     opts = {**opts, "root": str(tmp_path)}
     expected = values(run_ranks(save_async_keep_training, world_size, opts, backend=backend,
                                 timeout_s=timeout_s))[0]
     load_opts = {k: v for k, v in opts.items() if k not in ("mode", "background_staging")}
     loaded = values(run_ranks(load_report, world_size, load_opts, backend=backend, timeout_s=timeout_s))[0]
     assert loaded["state"].step == 3
+    assert expected["reused_saves"] == 1  # step 3 was staged into step 1's buffers
     for k, v in expected["params"].items():
         assert torch.equal(v, loaded["params"][k]), k
     for fqn, entry in expected["optim"]["state"].items():

@@ -105,3 +105,42 @@ def test_metadata_error_on_one_rank_fails_or_falls_back_on_every_rank(tmp_path, 
     else:
         for r in out:
             assert "rank 1" in r["error"] and "Input/output error" in r["error"], r
+
+
+def save_then_die_mid_background_delete(rank, world_size, opts):
+    import distckpt.purge as purge_mod
+
+    manager, model, optimizer, scheduler, scaler, loader = make_manager(rank, world_size, opts)
+    train_steps(model, optimizer, scheduler, scaler, loader, 3)
+    manager.save(3)
+    train_steps(model, optimizer, scheduler, scaler, loader, 3)
+    if rank == 0:
+        torch.save(full_params(model), opts["expected"])
+
+        def remove_one_file_then_die(path):
+            os.remove(min(p for p in path.iterdir() if p.name.endswith(".distcp")))  # part of it gone
+            os.kill(os.getpid(), signal.SIGKILL)  # on the purge thread, after save(6) returned
+
+        purge_mod.remove_tree = remove_one_file_then_die
+    manager.save(6)  # keep_last=1: step 3 is renamed .deleting-* and its removal queued
+    manager.wait()  # rank 0 joins the removal, which kills it
+    return "survived"
+
+
+def test_sigkill_during_background_delete_loses_nothing_and_next_start_cleans_up(tmp_path):
+    root = tmp_path / "ckpt"
+    opts = {"root": str(root), "wrapper": "ddp", "expected": str(tmp_path / "expected.pt"),
+            "config": {"keep_last": 1}}
+    results = run_ranks(save_then_die_mid_background_delete, 2, opts, expect_death=True)
+    assert results[0] is None
+    doomed = [p for p in root.iterdir() if p.name.startswith(".deleting-step-000000003-")]
+    assert len(doomed) == 1 and [p for p in doomed[0].iterdir() if p.name.endswith(".distcp")]  # mid-removal
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-000000006"]
+    assert (root / "latest").read_text().strip() == "step-000000006"
+
+    loaded = values(run_ranks(load_report, 2, {"root": str(root), "wrapper": "ddp"}))
+    assert [r["state"].step for r in loaded] == [6, 6]
+    expected = torch.load(tmp_path / "expected.pt")
+    for k, v in expected.items():
+        assert torch.equal(v, loaded[0]["params"][k]), k
+    assert not [p for p in root.iterdir() if p.name.startswith(".deleting-")]  # removed at the start

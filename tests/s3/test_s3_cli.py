@@ -93,3 +93,16 @@ def test_retention_leaves_no_pending_rows_and_ls_shows_metrics(s3_server, s3_roo
     assert rows[0]["metrics"] == {"acc": 0.25}
     assert main(["verify", s3_root]) == 0
     assert "skipped" not in capsys.readouterr().out
+
+
+def test_cli_with_bad_credentials_names_the_cause_not_retries(s3_server, s3_root, capsys, monkeypatch):
+    manager, objs = manager_for(s3_root)
+    train_steps(*objs, 1)
+    manager.save(1)
+    manager.close()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "WRONG-KEY-ID-123")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-456")
+    code = main(["verify", s3_root])
+    err = capsys.readouterr().err
+    assert code != 0 and "failed after 1 attempt(s)" in err and "AWS_ACCESS_KEY_ID" in err
+    assert "WRONG-KEY-ID-123" not in err and "wrong-secret-456" not in err

@@ -54,7 +54,7 @@ def _recording(monkeypatch) -> list[tuple]:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: calls.append(("synchronize", d)))
-    monkeypatch.setattr(async_writer, "DefaultStager", Stager)
+    monkeypatch.setattr(async_writer, "ReusingStager", Stager)
     monkeypatch.setattr(async_writer.dcp, "async_save", async_save)
     return calls
 

@@ -34,6 +34,8 @@ def test_bench_save_tiny_run_writes_a_row_per_mode_size_and_world_size(tmp_path)
         assert r["stall_s"] <= r["end_to_end_s"] + 1e-6
         if r["mode"] in bench_save.ASYNC_MODES:
             assert r["stall_over_blocking_e2e"] > 0 and r["e2e_over_blocking_e2e"] > 0
+            # The staging copy's limit, measured in the same run: stall cannot beat it by much.
+            assert 0 < r["copy_limit_s"] < r["end_to_end_s"] and r["stall_over_copy_limit"] > 0.5
     meta = results["meta"]
     assert meta["torch_version"] and meta["machine"]["cpu_count"] >= 1 and meta["verdicts"]
     md = (out / "results.md").read_text()

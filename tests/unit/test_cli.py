@@ -406,3 +406,10 @@ def test_s3_url_without_bucket_says_so(capsys, url):
     pytest.importorskip("boto3")
     code, _, err = run(capsys, "ls", url)
     assert code != 0 and "no bucket (expected s3://bucket/prefix)" in err and "not an s3:// URL" not in err
+
+
+@pytest.mark.parametrize("url", ["s3://my bucket/ckpt", "s3://bucket:1/ckpt"])
+def test_a_bad_bucket_name_is_a_config_error_naming_it(capsys, url):
+    code, out, err = run(capsys, "ls", url)
+    assert code != 0 and "is not a valid bucket name" in err and url.split("/")[2] in err
+    assert "regex" not in err.lower()

@@ -80,6 +80,7 @@ def test_retention_deletes_only_older_checkpoints(tmp_path: Path) -> None:
     assert [p for p, _, _ in calls] == list(PHASES)  # retention between latest and committed
     assert sorted(p for p in os.listdir(root) if p.startswith("step-")) == \
         ["step-000000004", "step-000000006", newer.final.name]
+    ctx.purger.join()  # the files of a deleted checkpoint are removed in the background
     assert not [p for p in os.listdir(root) if p.startswith(".")]  # no .deleting- left
     assert validate(newer.final, check_hashes=True).step == 50
 

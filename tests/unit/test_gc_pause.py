@@ -1,0 +1,65 @@
+"""The cyclic GC stays off while a save's DCP work runs, and comes back exactly as it was."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from distckpt.engine import writer as writer_module
+from distckpt.engine.async_writer import AsyncWriter
+from distckpt.engine.blocking import GC_PAUSE, gc_paused
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def _gc_enabled():
+    gc.enable()
+    yield
+    gc.enable()
+
+
+def test_overlapping_holders_resume_gc_only_after_the_last():
+    GC_PAUSE.acquire()  # a background save's write
+    with gc_paused():  # a blocking load in the training thread meanwhile
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # the background write still holds it
+    GC_PAUSE.release()
+    assert gc.isenabled()
+
+
+def test_gc_the_user_turned_off_stays_off():
+    gc.disable()
+    with gc_paused():
+        pass
+    assert not gc.isenabled()
+
+
+@pytest.mark.parametrize("background_staging", [False, True])
+def test_async_write_runs_without_cyclic_gc_and_restores_it(tmp_path, monkeypatch, background_staging):
+    seen: list[bool] = []
+    release = threading.Event()
+    original = writer_module.CheckedFileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        seen.append(gc.isenabled())
+        assert release.wait(30)
+        return original(self, plan, planner)
+
+    monkeypatch.setattr(writer_module.CheckedFileSystemWriter, "write_data", write_data)
+    aw = AsyncWriter("thread", background_staging=background_staging, process_group=None, thread_count=1)
+    state = {"w": torch.arange(1000.0), "step": 3}
+    upload = aw.start(state, tmp_path / "ckpt")
+    aw.wait_staged()
+    assert not gc.isenabled()  # the write has not finished
+    release.set()
+    upload.result(timeout=30)
+    aw.close()
+    assert seen == [False] and gc.isenabled()
+    loaded = {"w": torch.zeros(1000)}
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(tmp_path / "ckpt"), no_dist=True)
+    assert torch.equal(loaded["w"], torch.arange(1000.0))
