@@ -173,14 +173,19 @@ def _save_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
     t0 = time.perf_counter()
     written = dcp_save(state, spec["dir"], process_group=None, thread_count=spec["save_thread_count"])
     dist.barrier()
-    return {"written": written, "save_s": time.perf_counter() - t0, "state_bytes": _local_bytes(model)[1]}
+    blocks = {name: (list(w.blocks.ends), list(w.blocks.hashes))
+              for name, w in written.items() if getattr(w, "blocks", None) is not None}
+    return {"written": written, "blocks": blocks, "save_s": time.perf_counter() - t0,
+            "state_bytes": _local_bytes(model)[1]}
 
 
-def _make_reader(name: str, directory: str, expected: dict[str, tuple[int, str]], thread_count: int):
+def _make_reader(name: str, directory: str, expected: dict[str, tuple[int, str]], thread_count: int,
+                 blocks: dict[str, tuple[list[int], list[str]]] | None = None):
     from torch.distributed.checkpoint import FileSystemReader
 
     from distckpt.engine.fast_reader import FastFileSystemReader
     from distckpt.engine.safe_io import SafeFileSystemReader
+    from distckpt.integrity import BlockDigests
 
     if name in ("stock", "stock_run_load"):
         return FileSystemReader(directory)
@@ -189,7 +194,9 @@ def _make_reader(name: str, directory: str, expected: dict[str, tuple[int, str]]
     if name == "fast":
         return FastFileSystemReader(directory, thread_count=thread_count)
     if name == "fast_verify":
-        return FastFileSystemReader(directory, expected_files=expected, thread_count=thread_count)
+        digests = {k: BlockDigests(tuple(e), tuple(h)) for k, (e, h) in (blocks or {}).items()}
+        return FastFileSystemReader(directory, expected_files=expected, thread_count=thread_count,
+                                    block_digests=digests)
     raise ValueError(f"unknown reader {name!r}")
 
 
@@ -286,7 +293,7 @@ def _load_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
         t0 = time.perf_counter()
         # As the manager does by default: 2 read streams per node (every rank is on this node).
         streams = spec["thread_count"] or max(1, 2 // world_size)
-        reader = _make_reader(spec["reader"], spec["dir"], spec["expected"], streams)
+        reader = _make_reader(spec["reader"], spec["dir"], spec["expected"], streams, spec.get("blocks"))
         read_data, timing = reader.read_data, {}
 
         def timed_read_data(plan, planner, read_data=read_data, timing=timing):

@@ -70,6 +70,10 @@ def _rows(args, saved, cells, samples, disk, errors) -> list[dict[str, Any]]:
                                              for i, s in enumerate(per_round) if s is not None and i < len(disk_seq)])
                 if ok[0]["stats"]:
                     row["reader_stats"] = ok[0]["stats"]
+                if ok[0]["stats"].get("needed_bytes"):  # the fast reader's counters, summed over ranks
+                    row["bytes_read"] = ok[0]["stats"]["read_bytes"]
+                    row["bytes_needed"] = ok[0]["stats"]["needed_bytes"]
+                    row["read_amplification"] = row["bytes_read"] / row["bytes_needed"]
                 if not row["bitwise_equal"]:
                     row["error"] = "loaded state differs from the saved one: " + ", ".join(
                         sorted({b for s in ok for b in s["bad"]})[:5])
@@ -165,15 +169,15 @@ def render_markdown(results: dict[str, Any]) -> str:
               "| cell | reader | cold s | cold read_data s | cold GB/s | warm s | warm read_data s | warm GB/s | "
               "x stock (cold/warm) | x stock, read_data (cold/warm) | cold / raw seq (load / read_data) | "
               "raw seq GB/s | raw par GB/s | reshard_ratio (cold/warm) | reshard_ratio, read_data (cold/warm) | "
-              "peak RSS MiB | extra RSS / local state | bitwise |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "peak RSS MiB | extra RSS / local state | read / needed MiB (amplification) | bitwise |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     cells = list(dict.fromkeys(r["cell"] for r in rows))
     for cell in cells:
         for reader in dict.fromkeys(r["reader"] for r in rows if r["cell"] == cell):
             c = next((r for r in rows if r["cell"] == cell and r["reader"] == reader and r["cache"] == "cold"), {})
             w = next((r for r in rows if r["cell"] == cell and r["reader"] == reader and r["cache"] == "warm"), {})
             if "load_s" not in c:
-                lines.append(f"| {cell} | {reader} | ERROR: {str(c.get('error', ''))[:80]} |||||||||||||||||")
+                lines.append(f"| {cell} | {reader} | ERROR: {str(c.get('error', ''))[:80]} ||||||||||||||||||")
                 continue
             lines.append(
                 f"| {cell} | {reader} | {_fmt(c['load_s'])} | {_fmt(c.get('read_data_s'))} | "
@@ -187,12 +191,16 @@ def render_markdown(results: dict[str, Any]) -> str:
                 f"{_fmt(c.get('reshard_ratio'), '.2f')} / {_fmt(w.get('reshard_ratio'), '.2f')} | "
                 f"{_fmt(c.get('reshard_ratio_read_data'), '.2f')} / {_fmt(w.get('reshard_ratio_read_data'), '.2f')} | "
                 f"{c['peak_rss_bytes'] / _MIB:.0f} | {_fmt(c['rss_extra_copies'], '.2f')} | "
-                f"{'yes' if c.get('bitwise_equal') and w.get('bitwise_equal') else 'NO'} |")
+                + (f"{c['bytes_read'] / _MIB:.0f} / {c['bytes_needed'] / _MIB:.0f} ({c['read_amplification']:.2f}) | "
+                   if "read_amplification" in c else "- | ")
+                + f"{'yes' if c.get('bitwise_equal') and w.get('bitwise_equal') else 'NO'} |")
     lines += ["", "Fields: see the module docstring of `benchmarks/bench_load.py`. `read_data` columns time the "
               "reader's `read_data` alone (slowest rank); the others the whole `dcp.load` between barriers "
               "(planning included: DCP's plan exchange for `stock`, per-rank plans and one outcome exchange "
               "through `run_load` for the others). `extra RSS / local state` = "
-              "(peak RSS - RSS after the target state was built) / this rank's state bytes, max over ranks."]
+              "(peak RSS - RSS after the target state was built) / this rank's state bytes, max over ranks. "
+              "`read / needed`: bytes the fast reader read from the files vs the bytes of the items the ranks' "
+              "plans need (cold load of the first round, summed over ranks; `read_amplification` in the JSON)."]
     notes = meta.get("notes") or []
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]

@@ -40,8 +40,9 @@ distckpt's ``run_load``, as every reader below is: cyclic GC paused, each rank p
 and one outcome exchange; it separates those gains from the reader's own), ``safe_verify``
 (``SafeFileSystemReader`` with the manifest hashes: a ``check_file`` pass, then the stock read;
 distckpt's path with ``fast_load: false``), ``fast`` (``FastFileSystemReader``, no hashes),
-``fast_verify`` (``FastFileSystemReader`` with hashes, verified from the bytes read: distckpt's
-default load path).
+``fast_verify`` (``FastFileSystemReader`` with hashes and the writers' block digests, verified
+from the bytes read: distckpt's default load path; a rank that needs part of a file reads only
+its verified blocks).
 All use ``SafeLoadPlanner``.
 
 How one sample is measured: a fresh set of spawned gloo ranks (forkserver with torch preloaded;
@@ -73,6 +74,11 @@ Ratios are taken within a round, then the median over rounds: ``speedup_vs_stock
 ``load_s`` / this ``load_s``), ``read_over_disk`` (cold ``read_gbps`` / that round's
 ``disk_read_gbps``), ``reshard_ratio`` (this cell's ``load_s`` / the ``same`` cell's ``load_s``
 at the same load world size, same reader and cache state).
+
+Read amplification (``fast`` and ``fast_verify``; cold load of the first round, summed over
+ranks): ``bytes_read`` (the reader's ``read_bytes`` counter: every byte read from the files),
+``bytes_needed`` (its ``needed_bytes``: the bytes of the items the ranks' plans read -- the
+narrowed shard of each tensor, whole bytes items) and ``read_amplification`` = read / needed.
 """
 
 from __future__ import annotations
@@ -163,11 +169,13 @@ def _save_all(args, data_dir: Path, ckpts: dict[str, tuple[str, int]]) -> dict[s
                 "save_thread_count": args.save_thread_count}
         values = _run_ranks("save", ws, spec, timeout_s=_timeout(args, ws))
         expected: dict[str, tuple[int, str]] = {}
+        blocks: dict[str, tuple[list[int], list[str]]] = {}
         for v in values:
             expected.update({k: tuple(x) for k, x in v["written"].items()})
+            blocks.update(v.get("blocks") or {})
         files = _data_files(str(d))
         data_bytes = sum(os.path.getsize(p) for p in files)
-        out[name] = {"dir": str(d), "expected": expected, "files": files, "data_bytes": data_bytes,
+        out[name] = {"dir": str(d), "expected": expected, "blocks": blocks, "files": files, "data_bytes": data_bytes,
                      "save_s": max(v["save_s"] for v in values), "state_bytes": values[0]["state_bytes"],
                      "wrapper": wrapper, "world_size": ws}
         _log(f"saved {name}: {len(files)} files, {data_bytes / _MIB:.1f} MiB in {out[name]['save_s']:.2f} s")
@@ -224,7 +232,7 @@ def _run_loads(args, saved: dict[str, dict[str, Any]], cells: list[dict[str, Any
                 for cell in (group if r % 2 == 0 else group[::-1]):
                     key = _cell_key(cell)
                     ck = saved[cell["ckpt"]]
-                    spec = {"dir": ck["dir"], "expected": ck["expected"], "reader": item,
+                    spec = {"dir": ck["dir"], "expected": ck["expected"], "blocks": ck["blocks"], "reader": item,
                             "size_bytes": int(args.size_mib * _MIB), "thread_count": args.thread_count}
                     try:
                         values = _run_ranks("load", ws, spec, timeout_s=_timeout(args, ws))

@@ -99,7 +99,8 @@ def reference_entries(checkpoint_dir: str | os.PathLike) -> list[FileEntry]:
             raise CheckpointCorruptError(
                 f"{checkpoint_dir.parent / owner / name}: file of {owner} that the new checkpoint refers to is "
                 "missing, or differs from what its manifest records", path=str(path))
-        entries.append(FileEntry(path=rel, size_bytes=entry.size_bytes, hash=entry.hash))
+        entries.append(FileEntry(path=rel, size_bytes=entry.size_bytes, hash=entry.hash,
+                                 block_ends=entry.block_ends, block_hashes=entry.block_hashes))
     return entries
 
 

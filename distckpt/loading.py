@@ -119,10 +119,11 @@ class CheckpointLoader:
                                            what=f"planning the load of {path}")
             expected = ({f.path: (f.size_bytes, f.hash) for f in manifest.files}
                         if self.config.verify_on_load else None)
+            blocks = {f.path: b for f in manifest.files if (b := f.blocks()) is not None} if expected else None
             self.events.emit("load", manifest.step, path=str(path))
             streams = max(1, self.config.load_streams_per_node // self.local_world_size)
             reader = store.dcp_reader(path, expected_files=expected, fast=self.config.fast_load,
-                                      thread_count=streams)
+                                      thread_count=streams, block_digests=blocks)
             run_load(target, reader, process_group=self.collective.group, directory=path)
             train_state = self.collective.agree(
                 lambda: self.state.restore(target, saved_world_size=manifest.world_size),

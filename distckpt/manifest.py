@@ -14,23 +14,40 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointCorruptError
+from .integrity import BlockDigests
 from .layout import MANIFEST
 
 __all__ = ["SCHEMA_VERSION", "Manifest", "FileEntry", "TensorSpec", "model_fingerprint", "migrate"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # v1 -> v2: files gained "hash" (xxh3_128 hex), the manifest gained "hash_algorithm".
 # v2 -> v3: a file path may name another checkpoint's file ("../step-N/__0_0.distcp", an
 # incremental checkpoint's reference): an older distckpt would delete referenced checkpoints.
+# v3 -> v4: files may carry "block_ends" + "block_hashes" (xxh3_128 per block, integrity.py);
+# an older distckpt would call such a manifest malformed, so it says "upgrade" instead. A
+# manifest without block digests (S3, async_mode: process) is still written as v3.
 
 
 @dataclass(kw_only=True)
 class FileEntry:
-    """One data file of a checkpoint. ``path`` is relative to the checkpoint directory."""
+    """One data file of a checkpoint. ``path`` is relative to the checkpoint directory.
+
+    ``block_ends`` / ``block_hashes`` (optional, POSIX saves of files over 1 MiB): the end
+    offset and xxh3-128 of each block of the file (:class:`~distckpt.integrity.BlockDigests`),
+    so a reshard can read and verify only the blocks it needs.
+    """
 
     path: str
     size_bytes: int
     hash: str | None = None
+    block_ends: list[int] | None = None
+    block_hashes: list[str] | None = None
+
+    def blocks(self) -> BlockDigests | None:
+        """The file's block digests, or ``None`` when the manifest has none."""
+        if self.block_ends is None or self.block_hashes is None:
+            return None
+        return BlockDigests(tuple(self.block_ends), tuple(self.block_hashes))
 
 
 @dataclass(kw_only=True)
@@ -93,6 +110,11 @@ class Manifest:
         data = asdict(self)
         if data["data_prefix"] is None:  # POSIX manifests stay byte-for-byte as before
             del data["data_prefix"]
+        for f in data["files"]:  # files without blocks (and S3 manifests) keep their old form
+            if f["block_ends"] is None and f["block_hashes"] is None:
+                del f["block_ends"], f["block_hashes"]
+        if data["schema_version"] == 4 and not any("block_ends" in f for f in data["files"]):
+            data["schema_version"] = 3  # no block digests: a v3 manifest, which older distckpt reads
         return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod
@@ -117,9 +139,16 @@ class Manifest:
             data = dict(data)
             data["model"] = {k: TensorSpec(**v) for k, v in data["model"].items()}
             data["files"] = [FileEntry(**f) for f in data["files"]]
-            return cls(**data)
+            manifest = cls(**data)
         except (KeyError, TypeError) as e:
             raise CheckpointCorruptError(f"{path}: malformed manifest ({e})", path=path) from e
+        for f in manifest.files:
+            if (f.block_ends is None) != (f.block_hashes is None) or (
+                    f.block_ends is not None and not _blocks_ok(f)):
+                raise CheckpointCorruptError(
+                    f"{path}: malformed manifest (block digests of {f.path} do not tile its {f.size_bytes} bytes)",
+                    path=path)
+        return manifest
 
     @classmethod
     def read(cls, checkpoint_dir: str | os.PathLike) -> "Manifest":
@@ -140,6 +169,14 @@ class Manifest:
         return cls.from_dict(data, path=str(path))
 
 
+def _blocks_ok(f: FileEntry) -> bool:
+    try:
+        blocks = f.blocks()
+        return blocks is not None and blocks.valid_for(f.size_bytes)
+    except TypeError:  # ends that are not numbers
+        return False
+
+
 def migrate(data: dict[str, Any]) -> dict[str, Any]:
     """Upgrade an older manifest dict to the current schema (files of v1 have no hash)."""
     data = dict(data)
@@ -149,6 +186,8 @@ def migrate(data: dict[str, Any]) -> dict[str, Any]:
         data["schema_version"] = 2
     if data["schema_version"] == 2:
         data["schema_version"] = 3  # nothing to change: v2 files are all the checkpoint's own
+    if data["schema_version"] == 3:
+        data["schema_version"] = 4  # nothing to change: v3 files have no block digests
     return data
 
 

@@ -55,13 +55,26 @@ Integrity
       end of the last item this rank reads before anything is read; a read that ends early is
       never accepted as data (``CheckpointCorruptError`` naming the file).
     * With hashes (``expected_files`` digests): the xxh3-128 of the file is computed from the
-      very bytes the stream reads, in file order, so there is no second pass. A digest covers
-      the whole file, so when a rank needs only part of a file (resharding) the stream reads
-      the bytes it does not need too, sequentially, into a bounded scratch buffer that is only
-      hashed (choice documented here: reading the rest once, in order, is cheaper than
-      ``check_file``'s separate pass over the whole file followed by reads of the needed parts;
-      in a reshard the rest is what other ranks read at the same time, so the disk sees it
-      once). With hashes a file is one stream. A file is verified at most once per reader.
+      very bytes the stream reads, in file order, so there is no second pass. With hashes a
+      file is one stream.
+    * Ranged reads (resharding): when this rank needs less than ``RANGED_MAX_FRACTION`` of a
+      file's bytes and the manifest has the file's block digests (``block_digests``: POSIX
+      saves record them, :mod:`distckpt.integrity`), the stream reads only the blocks that hold
+      a byte it reads -- each whole, so it can be verified -- and skips the others; each block is
+      verified when its last byte is read (``CheckpointCorruptError`` naming the file, the
+      block's byte range and what to do). Blocks start where each stored tensor's data starts,
+      so a rank that needs half of a stored shard reads about half of it. Items decoded apart
+      from the stream (overlapping or mispredicted ones) are read with their covering blocks
+      and verified too (:mod:`~distckpt.engine.read_verify`).
+    * Otherwise -- the rank needs (nearly) all of the file, or the manifest has no block
+      digests (older manifests, object storage, ``async_mode: process`` saves) -- the digest
+      covers the whole file, so the stream reads the bytes it does not need too, sequentially,
+      into a bounded scratch buffer that is only hashed (reading the rest once, in order, is
+      cheaper than ``check_file``'s separate pass followed by reads of the needed parts). A
+      file is verified whole at most once per reader.
+    * ``last_stats`` counts ``read_bytes`` (every byte read from the files) against
+      ``needed_bytes`` (the bytes of the items this rank's plan reads: the narrowed shard for a
+      tensor, the whole item for bytes), ``ranged_files`` and ``verified_blocks``.
     * Bytes land in the destination tensors as they are read, so a digest mismatch is detected
       after the destination was written: on ``CheckpointCorruptError`` the destination state
       is unspecified (partially loaded), exactly as after any failed ``dcp.load``; callers must
@@ -77,6 +90,7 @@ Planner calls
 from __future__ import annotations
 
 import io
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -89,7 +103,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..errors import CheckpointCorruptError
-from ..integrity import HASH_ALGORITHM, describe_path, new_hasher
+from ..integrity import BlockDigests, describe_path
 from .item_decode import ItemDecoder
 from .item_planner import PEEK_BYTES, ChunkIndex, ItemPlanner
 from .read_stream import (
@@ -102,12 +116,16 @@ from .read_stream import (
     page_cached,
     read_item,
 )
+from .read_verify import BlockCheck, WholeFileCheck
 from .safe_io import SafeFileSystemReader
 from .torch_save_format import HeaderCache, TensorLayout, parse_torch_save_header
 
 __all__ = ["FastFileSystemReader", "parse_torch_save_header", "TensorLayout"]
 
 _MIB = 1 << 20
+# A rank that needs at least this fraction of a file's bytes reads it whole in one verified
+# stream: skipping the few blocks left would break the sequential read and save little.
+RANGED_MAX_FRACTION = 0.9
 
 
 # ============================================================================ the reader
@@ -136,6 +154,9 @@ class FastFileSystemReader(SafeFileSystemReader):
             bytes read through are usually read by the rank that needs them at the same time,
             so the disk sees them once (page cache). When a stream's range is already in the
             page cache (``RWF_NOWAIT`` probes), only gaps up to 64 KiB are read through.
+        block_digests: ``{relative path: BlockDigests}`` from the manifest (with
+            ``expected_files``): files this rank needs only part of are read in verified blocks
+            (module docstring, "Integrity"); ``None`` or a file missing: whole-file reads.
         _extension_registry: as ``FileSystemReader``'s (experimental): decodes items saved with
             stream transforms (those items take the stock decode path).
 
@@ -149,7 +170,8 @@ class FastFileSystemReader(SafeFileSystemReader):
                  expected_files: dict[str, tuple[int, str | None]] | None = None,
                  thread_count: int = 2, *, chunk_bytes: int = 32 * _MIB,
                  direct_min_bytes: int = 1 * _MIB, max_request_bytes: int = 16 * _MIB,
-                 gap_read_bytes: int = 4 * _MIB, _extension_registry: Any = None) -> None:
+                 gap_read_bytes: int = 4 * _MIB, block_digests: dict[str, BlockDigests] | None = None,
+                 _extension_registry: Any = None) -> None:
         super().__init__(path, expected_files=expected_files)
         if _extension_registry is not None:  # as FileSystemReader's experimental argument
             self.transforms = _StorageReaderTransforms(_extension_registry)
@@ -160,6 +182,10 @@ class FastFileSystemReader(SafeFileSystemReader):
         self.direct_min_bytes = max(int(direct_min_bytes), PEEK_BYTES)
         self.max_request_bytes = max(int(max_request_bytes), _MIB)
         self.gap_read_bytes = max(int(gap_read_bytes), 0)
+        self.block_digests = dict(block_digests or {})
+        self._block_checks: dict[str, BlockCheck] = {}  # files of this read_data read in blocks
+        self._checks_lock = threading.Lock()
+        self._ranged: set[str] = set()
         self.last_stats: dict[str, int] = {}
         self.header_cache = HeaderCache()
         self._chunks = ChunkIndex(None)
@@ -194,9 +220,12 @@ class FastFileSystemReader(SafeFileSystemReader):
             per_file.setdefault(st.relpath, []).append(st)
 
         results = ReadResults()
+        needed = {name: sum(_needed_bytes(st) for st in items) for name, items in per_file.items()}
+        results.count(needed_bytes=sum(needed.values()))
         decoder = ItemDecoder(self.transforms, self.header_cache, results)
         item_planner = ItemPlanner(decoder, self._chunks, self.header_cache, self.direct_min_bytes, results)
-        jobs = self._make_jobs(per_file)
+        self._block_checks = {}
+        jobs = self._make_jobs(per_file, needed)
         self._run_jobs(jobs, item_planner, results)
         for st in results.redo:  # trailer did not match the parsed layout: decode the stock way
             self._redo(st, decoder)
@@ -216,8 +245,10 @@ class FastFileSystemReader(SafeFileSystemReader):
         return fut
 
     # -------------------------------------------------------------- jobs
-    def _make_jobs(self, per_file: dict[str, list[StoredItem]]) -> list[tuple[str, list[StoredItem], bool]]:
-        """``(relpath, items, verify)`` per stream.
+    def _make_jobs(self, per_file: dict[str, list[StoredItem]],
+                   needed: dict[str, int]) -> list[tuple[str, list[StoredItem], bool]]:
+        """``(relpath, items, verify)`` per stream; ``self._ranged``: the files to read in
+        verified blocks.
 
         ``thread_count`` streams in all: one per file, and without hashing the spare threads
         split the biggest files into contiguous regions, one stream each. With hashing a file
@@ -255,6 +286,13 @@ class FastFileSystemReader(SafeFileSystemReader):
                 acc += st.length
             jobs += [(name, g, False) for g in groups]
         self._pending_checks = checks
+        self._ranged = set()
+        for name in checks:
+            blocks = self.block_digests.get(name)
+            size, digest = checks[name]
+            if (digest is not None and blocks is not None and blocks.valid_for(size)
+                    and needed[name] < RANGED_MAX_FRACTION * size and not _overlapping(per_file[name])):
+                self._ranged.add(name)
         # Ranks that read parts of the same files (a reshard, replicated DDP state loaded into
         # FSDP2 shards) start at files spread evenly over the list, so the disk serves
         # sequential streams in different files rather than all ranks in one file. Measured
@@ -326,10 +364,20 @@ class FastFileSystemReader(SafeFileSystemReader):
                 raise CheckpointCorruptError(
                     f"{describe_path(path)}: truncated: the file has {file_size} bytes, but the checkpoint's "
                     f"metadata places data up to byte {need_end}", path=path)
-            hasher = new_hasher() if verify else None
-            stream = ReadStream(path, fd, file_size, hasher, results, 0 if verify else items[0].offset,
+            check: WholeFileCheck | BlockCheck | None = None
+            if verify:
+                assert expected is not None and expected[1] is not None  # verify: the manifest lists a digest
+                if relpath in self._ranged:
+                    check = BlockCheck(path, self.block_digests[relpath])
+                    results.count(ranged_files=1)
+                else:
+                    check = WholeFileCheck(path, file_size, expected[1])
+            stream = ReadStream(path, fd, file_size, check, results, 0 if verify else items[0].offset,
                                 chunk_bytes=self.chunk_bytes, max_request_bytes=self.max_request_bytes,
                                 gap_read_bytes=self.gap_read_bytes)
+            if isinstance(check, BlockCheck):
+                # Ranged: read through only small gaps, so blocks nobody here needs are skipped.
+                stream.gap_read_bytes = min(stream.gap_read_bytes, WARM_GAP_BYTES)
             if not verify and stream.gap_read_bytes > WARM_GAP_BYTES and page_cached(fd, items[0].offset, need_end):
                 # Already in the page cache: reading other ranks' bytes through would only
                 # cost memcpy; skip all but tiny gaps.
@@ -342,17 +390,18 @@ class FastFileSystemReader(SafeFileSystemReader):
                     continue
                 planner.add_item(stream, st)
                 last_end = st.end
-            stream.finish_to(file_size if verify else stream.pos)
-            if verify:
-                assert hasher is not None and expected is not None  # verify: the manifest lists a digest
-                digest = hasher.hexdigest()
-                if digest != expected[1]:
-                    raise CheckpointCorruptError(
-                        f"{describe_path(path)}: {HASH_ALGORITHM} {digest} does not match the manifest's {expected[1]} "
-                        "(bytes changed after the commit)", path=path)
+            stream.flush()  # first: where the check needs the stream to end depends on what it read
+            stream.finish_to(check.end_after(stream.pos) if check is not None else stream.pos)
+            if check is not None:
+                check.finish()
             for st in side:
                 buf, mv = read_item(fd, path, st)
                 planner.decoder.decode_whole(st, mv, buf)
+            if isinstance(check, BlockCheck):
+                results.count(verified_blocks=check.verified)
+                with self._checks_lock:
+                    self._block_checks[relpath] = check
+                return False  # verified in part: a later read_data checks its blocks again
             return verify
         finally:
             os.close(fd)
@@ -367,7 +416,26 @@ class FastFileSystemReader(SafeFileSystemReader):
         path = str(Path(self.path) / st.relpath)
         fd = os.open(path, os.O_RDONLY)
         try:
-            _buf, mv = read_item(fd, path, st)
+            check = self._block_checks.get(st.relpath)
+            if check is not None:  # read in blocks: the item's own blocks may not all have been read
+                mv = memoryview(check.read_verified(fd, st.offset, st.length))
+            else:
+                _buf, mv = read_item(fd, path, st)
         finally:
             os.close(fd)
         decoder.stock_decode(st, mv)
+
+
+def _needed_bytes(st: StoredItem) -> int:
+    """Bytes of ``st`` this rank's requests read: the narrowed chunk of each tensor request (at
+    most the item), the whole item for bytes."""
+    if st.is_bytes:
+        return st.length
+    n = sum(math.prod(r.item.lengths) * r.tensor.element_size() for r in st.reqs)
+    return min(n, st.length)
+
+
+def _overlapping(items: list[StoredItem]) -> bool:
+    """Whether stored items overlap (not written by DCP): the stream reads those apart."""
+    items = sorted(items, key=lambda s: s.offset)
+    return any(b.offset < a.end for a, b in zip(items, items[1:]))

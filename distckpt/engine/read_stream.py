@@ -191,7 +191,7 @@ class ReadResults:
         self.bytes_items: list[tuple[ReadItem, bytes]] = []
         self.redo: list[StoredItem] = []
         self.stats = {"direct_bytes": 0, "copied_bytes": 0, "fallback_items": 0, "read_bytes": 0,
-                      "syscalls": 0}
+                      "syscalls": 0, "needed_bytes": 0, "ranged_files": 0, "verified_blocks": 0}
 
     def add_bytes(self, req: ReadItem, data: bytes) -> None:
         with self.lock:
@@ -208,13 +208,15 @@ class ReadStream:
     """Reads one file (or one region of it) front to back with coalesced ``preadv`` calls.
 
     Segments are added in increasing file order; ``flush`` reads all pending ones, merging
-    contiguous segments (and short gaps) into single requests, feeds the hasher in file order,
-    then runs the segments' callbacks.
+    contiguous segments (and short gaps) into single requests, feeds the digest check in file
+    order, then runs the segments' callbacks.
 
     Args:
         path: the file's path (in error messages); ``fd``: its open descriptor;
             ``file_size``: its size when opened.
-        hasher: fed every byte from ``start`` on, in file order (``None``: no hashing).
+        hasher: a digest check (:mod:`~distckpt.engine.read_verify`) fed every byte read, in
+            file order; it also says which parts of a skipped gap must be read (``None``: no
+            hashing).
         results: where byte counts and syscalls are counted.
         start: file offset of the first byte this stream reads (or hashes).
         chunk_bytes, max_request_bytes, gap_read_bytes: the reader's settings of the same
@@ -310,14 +312,16 @@ class ReadStream:
         self.results.count(read_bytes=total)
 
     def _read_gap(self, start: int, end: int) -> None:
-        """Read ``[start, end)`` only to hash it (resharding with hashes: bytes of other ranks)."""
+        """Read what the digest check needs of ``[start, end)``, only to hash it (resharding
+        with hashes: bytes of other ranks; with block digests only their blocks' ends)."""
         junk = self._junk_view()
-        off = start
-        while off < end:
-            n = min(len(junk), end - off)
-            self._read_exact(off, [junk[:n]])
-            self.hasher.update(junk[:n])
-            off += n
+        for a, b in self.hasher.gap_parts(start, end):
+            off = a
+            while off < b:
+                n = min(len(junk), b - off)
+                self._read_exact(off, [junk[:n]])
+                self.hasher.update(off, junk[:n])
+                off += n
 
     def flush(self) -> None:
         segs, self.pending = self.pending, []
@@ -383,7 +387,8 @@ class ReadStream:
             self._read_exact(off, [mv for _, _, mv in parts])
             for seg, t, mv in parts:
                 if self.hasher is not None:
-                    self.hasher.update(mv)
+                    self.hasher.update(off, mv)
+                off += len(mv)
                 if seg is not None and seg.cb is not None:
                     done.append((seg.cb, t, mv))
         self.pos = pos

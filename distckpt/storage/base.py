@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from ..errors import CheckpointCorruptError
+from ..integrity import BlockDigests
 from ..manifest import FileEntry, Manifest
 
 __all__ = ["CheckpointStore", "LockFile", "is_s3_url"]
@@ -79,8 +80,9 @@ class CheckpointStore(Protocol):
         ...
 
     def dcp_reader(self, location: str, *, expected_files: dict[str, tuple[int, str | None]] | None,
-                   fast: bool, thread_count: int) -> Any:
-        """A DCP ``StorageReader`` that verifies each file it reads against ``expected_files``."""
+                   fast: bool, thread_count: int, block_digests: dict[str, BlockDigests] | None = None) -> Any:
+        """A DCP ``StorageReader`` that verifies each file it reads against ``expected_files``
+        (and, where the store reads ranges, the blocks it reads against ``block_digests``)."""
         ...
 
     def read_dcp_metadata(self, location: str) -> Any:

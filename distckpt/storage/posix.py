@@ -13,7 +13,7 @@ from .. import commit as _commit
 from ..engine import SafeFileSystemReader, read_dcp_metadata
 from ..engine.blocking import hashing_writer
 from ..errors import CheckpointCorruptError
-from ..integrity import check_file
+from ..integrity import BlockDigests, check_file
 from ..layout import LATEST, checkpoint_name, pending_name
 from ..lock import PosixLockFile
 from ..manifest import FileEntry, Manifest
@@ -52,11 +52,12 @@ class PosixStore:
         return hashing_writer(location, thread_count=thread_count, write_timeout_s=write_timeout_s)
 
     def dcp_reader(self, location: str, *, expected_files: dict[str, tuple[int, str | None]] | None,
-                   fast: bool, thread_count: int) -> Any:
+                   fast: bool, thread_count: int, block_digests: dict[str, BlockDigests] | None = None) -> Any:
         if fast:
             from ..engine.fast_reader import FastFileSystemReader
 
-            return FastFileSystemReader(location, expected_files=expected_files, thread_count=thread_count)
+            return FastFileSystemReader(location, expected_files=expected_files, thread_count=thread_count,
+                                        block_digests=block_digests)
         return SafeFileSystemReader(location, expected_files=expected_files)
 
     def read_dcp_metadata(self, location: str) -> Any:
@@ -66,7 +67,12 @@ class PosixStore:
         check_file(Path(location) / name, size_bytes=size_bytes, digest=digest)
 
     def list_files(self, pending: str, hashes: dict[str, tuple[int, str]]) -> list[FileEntry]:
-        return _commit.list_files(pending, hashes)
+        entries = _commit.list_files(pending, hashes)
+        for entry in entries:  # the block digests the writers recorded (integrity.WrittenFile)
+            blocks = getattr(hashes.get(entry.path), "blocks", None)
+            if isinstance(blocks, BlockDigests) and blocks.valid_for(entry.size_bytes):
+                entry.block_ends, entry.block_hashes = list(blocks.ends), list(blocks.hashes)
+        return entries
 
     def commit(self, pending: str, step: int, manifest: Manifest,
                on_phase: Callable[[str], None] | None = None) -> str:

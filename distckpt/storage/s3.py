@@ -26,7 +26,7 @@ import re
 from typing import Any, Callable
 
 from ..errors import CheckpointCorruptError
-from ..integrity import HASH_ALGORITHM, new_hasher
+from ..integrity import HASH_ALGORITHM, BlockDigests, new_hasher
 from ..layout import LATEST, checkpoint_name, parse_step
 from ..manifest import FileEntry, Manifest
 from .s3_client import S3Objects, split_url
@@ -120,7 +120,8 @@ class S3Store:
                         endpoint_url=self.endpoint_url, region=self.region)
 
     def dcp_reader(self, location: str, *, expected_files: dict[str, tuple[int, str | None]] | None,
-                   fast: bool, thread_count: int) -> Any:
+                   fast: bool, thread_count: int, block_digests: dict[str, BlockDigests] | None = None) -> Any:
+        # Whole objects: each object a rank needs is downloaded and verified once (block_digests unused).
         return S3Reader(location, expected_files=expected_files, endpoint_url=self.endpoint_url,
                         region=self.region)
 
