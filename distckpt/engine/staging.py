@@ -12,9 +12,11 @@ landed in, and on later saves copies each source tensor straight into that tenso
 
 A leaf is reused when its path in the state_dict and its layout match the previous save:
 type, dtype, shape, stride, storage offset, device type, and for a ``DTensor`` also its mesh,
-placements and global shape. Any mismatch (a new parameter group, a resized tensor, an object
-the walk does not know) stages the whole save through ``DefaultStager`` again. Non-tensor
-leaves (counters, loader state, strings) are deep-copied on every save.
+placements and global shape; and leaves that shared one staged buffer at the first save (tied
+weights) must still come from one source storage. Any mismatch (a new parameter group, a
+resized tensor, weights untied, an object the walk does not know) stages the whole save through
+``DefaultStager`` again. A leaf a save no longer has releases its buffer. Non-tensor leaves
+(counters, loader state, strings) are deep-copied on every save.
 
 Reusing the staged objects is safe because at most one save is in flight: the next save starts
 only after the previous write finished (``CheckpointManager.save`` waits for it).
@@ -36,6 +38,8 @@ __all__ = ["ReusingStager"]
 
 # A leaf's path in the nested state_dict: the keys / indices from the root.
 _Path = tuple[Any, ...]
+# Per leaf path: (source layout, staged leaf as returned, its local tensor that receives the copy).
+_Target = tuple[tuple[Any, ...], torch.Tensor, torch.Tensor]
 # Containers rebuilt as their own type; any other subclass goes to DefaultStager.
 _MAPPINGS = (dict, collections.OrderedDict)
 
@@ -73,7 +77,7 @@ class ReusingStager(AsyncStager):
         self.options = options
         self._inner = DefaultStager(options)
         self._staged: Any = None  # the last staged state_dict, reused by the next save
-        self._targets: dict[_Path, tuple[tuple[Any, ...], torch.Tensor]] = {}
+        self._targets: dict[_Path, _Target] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distckpt-stage") \
             if options.use_async_staging else None
         # Made on the caller's thread (as DefaultStager does): a background copy must not run
@@ -122,7 +126,7 @@ class ReusingStager(AsyncStager):
 
     @torch.no_grad()
     def _remember(self, source: Any, staged: Any) -> None:
-        targets: dict[_Path, tuple[tuple[Any, ...], torch.Tensor]] = {}
+        targets: dict[_Path, _Target] = {}
         try:
             self._walk_pairs(source, staged, (), targets)
         except _Miss:  # a shape the walk does not follow: no reuse, DefaultStager every time
@@ -130,12 +134,12 @@ class ReusingStager(AsyncStager):
             return
         self._staged, self._targets = staged, targets
 
-    def _walk_pairs(self, src: Any, dst: Any, path: _Path, out: dict) -> None:
+    def _walk_pairs(self, src: Any, dst: Any, path: _Path, out: dict[_Path, _Target]) -> None:
         if isinstance(src, torch.Tensor):
             if not isinstance(dst, torch.Tensor):
                 raise _Miss(path)
             key, _ = _layout(src)
-            out[path] = (key, _layout(dst)[1])
+            out[path] = (key, dst, _layout(dst)[1])
         elif type(src) in _MAPPINGS:
             if not isinstance(dst, dict) or src.keys() != dst.keys():
                 raise _Miss(path)
@@ -150,14 +154,16 @@ class ReusingStager(AsyncStager):
     @torch.no_grad()
     def _reuse_or_restage(self, state_dict: Any) -> Any:
         try:
-            copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-            staged = self._rebuild(state_dict, self._staged, (), copies)
+            copies: list[tuple[_Path, torch.Tensor, torch.Tensor]] = []
+            staged = self._rebuild(state_dict, (), copies, {})
         except _Miss:
             self._staged, self._targets = None, {}
             staged = self._inner_stage_sync(state_dict)
             return staged
-        self._copy(copies)
-        self._staged = staged
+        self._copy([(dst, src) for _, dst, src in copies])
+        # Leaves this save no longer has release their buffers (one that comes back is restaged).
+        kept = {path for path, _, _ in copies}
+        self._staged, self._targets = staged, {p: t for p, t in self._targets.items() if p in kept}
         self.reused_saves += 1
         return staged
 
@@ -165,23 +171,25 @@ class ReusingStager(AsyncStager):
         result = self._restage(state_dict)
         return result.result() if isinstance(result, Future) else result
 
-    def _rebuild(self, src: Any, prev: Any, path: _Path, copies: list) -> Any:
-        """The staged state_dict for ``src``: previous staged tensors, fresh non-tensor leaves."""
+    def _rebuild(self, src: Any, path: _Path, copies: list, sources: dict[int, int]) -> Any:
+        """The staged state_dict for ``src``: the remembered staged tensors, fresh non-tensor
+        leaves. ``sources`` maps each staged storage to the source storage copied into it."""
         if isinstance(src, torch.Tensor):
             entry = self._targets.get(path)
             key, local = _layout(src)
             if entry is None or entry[0] != key:
                 raise _Miss(path)
-            copies.append((entry[1], local))
-            return prev
+            # Paths that shared a staged storage (tied weights at the first save) may take
+            # their bytes from one source storage only: untied, the last copy would win.
+            staged_ptr, source_ptr = entry[2].untyped_storage().data_ptr(), local.untyped_storage().data_ptr()
+            if sources.setdefault(staged_ptr, source_ptr) != source_ptr:
+                raise _Miss(path)
+            copies.append((path, entry[2], local))
+            return entry[1]
         if type(src) in _MAPPINGS:
-            if not isinstance(prev, dict):
-                raise _Miss(path)
-            return type(src)((k, self._rebuild(v, prev.get(k), path + (k,), copies)) for k, v in src.items())
+            return type(src)((k, self._rebuild(v, path + (k,), copies, sources)) for k, v in src.items())
         if type(src) in (list, tuple):
-            if not isinstance(prev, (list, tuple)) or len(prev) != len(src):
-                raise _Miss(path)
-            items = [self._rebuild(v, prev[i], path + (i,), copies) for i, v in enumerate(src)]
+            items = [self._rebuild(v, path + (i,), copies, sources) for i, v in enumerate(src)]
             return items if isinstance(src, list) else type(src)(items)
         if isinstance(src, (int, float, str, bytes, bool, type(None))):
             return src

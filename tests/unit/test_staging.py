@@ -130,3 +130,27 @@ def test_ordered_dicts_keep_their_type_and_named_tuples_are_staged_by_dcp():
     staged = _stage(stager, src)
     assert type(staged["model"]) is OrderedDict and torch.equal(staged["model"]["w"], torch.full((3,), 2.0))
     assert type(staged["pair"]) is Pair and torch.equal(staged["pair"].b, torch.zeros(2))
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_weights_tied_at_the_first_save_and_untied_later_keep_their_own_values(background):
+    stager = ReusingStager(_options(background))
+    shared = torch.arange(6.0)
+    _stage(stager, {"emb": shared, "head": shared})  # one staged buffer for both keys
+    for offset in (10.0, 30.0):  # untied: two sources; the second save of them may reuse
+        src = {"emb": torch.arange(6.0) + offset, "head": torch.arange(6.0) - offset}
+        staged = _stage(stager, src)
+        _assert_equal(staged, src)
+        assert staged["emb"].data_ptr() != staged["head"].data_ptr()
+    stager.close()
+
+
+def test_a_key_removed_then_added_back_is_staged_with_its_values():
+    stager = ReusingStager(_options())
+    _stage(stager, {"w": torch.ones(3), "scale": torch.ones(4)})
+    _stage(stager, {"w": torch.ones(3) * 2})  # the buffer goes (reused: the rest is unchanged)
+    assert stager.reused_saves == 1
+    src = {"w": torch.ones(3) * 3, "scale": torch.full((4,), 7.0)}
+    staged = _stage(stager, src)
+    _assert_equal(staged, src)
+    stager.close()
