@@ -84,7 +84,8 @@ class CheckpointConfig:
             once the state is staged (copied); the write and the commit finish in the background
             (``"thread"``: with Python's cyclic GC paused until this rank's write ends).
         background_staging: with async, copy in a background thread too; the loop must call
-            ``manager.wait_staged()`` before ``optimizer.step()``.
+            ``manager.wait_staged()`` before the state changes in place: ``optimizer.step()``,
+            and the forward when it updates buffers (BatchNorm's running statistics).
         thread_count: writer threads (and files) per rank for DCP's ``FileSystemWriter``
             (``make bench`` measures 1 against the default 4 on your disk).
         lock: hold ``<root>/.lock`` while the manager is open, so a second job on the same root

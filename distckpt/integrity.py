@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ _CHUNK = 8 << 20
 # amplification"): with 2 MiB stored shards a 2 -> 4 reshard reads 1.04x what it needs at 1 MiB
 # (2.13x at 8 MiB), for 392 digests per 256 MiB; 8 MiB blocks keep big tensors at ~7 KB per GiB.
 MIN_BLOCK_BYTES = 1 << 20
+_HEX128 = re.compile(r"[0-9a-f]{32}")  # an xxh3-128 hexdigest
 MAX_BLOCK_BYTES = 8 << 20
 BLOCK_SPLIT = 8  # blocks per large write, within the bounds above
 
@@ -49,8 +51,11 @@ class BlockDigests:
     hashes: tuple[str, ...]
 
     def valid_for(self, size_bytes: int) -> bool:
-        """Whether these blocks tile a file of ``size_bytes`` exactly (one digest per block)."""
+        """Whether these blocks tile a file of ``size_bytes`` exactly, with one xxh3-128 hex
+        digest per block (integer ends, 32-hex-digit strings)."""
         return (len(self.ends) == len(self.hashes) > 0 and self.ends[-1] == size_bytes
+                and all(type(e) is int for e in self.ends)
+                and all(isinstance(h, str) and _HEX128.fullmatch(h) for h in self.hashes)
                 and all(b > a for a, b in zip((0,) + self.ends, self.ends)))
 
 

@@ -343,8 +343,8 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ lifecycle
     def wait_staged(self) -> None:
-        """Block until the in-flight save's tensors are copied. With ``background_staging``,
-        call it before ``optimizer.step()`` so parameters never change while being copied."""
+        """Block until the in-flight save's tensors are copied. With ``background_staging``, call
+        it before the state changes in place (``optimizer.step()``; a forward updating buffers)."""
         if self.async_writer is not None:
             self.async_writer.wait_staged()
 

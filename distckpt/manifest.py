@@ -47,6 +47,8 @@ class FileEntry:
         """The file's block digests, or ``None`` when the manifest has none."""
         if self.block_ends is None or self.block_hashes is None:
             return None
+        if not isinstance(self.block_ends, list) or not isinstance(self.block_hashes, list):
+            raise TypeError("block_ends / block_hashes must be lists")
         return BlockDigests(tuple(self.block_ends), tuple(self.block_hashes))
 
 

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
+from ..errors import ConfigError
 from ..integrity import hash_file
 from .blocking import GC_PAUSE, hashing_writer
 from .incremental_writer import ReuseIndex
@@ -44,11 +45,18 @@ class AsyncWriter:
         thread_count: ``FileSystemWriter`` writer threads per rank.
         write_timeout_s: deadline of each background write on this rank (seconds), see
             :class:`~distckpt.engine.writer.CheckedFileSystemWriter`.
+
+    Raises:
+        ConfigError: ``mode="process"`` without an initialised ``torch.distributed``.
     """
 
     def __init__(self, mode: AsyncMode, *, background_staging: bool,
                  process_group: dist.ProcessGroup | None, thread_count: int,
                  write_timeout_s: float | None = None) -> None:
+        if mode == "process" and not dist.is_initialized():
+            # DCP's process executor builds its daemon's group from the default one.
+            raise ConfigError("async_mode='process' needs torch.distributed initialised (init_process_group, "
+                              "also for a single process); without it use async_mode='thread'")
         self.cuda = torch.cuda.is_available()
         # On CPU every CUDA-only option must be off: DefaultStager raises otherwise.
         self.options = StagingOptions(

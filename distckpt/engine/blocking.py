@@ -41,7 +41,8 @@ class _GcPause:
     """Process-wide pause of the automatic (cyclic) GC, counted so that overlapping holders (a
     background save's write, a blocking load in the training thread) resume it only when the
     last one releases; it stays off if it was off before the first holder (a training loop
-    that manages GC itself, as torchtitan's GC handler does)."""
+    that manages GC itself, as torchtitan's GC handler does). A ``gc.disable()`` while a
+    holder is active is not seen (GC is already off) and is undone at the last release."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

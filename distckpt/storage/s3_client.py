@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import threading
 from typing import Any, Callable
 
@@ -19,6 +18,7 @@ import boto3
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
+from botocore.handlers import VALID_BUCKET, VALID_S3_ARN
 
 from ..errors import ConfigError, StorageError
 
@@ -39,8 +39,6 @@ _clients_lock = threading.Lock()
 
 # Error codes of a request the credentials or the bucket policy do not allow (never retried).
 _AUTH_CODES = ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch")
-# What botocore accepts as a bucket name (its own check raises a bare regex message otherwise).
-_BUCKET_RE = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -56,10 +54,12 @@ def split_url(url: str) -> tuple[str, str]:
     bucket, _, key = url[len("s3://"):].partition("/")
     if not bucket:
         raise ConfigError(f"{url!r}: no bucket (expected s3://bucket/prefix)")
-    if not _BUCKET_RE.fullmatch(bucket):
+    # botocore's own check (a bucket name or an access-point / outpost ARN) raises a bare regex message.
+    if not (VALID_BUCKET.search(bucket) or VALID_S3_ARN.search(bucket)):
         raise ConfigError(
             f"{url!r}: {bucket!r} is not a valid bucket name (letters, digits, '.', '-' and '_', at most 255 "
-            "characters; AWS itself allows only 3-63 lowercase letters, digits, '.' and '-'): fix the URL")
+            "characters; AWS itself allows only 3-63 lowercase letters, digits, '.' and '-') nor an S3 "
+            "access-point ARN: fix the URL")
     return bucket, key.strip("/")
 
 

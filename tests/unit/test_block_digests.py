@@ -204,11 +204,29 @@ def test_manifest_keeps_blocks_and_reads_v3(tmp_path):
         Manifest.from_dict(bad)
 
 
-def test_block_digests_reject_bad_tilings():
-    assert BlockDigests((4, 8), ("x", "y")).valid_for(8)
-    assert not BlockDigests((4, 8), ("x",)).valid_for(8)
-    assert not BlockDigests((4, 4, 8), ("x", "y", "z")).valid_for(8)
-    assert not BlockDigests((4, 8), ("x", "y")).valid_for(9)
+def test_block_digests_reject_bad_tilings_and_bad_types():
+    x, y, z = "0" * 32, "1" * 32, "f" * 32
+    assert BlockDigests((4, 8), (x, y)).valid_for(8)
+    assert not BlockDigests((4, 8), (x,)).valid_for(8)
+    assert not BlockDigests((4, 4, 8), (x, y, z)).valid_for(8)
+    assert not BlockDigests((4, 8), (x, y)).valid_for(9)
+    # Types a hand-edited manifest can carry: the manifest is at fault, not the data file.
+    assert not BlockDigests((4.0, 8), (x, y)).valid_for(8)
+    assert not BlockDigests((True, 8), (x, y)).valid_for(8)
+    assert not BlockDigests((4, 8), (x, 7)).valid_for(8)
+    assert not BlockDigests((4, 8), (x, "abc")).valid_for(8)
+
+
+@pytest.mark.parametrize("field,value", [("block_hashes", "0" * 64), ("block_ends", 8)])
+def test_block_lists_that_are_not_lists_are_refused(field, value):
+    from distckpt.manifest import FileEntry
+
+    entry = FileEntry(path="__0_0.distcp", size_bytes=8, hash="0" * 32, block_ends=[4, 8],
+                      block_hashes=["0" * 32, "1" * 32])
+    assert entry.blocks().valid_for(8)
+    setattr(entry, field, value)
+    with pytest.raises(TypeError):
+        entry.blocks()
 
 
 def test_dcp_load_whole_file_path_unchanged(tmp_path):

@@ -413,3 +413,10 @@ def test_a_bad_bucket_name_is_a_config_error_naming_it(capsys, url):
     code, out, err = run(capsys, "ls", url)
     assert code != 0 and "is not a valid bucket name" in err and url.split("/")[2] in err
     assert "regex" not in err.lower()
+
+
+def test_an_access_point_arn_is_accepted_as_the_bucket_part():
+    from distckpt.storage.s3_client import split_url
+
+    arn = "arn:aws:s3:us-east-1:123456789012:accesspoint:myap"
+    assert split_url(f"s3://{arn}/ckpt/run") == (arn, "ckpt/run")

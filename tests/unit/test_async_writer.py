@@ -1,4 +1,5 @@
-"""The cyclic GC stays off while a save's DCP work runs, and comes back exactly as it was."""
+"""AsyncWriter: the cyclic GC stays off while a save's DCP work runs and comes back as it was;
+process mode refused without torch.distributed."""
 
 from __future__ import annotations
 
@@ -63,3 +64,11 @@ def test_async_write_runs_without_cyclic_gc_and_restores_it(tmp_path, monkeypatc
     loaded = {"w": torch.zeros(1000)}
     dcp.load(loaded, storage_reader=dcp.FileSystemReader(tmp_path / "ckpt"), no_dist=True)
     assert torch.equal(loaded["w"], torch.arange(1000.0))
+
+
+def test_process_mode_without_torch_distributed_is_a_config_error_at_construction():
+    from distckpt.errors import ConfigError
+
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ConfigError, match="async_mode='process' needs torch.distributed initialised"):
+        AsyncWriter("process", background_staging=False, process_group=None, thread_count=1)
