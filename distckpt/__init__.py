@@ -16,6 +16,7 @@ from .errors import (
     ConfigError,
     DistCkptError,
     IncompatibleCheckpointError,
+    ReaderInvariantError,
     StorageError,
 )
 from .manager import CheckpointManager
@@ -36,4 +37,5 @@ __all__ = [
     "CheckpointLockedError",
     "CheckpointSaveError",
     "CollectiveMismatchError",
+    "ReaderInvariantError",
 ]

@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointSaveError",
     "CollectiveMismatchError",
     "StorageError",
+    "ReaderInvariantError",
 ]
 
 
@@ -108,3 +109,14 @@ class StorageError(DistCkptError, OSError):
     revoked, an error status): says nothing about the checkpoint, so it is never counted as
     corruption (no fallback, nothing set aside). The message names the URL and the error code,
     never the credentials."""
+
+
+class ReaderInvariantError(DistCkptError, RuntimeError):
+    """The fast reader's own bookkeeping went wrong (bytes hashed out of order, a block read in
+    part, an item never read): a bug in distckpt, not a property of the checkpoint, so it is
+    never counted as corruption (nothing set aside, no fallback). Set ``fast_load: false`` to
+    load with DCP's own reader, and report the message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{message} (a distckpt reader bug, not a damaged checkpoint: set fast_load: false "
+                         "to load with DCP's reader, and report this)")

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..errors import CheckpointCorruptError, DistCkptError, StorageError
+from ..errors import CheckpointCorruptError, DistCkptError, ReaderInvariantError, StorageError
 from .incremental_writer import IncrementalFileSystemWriter, ReuseIndex
 from .safe_io import SafeFileSystemReader, SafeLoadPlanner
 from .writer import CheckedFileSystemWriter
@@ -110,7 +110,7 @@ def _safe_str(exc: BaseException) -> str:
 
 # Not a property of the checkpoint: raised as they are, never counted as corruption (which
 # would make the manager set a good checkpoint aside and fall back).
-_NOT_CORRUPTION = (KeyboardInterrupt, SystemExit, MemoryError, StorageError)
+_NOT_CORRUPTION = (KeyboardInterrupt, SystemExit, MemoryError, StorageError, ReaderInvariantError)
 
 
 def _inner_failures(exc: BaseException) -> list[BaseException]:

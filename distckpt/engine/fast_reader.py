@@ -102,7 +102,7 @@ from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, ReaderInvariantError
 from ..integrity import BlockDigests, describe_path
 from .item_decode import ItemDecoder
 from .item_planner import PEEK_BYTES, ChunkIndex, ItemPlanner
@@ -235,7 +235,7 @@ class FastFileSystemReader(SafeFileSystemReader):
             if item.type == LoadItemType.BYTE_IO:
                 data = bytes_by_item.get(id(item))
                 if data is None:
-                    raise AssertionError(f"{item.storage_index}: bytes item was not read")
+                    raise ReaderInvariantError(f"{item.storage_index}: bytes item was not read")
                 planner.load_bytes(item, io.BytesIO(data))
         for req in tensor_reqs:
             planner.commit_tensor(req.item, req.tensor)

@@ -18,7 +18,7 @@ import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, ReaderInvariantError
 from .torch_save_format import TensorLayout
 
 __all__ = ["WARM_GAP_BYTES", "ReadRequest", "ReadResults", "ReadStream", "StoredItem", "check_sizes",
@@ -243,7 +243,7 @@ class ReadStream:
             return
         last_end = self.pending[-1].end if self.pending else self.pos
         if seg.off < last_end:
-            raise AssertionError(f"{self.path}: overlapping reads at {seg.off} (< {last_end})")
+            raise ReaderInvariantError(f"{self.path}: overlapping reads at {seg.off} (< {last_end})")
         gap = seg.off - last_end
         if gap <= self.gap_read_bytes:  # read through into the arena
             self.pending_scratch += gap

@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import os
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, ReaderInvariantError
 from ..integrity import HASH_ALGORITHM, BlockDigests, describe_path, new_hasher
 
 __all__ = ["BlockCheck", "WholeFileCheck"]
@@ -42,7 +42,7 @@ class WholeFileCheck:
     def update(self, off: int, data: memoryview) -> None:
         """Hash ``data``, the bytes at ``off`` (must follow the previous bytes)."""
         if off != self._pos:
-            raise AssertionError(f"{self.path}: hashed out of order at {off} (expected {self._pos})")
+            raise ReaderInvariantError(f"{self.path}: hashed out of order at {off} (expected {self._pos})")
         self._hasher.update(data)
         self._pos += len(data)
 
@@ -59,7 +59,7 @@ class WholeFileCheck:
             CheckpointCorruptError: the digest differs from the manifest's.
         """
         if self._pos != self.file_size:
-            raise AssertionError(f"{self.path}: hashed {self._pos} of {self.file_size} bytes")
+            raise ReaderInvariantError(f"{self.path}: hashed {self._pos} of {self.file_size} bytes")
         actual = self._hasher.hexdigest()
         if actual != self.digest:
             raise CheckpointCorruptError(
@@ -100,14 +100,14 @@ class BlockCheck:
         while i < n:
             b = self._block(off + i)
             if b >= len(self._ends):
-                raise AssertionError(f"{self.path}: read past the last block at {off + i}")
+                raise ReaderInvariantError(f"{self.path}: read past the last block at {off + i}")
             if self._cur != b:
                 if self._cur is not None or off + i != self._start(b):
-                    raise AssertionError(f"{self.path}: block {b} not read from its start (byte {off + i})")
+                    raise ReaderInvariantError(f"{self.path}: block {b} not read from its start (byte {off + i})")
                 self._cur, self._pos = b, off + i
                 self._hasher.reset()
             if off + i != self._pos:
-                raise AssertionError(f"{self.path}: hashed out of order at {off + i} (expected {self._pos})")
+                raise ReaderInvariantError(f"{self.path}: hashed out of order at {off + i} (expected {self._pos})")
             k = min(n - i, self._ends[b] - self._pos)
             self._hasher.update(data[i:i + k])
             self._pos += k
@@ -148,7 +148,7 @@ class BlockCheck:
 
     def finish(self) -> None:
         if self._cur is not None:
-            raise AssertionError(f"{self.path}: block {self._cur} was read in part")
+            raise ReaderInvariantError(f"{self.path}: block {self._cur} was read in part")
 
     def read_verified(self, fd: int, offset: int, length: int) -> bytearray:
         """Bytes ``[offset, offset + length)`` of the open file ``fd``, read with the blocks

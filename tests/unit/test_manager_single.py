@@ -451,3 +451,22 @@ def test_rolled_back_or_archived_only_root_still_starts_fresh(tmp_path):
     manager, _ = manager_for(tmp_path)
     assert manager.load() is None
     manager.close()
+
+
+def test_a_reader_bug_is_not_taken_for_corruption(tmp_path, monkeypatch):
+    """A failed invariant of the fast reader itself raises as it is: the checkpoint is not set
+    aside and no older one is loaded in its place."""
+    from distckpt import ReaderInvariantError
+    from distckpt.engine import read_verify
+
+    trained_manager(tmp_path, steps=(3, 6))
+
+    def broken(self, off, data):
+        raise ReaderInvariantError(f"{self.path}: hashed out of order at {off} (simulated)")
+
+    monkeypatch.setattr(read_verify.WholeFileCheck, "update", broken)
+    manager, _ = manager_for(tmp_path, fast_load=True, fallback_to_older=True)
+    with pytest.raises(ReaderInvariantError, match="fast_load: false"):
+        manager.load()
+    manager.close()
+    assert (tmp_path / "step-000000006").is_dir() and not list(tmp_path.glob("corrupt-*"))
