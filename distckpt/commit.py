@@ -143,7 +143,7 @@ def validate(checkpoint_dir: str | os.PathLike, *, check_hashes: bool = False) -
     manifest = Manifest.read(checkpoint_dir)
     for entry in manifest.files:
         check_file(checkpoint_dir / entry.path, size_bytes=entry.size_bytes,
-                   digest=entry.hash if check_hashes else None)
+                   digest=entry.hash if check_hashes else None, blocks=entry.blocks())
     return manifest
 
 
@@ -157,7 +157,8 @@ def verify(checkpoint_dir: str | os.PathLike) -> list[CheckpointCorruptError]:
     problems = []
     for entry in manifest.files:
         try:
-            check_file(checkpoint_dir / entry.path, size_bytes=entry.size_bytes, digest=entry.hash)
+            check_file(checkpoint_dir / entry.path, size_bytes=entry.size_bytes, digest=entry.hash,
+                       blocks=entry.blocks())
         except CheckpointCorruptError as e:
             problems.append(e)
     return problems

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from .errors import CheckpointCorruptError
 
 __all__ = ["HASH_ALGORITHM", "MAX_BLOCK_BYTES", "MIN_BLOCK_BYTES", "BlockDigests", "BlockHasher", "WrittenFile",
-           "new_hasher", "hash_file", "HashingFileSystem", "check_file", "describe_path"]
+           "new_hasher", "hash_file", "hash_blocks", "HashingFileSystem", "check_file", "describe_path"]
 
 HASH_ALGORITHM = "xxh3_128"
 _CHUNK = 8 << 20
@@ -142,11 +142,37 @@ def describe_path(path: str | os.PathLike) -> str:
             f"{parts[parts.index('..') - 1]} being read refers to)")
 
 
-def check_file(path: str | os.PathLike, *, size_bytes: int, digest: str | None) -> None:
-    """Compare a file with its manifest entry.
+def hash_blocks(path: str | os.PathLike, blocks: BlockDigests) -> tuple[str, int | None]:
+    """One sequential pass over a file: its whole digest and the index of its first block whose
+    digest differs from ``blocks`` (``None``: all match). ``blocks`` must tile the file."""
+    whole = new_hasher()
+    bad = None
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_CHUNK)
+        start = 0
+        for i, end in enumerate(blocks.ends):
+            block = new_hasher()
+            while start < end:
+                n = f.readinto(memoryview(buf)[:min(_CHUNK, end - start)])
+                if not n:
+                    return whole.hexdigest(), i if bad is None else bad  # shorter than its blocks
+                whole.update(memoryview(buf)[:n])
+                block.update(memoryview(buf)[:n])
+                start += n
+            if bad is None and block.hexdigest() != blocks.hashes[i]:
+                bad = i
+    return whole.hexdigest(), bad
+
+
+def check_file(path: str | os.PathLike, *, size_bytes: int, digest: str | None,
+               blocks: BlockDigests | None = None) -> None:
+    """Compare a file with its manifest entry: size, then (when ``digest`` is given) the
+    whole-file digest and, with ``blocks``, every block digest in the same pass.
 
     Raises:
-        CheckpointCorruptError: missing file, wrong size, or wrong hash (expected vs actual).
+        CheckpointCorruptError: missing file, wrong size, wrong hash (expected vs actual), or a
+            block digest that differs (the manifest's block list is wrong for these bytes, so a
+            resharded load would refuse them).
     """
     path = Path(path)
     try:
@@ -160,11 +186,17 @@ def check_file(path: str | os.PathLike, *, size_bytes: int, digest: str | None) 
             path=str(path))
     if digest is None:
         return
-    _, actual = hash_file(path)
+    actual, bad = hash_blocks(path, blocks) if blocks is not None else (hash_file(path)[1], None)
     if actual != digest:
         raise CheckpointCorruptError(
             f"{describe_path(path)}: {HASH_ALGORITHM} {actual} does not match the manifest's {digest} "
             "(bytes changed after the commit)", path=str(path))
+    if bad is not None and blocks is not None:
+        lo, hi = (blocks.ends[bad - 1] if bad else 0), blocks.ends[bad]
+        raise CheckpointCorruptError(
+            f"{describe_path(path)}: bytes [{lo}, {hi}) (block {bad} of {len(blocks.ends)}) do not match the "
+            "manifest's block digest although the whole file does: the manifest's block list is wrong, and a "
+            "load that reads part of this file would refuse it", path=str(path))
 
 
 class _HashingStream:

@@ -236,3 +236,28 @@ def test_dcp_load_whole_file_path_unchanged(tmp_path):
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp_load(target, path, process_group=None, expected_files=expected, fast=True)
     assert all(torch.equal(target[k], state[k]) for k in state)
+
+
+def test_verify_checks_block_digests_too(tmp_path, capsys):
+    """A manifest whose block list does not match bytes that match its whole-file digest is
+    reported by `distckpt verify`: a load reading part of the file would refuse it."""
+    from distckpt.cli import main
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))
+    opt = torch.optim.AdamW(model.parameters())
+    with CheckpointManager(CheckpointConfig(root=str(tmp_path), interval_steps=None), model=model,
+                           optimizer=opt) as m:
+        m.save(1)
+    ckpt = tmp_path / "step-000000001"
+    assert main(["verify", str(ckpt)]) == 0
+    path = ckpt / "distckpt.json"
+    data = json.loads(path.read_text())
+    entry = next(f for f in data["files"] if f.get("block_hashes") and len(f["block_hashes"]) > 1)
+    entry["block_hashes"][1] = "0" * 32  # well formed, wrong
+    path.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["verify", str(ckpt)]) != 0
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert entry["path"] in text and "block 1 of" in text and "block list is wrong" in text
