@@ -11,6 +11,7 @@ can fail on one rank only is agreed on, so all ranks raise (or fall back) togeth
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from .collective import Collective
 from .config import LOADABLE, CheckpointConfig
@@ -100,23 +101,25 @@ class CheckpointLoader:
         """
         store = store_of(path, self.store)  # load_path may name a checkpoint of another root
 
-        def read_plan_inputs() -> tuple[Manifest, set[str]]:
+        def read_plan_inputs() -> tuple[Manifest, Any]:
             manifest = store.read_manifest(path)
             check_model_fits(manifest, path, self.model_specs, self.state.model_optim.ties)
             if self.config.verify_on_load:  # every rank plans from .metadata: check it first
                 for f in manifest.files:
                     if f.path == ".metadata":
                         store.check_file(path, f.path, size_bytes=f.size_bytes, digest=f.hash)
-            return manifest, set(store.read_dcp_metadata(path).state_dict_metadata)
+            return manifest, store.read_dcp_metadata(path)
 
         # Every rank reads these files itself (one node may see an I/O error the others do
         # not): agree, so all ranks raise together, and fall back together.
-        manifest, keys = self.collective.agree(read_plan_inputs, what=f"reading {path}",
-                                               error_type=CheckpointCorruptError)
+        manifest, metadata = self.collective.agree(read_plan_inputs, what=f"reading {path}",
+                                                   error_type=CheckpointCorruptError)
+        keys = set(metadata.state_dict_metadata)
         with self.state.model_optim.load_context():
             select = self.config.load_selection
-            target = self.collective.agree(lambda: self.state.for_load(keys, manifest.world_size, select),
-                                           what=f"planning the load of {path}")
+            target = self.collective.agree(
+                lambda: self.state.for_load(keys, manifest.world_size, select, metadata=metadata),
+                what=f"planning the load of {path}")
             expected = ({f.path: (f.size_bytes, f.hash) for f in manifest.files}
                         if self.config.verify_on_load else None)
             blocks = {f.path: b for f in manifest.files if (b := f.blocks()) is not None} if expected else None

@@ -27,12 +27,13 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .adapters import ModelOptimState
+from .adapters import ModelOptimState, with_saved_keys
 from .config import LOADABLE
 from .data.reshard import DataLoaderState
 from .errors import IncompatibleCheckpointError
 from .rebatch import apply_step_rule
 from .rng import capture_rng, derive_rng, restore_rng
+from .safe_values import check_loadable, load_value
 
 __all__ = ["TrainState", "CheckpointState", "pack", "unpack", "WEIGHTS_ONLY_KEY"]
 
@@ -42,16 +43,28 @@ WEIGHTS_ONLY_KEY = "imported"
 logger = logging.getLogger(__name__)
 
 
-def pack(obj: Any) -> bytes:
-    """Serialize a value made of containers, primitives and tensors (``torch.save``)."""
+def pack(obj: Any, what: str = "value", *, check: bool = True) -> bytes:
+    """Serialize a value made of containers, primitives, tensors and numpy scalars or arrays
+    (``torch.save``).
+
+    Args:
+        what: the value's name in the error.
+        check: refuse what :func:`unpack` would refuse (``False`` for distckpt's own values:
+            checking costs a round trip, milliseconds for the RNG state).
+
+    Raises:
+        TypeError: a part :func:`unpack` would refuse (named by ``what`` and its path, with its type).
+    """
+    if check:
+        check_loadable(obj, what)
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
 
 
 def unpack(data: bytes) -> Any:
-    """Inverse of :func:`pack`; never runs code (``weights_only=True``)."""
-    return torch.load(io.BytesIO(data), weights_only=True)
+    """Inverse of :func:`pack`; never runs code (``weights_only=True``, numpy types admitted)."""
+    return load_value(io.BytesIO(data))
 
 
 @dataclass(kw_only=True)
@@ -180,10 +193,10 @@ class CheckpointState:
             sd["optim"] = optim_sd
         sd.update(self._global_parts(for_load=False, select=frozenset(LOADABLE)))
         if self.rank == 0:
-            sd["train_state"] = pack(train_state.to_saved())
+            sd["train_state"] = pack(train_state.to_saved(), check=False)  # numbers and strings (record())
             if self.data is not None:
                 sd["data"] = pack(self.data.global_state())
-        own = {"rng": pack(capture_rng())}
+        own = {"rng": pack(capture_rng(), check=False)}
         if self.data is not None:
             own["dataloader"] = pack(self.data.local_state())
         sd["rank_state"] = {f"rank{self.rank}": own}
@@ -192,14 +205,19 @@ class CheckpointState:
     def _global_parts(self, *, for_load: bool, select: frozenset[str]) -> dict[str, Any]:
         sd: dict[str, Any] = {}
         if self.lr_scheduler is not None and "lr_scheduler" in select:
-            sd["lr_scheduler"] = b"" if for_load else pack(self.lr_scheduler.state_dict())
+            sd["lr_scheduler"] = b"" if for_load else pack(self.lr_scheduler.state_dict(), "lr_scheduler")
         if self.grad_scaler is not None and "grad_scaler" in select:
-            sd["grad_scaler"] = b"" if for_load else pack(self.grad_scaler.state_dict())
+            sd["grad_scaler"] = b"" if for_load else pack(self.grad_scaler.state_dict(), "grad_scaler")
         if self.extra_state and "extra_state" in select:
-            sd["extra"] = {
-                name: (obj.state_dict() if isinstance(obj, Stateful) else (b"" if for_load else pack(obj)))
-                for name, obj in self.extra_state.items()
-            }
+            sd["extra"] = {}
+            for name, obj in self.extra_state.items():
+                what = f"extra_state[{name!r}]"
+                if isinstance(obj, Stateful):  # DCP saves its non-tensor leaves; load() must read them
+                    sd["extra"][name] = obj.state_dict()
+                    if not for_load:
+                        check_loadable(sd["extra"][name], f"{what}.state_dict()")
+                else:
+                    sd["extra"][name] = b"" if for_load else pack(obj, what)
         return sd
 
     def derive_counters(self, train_state: TrainState, *, explicit: set[str]) -> None:
@@ -223,7 +241,7 @@ class CheckpointState:
 
     # ------------------------------------------------------------------ load
     def for_load(self, checkpoint_keys: set[str], saved_world_size: int,
-                 select: frozenset[str] = frozenset(LOADABLE)) -> dict[str, Any]:
+                 select: frozenset[str] = frozenset(LOADABLE), *, metadata: Any = None) -> dict[str, Any]:
         """Target state_dict for ``dcp.load``; call inside ``self.model_optim.load_context()``.
 
         Args:
@@ -231,10 +249,15 @@ class CheckpointState:
             saved_world_size: world size recorded in the manifest.
             select: the parts to read and restore (:data:`~distckpt.config.LOADABLE`); the
                 others are neither read nor required in the checkpoint, and keep their live state.
+            metadata: the checkpoint's DCP ``Metadata``: each ``Stateful`` in ``extra_state`` is
+                read with every key saved under its name, also those its fresh ``state_dict()``
+                lacks (an EMA's shadow filled at its first update); tensors among them are read
+                onto the model's device, full size.
 
         Raises:
-            IncompatibleCheckpointError: live optimizer/components the checkpoint lacks, or
-                optimizer state in the checkpoint for parameters the live optimizer lacks.
+            IncompatibleCheckpointError: live optimizer/components the checkpoint lacks,
+                optimizer state in the checkpoint for parameters the live optimizer lacks, or
+                keys saved under a ``Stateful`` that cannot be read back (``metadata`` absent).
         """
         self.weights_only = WEIGHTS_ONLY_KEY in checkpoint_keys
         self.select, self.tied_from = select, {}
@@ -261,6 +284,10 @@ class CheckpointState:
             _prune_uninitialised_optim_state(optim_sd, checkpoint_keys)
             sd["optim"] = optim_sd
         sd.update(self._global_parts(for_load=True, select=select))
+        stateful = [name for name, obj in self.extra_state.items() if isinstance(obj, Stateful) and "extra" in sd]
+        for name in stateful if metadata is not None else ():  # also the keys its fresh state_dict() lacks
+            sd["extra"][name] = with_saved_keys(sd["extra"][name], ("extra", name), metadata,
+                                                self.model_optim.device())
         if "counters" in select:
             sd["train_state"] = b""
         same_world = saved_world_size == self.world_size
@@ -272,7 +299,7 @@ class CheckpointState:
                 own["dataloader"] = b""
             if own:
                 sd["rank_state"] = {f"rank{self.rank}": own}
-        _check_keys(sd, checkpoint_keys, rank=self.rank)
+        _check_keys(sd, checkpoint_keys, rank=self.rank, stateful=tuple(f"extra.{name}." for name in stateful))
         return sd
 
     def _read_tied_from_twins(self, model_sd: dict[str, Any], checkpoint_keys: set[str]) -> None:
@@ -363,18 +390,21 @@ def _prune_uninitialised_optim_state(optim_sd: dict[str, Any], checkpoint_keys: 
             del state[fqn]
 
 
-def _check_keys(target: dict[str, Any], checkpoint_keys: set[str], *, rank: int) -> None:
+def _check_keys(target: dict[str, Any], checkpoint_keys: set[str], *, rank: int,
+                stateful: tuple[str, ...] = ()) -> None:
     flat, _ = flatten_state_dict(target)
     missing = sorted(k for k in flat if k not in checkpoint_keys)
     unexpected = sorted(
         k for k in checkpoint_keys
         if k.startswith("optim.state.") and k not in flat and "optim" in target
     )
-    if missing or unexpected:
+    unread = sorted(k for k in checkpoint_keys if k.startswith(stateful) and k not in flat)
+    if missing or unexpected or unread:
         lines = [f"checkpoint does not match the live training state (rank {rank}):"]
         lines += [f"  missing in checkpoint: {k}" for k in missing[:50]]
         lines += [f"  in checkpoint, not in the live optimizer (parameter frozen or not optimized?): {k}"
                   for k in unexpected[:50]]
+        lines += [f"  in checkpoint, not in the extra_state object's state_dict(): {k}" for k in unread[:50]]
         lines.append("Pass the same components (optimizer, lr_scheduler, grad_scaler, dataloader, "
                      "extra_state) as the run that saved, or start from a fresh root.")
-        raise IncompatibleCheckpointError("\n".join(lines), missing=missing, unexpected=unexpected)
+        raise IncompatibleCheckpointError("\n".join(lines), missing=missing, unexpected=unexpected + unread)

@@ -6,7 +6,8 @@ adds wrapper detection, the FULL/SHARDED choice, and guards around DCP's optimiz
 """
 
 from .model_optim import ModelOptimState, tensor_specs, tied_keys
+from .stateful import with_saved_keys
 from .wrappers import ddp_rebuilds_buckets, ddp_resume_not_bitwise, wrapper_kind
 
 __all__ = ["ddp_rebuilds_buckets", "ddp_resume_not_bitwise", "wrapper_kind", "ModelOptimState", "tensor_specs",
-           "tied_keys"]
+           "tied_keys", "with_saved_keys"]

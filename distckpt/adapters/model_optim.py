@@ -9,6 +9,9 @@ Guards against DCP helper behaviour seen on torch 2.13:
   require grad; otherwise the load target silently lacks keys and the saved optimizer state is
   dropped. The load therefore clears grads and sets ``requires_grad`` for the duration, and
   restores both afterwards.
+* ``set_state_dict(strict=True)`` refuses a parameter that requires grad and has no saved state.
+  A parameter the saved optimizer listed without state (frozen, or not yet in the loss at the
+  save) is therefore applied as not requiring grad, and stays without state as it was.
 * Keys the checkpoint has and the live optimizer lacks (or the reverse) are reported by the
   caller as ``IncompatibleCheckpointError`` instead of being ignored.
 """
@@ -51,6 +54,12 @@ def tied_keys(model: nn.Module) -> dict[str, list[str]]:
     """``{fqn: [other fqns]}`` for every tensor registered under several names (tied weights,
     e.g. a language model's ``lm_head.weight`` and its input embedding); the same Parameter or
     buffer object. Names are cleaned like DCP's state_dict keys; untied tensors are absent."""
+    groups = _clean_names(model)
+    return {k: [o for o in names if o != k] for names in groups.values() if len(names) > 1 for k in names}
+
+
+def _clean_names(model: nn.Module) -> dict[int, list[str]]:
+    """``{id(tensor): [clean fqn, ...]}`` of every parameter and buffer (names as DCP's keys)."""
     groups: dict[int, list[str]] = {}
     inner = unwrap(model)
     for name, tensor in itertools.chain(inner.named_parameters(remove_duplicate=False),
@@ -60,7 +69,7 @@ def tied_keys(model: nn.Module) -> dict[str, list[str]]:
         names = groups.setdefault(id(tensor), [])
         if name not in names:
             names.append(name)
-    return {k: [o for o in names if o != k] for names in groups.values() if len(names) > 1 for k in names}
+    return groups
 
 
 class ModelOptimState:
@@ -78,6 +87,11 @@ class ModelOptimState:
         self.model = model
         self.optimizer = optimizer
         self.ties = tied_keys(model)
+
+    def device(self) -> torch.device:
+        """Device of the model's first parameter or buffer (CPU when it has none)."""
+        first = next(itertools.chain(self.model.parameters(), self.model.buffers()), None)
+        return first.device if first is not None else torch.device("cpu")
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [self.optimizer] if self.optimizer is not None else []
@@ -135,5 +149,27 @@ class ModelOptimState:
             set_state_dict(self.model, [], model_state_dict=model_sd, optim_state_dict={},
                            options=StateDictOptions(strict=True))
             return
-        set_state_dict(self.model, self._optimizers(), model_state_dict=model_sd,
-                       optim_state_dict=optim_sd, options=StateDictOptions(strict=True))
+        # A parameter the saved optimizer held without state (frozen, or not yet in the loss at
+        # the save) stays stateless, as it was: DCP's strict load refuses a trainable parameter
+        # without state, so it is loaded as not requiring grad (restored afterwards).
+        stateless = self._stateless_at_save(optim_sd)
+        for p in stateless:
+            p.requires_grad_(False)
+        try:
+            set_state_dict(self.model, self._optimizers(), model_state_dict=model_sd,
+                           optim_state_dict=optim_sd, options=StateDictOptions(strict=True))
+        finally:
+            for p in stateless:
+                p.requires_grad_(True)
+
+    def _stateless_at_save(self, optim_sd: dict[str, Any]) -> list[torch.Tensor]:
+        """Live parameters that require grad now, are listed in the checkpoint's param groups and
+        have no state in it. One the saved groups do not list is not among them: DCP's strict
+        load refuses it (a real mismatch)."""
+        assert self.optimizer is not None
+        saved_state = optim_sd.get("state", {})
+        listed = {fqn for g in optim_sd.get("param_groups", []) for fqn in g.get("params", [])}
+        names = _clean_names(self.model)
+        return [p for group in self.optimizer.param_groups for p in group["params"]
+                if p.requires_grad and (fqns := names.get(id(p), []))
+                and any(f in listed for f in fqns) and not any(f in saved_state for f in fqns)]

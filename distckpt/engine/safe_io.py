@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointCorruptError
 from ..integrity import check_file
+from ..safe_values import load_value
 
 __all__ = ["read_dcp_metadata", "parse_dcp_metadata", "SafeFileSystemReader", "SafeLoadPlanner"]
 
@@ -130,11 +131,12 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` that loads non-tensor items with ``torch.load(weights_only=True)``."""
+    """``DefaultLoadPlanner`` that loads non-tensor items with ``torch.load(weights_only=True)``
+    (numpy scalars and arrays admitted: :func:`distckpt.safe_values.load_value`)."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
-            obj = torch.load(value, weights_only=True)
+            obj = load_value(value)
         except pickle.UnpicklingError as e:
             raise CheckpointCorruptError(
                 f"item {read_item.dest_index.fqn!r}: refusing to unpickle a non-tensor value that "
