@@ -169,7 +169,7 @@ class CheckpointState:
         self.model_optim = ModelOptimState(model, optimizer)
         self.lr_scheduler = lr_scheduler
         self.grad_scaler = grad_scaler
-        self.data = DataLoaderState(dataloader) if dataloader is not None else None
+        self.data = DataLoaderState(dataloader, rank=rank) if dataloader is not None else None
         self.extra_state = dict(extra_state or {})
         self.rank = rank
         self.world_size = world_size

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import ConfigError, IncompatibleCheckpointError
 from .sampler import ReshardableSampler, global_state_from_loader_state
+from .workers import protect_workers
 
 __all__ = ["DataLoaderState"]
 
@@ -29,15 +30,32 @@ logger = logging.getLogger(__name__)
 
 class DataLoaderState:
     """Adapter between a ``StatefulDataLoader`` (or anything with ``state_dict`` /
-    ``load_state_dict``) and the checkpoint."""
+    ``load_state_dict``) and the checkpoint.
 
-    def __init__(self, dataloader: Any) -> None:
+    It takes the loader over for the checkpoint: its workers outlive a launcher's SIGTERM
+    (:func:`~distckpt.data.workers.protect_workers`) and a :class:`ReshardableSampler` is
+    attached to it, so that a new iterator goes on from the last batch returned
+    (:meth:`ReshardableSampler.attach_loader`).
+
+    Args:
+        dataloader: the training loader.
+        rank: this rank, for error messages.
+
+    Raises:
+        TypeError: the loader has no ``state_dict``/``load_state_dict``.
+        ConfigError: its worker processes already run unprotected (see ``protect_workers``).
+    """
+
+    def __init__(self, dataloader: Any, *, rank: int = 0) -> None:
         for name in ("state_dict", "load_state_dict"):
             if not callable(getattr(dataloader, name, None)):
                 raise TypeError(
                     f"dataloader of type {type(dataloader).__name__} has no {name}(); use "
                     "torchdata.stateful_dataloader.StatefulDataLoader")
         self.dataloader = dataloader
+        protect_workers(dataloader, rank=rank)
+        if (sampler := self.sampler()) is not None:
+            sampler.attach_loader(dataloader)
 
     def sampler(self) -> ReshardableSampler | None:
         """The loader's :class:`ReshardableSampler`, if it uses one."""

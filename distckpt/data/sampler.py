@@ -38,6 +38,13 @@ NOT loaded)::
     sampler.load_state_dict(gsd)
     loader = make_stateful_dataloader(dataset, sampler, num_workers=k)
 
+A new iterator of the loader (``iter(loader)`` again after a partial epoch: a peek, a warm-up,
+a ``break``) goes on from the last batch the loader's previous iterator returned, not from
+where its workers' prefetch had moved the sampler, when the sampler is attached to the loader
+(:meth:`ReshardableSampler.attach_loader`; ``make_stateful_dataloader`` and
+``CheckpointManager(dataloader=...)`` do it). A batch that ``next()`` returned counts as
+consumed, wherever it went; nothing prefetched and not returned is skipped.
+
 Why read the loader state rather than ``sampler.state_dict()``: with
 ``num_workers > 0`` the loader draws ``prefetch_factor * num_workers`` batches ahead,
 so the sampler's own position runs ahead of what training consumed. The loader
@@ -48,6 +55,7 @@ nothing is prefetched and ``sampler.global_state()`` is the same value.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -114,6 +122,7 @@ class ReshardableSampler(Sampler[int]):
         self._epoch, self._consumed = 0, 0
         self._offset, self._before = 0, 0  # this epoch's batch grid start; samples of earlier epochs
         self._live: Optional[_RankIterator] = None  # the only iterator allowed to move the position
+        self._loader: Optional[weakref.ReferenceType] = None  # attach_loader(): a new iterator rewinds to it
 
     epoch = property(lambda self: self._epoch, doc="Current epoch.")
     samples_consumed = property(lambda self: self._consumed,
@@ -140,10 +149,37 @@ class ReshardableSampler(Sampler[int]):
         return grid[:, self.rank * b:(self.rank + 1) * b].reshape(-1).tolist()
 
     def __iter__(self) -> Iterator[int]:
-        """Yield this rank's indices from the current position to the end of the epoch."""
+        """Yield this rank's indices from the current position to the end of the epoch.
+
+        Attached to a loader whose previous iterator is unfinished, the position is first moved
+        back to the last batch that iterator returned (its workers drew further ahead).
+        """
+        self._rewind_to_delivered()
         it = _RankIterator(self)
         self._live = it
         return it
+
+    def attach_loader(self, loader: Any) -> None:
+        """Let new iterators of ``loader`` (a torchdata ``StatefulDataLoader`` over this sampler)
+        start at the last batch its previous, unfinished iterator returned. Keeps a weak reference.
+        """
+        self._loader = weakref.ref(loader)
+
+    def _rewind_to_delivered(self) -> None:
+        loader = self._loader() if self._loader is not None else None
+        old = getattr(loader, "_iterator", None)  # torchdata 0.11: the loader's last iterator
+        # _live is None after set_epoch / load_state_dict: the position was set explicitly, keep it.
+        if old is None or self._live is None or getattr(old, "_finished", True) or not callable(
+                getattr(old, "state_dict", None)):
+            return
+        try:
+            delivered = global_state_from_loader_state(old.state_dict())
+        except ValueError:  # the loader does not record this sampler's state (a custom batch_sampler)
+            return
+        self.load_state_dict(delivered)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {**self.__dict__, "_loader": None}  # a weak reference does not pickle
 
     def __len__(self) -> int:
         """Per-rank samples in a full epoch, ``B * G / W`` (not the remainder after a resume).
@@ -285,9 +321,12 @@ def make_stateful_dataloader(dataset: Dataset, sampler: ReshardableSampler,
 
     With ``num_workers > 0`` the workers ignore SIGTERM (``SigtermSafeWorkerInit`` wraps any
     ``worker_init_fn`` given): a SIGTERM to the process group, as torchrun sends it, leaves
-    them alive until the preemption save is done and the loader shuts them down.
+    them alive until the preemption save is done and the loader shuts them down. The sampler
+    is attached to the loader (:meth:`ReshardableSampler.attach_loader`).
     """
     if num_workers > 0:
         kwargs["worker_init_fn"] = SigtermSafeWorkerInit(kwargs.get("worker_init_fn"))
-    return StatefulDataLoader(dataset, batch_size=sampler.local_batch_size, sampler=sampler,
-                              num_workers=num_workers, **kwargs)
+    loader = StatefulDataLoader(dataset, batch_size=sampler.local_batch_size, sampler=sampler,
+                                num_workers=num_workers, **kwargs)
+    sampler.attach_loader(loader)
+    return loader

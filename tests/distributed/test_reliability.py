@@ -43,6 +43,20 @@ def test_sigterm_on_one_rank_saves_and_exits_0_then_resumes_exactly(tmp_path):
         assert losses(tmp_path / "res", rank) == expected  # bitwise equal losses after resume
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_sigterm_to_the_process_group_with_a_plain_stateful_dataloader_saves(tmp_path, num_workers):
+    """The manager protects the workers of the plain StatefulDataLoader it is given (issue 24,
+    item 7): SIGTERM to rank 1's process group, workers included, still commits the save."""
+    run = torchrun("--root", str(tmp_path / "ck"), "--out", str(tmp_path / "run"), "--until", "12",
+                   "--signal-at", "3", "--victim", "1", "--num-workers", str(num_workers), "--signal-group")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "killed by signal" not in run.stderr and "exited unexpectedly" not in run.stderr, run.stderr[-3000:]
+    assert "preempted (SIGTERM): saved step 3" in run.stderr
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step-000000003"
+    assert [r["step"] for r in losses(tmp_path / "run", 1)] == [1, 2, 3]
+
+
 def write_lock(root, host, pid):
     root.mkdir(parents=True, exist_ok=True)
     (root / LOCK_NAME).write_text(json.dumps({"host": host, "pid": pid, "job_id": "SLURM_JOB_ID=7"}))

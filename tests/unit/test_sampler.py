@@ -258,3 +258,26 @@ def test_load_state_dict_validates():
     assert (s.epoch, s.samples_consumed) == (2, 48)
     s.load_state_dict({**good, "epoch": 2, "samples_consumed": 96})  # the epoch's end
     assert (s.epoch, s.samples_consumed) == (3, 0)
+
+
+@pytest.mark.parametrize("num_workers,persistent", [(0, False), (2, False), (2, True)])
+def test_a_new_iterator_goes_on_from_the_last_batch_returned(num_workers, persistent):
+    """A peek (``next(iter(loader))``) or a ``break``, then a new iterator: it starts after the
+    last batch returned, not where the workers' prefetch had moved the sampler (issue 24, item 1)."""
+    n, g = 128, 8
+    sampler = ReshardableSampler(n, global_batch_size=g, rank=0, world_size=1, seed=SEED)
+    loader = make_stateful_dataloader(_Ids(n), sampler, num_workers=num_workers, persistent_workers=persistent)
+    ref = _ref_global_batches(n, g, 2)
+    ids = lambda batch: batch[:, 0].tolist()  # noqa: E731
+    it = iter(loader)
+    assert ids(next(it)) == ref[0]
+    del it
+    got = []
+    for batch in loader:
+        got.append(ids(batch))
+        if len(got) == 3:
+            break
+    got += [ids(batch) for batch in loader]  # the rest of the epoch, after a break
+    assert got == ref[1:n // g]
+    assert sampler.state_dict()["epoch"] == 1 and sampler.samples_seen == n
+    assert [ids(batch) for batch in loader] == ref[n // g:]  # the next epoch is untouched
