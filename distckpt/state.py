@@ -195,10 +195,10 @@ class CheckpointState:
         if self.rank == 0:
             sd["train_state"] = pack(train_state.to_saved(), check=False)  # numbers and strings (record())
             if self.data is not None:
-                sd["data"] = pack(self.data.global_state())
+                sd["data"] = pack(self.data.global_state(), "dataloader")
         own = {"rng": pack(capture_rng(), check=False)}
         if self.data is not None:
-            own["dataloader"] = pack(self.data.local_state())
+            own["dataloader"] = pack(self.data.local_state(), "dataloader")
         sd["rank_state"] = {f"rank{self.rank}": own}
         return sd
 
