@@ -11,6 +11,7 @@ can fail on one rank only is agreed on, so all ranks raise (or fall back) togeth
 from __future__ import annotations
 
 import logging
+import os
 
 from .collective import Collective
 from .config import LOADABLE, CheckpointConfig
@@ -18,7 +19,8 @@ from .discovery import CheckpointDiscovery, StoreDiscovery, check_model_fits
 from .engine.blocking import run_load
 from .errors import CheckpointCorruptError, IncompatibleCheckpointError
 from .events import EventLog
-from .manifest import Manifest, TensorSpec
+from .layout import parse_step
+from .manifest import Manifest, TensorSpec, first_problem, structure_problems
 from .state import CheckpointState, TrainState
 from .storage import CheckpointStore, open_store, store_of
 
@@ -102,12 +104,18 @@ class CheckpointLoader:
 
         def read_plan_inputs() -> tuple[Manifest, set[str]]:
             manifest = store.read_manifest(path)
-            check_model_fits(manifest, path, self.model_specs, self.state.model_optim.ties)
             if self.config.verify_on_load:  # every rank plans from .metadata: check it first
                 for f in manifest.files:
                     if f.path == ".metadata":
                         store.check_file(path, f.path, size_bytes=f.size_bytes, digest=f.hash)
-            return manifest, set(store.read_dcp_metadata(path).state_dict_metadata)
+            metadata = store.read_dcp_metadata(path)
+            problem = first_problem(structure_problems(  # what `distckpt verify` checks, but the hashes
+                manifest, location=path, dir_step=parse_step(os.path.basename(path.rstrip("/"))),
+                metadata=metadata), path)
+            if problem is not None:
+                raise problem
+            check_model_fits(manifest, path, self.model_specs, self.state.model_optim.ties)
+            return manifest, set(metadata.state_dict_metadata)
 
         # Every rank reads these files itself (one node may see an I/O error the others do
         # not): agree, so all ranks raise together, and fall back together.

@@ -11,13 +11,16 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
+
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .errors import CheckpointCorruptError
 from .integrity import BlockDigests
 from .layout import MANIFEST
 
-__all__ = ["SCHEMA_VERSION", "Manifest", "FileEntry", "TensorSpec", "model_fingerprint", "migrate"]
+__all__ = ["SCHEMA_VERSION", "Manifest", "FileEntry", "TensorSpec", "model_fingerprint", "migrate",
+           "structure_problems", "first_problem"]
 
 SCHEMA_VERSION = 4
 # v1 -> v2: files gained "hash" (xxh3_128 hex), the manifest gained "hash_algorithm".
@@ -197,3 +200,70 @@ def model_fingerprint(specs: dict[str, TensorSpec]) -> str:
     """sha256 (hex) of the sorted ``fqn shape dtype`` lines: equal iff the model layout is equal."""
     lines = [f"{k} {tuple(v.shape)} {v.dtype}" for k, v in sorted(specs.items())]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def structure_problems(manifest: Manifest, *, location: str, manifest_path: str | None = None,
+                       dir_step: int | None = None, present: Iterable[str] | None = None,
+                       metadata: Any = None) -> list[CheckpointCorruptError]:
+    """What a committed checkpoint must agree with beyond its files' sizes and hashes: the one
+    set of checks ``distckpt verify``, ``distckpt ls``, resume discovery and ``load()`` apply,
+    so a checkpoint ``verify`` calls corrupt is never listed as committed nor loaded.
+
+    Args:
+        manifest: the checkpoint's parsed manifest.
+        location: the checkpoint directory or data-prefix URL (files are named ``location/name``).
+        manifest_path: where the manifest is, for messages (``None``: "the manifest of ``location``").
+        dir_step: the step the checkpoint's name says (``step-N``); ``None``: not checked (a
+            ``load_path`` named otherwise; S3 checks its manifest name when parsing it).
+        present: relative names of the files there; ``None``: not checked. A file present but not
+            listed was added or renamed after the commit.
+        metadata: the checkpoint's DCP ``Metadata``; ``None``: not checked. Every item must lie in
+            a listed file, within its size, and the model tensors must be the manifest's model.
+
+    Returns:
+        Every problem found (empty when consistent), each naming its file in ``.path``.
+    """
+    where = manifest_path or f"the manifest of {location}"
+    problems = []
+    if dir_step is not None and dir_step != manifest.step:
+        problems.append(CheckpointCorruptError(
+            f"{where}: manifest says step {manifest.step}, directory is step {dir_step}", path=where))
+    listed = {f.path: f.size_bytes for f in manifest.files}
+    for name in sorted(set(present or ()) - set(listed) - {MANIFEST}):
+        problems.append(CheckpointCorruptError(
+            f"{location}/{name}: file not listed in the manifest (added or renamed after the commit)",
+            path=f"{location}/{name}"))
+    if metadata is None:
+        return problems
+    meta_path = f"{location}/.metadata"
+    for index, info in (metadata.storage_data or {}).items():
+        size = listed.get(info.relative_path)
+        if size is None:
+            problems.append(CheckpointCorruptError(
+                f"{meta_path}: item {index.fqn!r} is stored in {info.relative_path!r}, which the "
+                "manifest does not list", path=meta_path))
+        elif info.offset + info.length > size:
+            problems.append(CheckpointCorruptError(
+                f"{location}/{info.relative_path}: item {index.fqn!r} at bytes {info.offset}.."
+                f"{info.offset + info.length} lies past the end ({size} bytes)",
+                path=f"{location}/{info.relative_path}"))
+    saved = {k[len("model."):]: (list(v.size), str(v.properties.dtype))
+             for k, v in metadata.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    recorded = {k: (list(v.shape), v.dtype) for k, v in manifest.model.items()}
+    if saved != recorded:
+        diff = sorted(k for k in set(saved) | set(recorded) if saved.get(k) != recorded.get(k))
+        problems.append(CheckpointCorruptError(
+            f"{where}: the manifest's model fingerprint does not match the tensors in "
+            f".metadata (first differences: {', '.join(diff[:5])})", path=where))
+    return problems
+
+
+def first_problem(problems: list[CheckpointCorruptError], location: str) -> CheckpointCorruptError | None:
+    """The first of ``problems`` (``None`` when empty), saying how many more there are and that
+    ``distckpt verify location`` lists them all."""
+    if len(problems) <= 1:
+        return problems[0] if problems else None
+    first = problems[0]
+    return CheckpointCorruptError(f"{first} (and {len(problems) - 1} more problem(s): `distckpt verify "
+                                  f"{location}` lists them)", path=first.path)

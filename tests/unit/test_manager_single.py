@@ -145,6 +145,46 @@ def test_changed_dcp_metadata_is_found_before_planning(tmp_path):
     assert err.value.path == str(meta) and "does not match" in str(err.value)
 
 
+@pytest.mark.parametrize("edit", ["step", "unlisted file"])
+def test_an_edited_checkpoint_is_refused_by_load_as_by_verify(tmp_path, edit, caplog, capsys):
+    # Issue 24 item 5: verify called it corrupt, but discovery loaded it silently.
+    from distckpt.cli import main
+
+    trained_manager(tmp_path, steps=(3, 6))[0].close()
+    ckpt = tmp_path / "step-000000006"
+    if edit == "step":
+        bad = ckpt / "distckpt.json"
+        data = json.loads(bad.read_text())
+        bad.write_text(json.dumps(dict(data, step=9, loss=0.001)))
+        reason = "manifest says step 9, directory is step 6"
+    else:
+        bad = ckpt / "notes.txt"
+        bad.write_text("added after the commit")
+        reason = "file not listed in the manifest"
+    assert main(["verify", str(tmp_path)]) == 1 and reason in capsys.readouterr().out
+    assert main(["ls", str(tmp_path), "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert rows["step-000000006"]["status"] == "corrupt" and reason in rows["step-000000006"]["reason"]
+    assert rows["step-000000003"]["status"] == "committed"
+    for load_path in (None, str(ckpt)):
+        manager, _ = manager_for(tmp_path, load_path=load_path)
+        with pytest.raises(CheckpointCorruptError, match=reason) as err:
+            manager.load()
+        assert err.value.path == str(bad) and str(bad) in str(err.value)
+        manager.close()
+    expected, (model1, *_) = manager_for(tmp_path, load_path=str(tmp_path / "step-000000003"))
+    expected.load()
+    want = {k: v.clone() for k, v in model1.state_dict().items()}
+    expected.close()
+    manager, (model2, *_) = manager_for(tmp_path, fallback_to_older=True)
+    with caplog.at_level("WARNING"):
+        assert manager.load().step == 3
+    assert reason in caplog.text and "falling back to" in caplog.text
+    assert all(torch.equal(model2.state_dict()[k], want[k]) for k in want)
+    assert (tmp_path / "corrupt-step-000000006-0" / bad.name).is_file()  # kept, never loaded
+    manager.close()
+
+
 def test_bad_manifest_and_load_path(tmp_path):
     trained_manager(tmp_path)
     (tmp_path / "step-000000003" / "distckpt.json").write_text("{not json")
