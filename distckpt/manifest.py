@@ -15,20 +15,22 @@ from typing import Any, Iterable
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .errors import CheckpointCorruptError
+from .errors import CheckpointCorruptError, IncompatibleCheckpointError
 from .integrity import BlockDigests
 from .layout import MANIFEST
 
 __all__ = ["SCHEMA_VERSION", "Manifest", "FileEntry", "TensorSpec", "model_fingerprint", "migrate",
-           "structure_problems", "first_problem"]
+           "check_model_fits", "structure_problems", "first_problem"]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # v1 -> v2: files gained "hash" (xxh3_128 hex), the manifest gained "hash_algorithm".
 # v2 -> v3: a file path may name another checkpoint's file ("../step-N/__0_0.distcp", an
 # incremental checkpoint's reference): an older distckpt would delete referenced checkpoints.
 # v3 -> v4: files may carry "block_ends" + "block_hashes" (xxh3_128 per block, integrity.py);
 # an older distckpt would call such a manifest malformed, so it says "upgrade" instead. A
 # manifest without block digests (S3, async_mode: process) is still written as v3.
+# v4 -> v5: "initial_load", the load options the run that wrote it started with (restart.py); a
+# manifest without them is written as v4 (or v3), which older distckpt reads.
 
 
 @dataclass(kw_only=True)
@@ -86,6 +88,9 @@ class Manifest:
             step before/after (``TrainState.batch_change``).
         data_prefix: object storage only: the save's data prefix relative to the root
             (``data/step-N-<id>``); absent on POSIX, where the manifest sits in the directory.
+        initial_load: ``CheckpointConfig.initial_load`` of the run that wrote it (``load_path``,
+            ``load_step``, ``load_only``, ``exclude_from_loading``); absent when none was set.
+            A start with the same options is a restart of that run (:mod:`distckpt.restart`).
     """
 
     step: int
@@ -110,16 +115,19 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
     batch_change: dict[str, Any] | None = None
     data_prefix: str | None = None
+    initial_load: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         data = asdict(self)
-        if data["data_prefix"] is None:  # POSIX manifests stay byte-for-byte as before
-            del data["data_prefix"]
+        for name in ("data_prefix", "initial_load"):  # unset: the manifest stays byte-for-byte as before
+            if data[name] is None:
+                del data[name]
         for f in data["files"]:  # files without blocks (and S3 manifests) keep their old form
             if f["block_ends"] is None and f["block_hashes"] is None:
                 del f["block_ends"], f["block_hashes"]
-        if data["schema_version"] == 4 and not any("block_ends" in f for f in data["files"]):
-            data["schema_version"] = 3  # no block digests: a v3 manifest, which older distckpt reads
+        if data["schema_version"] == SCHEMA_VERSION:  # the oldest schema that holds it, which older distckpt reads
+            data["schema_version"] = (5 if "initial_load" in data
+                                      else 4 if any("block_ends" in f for f in data["files"]) else 3)
         return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod
@@ -193,6 +201,8 @@ def migrate(data: dict[str, Any]) -> dict[str, Any]:
         data["schema_version"] = 3  # nothing to change: v2 files are all the checkpoint's own
     if data["schema_version"] == 3:
         data["schema_version"] = 4  # nothing to change: v3 files have no block digests
+    if data["schema_version"] == 4:
+        data["schema_version"] = 5  # nothing to change: a v4 run started without initial-load options
     return data
 
 
@@ -200,6 +210,44 @@ def model_fingerprint(specs: dict[str, TensorSpec]) -> str:
     """sha256 (hex) of the sorted ``fqn shape dtype`` lines: equal iff the model layout is equal."""
     lines = [f"{k} {tuple(v.shape)} {v.dtype}" for k, v in sorted(specs.items())]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def check_model_fits(manifest: Manifest, path: str, live: dict[str, TensorSpec],
+                     ties: dict[str, list[str]]) -> None:
+    """Compare a checkpoint's model (its manifest) with the live model before touching anything.
+
+    Args:
+        manifest: the checkpoint's manifest.
+        path: the checkpoint directory (for the message).
+        live: ``{fqn: TensorSpec}`` of the live model.
+        ties: ``{fqn: [fqns sharing its tensor]}``; a key missing from the checkpoint whose tied
+            twin was saved with the same spec is not a difference (it is loaded from the twin).
+
+    Raises:
+        IncompatibleCheckpointError: every missing / unexpected key and shape / dtype mismatch.
+    """
+    if manifest.model_fingerprint == model_fingerprint(live):
+        return
+    saved = manifest.model
+    missing = sorted(k for k in set(live) - set(saved)
+                     if not any(saved.get(t) == live[k] for t in ties.get(k, [])))
+    unexpected = sorted(set(saved) - set(live))
+    mismatched = []
+    for key in sorted(set(saved) & set(live)):
+        for what in ("shape", "dtype"):
+            a, b = getattr(saved[key], what), getattr(live[key], what)
+            if list(a) != list(b) if what == "shape" else a != b:
+                mismatched.append((key, what, str(a), str(b)))
+    if not (missing or unexpected or mismatched):
+        return
+    lines = [f"checkpoint {path} does not fit the live model:"]
+    lines += [f"  missing in checkpoint: {k}" for k in missing]
+    lines += [f"  unexpected (in checkpoint, not in model): {k}" for k in unexpected]
+    lines += [f"  {what} mismatch for {k}: checkpoint {a}, model {b}" for k, what, a, b in mismatched]
+    lines.append("Load into the same architecture (a renamed layer or changed size/dtype needs "
+                 "an explicit conversion; distckpt never casts or drops weights silently).")
+    raise IncompatibleCheckpointError("\n".join(lines), missing=missing, unexpected=unexpected,
+                                      mismatched=mismatched)
 
 
 def structure_problems(manifest: Manifest, *, location: str, manifest_path: str | None = None,

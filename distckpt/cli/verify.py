@@ -69,10 +69,10 @@ def s3_targets(url: str) -> tuple[Any, list[tuple[str, Any]], list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     if is_s3_url(args.path):
-        store, found, pending = s3_targets(args.path)
+        store, entries, pending = s3_targets(args.path)
         reports = [AuditReport(path=loc, manifest=None, problems=[result])  # the manifest did not parse
                    if isinstance(result, CheckpointCorruptError) and result.path == loc
-                   else audit_store_checkpoint(store, loc) for loc, result in found]
+                   else audit_store_checkpoint(store, loc) for loc, result in entries]
     else:
         found, pending = targets(Path(args.path))
         reports = [audit_checkpoint(p) for p in found]

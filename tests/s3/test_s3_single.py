@@ -288,3 +288,28 @@ def test_rollback_on_s3_sets_newer_checkpoints_aside_at_the_first_save(s3_server
     fresh, _ = manager_for(s3_root)
     assert fresh.load().step == 4
     fresh.close()
+
+
+def test_a_rollback_restarted_on_s3_with_its_unchanged_config_resumes_its_own_commit(s3_server, s3_root, caplog):
+    # Issue 24 item 6: the initial-load options apply once; the manifests record them.
+    manager, objs = manager_for(s3_root)
+    locations = {}
+    for step in (3, 6):
+        train_steps(*objs, 3)
+        locations[step] = manager.save(step)
+    manager.close()
+    rollback, objs2 = manager_for(s3_root, load_path=locations[3])
+    assert rollback.load().step == 3
+    train_steps(*objs2, 1)
+    rollback.save(4)
+    rollback.close()
+    expected = full_params(objs2[0])
+    with caplog.at_level("INFO", logger="distckpt"):
+        restarted, (model3, *_) = manager_for(s3_root, load_path=locations[3])
+        assert restarted.load().step == 4  # used to roll back to step 3 again
+    restarted.close()
+    assert "restart:" in caplog.text and "step-000000004, committed by this run" in caplog.text
+    assert all(torch.equal(v, expected[k]) for k, v in full_params(model3).items())
+    assert [n for n in keys(s3_server, s3_root) if n.startswith("manifests/")] == [
+        "manifests/rolledback-step-000000006-0.json", "manifests/step-000000003.json",
+        "manifests/step-000000004.json"]

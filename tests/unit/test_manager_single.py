@@ -1,6 +1,8 @@
 """CheckpointManager in one process (no process group): errors, discovery, pitfalls."""
 
+import contextlib
 import json
+import subprocess
 
 import pytest
 import torch
@@ -334,6 +336,68 @@ def test_unwritable_root_fails_at_construction(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="not a writable directory"):
         CheckpointManager(CheckpointConfig(root=str(blocker / "sub")), model=Net(), optimizer=None)
+
+
+def _tree(root):
+    """``{relative path: (kind, size, mtime_ns, mode)}`` of ``root`` and everything under it."""
+    return {p.relative_to(root).as_posix() or ".": (p.is_dir(), p.stat().st_size if p.is_file() else 0,
+                                                    p.stat().st_mtime_ns, p.stat().st_mode)
+            for p in [root, *sorted(root.rglob("*"))]}
+
+
+@contextlib.contextmanager
+def _read_only_view(root, how):
+    """``root`` made read-only: ``chmod -R a-w`` (as root, writes still succeed: only the tree
+    comparison shows none happened) or a read-only bind mount (writes fail with EROFS)."""
+    if how == "chmod":
+        subprocess.run(["chmod", "-R", "a-w", str(root)], check=True)
+        try:
+            yield root
+        finally:
+            subprocess.run(["chmod", "-R", "u+w", str(root)], check=True)
+        return
+    view = root.parent / "ro-view"
+    view.mkdir()
+    if subprocess.run(["mount", "--bind", str(root), str(view)], capture_output=True).returncode != 0:
+        pytest.skip("no bind mount here (needs root with CAP_SYS_ADMIN)")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], check=True, capture_output=True)
+        yield view
+    finally:
+        subprocess.run(["umount", str(view)], check=True)
+
+
+@pytest.mark.parametrize("how", ["chmod", "read-only bind mount"])
+def test_a_read_only_manager_loads_a_read_only_root_and_writes_nothing(tmp_path, how):
+    # Issue 24 item 14: an evaluation of a read-only snapshot could not be built at all.
+    import signal
+
+    root = tmp_path / "ckpt"
+    manager, objs = trained_manager(root, steps=(3,))
+    at3 = {k: v.clone() for k, v in objs[0].state_dict().items()}
+    train_steps(*objs, 3)
+    manager.save(6)
+    manager.close()
+    at6 = {k: v.clone() for k, v in objs[0].state_dict().items()}
+    (root / ".pending-step-000000009-abc123").mkdir()  # a crash leftover a writing manager removes
+    before, handler = _tree(root), signal.getsignal(signal.SIGTERM)
+    with _read_only_view(root, how) as view:
+        if how != "chmod":
+            with pytest.raises(ConfigError, match="not a writable directory"):
+                manager_for(view)  # what an evaluation job got
+        for load_step, want in ((None, at6), (3, at3)):  # step 3: no rollback, nothing set aside
+            evaluation, (model, *_) = manager_for(view, read_only=True, load_step=load_step, async_mode="thread")
+            assert signal.getsignal(signal.SIGTERM) is handler and evaluation.lock is None
+            assert evaluation.load().step == (load_step or 6)
+            assert all(torch.equal(model.state_dict()[k], want[k]) for k in want)
+            with pytest.raises(ConfigError, match="read_only=true: this manager only loads"):
+                evaluation.maybe_save(7, last_step=True)
+            with pytest.raises(ConfigError, match="read_only=true: this manager only loads"):
+                evaluation.save(7)
+            evaluation.close()
+    assert _tree(root) == before  # no lock, token, probe file, leftover removal or latest repair
+    with pytest.raises(ConfigError, match="read_only=true only loads: it needs load: true"):
+        CheckpointConfig(root=str(root), read_only=True, load=False)
 
 
 def test_unusable_event_log_fails_at_construction(tmp_path):
