@@ -313,3 +313,21 @@ def test_a_rollback_restarted_on_s3_with_its_unchanged_config_resumes_its_own_co
     assert [n for n in keys(s3_server, s3_root) if n.startswith("manifests/")] == [
         "manifests/rolledback-step-000000006-0.json", "manifests/step-000000003.json",
         "manifests/step-000000004.json"]
+
+
+def test_a_read_only_manager_writes_no_object_to_an_s3_root(s3_server, s3_root):
+    # Issue 24 item 14 on S3: no .lock, no leftover removal, no set-aside; load works.
+    manager, objs = manager_for(s3_root)
+    train_steps(*objs, 3)
+    manager.save(3)
+    manager.close()
+    expected = full_params(objs[0])
+    put(s3_server, s3_root, "data/step-000000009-abc123/__0_0.distcp", b"an interrupted save")
+    before = {k: get(s3_server, s3_root, k) for k in keys(s3_server, s3_root)}
+    evaluation, (model, *_) = manager_for(s3_root, read_only=True, load_step=3)
+    assert evaluation.load().step == 3 and evaluation.lock is None
+    with pytest.raises(ConfigError, match="read_only=true"):
+        evaluation.save(4)
+    evaluation.close()
+    assert {k: get(s3_server, s3_root, k) for k in keys(s3_server, s3_root)} == before
+    assert all(torch.equal(v, expected[k]) for k, v in full_params(model).items())
