@@ -129,9 +129,10 @@ def elastic_store_warning(env: Mapping[str, str] | None = None,
     env = os.environ if env is None else env
     if "TORCHELASTIC_RUN_ID" not in env:
         return None
-    shared = env.get("TORCHELASTIC_USE_AGENT_STORE", str(env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"))
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", str(env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1")) != "True":
+        return None  # each rendezvous round has its own store: the fix is in place
     nodes = agent_nnodes(env, agent_argv)
-    if shared != "True" or nodes is None or nodes[0] >= nodes[1]:
+    if nodes is None or nodes[0] >= nodes[1]:
         return None
     return (f"torchrun runs this job elastically (--nnodes {nodes[0]}:{nodes[1]}) and its agents share their "
             "rendezvous TCP store with the workers (TORCHELASTIC_USE_AGENT_STORE=True): with torch 2.13 the whole "
