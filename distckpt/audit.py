@@ -5,6 +5,8 @@ size and xxh3-128 hash) it checks what a reader relies on next: the manifest's s
 directory name, no file is present that the manifest does not list, ``.metadata`` is DCP
 metadata made of allowed types only (read without running code), every byte range it points
 at lies in a listed file, and the manifest's model fingerprint matches the metadata's tensors.
+Those structure checks are :func:`distckpt.manifest.structure_problems`, which ``ls``, resume
+discovery and ``load()`` apply too: only the hashes of files a load does not read are verify's alone.
 """
 
 from __future__ import annotations
@@ -14,13 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-from .commit import verify
+from .commit import own_files, verify
 from .engine import read_dcp_metadata
 from .errors import CheckpointCorruptError
 from .layout import MANIFEST, parse_step
-from .manifest import Manifest
+from .manifest import Manifest, structure_problems
 
 __all__ = ["AuditReport", "audit_checkpoint", "audit_store_checkpoint"]
 
@@ -60,46 +60,14 @@ def audit_checkpoint(checkpoint_dir: str | os.PathLike) -> AuditReport:
         return AuditReport(path=path, manifest=None, problems=problems)
     report = AuditReport(path=path, manifest=manifest, problems=problems,
                          unhashed=[f.path for f in manifest.files if f.hash is None])
-    manifest_path = str(path / MANIFEST)
-    step = parse_step(path.name)
-    if step is not None and step != manifest.step:
-        problems.append(CheckpointCorruptError(
-            f"{manifest_path}: manifest says step {manifest.step}, directory is step {step}",
-            path=manifest_path))
-    listed = {f.path: f.size_bytes for f in manifest.files}
-    for p in sorted(path.rglob("*")):
-        rel = p.relative_to(path).as_posix()
-        if p.is_file() and rel != MANIFEST and rel not in listed:
-            problems.append(CheckpointCorruptError(
-                f"{p}: file not listed in the manifest (added or renamed after the commit)", path=str(p)))
-    if not (path / ".metadata").exists():
-        return report  # already reported as a listed file that is missing
-    try:
-        metadata = read_dcp_metadata(path)
-    except CheckpointCorruptError as e:
-        problems.append(e)
-        return report
-    meta_path = str(path / ".metadata")
-    for index, info in (metadata.storage_data or {}).items():
-        size = listed.get(info.relative_path)
-        if size is None:
-            problems.append(CheckpointCorruptError(
-                f"{meta_path}: item {index.fqn!r} is stored in {info.relative_path!r}, which the "
-                "manifest does not list", path=meta_path))
-        elif info.offset + info.length > size:
-            problems.append(CheckpointCorruptError(
-                f"{path / info.relative_path}: item {index.fqn!r} at bytes {info.offset}.."
-                f"{info.offset + info.length} lies past the end ({size} bytes)",
-                path=str(path / info.relative_path)))
-    saved = {k[len("model."):]: (list(v.size), str(v.properties.dtype))
-             for k, v in metadata.state_dict_metadata.items()
-             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-    recorded = {k: (list(v.shape), v.dtype) for k, v in manifest.model.items()}
-    if saved != recorded:
-        diff = sorted(k for k in set(saved) | set(recorded) if saved.get(k) != recorded.get(k))
-        problems.append(CheckpointCorruptError(
-            f"{manifest_path}: the manifest's model fingerprint does not match the tensors in "
-            f".metadata (first differences: {', '.join(diff[:5])})", path=manifest_path))
+    metadata = None
+    if (path / ".metadata").exists():  # else already reported as a listed file that is missing
+        try:
+            metadata = read_dcp_metadata(path)
+        except CheckpointCorruptError as e:
+            problems.append(e)
+    problems += structure_problems(manifest, location=str(path), manifest_path=str(path / MANIFEST),
+                                   dir_step=parse_step(path.name), present=own_files(path), metadata=metadata)
     return report
 
 
@@ -114,23 +82,14 @@ def audit_store_checkpoint(store: Any, location: str) -> AuditReport:
         return AuditReport(path=location, manifest=None, problems=problems)
     report = AuditReport(path=location, manifest=manifest, problems=problems,
                          unhashed=[f.path for f in manifest.files if f.hash is None])
-    listed = {f.path: f.size_bytes for f in manifest.files}
-    for name in sorted(set(store.object_sizes(location)) - set(listed)):
-        problems.append(CheckpointCorruptError(
-            f"{location}/{name}: object not listed in the manifest (added after the commit)",
-            path=f"{location}/{name}"))
+    listed = {f.path for f in manifest.files}
+    metadata = None
     try:
         metadata = store.read_dcp_metadata(location)
     except (CheckpointCorruptError, OSError) as e:
         if ".metadata" in listed and not any(".metadata" in str(p) for p in problems):
             problems.append(e if isinstance(e, CheckpointCorruptError)
                             else CheckpointCorruptError(str(e), path=f"{location}/.metadata"))
-        return report
-    for index, info in (metadata.storage_data or {}).items():
-        size = listed.get(info.relative_path)
-        if size is None or info.offset + info.length > size:
-            problems.append(CheckpointCorruptError(
-                f"{location}/.metadata: item {index.fqn!r} points at {info.relative_path!r} bytes "
-                f"{info.offset}..{info.offset + info.length}, outside the listed objects",
-                path=f"{location}/.metadata"))
+    problems += structure_problems(manifest, location=location, present=store.object_sizes(location),
+                                   metadata=metadata)
     return report

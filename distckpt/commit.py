@@ -33,7 +33,7 @@ from .layout import (
     is_pending,
     parse_step,
 )
-from .manifest import FileEntry, Manifest
+from .manifest import FileEntry, Manifest, first_problem, structure_problems
 
 __all__ = [
     "fsync_dir",
@@ -42,6 +42,7 @@ __all__ = [
     "list_files",
     "commit",
     "validate",
+    "own_files",
     "verify",
     "find_committed",
     "remove_leftovers",
@@ -131,7 +132,9 @@ def commit(pending_dir: str | os.PathLike, final_dir: str | os.PathLike, manifes
 
 def validate(checkpoint_dir: str | os.PathLike, *, check_hashes: bool = False) -> Manifest:
     """Check a checkpoint directory against its manifest: every file exists with its size
-    (and, with ``check_hashes``, its content hash; that reads every byte).
+    (and, with ``check_hashes``, its content hash; that reads every byte), the manifest's step
+    is the directory's (``step-N``) and no file is there that the manifest does not list
+    (:func:`~distckpt.manifest.structure_problems`, as ``distckpt verify`` checks).
 
     Returns:
         The parsed manifest.
@@ -144,7 +147,18 @@ def validate(checkpoint_dir: str | os.PathLike, *, check_hashes: bool = False) -
     for entry in manifest.files:
         check_file(checkpoint_dir / entry.path, size_bytes=entry.size_bytes,
                    digest=entry.hash if check_hashes else None, blocks=entry.blocks())
+    problem = first_problem(structure_problems(
+        manifest, location=str(checkpoint_dir), manifest_path=str(checkpoint_dir / MANIFEST),
+        dir_step=parse_step(checkpoint_dir.name), present=own_files(checkpoint_dir)), str(checkpoint_dir))
+    if problem is not None:
+        raise problem
     return manifest
+
+
+def own_files(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """Relative (posix) names of the regular files under a checkpoint directory."""
+    root = Path(checkpoint_dir)
+    return [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
 
 
 def verify(checkpoint_dir: str | os.PathLike) -> list[CheckpointCorruptError]:

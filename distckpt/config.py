@@ -11,7 +11,7 @@ from typing import Any, Literal
 from .errors import ConfigError
 from .layout import check_root_scheme, checkpoint_name
 
-__all__ = ["CheckpointConfig", "KeepBest", "LOADABLE"]
+__all__ = ["CheckpointConfig", "KeepBest", "LOADABLE", "INITIAL_LOAD", "READ_ONLY_SAVE"]
 
 StateDictType = Literal["sharded", "full"]
 BATCH_POLICIES = ("keep_global_batch", "keep_local_batch")  # CheckpointConfig.batch_policy
@@ -20,6 +20,14 @@ STEP_RULES = ("keep", "rescale")  # CheckpointConfig.step_rule
 LOADABLE = ("model", "optimizer", "lr_scheduler", "grad_scaler", "dataloader", "rng", "counters", "extra_state")
 """Parts of a checkpoint ``load_only`` / ``exclude_from_loading`` name (``counters``: step, epoch,
 samples/tokens seen, loss history, metrics, run id)."""
+
+READ_ONLY_SAVE = ("CheckpointConfig.read_only=true: this manager only loads and never writes to its root, so "
+                  "save() and maybe_save() are refused. Build the manager without read_only to train and save.")
+"""The ``ConfigError`` message of a save asked of a ``read_only`` manager."""
+
+INITIAL_LOAD = ("load_path", "load_step", "load_only", "exclude_from_loading")
+"""The options that say how a run starts: applied only while the root holds no checkpoint the
+run committed (:mod:`distckpt.restart`; README "Resume options")."""
 
 
 @dataclass(kw_only=True)
@@ -60,7 +68,11 @@ class CheckpointConfig:
         load_path: resume from this checkpoint directory instead of the newest in ``root``.
             A ``step-N`` of ``root`` itself is a rollback: at the run's first save, the root's
             newer checkpoints are renamed ``rolledback-step-M-<n>`` (kept, never loaded or
-            deleted), so its steps and ``latest`` are the rolled-back run's.
+            deleted), so its steps and ``latest`` are the rolled-back run's. Like ``load_step``,
+            ``load_only`` and ``exclude_from_loading`` it applies at the run's first start only:
+            once the root holds a checkpoint committed with the same four options (each
+            manifest records them), a start with this config is a restart and resumes the
+            root's newest checkpoint in full (:mod:`distckpt.restart`).
         on_existing: what a run that does not resume from ``root`` (``load: false``, or a
             ``load_path`` outside ``root``) does when ``root`` already holds checkpoints:
             ``"refuse"`` (``ConfigError`` at construction, naming the newest) or
@@ -111,13 +123,16 @@ class CheckpointConfig:
             up and the save fails with ``CheckpointSaveError`` on every rank, before the other
             ranks' wait hits ``timeout_s`` (which would leave the process group unusable).
             ``None``: ``timeout_s / 2``. Must be below ``timeout_s``.
-        arrival_timeout_s: how long ``save`` and ``load`` (also through ``maybe_save``) wait
-            at entry for every rank to make the same call (seconds). A rank that skipped the
-            call, passed another step or made another call then gives
+        arrival_timeout_s: how long the entry check of ``save`` and ``load`` (also of a
+            ``maybe_save`` that saves) waits for every rank to make the same call (seconds). A
+            rank that skipped the call, passed another step or made another call then gives
             ``CollectiveMismatchError`` naming the ranks, instead of a hang of ``timeout_s``
-            ending in a gloo error. Raise it when a rank does long work of its own before a
-            save (evaluation on rank 0 only). ``None``: ``timeout_s / 5``. Must be below
-            ``timeout_s``.
+            ending in a gloo error. It bounds that check only: ``maybe_save`` first runs its own
+            collectives (the preemption all-reduce with ``preemption``, the schedule's broadcast
+            with ``interval_seconds``), which wait up to ``timeout_s`` for a rank that is merely
+            late. Raise it when a rank does long work of its own (evaluation on rank 0 only)
+            before a direct ``save``/``load``, or before ``maybe_save`` without those
+            collectives. ``None``: ``timeout_s / 5``. Must be below ``timeout_s``.
         batch_policy: what a resume does when the global batch size changed since the save
             (read from the saved ``ReshardableSampler`` state). ``"keep_global_batch"``: refuse
             (``IncompatibleCheckpointError``), the global batch must be held constant.
@@ -139,6 +154,11 @@ class CheckpointConfig:
             standard ``AWS_ENDPOINT_URL`` or AWS). Credentials only ever come from the standard
             environment / profiles, never from this config.
         s3_region: S3 region (``None``: ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, else ``us-east-1``).
+        read_only: a manager that only loads and writes nothing to the root (an evaluation of a
+            read-only snapshot): no lock, no shared-root token file, no removal of leftovers, no
+            set-aside or rollback, no SIGTERM handler, no async writer; ``load_path`` /
+            ``load_step`` / the selection always apply; ``save`` and ``maybe_save`` raise
+            ``ConfigError``. Needs ``load: true``. An ``event_log`` is still appended to where it points.
     """
 
     root: str
@@ -183,6 +203,7 @@ class CheckpointConfig:
     full_every: int | None = None
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
+    read_only: bool = False
 
     def __post_init__(self) -> None:
         _check_batch_policy(self.batch_policy, self.step_rule)
@@ -240,6 +261,11 @@ class CheckpointConfig:
                 "CheckpointConfig.on_existing='archive' with load: true and no load_path: this run "
                 "resumes from the root's checkpoints, so nothing would be archived. Set load: false "
                 "to start fresh and archive them, or drop on_existing")
+        if not isinstance(self.read_only, bool):
+            raise ConfigError(f"CheckpointConfig.read_only={self.read_only!r}: must be true or false")
+        if self.read_only and (not self.load or self.on_existing == "archive"):
+            raise ConfigError("CheckpointConfig.read_only=true only loads: it needs load: true and no on_existing: "
+                              f"archive (load={self.load}, on_existing={self.on_existing!r})")
         if not isinstance(self.incremental, bool):
             raise ConfigError(f"CheckpointConfig.incremental={self.incremental!r}: must be true or false")
         _positive("full_every", self.full_every, allow_none=True, integer=True)
@@ -304,6 +330,23 @@ class CheckpointConfig:
         return frozenset(LOADABLE) - frozenset(self.exclude_from_loading or ())
 
     @property
+    def initial_load(self) -> dict[str, Any] | None:
+        """``{option: value}`` of :data:`INITIAL_LOAD` as configured (paths as strings, parts as
+        lists), or ``None`` when none is set: what every checkpoint of this run records."""
+        values = {name: getattr(self, name) for name in INITIAL_LOAD}
+        if values["load_path"] is not None:
+            values["load_path"] = os.fspath(values["load_path"])
+        for name in ("load_only", "exclude_from_loading"):
+            values[name] = None if values[name] is None else list(values[name])
+        return values if any(v is not None for v in values.values()) else None
+
+    def for_restart(self) -> "CheckpointConfig":
+        """This config for a restart of its run (:mod:`distckpt.restart`): without the
+        :data:`INITIAL_LOAD` options, so ``load()`` resumes the root's newest checkpoint in full."""
+        return dataclasses.replace(self, load_path=None, load_step=None, load_only=None,
+                                   exclude_from_loading=None, on_existing="refuse")
+
+    @property
     def resolved_load_path(self) -> str | None:
         """``load_path``, or ``<root>/step-<load_step>``; ``None`` when neither is set."""
         if self.load_step is not None:
@@ -314,6 +357,11 @@ class CheckpointConfig:
     def effective_write_timeout_s(self) -> float:
         """``write_timeout_s``, or ``timeout_s / 2`` when unset (seconds)."""
         return self.write_timeout_s if self.write_timeout_s is not None else self.timeout_s / 2
+
+    @property
+    def effective_preemption(self) -> bool:
+        """``preemption``, unless ``read_only``: a manager that never saves leaves SIGTERM alone."""
+        return self.preemption and not self.read_only
 
     @property
     def effective_arrival_timeout_s(self) -> float:

@@ -7,8 +7,13 @@ checkpoints (rank 0's decisions; the manager broadcasts them).
 * Claims on the root: a run that does not resume from a root holding checkpoints is refused
   (or archives them with ``on_existing: archive``); a ``load_path`` naming ``step-N`` of the
   root is a rollback, whose newer checkpoints are set aside at its first commit.
-* The model check: a checkpoint's model specs against the live model's, before any tensor is
-  touched.
+* Restarts: a root holding a checkpoint committed with the config's initial-load options
+  (``load_path``, ``load_step``, the selection) is this run's; the options then no longer apply
+  (:mod:`distckpt.restart`).
+* ``read_only``: nothing is written, claimed or set aside.
+
+The model check (a checkpoint's model specs against the live model's) is
+:func:`distckpt.manifest.check_model_fits`.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ from .commit import (
     validate,
 )
 from .config import CheckpointConfig
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, IncompatibleCheckpointError
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 from .layout import LATEST, MANIFEST, checkpoint_name, parse_set_aside, parse_step
-from .manifest import Manifest, TensorSpec, model_fingerprint
+from .manifest import Manifest
+from .restart import is_restart
 from .storage import store_of
 
-__all__ = ["CheckpointDiscovery", "StoreDiscovery", "check_model_fits", "make_discovery", "refuse_corrupt_only"]
+__all__ = ["CheckpointDiscovery", "StoreDiscovery", "make_discovery", "read_manifest_or_none", "refuse_corrupt_only"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +61,18 @@ class CheckpointDiscovery:
         self.root, self.config, self.rank, self.locked = root, config, rank, locked
 
     def prepare_root(self) -> None:
-        """Rank 0: create the root and check that a file can be written in it.
+        """Rank 0: create the root and check that a file can be written in it (``read_only``:
+        that it is a directory; nothing is written).
 
         Raises:
-            ConfigError: the root cannot be created or written (names the OS error).
+            ConfigError: the root cannot be created or written (names the OS error), or with
+                ``read_only`` it is not a directory.
         """
         if self.rank != 0:
+            return
+        if self.config.read_only:
+            if not self.root.is_dir():
+                raise ConfigError(f"CheckpointConfig.root={str(self.root)!r} (read_only: true) is not a directory")
             return
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -70,23 +82,34 @@ class CheckpointDiscovery:
         except OSError as e:
             raise ConfigError(f"CheckpointConfig.root={str(self.root)!r} is not a writable directory: {e}") from e
 
-    def check_existing(self) -> None:
-        """Rank 0: a run that does not resume from the root must not write among the root's
-        checkpoints (retention, ``latest`` and the next resume would mix two runs)."""
-        if self.rank != 0:
-            return
+    def check_existing(self) -> CheckpointConfig:
+        """Rank 0: the config this start runs with: for a restart of the run that committed the
+        root's checkpoints with this config's initial-load options, the config without them
+        (:mod:`distckpt.restart`), else the config. A run that does not resume from the root
+        must not write among the root's checkpoints (retention, ``latest`` and the next resume
+        would mix two runs). Other ranks: the config (rank 0's is broadcast).
+
+        Raises:
+            ConfigError: such a run, without ``on_existing: archive`` (or without the lock).
+        """
+        if self.rank != 0 or self.config.read_only:  # a read-only manager writes nothing among them
+            return self.config
+        existing = existing_checkpoints(self.root)
+        if self.config.initial_load is not None and is_restart(
+                self.config, str(self.root), ((p.name, read_manifest_or_none(p)) for _, p in reversed(existing))):
+            return self.config.for_restart()
         fresh = not self.config.load
         if not fresh and (self.config.resolved_load_path is None or self.rollback_step() is not None):
-            return  # resumes from the root
-        existing = existing_checkpoints(self.root)
+            return self.config  # resumes from the root
         if not existing:
-            return
+            return self.config
         why = ("load: false" if fresh
                else f"load_path={self.config.load_path!r} is not a step-* directory of the root")
         if self.config.on_existing != "archive":
             raise ConfigError(
                 f"CheckpointConfig.root={str(self.root)!r} already holds {len(existing)} checkpoint(s), "
-                f"newest {existing[-1][1].name}, and this run does not resume from them ({why}). "
+                f"newest {existing[-1][1].name}, and this run does not resume from them ({why}; none was "
+                "committed with this config's load options, which would make this start a restart). "
                 "Choose: resume them (load: true, with no load_path or one naming a step-* of the "
                 "root); on_existing: archive to rename them archived-step-N-<n> (nothing is deleted); "
                 "or another root.")
@@ -97,6 +120,7 @@ class CheckpointDiscovery:
         repair_latest(self.root)
         logger.warning("on_existing=archive (%s): set aside the %d checkpoint(s) in %s, nothing deleted: %s",
                        why, len(moved), self.root, ", ".join(moved))
+        return self.config
 
 
     def rollback_step(self, *, loaded_step: int | None = None, resumed_step: int | None = None) -> int | None:
@@ -116,8 +140,8 @@ class CheckpointDiscovery:
         """Rank 0, after loading ``load_path`` = ``<root>/step-<step>``: the root's newer
         checkpoints are set aside at this run's first commit (:meth:`set_aside_newer`), not
         now, so a manager that only loads (an evaluation) changes nothing."""
-        if self.rank != 0:
-            return False
+        if self.rank != 0 or self.config.read_only:
+            return False  # never commits: nothing to set aside
         newer = [p.name for s, p in existing_checkpoints(self.root) if s > step]
         if not newer:
             return False
@@ -140,8 +164,8 @@ class CheckpointDiscovery:
                  for s, p in existing_checkpoints(self.root) if s > step]
         repair_latest(self.root)
         if moved:
-            again = ("Remove load_path/load_step from the config now: a restart with it rolls back again."
-                     if self.config.resolved_load_path is not None else "")
+            again = ("This run's checkpoints record load_path/load_step: a restart with the same config resumes "
+                     "them, not the rollback." if self.config.resolved_load_path is not None else "")
             logger.warning("rollback to %s: set aside %d newer checkpoint(s), kept: %s. %s",
                            checkpoint_name(step), len(moved), ", ".join(moved), again)
 
@@ -213,6 +237,14 @@ class CheckpointDiscovery:
         return None
 
 
+def read_manifest_or_none(checkpoint_dir: Path) -> Manifest | None:
+    """The manifest of a POSIX checkpoint directory, or ``None`` when it is unreadable."""
+    try:
+        return Manifest.read(checkpoint_dir)
+    except CheckpointCorruptError:
+        return None
+
+
 def refuse_corrupt_only(root: str, names: list[str]) -> None:
     """A resume finding no committed checkpoint in ``root`` must not start fresh over the run's
     checkpoints set aside as corrupt (``corrupt-step-N-<n>``, e.g. by an earlier start's
@@ -234,45 +266,6 @@ def refuse_corrupt_only(root: str, names: list[str]) -> None:
             "fresh deliberately.", path=root)
 
 
-def check_model_fits(manifest: Manifest, path: str, live: dict[str, TensorSpec],
-                     ties: dict[str, list[str]]) -> None:
-    """Compare a checkpoint's model (its manifest) with the live model before touching anything.
-
-    Args:
-        manifest: the checkpoint's manifest.
-        path: the checkpoint directory (for the message).
-        live: ``{fqn: TensorSpec}`` of the live model.
-        ties: ``{fqn: [fqns sharing its tensor]}``; a key missing from the checkpoint whose tied
-            twin was saved with the same spec is not a difference (it is loaded from the twin).
-
-    Raises:
-        IncompatibleCheckpointError: every missing / unexpected key and shape / dtype mismatch.
-    """
-    if manifest.model_fingerprint == model_fingerprint(live):
-        return
-    saved = manifest.model
-    missing = sorted(k for k in set(live) - set(saved)
-                     if not any(saved.get(t) == live[k] for t in ties.get(k, [])))
-    unexpected = sorted(set(saved) - set(live))
-    mismatched = []
-    for key in sorted(set(saved) & set(live)):
-        for what in ("shape", "dtype"):
-            a, b = getattr(saved[key], what), getattr(live[key], what)
-            if list(a) != list(b) if what == "shape" else a != b:
-                mismatched.append((key, what, str(a), str(b)))
-    if not (missing or unexpected or mismatched):
-        return
-    lines = [f"checkpoint {path} does not fit the live model:"]
-    lines += [f"  missing in checkpoint: {k}" for k in missing]
-    lines += [f"  unexpected (in checkpoint, not in model): {k}" for k in unexpected]
-    lines += [f"  {what} mismatch for {k}: checkpoint {a}, model {b}" for k, what, a, b in mismatched]
-    lines.append("Load into the same architecture (a renamed layer or changed size/dtype needs "
-                 "an explicit conversion; distckpt never casts or drops weights silently).")
-    raise IncompatibleCheckpointError("\n".join(lines), missing=missing, unexpected=unexpected,
-                                      mismatched=mismatched)
-
-
-
 class StoreDiscovery:
     """:class:`CheckpointDiscovery` for a root on object storage (:mod:`distckpt.storage`): the
     same decisions through the store. Checkpoint locations are data-prefix URLs; a checkpoint
@@ -289,7 +282,8 @@ class StoreDiscovery:
         self.root = store.root
 
     def prepare_root(self) -> None:
-        """Rank 0: the bucket exists and the credentials reach it (``ConfigError`` otherwise)."""
+        """Rank 0: the bucket exists and the credentials reach it (``ConfigError`` otherwise; a
+        read, so ``read_only`` changes nothing here)."""
         if self.rank == 0:
             self.store.prepare()
 
@@ -310,20 +304,25 @@ class StoreDiscovery:
         raise CheckpointNotFoundError(f"CheckpointConfig.load_step={self.config.load_step}: no committed checkpoint "
                                       f"of that step in {self.root} (`distckpt ls {self.root}` lists them)")
 
-    def check_existing(self) -> None:
+    def check_existing(self) -> CheckpointConfig:
         """As :meth:`CheckpointDiscovery.check_existing`."""
-        if self.rank != 0:
-            return
+        if self.rank != 0 or self.config.read_only:
+            return self.config
+        if self.config.initial_load is not None and is_restart(self.config, self.root, (
+                (checkpoint_name(s), r if isinstance(r, Manifest) else self._manifest_or_none(loc))
+                for s, loc, r in self.store.find_committed())):
+            return self.config.for_restart()
         fresh = not self.config.load
         if not fresh and (self._load_location() is None or self.rollback_step() is not None):
-            return
+            return self.config
         existing = self._committed()
         if not existing:
-            return
+            return self.config
         if self.config.on_existing != "archive":
             raise ConfigError(
                 f"CheckpointConfig.root={self.root!r} already holds {len(existing)} checkpoint(s), newest "
-                f"{checkpoint_name(existing[-1][0])}, and this run does not resume from them. Resume them "
+                f"{checkpoint_name(existing[-1][0])}, and this run does not resume from them (none was committed "
+                "with this config's load options, which would make this start a restart). Resume them "
                 "(load: true), set on_existing: archive (their manifests are renamed archived-step-N-<n>, "
                 "nothing deleted), or use another root.")
         if not self.locked:
@@ -332,6 +331,13 @@ class StoreDiscovery:
         self.store.repair_latest()
         logger.warning("on_existing=archive: set aside %d checkpoint(s) in %s, nothing deleted: %s",
                        len(moved), self.root, ", ".join(moved))
+        return self.config
+
+    def _manifest_or_none(self, location: str) -> Manifest | None:
+        try:
+            return self.store.read_manifest(location)
+        except (CheckpointCorruptError, OSError):
+            return None
 
     def rollback_step(self, *, loaded_step: int | None = None, resumed_step: int | None = None) -> int | None:
         """N when ``load_path`` is a committed checkpoint of this root (a rollback), or as
@@ -348,7 +354,7 @@ class StoreDiscovery:
 
     def plan_rollback(self, step: int) -> bool:
         """As :meth:`CheckpointDiscovery.plan_rollback`."""
-        if self.rank != 0:
+        if self.rank != 0 or self.config.read_only:
             return False
         newer = [s for s, _ in self._committed() if s > step]
         if newer and not self.locked:
@@ -360,7 +366,8 @@ class StoreDiscovery:
         moved = [self.store.set_aside(s, "rolledback") for s, _ in self._committed() if s > step]
         self.store.repair_latest()
         if moved:
-            logger.warning("rollback to %s: set aside %s (kept)", checkpoint_name(step), ", ".join(moved))
+            logger.warning("rollback to %s: set aside %s (kept); this run's checkpoints record its load options, so "
+                           "a restart with the same config resumes them", checkpoint_name(step), ", ".join(moved))
 
     def choose(self, rejected: list[str]) -> str | None:
         """As :meth:`CheckpointDiscovery.choose`: the location to load, or ``None``."""

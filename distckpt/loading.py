@@ -11,15 +11,17 @@ can fail on one rank only is agreed on, so all ranks raise (or fall back) togeth
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from .collective import Collective
 from .config import LOADABLE, CheckpointConfig
-from .discovery import CheckpointDiscovery, StoreDiscovery, check_model_fits
+from .discovery import CheckpointDiscovery, StoreDiscovery
 from .engine.blocking import run_load
 from .errors import CheckpointCorruptError, IncompatibleCheckpointError
 from .events import EventLog
-from .manifest import Manifest, TensorSpec
+from .layout import parse_step
+from .manifest import Manifest, TensorSpec, check_model_fits, first_problem, structure_problems
 from .state import CheckpointState, TrainState
 from .storage import CheckpointStore, open_store, store_of
 
@@ -108,7 +110,7 @@ class CheckpointLoader:
                 for f in manifest.files:
                     if f.path == ".metadata":
                         store.check_file(path, f.path, size_bytes=f.size_bytes, digest=f.hash)
-            return manifest, store.read_dcp_metadata(path)
+            return manifest, checked_metadata(store, path, manifest)
 
         # Every rank reads these files itself (one node may see an I/O error the others do
         # not): agree, so all ranks raise together, and fall back together.
@@ -132,3 +134,19 @@ class CheckpointLoader:
                 lambda: self.state.restore(target, saved_world_size=manifest.world_size),
                 what=f"restoring {path}", error_type=IncompatibleCheckpointError)
         return train_state, manifest
+
+
+def checked_metadata(store: CheckpointStore, path: str, manifest: Manifest) -> Any:
+    """The DCP ``Metadata`` of checkpoint ``path``, after the structure checks ``distckpt verify``
+    makes (:func:`~distckpt.manifest.structure_problems`: the manifest's step is the directory's,
+    every item lies in a listed file, the model tensors are the manifest's).
+
+    Raises:
+        CheckpointCorruptError: the first problem (naming its file).
+    """
+    metadata = store.read_dcp_metadata(path)
+    problem = first_problem(structure_problems(
+        manifest, location=path, dir_step=parse_step(os.path.basename(path.rstrip("/"))), metadata=metadata), path)
+    if problem is not None:
+        raise problem
+    return metadata

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .adapters import ddp_resume_not_bitwise, tensor_specs, wrapper_kind
 from .collective import Collective
-from .config import CheckpointConfig
+from .config import READ_ONLY_SAVE, CheckpointConfig
 from .discovery import make_discovery
 from .engine import AsyncWriter
 from .errors import CheckpointLockedError, ConfigError
@@ -38,7 +38,7 @@ from .resume import ProbeFn, ResumeExtras
 from .schedule import SaveSchedule
 from .state import CheckpointState, TrainState
 from .storage import open_config_store
-from .topology import check_shared_root, local_world_size
+from .topology import check_shared_root, elastic_store_warning, local_world_size
 from .transaction import BackgroundSave, PhaseHook, SaveContext, SaveTransaction, save_options
 
 __all__ = ["CheckpointManager"]
@@ -103,13 +103,13 @@ class CheckpointManager:
         self.extras = ResumeExtras(probe=probe, run_id=run_id, model=model, collective=self.collective, config=config)
         self.train_state = TrainState(run_id=self.extras.run_id)
         self._explicit_counters: set[str] = set()  # passed by the caller: never derived
-        self.schedule = SaveSchedule(interval_steps=config.interval_steps,
-                                     interval_seconds=config.interval_seconds,
+        self.schedule = SaveSchedule(interval_steps=config.interval_steps, interval_seconds=config.interval_seconds,
                                      collective=self.collective)
         self.wrapper = wrapper_kind(model)
         self.model_specs = tensor_specs(model)
-        if self.rank == 0 and (why := ddp_resume_not_bitwise(model, self.world_size)):
-            logger.warning("%s", why)
+        if self.rank == 0:  # pitfalls of the wrapper and of the launcher, said once
+            for why in filter(None, (ddp_resume_not_bitwise(model, self.world_size), elastic_store_warning())):
+                logger.warning("%s", why)
         self.last_saved_step: int | None = None
         self.last_save_seconds = 0.0
         self.save_durations = SaveDurations()  # predicts the preemption save (grace window)
@@ -117,30 +117,28 @@ class CheckpointManager:
         self._inflight: BackgroundSave | None = None
         # Background work gets its own gloo group so it never interleaves with the loop's.
         self.background = (Collective(process_group, timeout_s=config.timeout_s)
-                           if config.async_mode != "off" else None)
+                           if config.async_mode != "off" and not config.read_only else None)
         self.async_writer = (AsyncWriter(config.async_mode, background_staging=config.background_staging,
-                                         process_group=self.background.group,
-                                         thread_count=config.thread_count,
+                                         process_group=self.background.group, thread_count=config.thread_count,
                                          write_timeout_s=config.effective_write_timeout_s)
                              if self.background is not None and config.async_mode != "off" else None)
-        self.discovery = make_discovery(self.store, config, rank=self.rank, locked=config.lock)
-        self.collective.agree(self.discovery.prepare_root, what="preparing the checkpoint root",
-                              error_type=ConfigError)
-        check_shared_root(self.collective, self.root)  # node-local disks: ConfigError on every rank
+        self.discovery = make_discovery(self.store, config, rank=self.rank, locked=config.lock and not config.read_only)
+        self.collective.agree(self.discovery.prepare_root, what="preparing the checkpoint root", error_type=ConfigError)
+        check_shared_root(self.collective, self.root, write=not config.read_only)  # node-local: ConfigError
         self.events = EventLog(config.event_log, self.rank)
         self.collective.agree(self.events.check_appendable, what="opening the event log", error_type=ConfigError)
-        self.lock = RootLock.of(self.store, lease_s=config.lock_lease_s, renew=True) if config.lock else None
+        self.lock = RootLock.of(self.store, lease_s=config.lock_lease_s, renew=True) if self.discovery.locked else None
         if (lock := self.lock) is not None:
             self.collective.agree(lambda: lock.acquire() if self.rank == 0 else None,
                                   what="locking the checkpoint root", error_type=CheckpointLockedError)
-        try:
-            self.collective.agree(self.discovery.check_existing, what="checking the root's existing checkpoints",
-                                  error_type=ConfigError)
+        try:  # a restart of this run loads without its initial-load options; its manifests record config's (restart.py)
+            self.config = self.discovery.config = self.extras.config = self.collective.broadcast(self.collective.agree(
+                self.discovery.check_existing, what="checking the root's existing checkpoints", error_type=ConfigError))
         except Exception:
             if self.lock is not None and self.rank == 0:
                 self.lock.release()
             raise
-        self.preemption = PreemptionWatcher(self.collective.group) if config.preemption else None
+        self.preemption = PreemptionWatcher(self.collective.group) if config.effective_preemption else None
         self.preempted = False
         self._run_id = self.collective.broadcast(uuid.uuid4().hex[:8])
         self.local_world_size = local_world_size(self.collective)  # ranks sharing this node's disk
@@ -150,7 +148,7 @@ class CheckpointManager:
             root=self.root, rank=self.rank, world_size=self.world_size, wrapper=self.wrapper, on_phase=on_phase,
             model_specs=self.model_specs, events=self.events, before_commit=self._before_commit, store=self.store,
             **save_options(config))
-        self.loader = CheckpointLoader(collective=self.collective, state=self.state, config=config,
+        self.loader = CheckpointLoader(collective=self.collective, state=self.state, config=self.config,
                                        events=self.events, model_specs=self.model_specs,
                                        local_world_size=self.local_world_size, store=self.store)
 
@@ -234,7 +232,7 @@ class CheckpointManager:
             CollectiveMismatchError: a save is due here but not every rank saved this step
                 (see :meth:`save`).
         """
-        self._check_open()
+        self._check_open(save=True)
         self._record(step, loss, counters, metrics)
         if self.preemption is not None and self.preemption.agreed():
             return self._save_for_preemption(step)
@@ -303,7 +301,7 @@ class CheckpointManager:
 
     def _save(self, step: int, *, loss: float | None = None, counters: dict[str, int] | None = None,
               blocking: bool = False, full: bool = False, metrics: dict[str, float] | None = None) -> Path | str:
-        self._check_open()
+        self._check_open(save=True)
         self.collective.arrive(f"save(step={step})", timeout_s=self.config.effective_arrival_timeout_s)
         if loss is not None or counters or metrics or step != self.train_state.step:
             self._record(step, loss, counters or {}, metrics)
@@ -389,9 +387,11 @@ class CheckpointManager:
             if collective is not None:
                 collective.close()
 
-    def _check_open(self) -> None:
+    def _check_open(self, *, save: bool = False) -> None:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
+        if save and self.config.read_only:
+            raise ConfigError(READ_ONLY_SAVE)
 
     def __enter__(self) -> "CheckpointManager":
         return self

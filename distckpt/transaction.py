@@ -82,7 +82,7 @@ def save_options(config: Any) -> dict[str, Any]:
     """The :class:`SaveContext` fields a :class:`~distckpt.config.CheckpointConfig` sets."""
     return dict(keep_last=config.keep_last, keep_every_steps=config.keep_every_steps, keep_best=config.keep_best,
                 thread_count=config.thread_count, write_timeout_s=config.effective_write_timeout_s,
-                incremental=config.incremental, full_every=config.full_every)
+                incremental=config.incremental, full_every=config.full_every, initial_load=config.initial_load)
 
 
 @dataclasses.dataclass
@@ -106,6 +106,7 @@ class SaveContext:
         store: the root's storage (:mod:`distckpt.storage`); ``None``: the POSIX directory ``root``.
         purger: removes the files of checkpoints retention deleted, in the background (rank 0,
             POSIX); joined before the next retention, by ``BackgroundSave`` and the manager's ``wait``.
+        initial_load: the run's initial-load options, recorded in every manifest (:mod:`distckpt.restart`).
     """
 
     root: Path | str
@@ -125,6 +126,7 @@ class SaveContext:
     full_every: int | None = None
     store: CheckpointStore | None = None
     purger: Purger = dataclasses.field(default_factory=Purger)
+    initial_load: dict[str, Any] | None = None
 
 
 class SaveTransaction:
@@ -286,7 +288,7 @@ class SaveTransaction:
             timings_s=timings, files=self.store.list_files(str(self.pending), files)
             + (reference_entries(self.pending) if ctx.incremental else []), run_id=ts.run_id,
             metrics=dict(ts.metrics), probe_loss=ts.probe_loss, hardware=hardware_summary(),
-            batch_change=ts.batch_change)
+            batch_change=ts.batch_change, initial_load=ctx.initial_load)
         for entry in manifest.files:
             if entry.hash is None and isinstance(self.pending, Path):  # no writer reported it: hash it here
                 logger.warning("no writer reported a hash for %s; hashing it on rank 0", entry.path)

@@ -1,7 +1,8 @@
 """``distckpt ls ROOT``: every checkpoint of a root with its status.
 
 Status: ``committed`` (manifest valid, files present with their sizes, ``.metadata`` readable
-as DCP metadata), ``corrupt`` (with the reason), ``unmanaged`` (a ``step-*`` directory without
+as DCP metadata: every check of ``distckpt verify`` but the files' hashes, the checks a resume
+applies), ``corrupt`` (with the reason), ``unmanaged`` (a ``step-*`` directory without
 a manifest, e.g. a plain ``dcp.save``: the manager ignores it), ``pending`` (an unfinished
 save), ``deleting`` (a retention delete in progress) or ``set aside`` (renamed
 ``corrupt-``/``rolledback-``/``archived-step-*``: kept, never loaded). Reads no data files and
@@ -12,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..commit import find_committed
 from ..engine import read_dcp_metadata
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..layout import LATEST, MANIFEST, checkpoint_name, is_deferred, is_deleting, is_pending, parse_set_aside
-from ..manifest import Manifest
+from ..manifest import Manifest, first_problem, structure_problems
 from ..storage import is_s3_url, open_store, split_location
 from ._common import fmt_bytes, fmt_float, fmt_time, print_json, print_table
 
@@ -53,10 +54,7 @@ def list_root(root: Path) -> list[dict]:
     rows = []
     for step, path, result in reversed(find_committed(root)):
         if isinstance(result, Manifest):
-            try:
-                read_dcp_metadata(path)
-            except CheckpointCorruptError as e:
-                result = e
+            result = with_metadata_checked(result, str(path), read_dcp_metadata)
         row = {"name": path.name, "step": step, "status": "committed", "latest": path.name == latest}
         if isinstance(result, Manifest):
             row.update(time=fmt_time(result.wall_time), wall_time=result.wall_time,
@@ -82,6 +80,17 @@ def list_root(root: Path) -> list[dict]:
     return rows
 
 
+def with_metadata_checked(manifest: Manifest, location: str,
+                          read: Callable[[str], Any]) -> Manifest | CheckpointCorruptError:
+    """``manifest``, or the first problem of the checkpoint's ``.metadata`` (``read(location)``): unreadable,
+    or not agreeing with the manifest (the checks resume discovery and ``load()`` apply)."""
+    try:
+        problem = first_problem(structure_problems(manifest, location=location, metadata=read(location)), location)
+    except CheckpointCorruptError as e:
+        return e
+    return manifest if problem is None else problem
+
+
 def list_s3_root(root: str) -> list[dict]:
     """:func:`list_root` of an ``s3://`` root: committed (or corrupt) checkpoints by manifest,
     then unreferenced data prefixes (``pending``) and set-aside manifests.
@@ -96,10 +105,7 @@ def list_s3_root(root: str) -> list[dict]:
     rows = []
     for step, location, result in reversed(store.find_committed()):
         if isinstance(result, Manifest):
-            try:
-                store.read_dcp_metadata(location)
-            except CheckpointCorruptError as e:
-                result = e
+            result = with_metadata_checked(result, location, store.read_dcp_metadata)
         name = location.rsplit("/", 1)[-1]
         row = {"name": name, "step": step, "status": "committed", "latest": checkpoint_name(step) == latest,
                "path": location}

@@ -10,8 +10,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..audit import audit_checkpoint, audit_store_checkpoint
-from ..errors import CheckpointNotFoundError
+from ..audit import AuditReport, audit_checkpoint, audit_store_checkpoint
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..layout import MANIFEST, checkpoint_dirs, is_deferred, is_pending, parse_step
 from ..storage import is_s3_url, open_store, split_location
 from ._common import fmt_bytes, print_json
@@ -49,8 +49,10 @@ def targets(path: Path) -> tuple[list[Path], list[str]]:
     return found, pending
 
 
-def s3_targets(url: str) -> tuple[Any, list[str], list[str]]:
-    """``(store, checkpoint locations, unreferenced data prefixes)`` of an ``s3://`` root or checkpoint.
+def s3_targets(url: str) -> tuple[Any, list[tuple[str, Any]], list[str]]:
+    """``(store, [(checkpoint location, discovery's result)], unreferenced data prefixes)`` of an
+    ``s3://`` root or checkpoint. A manifest that does not parse is its own location (a URL
+    under ``manifests/``) with its error as the result.
 
     Raises:
         CheckpointNotFoundError: no checkpoint there.
@@ -58,8 +60,8 @@ def s3_targets(url: str) -> tuple[Any, list[str], list[str]]:
     root, location = split_location(url)
     store: Any = open_store(root)  # an S3Store (unreferenced() is S3's)
     if location is not None:
-        return store, [location], []
-    found = [loc for _, loc, _ in reversed(store.find_committed())]
+        return store, [(location, None)], []
+    found = [(loc, result) for _, loc, result in reversed(store.find_committed())]
     if not found:
         raise CheckpointNotFoundError(f"{root}: holds no committed checkpoint to verify")
     return store, found, store.unreferenced()
@@ -67,8 +69,10 @@ def s3_targets(url: str) -> tuple[Any, list[str], list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     if is_s3_url(args.path):
-        store, locations, pending = s3_targets(args.path)
-        reports = [audit_store_checkpoint(store, loc) for loc in locations]
+        store, entries, pending = s3_targets(args.path)
+        reports = [AuditReport(path=loc, manifest=None, problems=[result])  # the manifest did not parse
+                   if isinstance(result, CheckpointCorruptError) and result.path == loc
+                   else audit_store_checkpoint(store, loc) for loc, result in entries]
     else:
         found, pending = targets(Path(args.path))
         reports = [audit_checkpoint(p) for p in found]

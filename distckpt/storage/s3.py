@@ -28,7 +28,7 @@ from typing import Any, Callable
 from ..errors import CheckpointCorruptError
 from ..integrity import HASH_ALGORITHM, BlockDigests, new_hasher
 from ..layout import LATEST, checkpoint_name, parse_step
-from ..manifest import FileEntry, Manifest
+from ..manifest import FileEntry, Manifest, first_problem, structure_problems
 from .s3_client import S3Objects, split_url
 from .s3_dcp import S3Reader, S3Writer
 
@@ -227,6 +227,9 @@ class S3Store:
         for entry in manifest.files:
             self.check_file(location, entry.path, size_bytes=entry.size_bytes,
                             digest=entry.hash if check_hashes else None, sizes=sizes)
+        problem = first_problem(structure_problems(manifest, location=location, present=sizes), location)
+        if problem is not None:  # the checks `distckpt verify` makes, but the hashes
+            raise problem
         return manifest
 
     def verify(self, location: str) -> list[CheckpointCorruptError]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import run_ranks
+from tests.distributed.harness import run_ranks, values
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -79,3 +79,33 @@ def test_multi_rank_load_prints_no_dcp_single_process_warning(tmp_path):
     assert all(r["ok"] for r in results), [r.get("traceback") for r in results]
     for r in results:
         assert not [m for m in r["value"] if "torch.distributed is disabled" in m], r["value"]
+
+
+def late_rank(rank, world_size, opts):
+    """Rank 1 reaches maybe_save(1) (a save step) 4 s after rank 0, with arrival_timeout_s 1.5."""
+    from distckpt import CheckpointConfig, CheckpointManager, CollectiveMismatchError
+    from tests.distributed.trainer import Net
+
+    out = {}
+    for name, preemption in (("preemption", True), ("no preemption", False)):
+        config = CheckpointConfig(root=f"{opts['root']}/{name}", interval_steps=1, arrival_timeout_s=1.5,
+                                  preemption=preemption)
+        manager = CheckpointManager(config, model=Net(), optimizer=None)
+        if rank == 1:
+            time.sleep(4.0)  # the lateness under test (rank-0-only work would do the same)
+        try:
+            out[name] = manager.maybe_save(1)
+        except CollectiveMismatchError as e:
+            out[name] = str(e)
+            break
+        manager.close()
+    return out
+
+
+def test_arrival_timeout_bounds_the_entry_check_not_a_late_rank_in_maybe_save(tmp_path):
+    # Issue 24 item 14 (README): maybe_save's preemption all-reduce waits for a late rank (up to
+    # timeout_s) before the entry check, so only without it does lateness meet arrival_timeout_s.
+    results = values(run_ranks(late_rank, 2, {"root": str(tmp_path)}, timeout_s=150))
+    for r in results:
+        assert r["preemption"] is True  # both ranks saved step 1
+        assert "within arrival_timeout_s=1.5 s" in r["no preemption"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -137,6 +138,44 @@ def test_flipped_byte_fails_the_load_naming_the_object(s3_server, s3_root):
     assert [str(e) for e in open_store(s3_root).verify(location)][0].startswith(f"{location}/__0_0.distcp")
 
 
+@pytest.mark.parametrize("edit", ["manifest", "unlisted object"])
+def test_an_edited_s3_checkpoint_is_refused_by_ls_and_load_as_by_verify(s3_server, s3_root, edit, capsys, caplog):
+    # Issue 24 item 5 on S3: verify's checks, not fewer, decide what ls lists and a load takes.
+    from distckpt.cli import main
+
+    manager, objs = manager_for(s3_root, keep_last=None)
+    locations = {}
+    for step in (3, 6):
+        train_steps(*objs, 3)
+        locations[step] = manager.save(step)
+    manager.close()
+    if edit == "manifest":
+        data = json.loads(get(s3_server, s3_root, "manifests/step-000000006.json"))
+        put(s3_server, s3_root, "manifests/step-000000006.json", json.dumps(dict(data, step=9, loss=0.001)).encode())
+        reason, named = "does not describe step-000000006 (step 9", "manifests/step-000000006.json"
+    else:
+        put(s3_server, s3_root, locations[6][len(s3_root) + 1:] + "/notes.txt", b"added after the commit")
+        reason, named = "notes.txt: file not listed in the manifest", "notes.txt"
+    assert main(["verify", s3_root]) == 1 and named in capsys.readouterr().out
+    assert main(["ls", s3_root, "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"] if r["step"] is not None}
+    assert rows[6]["status"] == "corrupt" and reason in rows[6]["reason"] and rows[3]["status"] == "committed"
+    fresh, _ = manager_for(s3_root)
+    with pytest.raises(CheckpointCorruptError, match=re.escape(reason)):
+        fresh.load()
+    fresh.close()
+    expected, (model1, *_) = manager_for(s3_root, load_path=locations[3])
+    expected.load()
+    expected.close()
+    fallback, (model2, *_) = manager_for(s3_root, fallback_to_older=True)
+    with caplog.at_level("WARNING"):
+        assert fallback.load().step == 3
+    fallback.close()
+    assert reason in caplog.text and "falling back to" in caplog.text
+    want = full_params(model1)
+    assert all(torch.equal(v, want[k]) for k, v in full_params(model2).items())
+
+
 def test_the_lock_refuses_a_second_manager_on_the_same_root(s3_server, s3_root):
     from distckpt import CheckpointLockedError
 
@@ -249,3 +288,46 @@ def test_rollback_on_s3_sets_newer_checkpoints_aside_at_the_first_save(s3_server
     fresh, _ = manager_for(s3_root)
     assert fresh.load().step == 4
     fresh.close()
+
+
+def test_a_rollback_restarted_on_s3_with_its_unchanged_config_resumes_its_own_commit(s3_server, s3_root, caplog):
+    # Issue 24 item 6: the initial-load options apply once; the manifests record them.
+    manager, objs = manager_for(s3_root)
+    locations = {}
+    for step in (3, 6):
+        train_steps(*objs, 3)
+        locations[step] = manager.save(step)
+    manager.close()
+    rollback, objs2 = manager_for(s3_root, load_path=locations[3])
+    assert rollback.load().step == 3
+    train_steps(*objs2, 1)
+    rollback.save(4)
+    rollback.close()
+    expected = full_params(objs2[0])
+    with caplog.at_level("INFO", logger="distckpt"):
+        restarted, (model3, *_) = manager_for(s3_root, load_path=locations[3])
+        assert restarted.load().step == 4  # used to roll back to step 3 again
+    restarted.close()
+    assert "restart:" in caplog.text and "step-000000004, committed by this run" in caplog.text
+    assert all(torch.equal(v, expected[k]) for k, v in full_params(model3).items())
+    assert [n for n in keys(s3_server, s3_root) if n.startswith("manifests/")] == [
+        "manifests/rolledback-step-000000006-0.json", "manifests/step-000000003.json",
+        "manifests/step-000000004.json"]
+
+
+def test_a_read_only_manager_writes_no_object_to_an_s3_root(s3_server, s3_root):
+    # Issue 24 item 14 on S3: no .lock, no leftover removal, no set-aside; load works.
+    manager, objs = manager_for(s3_root)
+    train_steps(*objs, 3)
+    manager.save(3)
+    manager.close()
+    expected = full_params(objs[0])
+    put(s3_server, s3_root, "data/step-000000009-abc123/__0_0.distcp", b"an interrupted save")
+    before = {k: get(s3_server, s3_root, k) for k in keys(s3_server, s3_root)}
+    evaluation, (model, *_) = manager_for(s3_root, read_only=True, load_step=3)
+    assert evaluation.load().step == 3 and evaluation.lock is None
+    with pytest.raises(ConfigError, match="read_only=true"):
+        evaluation.save(4)
+    evaluation.close()
+    assert {k: get(s3_server, s3_root, k) for k in keys(s3_server, s3_root)} == before
+    assert all(torch.equal(v, expected[k]) for k, v in full_params(model).items())

@@ -124,3 +124,40 @@ def test_object_store_root_holding_only_corrupt_manifests_refuses_a_fresh_start(
     assert "manifests/corrupt-step-000000004-0" in str(err.value) and "archived" not in str(err.value)
     other = StoreDiscovery(_CorruptOnlyStore(names[::2]), config, rank=0, locked=True)
     assert other.choose([]) is None  # archived / rolled back only: a fresh start, as before
+
+
+@pytest.mark.parametrize("env,nodes", [
+    ({"TORCHELASTIC_USE_AGENT_STORE": "True", "PET_NNODES": "1:2"}, "1:2"),
+    ({"PET_NNODES": "2:4"}, "2:4"),  # no USE_AGENT_STORE: torchrun's default, shared
+    ({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PET_NNODES": "1:2"},
+     None),  # the fix
+    ({"TORCHELASTIC_USE_AGENT_STORE": "True", "PET_NNODES": "2"}, None),  # a fixed node count
+])
+def test_an_elastic_torchrun_sharing_its_store_is_warned_about_at_construction(tmp_path, monkeypatch, caplog,
+                                                                               env, nodes):
+    # Issue 24 item 13: such a job died with DistStoreError (role_info) ~80 s after a node joined.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-42")
+    for name in ("TORCHELASTIC_USE_AGENT_STORE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level("WARNING", logger="distckpt"):
+        CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=Net(), optimizer=None).close()
+    said = [r for r in caplog.records if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in r.getMessage()]
+    assert len(said) == (nodes is not None)
+    if nodes is not None:
+        assert said[0].levelname == "WARNING" and "DistStoreError" in said[0].getMessage()
+        assert f"elastically (--nnodes {nodes})" in said[0].getMessage()
+
+
+def test_the_agents_node_counts_come_from_its_command_line():
+    from distckpt.topology import agent_nnodes, elastic_store_warning
+
+    assert agent_nnodes({}, ["python", "/bin/torchrun", "--nnodes", "1:2", "train.py"]) == (1, 2)
+    assert agent_nnodes({}, ["python", "-m", "torch.distributed.run", "--nnodes=2:4", "t.py"]) == (2, 4)
+    assert agent_nnodes({}, ["torchrun", "--nnodes", "3", "t.py"]) == (3, 3)
+    assert agent_nnodes({}, ["torchrun", "--standalone", "t.py"]) is None
+    assert agent_nnodes({"PET_NNODES": "1:8"}, ["torchrun", "--nnodes", "2", "t.py"]) == (1, 8)
+    shared = {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert elastic_store_warning(shared, ["torchrun", "--nnodes", "1:2"]) is not None
+    assert elastic_store_warning({}, ["torchrun", "--nnodes", "1:2"]) is None  # not a torchrun worker

@@ -1,6 +1,8 @@
 """CheckpointManager in one process (no process group): errors, discovery, pitfalls."""
 
+import contextlib
 import json
+import subprocess
 
 import pytest
 import torch
@@ -143,6 +145,46 @@ def test_changed_dcp_metadata_is_found_before_planning(tmp_path):
     with pytest.raises(CheckpointCorruptError) as err:
         manager.load()
     assert err.value.path == str(meta) and "does not match" in str(err.value)
+
+
+@pytest.mark.parametrize("edit", ["step", "unlisted file"])
+def test_an_edited_checkpoint_is_refused_by_load_as_by_verify(tmp_path, edit, caplog, capsys):
+    # Issue 24 item 5: verify called it corrupt, but discovery loaded it silently.
+    from distckpt.cli import main
+
+    trained_manager(tmp_path, steps=(3, 6))[0].close()
+    ckpt = tmp_path / "step-000000006"
+    if edit == "step":
+        bad = ckpt / "distckpt.json"
+        data = json.loads(bad.read_text())
+        bad.write_text(json.dumps(dict(data, step=9, loss=0.001)))
+        reason = "manifest says step 9, directory is step 6"
+    else:
+        bad = ckpt / "notes.txt"
+        bad.write_text("added after the commit")
+        reason = "file not listed in the manifest"
+    assert main(["verify", str(tmp_path)]) == 1 and reason in capsys.readouterr().out
+    assert main(["ls", str(tmp_path), "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert rows["step-000000006"]["status"] == "corrupt" and reason in rows["step-000000006"]["reason"]
+    assert rows["step-000000003"]["status"] == "committed"
+    for load_path in (None, str(ckpt)):
+        manager, _ = manager_for(tmp_path, load_path=load_path)
+        with pytest.raises(CheckpointCorruptError, match=reason) as err:
+            manager.load()
+        assert err.value.path == str(bad) and str(bad) in str(err.value)
+        manager.close()
+    expected, (model1, *_) = manager_for(tmp_path, load_path=str(tmp_path / "step-000000003"))
+    expected.load()
+    want = {k: v.clone() for k, v in model1.state_dict().items()}
+    expected.close()
+    manager, (model2, *_) = manager_for(tmp_path, fallback_to_older=True)
+    with caplog.at_level("WARNING"):
+        assert manager.load().step == 3
+    assert reason in caplog.text and "falling back to" in caplog.text
+    assert all(torch.equal(model2.state_dict()[k], want[k]) for k in want)
+    assert (tmp_path / "corrupt-step-000000006-0" / bad.name).is_file()  # kept, never loaded
+    manager.close()
 
 
 def test_bad_manifest_and_load_path(tmp_path):
@@ -294,6 +336,68 @@ def test_unwritable_root_fails_at_construction(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="not a writable directory"):
         CheckpointManager(CheckpointConfig(root=str(blocker / "sub")), model=Net(), optimizer=None)
+
+
+def _tree(root):
+    """``{relative path: (kind, size, mtime_ns, mode)}`` of ``root`` and everything under it."""
+    return {p.relative_to(root).as_posix() or ".": (p.is_dir(), p.stat().st_size if p.is_file() else 0,
+                                                    p.stat().st_mtime_ns, p.stat().st_mode)
+            for p in [root, *sorted(root.rglob("*"))]}
+
+
+@contextlib.contextmanager
+def _read_only_view(root, how):
+    """``root`` made read-only: ``chmod -R a-w`` (as root, writes still succeed: only the tree
+    comparison shows none happened) or a read-only bind mount (writes fail with EROFS)."""
+    if how == "chmod":
+        subprocess.run(["chmod", "-R", "a-w", str(root)], check=True)
+        try:
+            yield root
+        finally:
+            subprocess.run(["chmod", "-R", "u+w", str(root)], check=True)
+        return
+    view = root.parent / "ro-view"
+    view.mkdir()
+    if subprocess.run(["mount", "--bind", str(root), str(view)], capture_output=True).returncode != 0:
+        pytest.skip("no bind mount here (needs root with CAP_SYS_ADMIN)")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], check=True, capture_output=True)
+        yield view
+    finally:
+        subprocess.run(["umount", str(view)], check=True)
+
+
+@pytest.mark.parametrize("how", ["chmod", "read-only bind mount"])
+def test_a_read_only_manager_loads_a_read_only_root_and_writes_nothing(tmp_path, how):
+    # Issue 24 item 14: an evaluation of a read-only snapshot could not be built at all.
+    import signal
+
+    root = tmp_path / "ckpt"
+    manager, objs = trained_manager(root, steps=(3,))
+    at3 = {k: v.clone() for k, v in objs[0].state_dict().items()}
+    train_steps(*objs, 3)
+    manager.save(6)
+    manager.close()
+    at6 = {k: v.clone() for k, v in objs[0].state_dict().items()}
+    (root / ".pending-step-000000009-abc123").mkdir()  # a crash leftover a writing manager removes
+    before, handler = _tree(root), signal.getsignal(signal.SIGTERM)
+    with _read_only_view(root, how) as view:
+        if how != "chmod":
+            with pytest.raises(ConfigError, match="not a writable directory"):
+                manager_for(view)  # what an evaluation job got
+        for load_step, want in ((None, at6), (3, at3)):  # step 3: no rollback, nothing set aside
+            evaluation, (model, *_) = manager_for(view, read_only=True, load_step=load_step, async_mode="thread")
+            assert signal.getsignal(signal.SIGTERM) is handler and evaluation.lock is None
+            assert evaluation.load().step == (load_step or 6)
+            assert all(torch.equal(model.state_dict()[k], want[k]) for k in want)
+            with pytest.raises(ConfigError, match="read_only=true: this manager only loads"):
+                evaluation.maybe_save(7, last_step=True)
+            with pytest.raises(ConfigError, match="read_only=true: this manager only loads"):
+                evaluation.save(7)
+            evaluation.close()
+    assert _tree(root) == before  # no lock, token, probe file, leftover removal or latest repair
+    with pytest.raises(ConfigError, match="read_only=true only loads: it needs load: true"):
+        CheckpointConfig(root=str(root), read_only=True, load=False)
 
 
 def test_unusable_event_log_fails_at_construction(tmp_path):

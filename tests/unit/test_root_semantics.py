@@ -254,3 +254,77 @@ def test_import_refuses_a_dcp_directory_it_cannot_read_as_model_weights(tmp_path
     err = capsys.readouterr().err
     assert code == 2 and "no model.* items" in err and "note" in err
     assert not list((tmp_path / "root").glob("step-*"))
+
+
+# ------------------------------------------------------------------ issue 24 item 6: one unchanged config
+def state_tensors(objs):
+    """Model and optimizer tensors of the live objects, cloned: ``{name: tensor}``."""
+    model, optimizer = objs[0], objs[1]
+    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for pid, st in optimizer.state_dict()["state"].items():
+        out.update({f"optim.{pid}.{k}": v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+@pytest.mark.parametrize("on_existing", ["refuse", "archive"])
+def test_a_fine_tune_restarted_with_its_unchanged_config_resumes_its_own_checkpoints(tmp_path, caplog, on_existing):
+    pre, ft = tmp_path / "pre" / "ckpt", tmp_path / "ft" / "ckpt"
+    run_a(pre)
+    opts = dict(load_path=str(pre / "step-000000040"), load_only=["model"], on_existing=on_existing, keep_last=None)
+    recorded = {"load_path": opts["load_path"], "load_step": None, "load_only": ["model"], "exclude_from_loading": None}
+    reference, ref_objs = manager_for(tmp_path / "ref", **opts)  # the same fine-tune, never interrupted
+    reference.load()
+    train_saving(reference, ref_objs, range(1, 7), save_at=())
+    reference.close()
+
+    with caplog.at_level("INFO", logger="distckpt"):
+        manager, objs = manager_for(ft, **opts)
+        assert manager.load().step == 0  # the pre-training's weights, nothing else: a new run
+    assert "this is the run's first start" in caplog.text
+    train_saving(manager, objs, range(1, 5), save_at=(2, 4))
+    manager.close()  # then killed: a restart finds two commits of this run
+    assert Manifest.read(ft / "step-000000004").initial_load == recorded
+    before = listing(ft)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="distckpt"):
+        restarted, objs2 = manager_for(ft, **opts)  # used to raise ConfigError, or archive and train from step 0
+        state = restarted.load()
+    assert state.step == 4 and state.checkpoint_path == str(ft / "step-000000004")
+    assert f"restart: {ft} holds step-000000004, committed by this run" in caplog.text
+    assert listing(ft) == before and not list(ft.glob("archived-*"))
+    train_saving(restarted, objs2, range(5, 7), save_at=(6,))
+    restarted.close()
+    want, got = state_tensors(ref_objs), state_tensors(objs2)  # the whole state was resumed, not the selection
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_rollback_restarted_with_its_unchanged_config_rolls_back_once(tmp_path, caplog):
+    root = tmp_path / "ckpt"
+    manager, objs = manager_for(root, keep_last=None)
+    train_saving(manager, objs, range(1, 10), save_at=(3, 6, 9))
+    manager.close()
+    opts = dict(load_step=3, keep_last=None)
+    stopped, _ = manager_for(root, **opts)  # killed before the rolled-back run committed: nothing of it exists
+    assert stopped.load().step == 3
+    stopped.close()
+    manager, objs = manager_for(root, **opts)
+    assert manager.load().step == 3  # so this start rolls back again
+    train_saving(manager, objs, range(4, 6), save_at=(5,))  # its first commit sets 6 and 9 aside
+    mine = state_tensors(objs)
+    manager.close()
+    assert sorted(p.name for p in root.iterdir() if "step" in p.name) == [
+        "rolledback-step-000000006-0", "rolledback-step-000000009-0", "step-000000003", "step-000000005"]
+    with caplog.at_level("INFO", logger="distckpt"):
+        restarted, objs2 = manager_for(root, **opts)
+        assert restarted.load().step == 5  # used to roll back to step 3 again, setting step 5 aside
+    assert "restart:" in caplog.text and "load_step=3" in caplog.text
+    got = state_tensors(objs2)
+    assert all(torch.equal(mine[k], got[k]) for k in mine)
+    train_saving(restarted, objs2, range(6, 8), save_at=(7,))
+    restarted.close()
+    assert sorted(p.name for p in root.iterdir() if "step" in p.name) == [
+        "rolledback-step-000000006-0", "rolledback-step-000000009-0", "step-000000003", "step-000000005",
+        "step-000000007"]
+    again, _ = manager_for(root, load_path=str(root / "step-000000003"))  # changed options: a new rollback
+    assert again.load().step == 3
+    again.close()
