@@ -91,8 +91,8 @@ def test_ls_lists_every_checkpoint_with_status(root, capsys):
 
     code, out, _ = run(capsys, "ls", root)
     assert code == 0
-    assert out.splitlines()[0].split() == ["NAME", "STEP", "TIME", "(UTC)", "SIZE", "WORLD", "TYPE", "WRAPPER",
-                                           "LOSS", "METRICS", "STATUS"]
+    assert out.splitlines()[0].split() == ["NAME", "STEP", "TIME", "(UTC)", "SIZE", "REFS", "WORLD", "TYPE",
+                                           "WRAPPER", "LOSS", "METRICS", "STATUS"]
     line = next(line for line in out.splitlines() if line.startswith("step-000000004"))
     assert "*" in line and "committed" in line and "sharded" in line and "0.4" in line
 
