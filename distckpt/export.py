@@ -25,7 +25,7 @@ import torch
 from .commit import existing_checkpoints, repair_latest, set_aside
 from .errors import CheckpointNotFoundError, ConfigError
 from .integrity import hash_file
-from .layout import checkpoint_name, refuse_output_in_checkpoint
+from .layout import checkpoint_name, refuse_output_in_checkpoint, refuse_url_output
 from .manifest import Manifest, TensorSpec, model_fingerprint
 from .reader import CheckpointReader
 from .single_file import SafetensorsWriter, TorchZipWriter
@@ -138,7 +138,7 @@ def export_checkpoint(
         CheckpointCorruptError: unsafe or damaged metadata, or a file failing its check.
         FileExistsError: ``out_path`` exists and ``overwrite`` is false.
         FileNotFoundError: ``out_path``'s directory does not exist (checked before any read).
-        ConfigError: ``out_path`` is inside a checkpoint (a directory with a distckpt manifest).
+        ConfigError: ``out_path`` is a URL (local files only) or inside a checkpoint (has a manifest).
         ValueError: unknown format/dtype, nothing to export, or a dtype safetensors cannot hold.
     """
     t0 = time.perf_counter()
@@ -146,8 +146,8 @@ def export_checkpoint(
         raise ValueError(f"format={format!r}: expected 'safetensors' or 'torch'")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)} or None")
-    out_path = Path(out_path)
-    refuse_output_in_checkpoint(out_path)
+    refuse_url_output(out_path)  # before Path(): it would turn "s3://b/k" into a local "s3:/b/k"
+    refuse_output_in_checkpoint(out_path := Path(out_path))
     if out_path.exists() and not overwrite:
         raise FileExistsError(f"{out_path} exists; pass overwrite=True to replace it")
     if not out_path.parent.is_dir():  # before any reading: not after a progress bar

@@ -24,6 +24,7 @@ __all__ = [
     "is_deferred",
     "check_root_scheme",
     "refuse_output_in_checkpoint",
+    "refuse_url_output",
 ]
 
 LATEST = "latest"
@@ -140,3 +141,18 @@ def refuse_output_in_checkpoint(out: str | os.PathLike, what: str = "output") ->
         if (d / MANIFEST).is_file() or (d / DEFERRED_MANIFEST).is_file():
             raise ConfigError(f"{what} {str(out)!r} is inside the checkpoint {d}: distckpt never writes into a "
                               "checkpoint (it would damage it); choose a path outside it")
+
+
+def refuse_url_output(out: str | os.PathLike, what: str = "output") -> None:
+    """Refuse an output that is a URL (``s3://``, ``gs://``, any ``scheme://``; also ``s3:/``, the
+    form ``pathlib`` collapses it to): ``export`` and ``release`` write local files only, and a
+    URL taken as a path would become a local directory named after the scheme.
+
+    Raises:
+        ConfigError: names the output; write to a local path, then upload.
+    """
+    text = os.fspath(out)
+    if _URL_RE.match(text):
+        raise ConfigError(f"{what} {text!r} is a URL: export and release write local files only (S3 and "
+                          "other object-storage outputs are not supported). Write to a local path, then upload "
+                          "it (e.g. `aws s3 cp --recursive DIR s3://bucket/prefix/`)")

@@ -25,7 +25,7 @@ from ._version import __version__
 from .commit import write_atomic
 from .errors import CheckpointNotFoundError
 from .export import ExportDtype, ExportResult, export_checkpoint
-from .layout import refuse_output_in_checkpoint
+from .layout import refuse_output_in_checkpoint, refuse_url_output
 from .reader import CheckpointReader
 from .state import unpack
 
@@ -82,9 +82,11 @@ def release_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.Path
         CheckpointCorruptError: damaged metadata or a file failing its hash check.
         FileExistsError: a release file exists and ``overwrite`` is false.
         FileNotFoundError: the parent of the release directory does not exist.
-        ConfigError: the release directory is inside a checkpoint (a directory with a manifest).
+        ConfigError: the release directory is inside a checkpoint (a directory with a manifest),
+            or ``out_dir`` is a URL (``s3://...``: a release is written locally; checked first).
         ValueError: an unknown dtype, or a checkpoint without model tensors.
     """
+    refuse_url_output(out_dir, "release directory")
     reader = CheckpointReader(checkpoint_dir)
     manifest = reader.manifest
     if manifest is None:

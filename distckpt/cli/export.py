@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..export import export_checkpoint
+from ..layout import refuse_url_output
 from ..reader import resolve_checkpoint
 from ._common import add_checkpoint_output, fmt_bytes, print_json
 
@@ -30,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_url_output(args.out)
     if Path(args.out).exists() and not args.force:
         raise FileExistsError(f"{args.out} exists; pass --force to replace it")
     ckpt = resolve_checkpoint(args.checkpoint)

@@ -5,8 +5,10 @@ as DCP metadata: every check of ``distckpt verify`` but the files' hashes, the c
 applies), ``corrupt`` (with the reason), ``unmanaged`` (a ``step-*`` directory without
 a manifest, e.g. a plain ``dcp.save``: the manager ignores it), ``pending`` (an unfinished
 save), ``deleting`` (a retention delete in progress) or ``set aside`` (renamed
-``corrupt-``/``rolledback-``/``archived-step-*``: kept, never loaded). Reads no data files and
-never unpickles anything but allow-listed DCP metadata types.
+``corrupt-``/``rolledback-``/``archived-step-*``: kept, never loaded). SIZE is the bytes of a
+checkpoint's own files; REFS the bytes of the earlier checkpoints' files an incremental one refers
+to (on disk once, in their owner's SIZE). Reads no data files and never unpickles anything but
+allow-listed DCP metadata types.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from ..storage import is_s3_url, open_store, split_location
 from ._common import fmt_bytes, fmt_float, fmt_time, print_json, print_table
 
 NAME = "ls"
-HELP = "list the checkpoints of a root: step, time, size, world size, wrapper, loss, metrics, status"
+HELP = ("list the checkpoints of a root: step, time, size (own files; REFS: referenced files), world size, "
+        "wrapper, loss, metrics, status")
 EPILOG = """examples:
   distckpt ls runs/demo/ckpt
   distckpt ls s3://bucket/run1                         (an S3 root: AWS_* environment)
@@ -34,6 +37,17 @@ EPILOG = """examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("root", help="checkpoint root (the directory holding step-* directories)")
+
+
+def _manifest_columns(m: Manifest) -> dict[str, Any]:
+    """A committed checkpoint's row values. ``size_bytes``: its own files (what it adds to the
+    root); ``referenced_bytes``: the earlier checkpoints' files an incremental one refers to
+    (``../step-N/...`` entries), counted with their owner, not here."""
+    referenced = sum(f.size_bytes for f in m.files if f.path.startswith("../"))
+    return dict(time=fmt_time(m.wall_time), wall_time=m.wall_time,
+                size_bytes=sum(f.size_bytes for f in m.files) - referenced, referenced_bytes=referenced,
+                world_size=m.world_size, state_dict_type=m.state_dict_type, wrapper=m.wrapper, loss=m.loss,
+                metrics=m.metrics)
 
 
 def list_root(root: Path) -> list[dict]:
@@ -57,10 +71,7 @@ def list_root(root: Path) -> list[dict]:
             result = with_metadata_checked(result, str(path), read_dcp_metadata)
         row = {"name": path.name, "step": step, "status": "committed", "latest": path.name == latest}
         if isinstance(result, Manifest):
-            row.update(time=fmt_time(result.wall_time), wall_time=result.wall_time,
-                       size_bytes=sum(f.size_bytes for f in result.files), world_size=result.world_size,
-                       state_dict_type=result.state_dict_type, wrapper=result.wrapper, loss=result.loss,
-                       metrics=result.metrics)
+            row.update(_manifest_columns(result))
         elif is_deferred(path):
             row.update(status="deferred", reason="retired; kept (never loaded) while incremental checkpoints "
                                                  "refer to its files")
@@ -110,10 +121,7 @@ def list_s3_root(root: str) -> list[dict]:
         row = {"name": name, "step": step, "status": "committed", "latest": checkpoint_name(step) == latest,
                "path": location}
         if isinstance(result, Manifest):
-            row.update(time=fmt_time(result.wall_time), wall_time=result.wall_time,
-                       size_bytes=sum(f.size_bytes for f in result.files), world_size=result.world_size,
-                       state_dict_type=result.state_dict_type, wrapper=result.wrapper, loss=result.loss,
-                       metrics=result.metrics)
+            row.update(_manifest_columns(result))
         else:
             row.update(status="corrupt", reason=str(result))
         rows.append(row)
@@ -134,9 +142,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"no checkpoints in {root}")
         return 0
     print_table(
-        ["NAME", "STEP", "TIME (UTC)", "SIZE", "WORLD", "TYPE", "WRAPPER", "LOSS", "METRICS", "STATUS"],
+        ["NAME", "STEP", "TIME (UTC)", "SIZE", "REFS", "WORLD", "TYPE", "WRAPPER", "LOSS", "METRICS", "STATUS"],
         [[r["name"] + (" *" if r["latest"] else ""), r["step"], r.get("time"), fmt_bytes(r.get("size_bytes")),
-          r.get("world_size"), r.get("state_dict_type"), r.get("wrapper"), fmt_float(r.get("loss")),
+          fmt_bytes(r.get("referenced_bytes") or None), r.get("world_size"), r.get("state_dict_type"),
+          r.get("wrapper"), fmt_float(r.get("loss")),
           " ".join(f"{k}={fmt_float(v)}" for k, v in sorted((r.get("metrics") or {}).items())) or None,
           r["status"]] for r in rows])
     for r in rows:

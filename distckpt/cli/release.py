@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..layout import refuse_url_output
 from ..reader import resolve_checkpoint
 from ..release import release_checkpoint
 from ._common import add_checkpoint_output, fmt_bytes, print_json
@@ -30,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_url_output(args.out, "release directory")  # before resolving the checkpoint
     ckpt = resolve_checkpoint(args.checkpoint)
     result = release_checkpoint(ckpt, args.out, dtype=args.dtype, name_with_step=args.name_with_step,
                                 overwrite=args.force, progress=not args.no_progress and not args.json)

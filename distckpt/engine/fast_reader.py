@@ -80,17 +80,19 @@ Integrity
       is unspecified (partially loaded), exactly as after any failed ``dcp.load``; callers must
       not use it (the manager raises or falls back to an older checkpoint, which rewrites it).
 
-Planner calls
-    ``resolve_tensor`` is called for every tensor request up front, in the calling thread;
-    ``commit_tensor`` and ``load_bytes`` are called after all reads, in the calling thread, in
-    plan order. Worker threads only read files and copy into the resolved tensors. (With
-    ``DefaultLoadPlanner`` ``resolve_tensor`` returns views, so nothing extra is held.)
+Planner calls (all in the calling thread; ``load_bytes`` after all reads, in plan order)
+    DCP's contract is resolve, copy, commit, one item at a time: a planner may hand out one
+    scratch buffer from ``resolve_tensor`` and copy it into the real target in ``commit_tensor``.
+    A planner that keeps ``DefaultLoadPlanner``'s two methods (``SafeLoadPlanner``: distckpt's
+    own) gets views of its state dict and a no-op commit, so the order cannot be observed: every
+    request is resolved up front, streams read into the views in parallel, commits come last.
+    Any other planner gets the per-item order: one stream at a time, each stored item read whole
+    (one copy out of the arena), then for each of its requests resolve, copy, commit.
 """
 
 from __future__ import annotations
 
 import io
-import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -105,7 +107,7 @@ from torch.futures import Future
 from ..errors import CheckpointCorruptError, ReaderInvariantError
 from ..integrity import BlockDigests, describe_path
 from .item_decode import ItemDecoder
-from .item_planner import PEEK_BYTES, ChunkIndex, ItemPlanner
+from .item_planner import PEEK_BYTES, ChunkIndex, ItemPlanner, needed_bytes, resolves_in_place
 from .read_stream import (
     WARM_GAP_BYTES,
     ReadRequest,
@@ -201,6 +203,7 @@ class FastFileSystemReader(SafeFileSystemReader):
         """
         stored: dict[Any, StoredItem] = {}
         tensor_reqs: list[ReadRequest] = []
+        per_item = not resolves_in_place(planner)
         for item in plan.items:
             md = self.storage_data[item.storage_index]
             key = (md.relative_path, md.offset, md.length)
@@ -212,7 +215,7 @@ class FastFileSystemReader(SafeFileSystemReader):
             if item.type == LoadItemType.BYTE_IO:
                 st.reqs.append(ReadRequest(item, None))
             else:
-                req = ReadRequest(item, planner.resolve_tensor(item).detach())
+                req = ReadRequest(item, None if per_item else planner.resolve_tensor(item).detach())
                 st.reqs.append(req)
                 tensor_reqs.append(req)
         per_file: dict[str, list[StoredItem]] = {}
@@ -220,13 +223,13 @@ class FastFileSystemReader(SafeFileSystemReader):
             per_file.setdefault(st.relpath, []).append(st)
 
         results = ReadResults()
-        needed = {name: sum(_needed_bytes(st) for st in items) for name, items in per_file.items()}
+        needed = {name: sum(needed_bytes(st, self._chunks) for st in items) for name, items in per_file.items()}
         results.count(needed_bytes=sum(needed.values()))
-        decoder = ItemDecoder(self.transforms, self.header_cache, results)
+        decoder = ItemDecoder(self.transforms, self.header_cache, results, planner if per_item else None)
         item_planner = ItemPlanner(decoder, self._chunks, self.header_cache, self.direct_min_bytes, results)
         self._block_checks = {}
         jobs = self._make_jobs(per_file, needed)
-        self._run_jobs(jobs, item_planner, results)
+        self._run_jobs(jobs, item_planner, results, 1 if per_item else self.thread_count)
         for st in results.redo:  # trailer did not match the parsed layout: decode the stock way
             self._redo(st, decoder)
         # Planner callbacks in the calling thread, in plan order.
@@ -237,7 +240,7 @@ class FastFileSystemReader(SafeFileSystemReader):
                 if data is None:
                     raise ReaderInvariantError(f"{item.storage_index}: bytes item was not read")
                 planner.load_bytes(item, io.BytesIO(data))
-        for req in tensor_reqs:
+        for req in [] if per_item else tensor_reqs:  # per item: committed by the decoder
             planner.commit_tensor(req.item, req.tensor)
         self.last_stats = dict(results.stats)
         fut: Future = Future()
@@ -303,7 +306,7 @@ class FastFileSystemReader(SafeFileSystemReader):
         return jobs
 
     def _run_jobs(self, jobs: list[tuple[str, list[StoredItem], bool]], planner: ItemPlanner,
-                  results: ReadResults) -> None:
+                  results: ReadResults, thread_count: int) -> None:
         if not jobs:
             return
         verified: list[str] = []
@@ -315,7 +318,7 @@ class FastFileSystemReader(SafeFileSystemReader):
                 with lock:
                     verified.append(name)
 
-        workers = min(self.thread_count, len(jobs))
+        workers = min(thread_count, len(jobs))
         if workers == 1:
             for job in jobs:
                 run(job)
@@ -424,15 +427,6 @@ class FastFileSystemReader(SafeFileSystemReader):
         finally:
             os.close(fd)
         decoder.stock_decode(st, mv)
-
-
-def _needed_bytes(st: StoredItem) -> int:
-    """Bytes of ``st`` this rank's requests read: the narrowed chunk of each tensor request (at
-    most the item), the whole item for bytes."""
-    if st.is_bytes:
-        return st.length
-    n = sum(math.prod(r.item.lengths) * r.tensor.element_size() for r in st.reqs)
-    return min(n, st.length)
 
 
 def _overlapping(items: list[StoredItem]) -> bool:

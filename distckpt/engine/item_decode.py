@@ -10,10 +10,11 @@ not re-export these names and they may change without notice.
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.planner import LoadPlanner
 
 from .read_stream import (
     ReadRequest,
@@ -41,12 +42,28 @@ class ItemDecoder:
             with extensions).
         header_cache: the reader's parse cache.
         results: the current ``read_data``'s results (byte items, counters).
+        planner: ``None`` when every request's target was resolved up front; else the
+            ``LoadPlanner`` whose ``resolve_tensor`` / ``commit_tensor`` are called around each
+            request's copy, one request at a time (DCP's per-item contract).
     """
 
-    def __init__(self, transforms: Any, header_cache: HeaderCache, results: ReadResults) -> None:
+    def __init__(self, transforms: Any, header_cache: HeaderCache, results: ReadResults,
+                 planner: LoadPlanner | None = None) -> None:
         self.transforms = transforms
         self.header_cache = header_cache
         self.results = results
+        self.planner = planner
+
+    def each_request(self, st: StoredItem) -> Iterator[ReadRequest]:
+        """The requests of ``st``; with a per-item ``planner`` each is resolved before it is
+        yielded and committed once the caller has copied into it (not when the copy raised)."""
+        for req in st.reqs:
+            if self.planner is None or st.is_bytes:
+                yield req
+                continue
+            req.target = self.planner.resolve_tensor(req.item).detach()
+            yield req
+            self.planner.commit_tensor(req.item, req.target)
 
     def copy_from(self, layout: TensorLayout, base: torch.Tensor, base_data_off: int, req: ReadRequest) -> None:
         """Copy what ``req`` needs from the item data in ``base[base_data_off:]`` into its target.
@@ -96,7 +113,7 @@ class ItemDecoder:
             except (NeedMoreBytes, UnsupportedLayout):
                 layout = None
             if layout is not None:
-                for req in st.reqs:
+                for req in self.each_request(st):
                     self.copy_from(layout, t, layout.data_offset, req)
                 return
         self.stock_decode(st, mv)
@@ -119,7 +136,7 @@ class ItemDecoder:
             stream = io.BytesIO(stream.read(-1))
             stream.seek(0)
         tensor = torch.load(stream, map_location="cpu", weights_only=True)
-        for req in st.reqs:
+        for req in self.each_request(st):
             view = narrow_tensor_by_index(tensor, req.item.storage_offsets, req.item.lengths)
             check_sizes(req.item, req.tensor, view.size())
             req.tensor.copy_(view)

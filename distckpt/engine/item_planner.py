@@ -14,10 +14,13 @@ not re-export these names and they may change without notice.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlanner
 
 from .item_decode import ItemDecoder
 from .read_stream import (
@@ -43,7 +46,7 @@ from .torch_save_format import (
     parse_torch_save_header,
 )
 
-__all__ = ["PEEK_BYTES", "ChunkIndex", "ItemPlanner"]
+__all__ = ["PEEK_BYTES", "ChunkIndex", "ItemPlanner", "needed_bytes", "resolves_in_place"]
 
 # Bytes of a big item read before its data: holds the zip local headers, data.pkl and the
 # small records (the data of a tensor saved by torch 2.x starts at byte 704).
@@ -127,7 +130,8 @@ class ItemPlanner:
             CheckpointCorruptError: the file ends early (from the stream).
         """
         results = self.results
-        if st.is_bytes or st.descriptors or st.length <= self.direct_min_bytes:
+        # A per-item planner resolves each target only after the item's bytes are in memory.
+        if st.is_bytes or st.descriptors or st.length <= self.direct_min_bytes or self.decoder.planner is not None:
             def whole_item(t, mv, st=st) -> None:
                 self.decoder.decode_whole(st, mv, t)
 
@@ -245,3 +249,26 @@ class ItemPlanner:
             stream.add_view(a + head, view[head:], keep=keep, cb=cb)
         elif cb is not None:
             cb(None, view)
+
+
+def resolves_in_place(planner: LoadPlanner) -> bool:
+    """Whether ``planner`` keeps ``DefaultLoadPlanner``'s ``resolve_tensor`` (with its
+    ``lookup_tensor`` and ``transform_tensor``: views of its state dict) and ``commit_tensor`` (a
+    no-op), so resolving every request up front cannot be told from DCP's per-item order."""
+    cls = type(planner)
+    return all(getattr(cls, name, None) is getattr(DefaultLoadPlanner, name)
+               for name in ("resolve_tensor", "lookup_tensor", "transform_tensor", "commit_tensor"))
+
+
+def needed_bytes(st: StoredItem, chunks: ChunkIndex) -> int:
+    """Bytes of ``st`` this rank's requests read: the narrowed chunk of each tensor request (at
+    most the item; element size of the resolved target, else of the stored chunk), the whole
+    item for bytes."""
+    if st.is_bytes:
+        return st.length
+    n = 0
+    for r in st.reqs:
+        info = chunks.get(r.item.storage_index)
+        isz = r.target.element_size() if r.target is not None else info[1].itemsize if info else 1
+        n += math.prod(r.item.lengths) * isz
+    return min(n, st.length)

@@ -5,12 +5,23 @@ Credentials come from boto3's standard chain (``AWS_ACCESS_KEY_ID`` / ``AWS_SECR
 profiles, instance roles); the endpoint from ``endpoint_url`` or ``AWS_ENDPOINT_URL``. Requests
 are retried by botocore's ``standard`` mode: throttling (503 ``SlowDown``), 5xx and connection
 errors, with exponential backoff and jitter, up to ``MAX_ATTEMPTS`` attempts.
+
+Logs: at DEBUG botocore logs every request with its headers (the access key id is in
+``Authorization: ... Credential=<id>/...``). Once this process has a client from
+:func:`get_client`, every ``botocore``, ``boto3``, ``s3transfer`` and ``urllib3`` logger carries
+a filter that redacts, from each record's message, the ``Authorization`` and
+``X-Amz-Security-Token`` header values, ``Credential=`` / ``X-Amz-Credential=`` / ``Signature=`` /
+``X-Amz-Signature=`` values, and the literal access key id, secret key and session token of the
+credentials boto3 resolved (records only; exception texts are botocore's error messages, which
+carry no keys).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import re
 import threading
 from typing import Any, Callable
 
@@ -63,8 +74,59 @@ def split_url(url: str) -> tuple[str, str]:
     return bucket, key.strip("/")
 
 
+class _RedactKeys(logging.Filter):
+    """Rewrites a record's message with credentials replaced by ``***`` (module docstring, "Logs")."""
+
+    _FIELDS = re.compile(
+        r"""('(?:Authorization|X-Amz-Security-Token)': b?['"])[^'"]*"""
+        r"""|((?:X-Amz-)?Credential=|(?:X-Amz-)?Signature=|X-Amz-Security-Token=|x-amz-security-token:)"""
+        r"""[^\s,&'"]+""", re.IGNORECASE)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.secrets: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a malformed record: logging reports it itself
+            return True
+        clean = self._FIELDS.sub(lambda m: (m.group(1) or m.group(2)) + "***", text)
+        for secret in self.secrets:
+            clean = clean.replace(secret, "***")
+        if clean != text:
+            record.msg, record.args = clean, None
+        return True
+
+
+_redact = _RedactKeys()
+_LOG_ROOTS = ("botocore", "boto3", "s3transfer", "urllib3")
+_covered_loggers = -1  # size of logging's logger registry when the filter was last installed
+
+
+def _protect_logs(session: Any = None) -> None:
+    """Install :class:`_RedactKeys` on the S3 stack's loggers (also ones created since the last
+    call) and learn ``session``'s resolved credentials."""
+    global _covered_loggers
+    if session is not None:
+        creds = session.get_credentials()
+        frozen = creds.get_frozen_credentials() if creds is not None else None
+        if frozen is not None:
+            _redact.secrets.update(v for v in (frozen.access_key, frozen.secret_key, frozen.token) if v and len(v) >= 4)
+    names = logging.Logger.manager.loggerDict
+    if session is None and len(names) == _covered_loggers:
+        return
+    for name in [*_LOG_ROOTS, *list(names)]:
+        if name.split(".", 1)[0] in _LOG_ROOTS:
+            logger = logging.getLogger(name)
+            if _redact not in logger.filters:
+                logger.addFilter(_redact)
+    _covered_loggers = len(names)
+
+
 def get_client(endpoint_url: str | None = None, region: str | None = None) -> Any:
-    """A boto3 S3 client shared by this process's threads (boto3 clients are thread-safe)."""
+    """A boto3 S3 client shared by this process's threads (boto3 clients are thread-safe); from
+    the first one on, the S3 stack's log records are redacted (module docstring, "Logs")."""
     endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
     # Keyed by a digest of the credential variables too (never the values): a changed key gets a new client.
@@ -76,11 +138,14 @@ def get_client(endpoint_url: str | None = None, region: str | None = None) -> An
             config = Config(retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"}, connect_timeout=5,
                             read_timeout=60, max_pool_connections=32,
                             s3={"addressing_style": "path"} if endpoint_url else None)
-            client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region,
-                                                    config=config)
+            session = boto3.session.Session()
+            client = session.client("s3", endpoint_url=endpoint_url, region_name=region, config=config)
+            _protect_logs(session)
             for hook in client_hooks:
                 hook(client)
             _clients[key] = client
+        else:
+            _protect_logs()  # loggers of modules botocore imported since (cheap when none)
     return client
 
 

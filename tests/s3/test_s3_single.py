@@ -4,6 +4,7 @@ retention, leftovers, the lock, plain-DCP readability and construction errors.""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 
@@ -331,3 +332,26 @@ def test_a_read_only_manager_writes_no_object_to_an_s3_root(s3_server, s3_root):
     evaluation.close()
     assert {k: get(s3_server, s3_root, k) for k in keys(s3_server, s3_root)} == before
     assert all(torch.equal(v, expected[k]) for k, v in full_params(model).items())
+
+
+def test_debug_logging_of_a_save_and_load_never_shows_the_keys(s3_server, s3_root, caplog):
+    """With every logger at DEBUG (``logging.basicConfig(level=DEBUG)``), botocore logs each
+    request's headers: the access key id (in ``Authorization: ... Credential=<id>/...``) must be
+    redacted from every line, and so must the secret."""
+    from launch.s3_server import ACCESS_KEY, SECRET_KEY
+
+    caplog.set_level(logging.DEBUG)
+    manager, objs = manager_for(s3_root)
+    train_steps(*objs, 2)
+    manager.save(2)
+    expected = {k: v.clone() for k, v in full_params(objs[0]).items()}
+    manager.close()
+    manager, objs = manager_for(s3_root)
+    assert manager.load().step == 2
+    manager.close()
+    assert all(torch.equal(v, expected[k]) for k, v in full_params(objs[0]).items())
+    lines = [caplog.handler.format(r) for r in caplog.records]
+    botocore_lines = [line for r, line in zip(caplog.records, lines) if r.name.startswith("botocore")]
+    assert sum("Authorization" in line for line in botocore_lines) > 10  # the requests were logged
+    leaked = [line for line in lines if ACCESS_KEY in line or SECRET_KEY in line]
+    assert leaked == [], f"{len(leaked)} log line(s) show a key, e.g. {leaked[0][:300]}"

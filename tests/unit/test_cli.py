@@ -15,11 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from distckpt import CheckpointConfig, CheckpointManager, CheckpointNotFoundError
+from distckpt import CheckpointConfig, CheckpointManager, CheckpointNotFoundError, ConfigError
 from distckpt.cli import main
 from distckpt.cli.main import COMMANDS
+from distckpt.export import export_checkpoint
 from distckpt.integrity import hash_file
 from distckpt.manifest import Manifest
+from distckpt.release import release_checkpoint
 from tests.distributed.trainer import Net, build, train_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -89,8 +91,8 @@ def test_ls_lists_every_checkpoint_with_status(root, capsys):
 
     code, out, _ = run(capsys, "ls", root)
     assert code == 0
-    assert out.splitlines()[0].split() == ["NAME", "STEP", "TIME", "(UTC)", "SIZE", "WORLD", "TYPE", "WRAPPER",
-                                           "LOSS", "METRICS", "STATUS"]
+    assert out.splitlines()[0].split() == ["NAME", "STEP", "TIME", "(UTC)", "SIZE", "REFS", "WORLD", "TYPE",
+                                           "WRAPPER", "LOSS", "METRICS", "STATUS"]
     line = next(line for line in out.splitlines() if line.startswith("step-000000004"))
     assert "*" in line and "committed" in line and "sharded" in line and "0.4" in line
 
@@ -359,6 +361,24 @@ def test_export_and_import_commands(root, tmp_path, capsys):
     (tmp_path / "junk").write_text("hello")
     code, _, err = run(capsys, "import", tmp_path / "junk", tmp_path / "new2")
     assert code == 2 and "not a safetensors file" in err
+
+
+@pytest.mark.parametrize("command", ["export", "release"])
+@pytest.mark.parametrize("url", ["s3://ckpt/out/model.safetensors", "gs://bucket/out/m.pt", "s3:/ckpt/out/x"])
+def test_export_and_release_refuse_a_url_output(root, tmp_path, capsys, monkeypatch, command, url):
+    """A URL is never a local path: refused (exit 2, what to do), nothing written anywhere --
+    also after the ``mkdir -p`` an earlier message asked for."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s3:" / "ckpt" / "out").mkdir(parents=True)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    code, out, err = run(capsys, command, root, url, "--no-progress")
+    assert code == 2 and out == "", (out, err)
+    assert url in err and "is a URL" in err and "local path, then upload" in err, err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    call = export_checkpoint if command == "export" else release_checkpoint
+    with pytest.raises(ConfigError, match="is a URL"):
+        call(root / "step-000000004", url, progress=False)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
 # ---------------------------------------------------------------------------------- prune

@@ -12,6 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
@@ -196,16 +197,26 @@ def _item(fqn: str, dest: str, stored_offsets, lengths, dest_offsets=None, ndim=
                     storage_offsets=torch.Size(stored_offsets), lengths=torch.Size(lengths))
 
 
-def _read(reader, items, dest):
+class _ViewsPlanner(DefaultLoadPlanner):
+    """DCP's own ``resolve_tensor`` / ``commit_tensor`` over ``dest``: the fast reader resolves
+    every request up front and reads in parallel (``_StubPlanner`` gets the per-item order)."""
+
+    def __init__(self, dest: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.state_dict = dest
+
+
+def _read(reader, items, dest, planner_type=_StubPlanner):
     reader.set_up_storage_reader(reader.read_metadata(), True)
-    planner = _StubPlanner(dest)
+    planner = planner_type(dest)
     reader.read_data(LoadPlan(items), planner).wait()
     return planner
 
 
+@pytest.mark.parametrize("planner_type", [_StubPlanner, _ViewsPlanner], ids=["per-item", "up-front"])
 @pytest.mark.parametrize("cold", [False, True], ids=["cached", "uncached"])
 @pytest.mark.parametrize("kw", CONFIGS)
-def test_partial_reads_match_stock(saved, kw, cold, monkeypatch):
+def test_partial_reads_match_stock(saved, kw, cold, monkeypatch, planner_type):
     """Resharding reads: sub-boxes of stored chunks into (views of) destinations. Uncached
     files read the bytes between needed ranges through (gaps up to ``gap_read_bytes``); cached
     ones skip them."""
@@ -241,13 +252,17 @@ def test_partial_reads_match_stock(saved, kw, cold, monkeypatch):
     items, dest_stock = plan_and_dest()
     _read(FileSystemReader(str(path)), items, dest_stock)
     items, dest_fast = plan_and_dest()
-    planner = _read(FastFileSystemReader(path, **kw), items, dest_fast)
+    reader = FastFileSystemReader(path, **kw)
+    planner = _read(reader, items, dest_fast, planner_type)
     for k in dest_stock:
         assert torch.equal(_bits(dest_fast[k]), _bits(dest_stock[k])), k
     assert torch.equal(dest_fast["rows"], state["big0"][200:300])
     assert torch.equal(dest_fast["cols"], state["big1"][:, 350:])
     assert torch.equal(dest_fast["two_b"], state["big_f64"][200:500, :300])
-    assert len(planner.committed) == len(items)
+    if planner_type is _StubPlanner:
+        assert len(planner.committed) == len(items)
+    elif kw.get("direct_min_bytes") != 1 << 40:  # up front: big contiguous ranges straight in
+        assert reader.last_stats["direct_bytes"] > 0, reader.last_stats
 
 
 def test_partial_read_with_hashes_still_verifies_the_whole_file(saved, tmp_path):
@@ -265,6 +280,92 @@ def test_partial_read_with_hashes_still_verifies_the_whole_file(saved, tmp_path)
         _read(FastFileSystemReader(ck, expected_files=expected), [_item("big0", "rows", [0, 0], [10, 600])],
               {"rows": torch.zeros(10, 600)})
     assert str(f) in str(err.value) and err.value.path == str(f)
+
+
+
+# ============================================================================ planner contract
+class _ScratchPlanner(SafeLoadPlanner):
+    """A memory-bounded planner: ``resolve_tensor`` hands out one shared scratch buffer and
+    ``commit_tensor`` copies it into the real target, which is only right when the reader
+    resolves, copies and commits one item at a time (DCP's ``LoadPlanner`` contract)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scratch = torch.empty(1 << 16, dtype=torch.uint8)
+        self.calls: list[tuple[str, str]] = []
+
+    def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
+        target = super().resolve_tensor(item)
+        n = target.numel() * target.element_size()
+        if self.scratch.numel() < n:
+            self.scratch = torch.empty(n, dtype=torch.uint8)
+        self.calls.append(("resolve", item.dest_index.fqn))
+        return self.scratch[:n].view(target.dtype).view(target.shape)
+
+    def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
+        self.calls.append(("commit", item.dest_index.fqn))
+        super().resolve_tensor(item).copy_(tensor)
+
+
+@pytest.mark.parametrize("kw", CONFIGS)
+def test_a_planner_reusing_one_scratch_buffer_loads_bitwise(saved, kw):
+    path, state = saved
+    planner = _ScratchPlanner()
+    out = _empty_like(state)
+    dcp.load(out, storage_reader=FastFileSystemReader(path, **kw), planner=planner, no_dist=True)
+    _assert_same(out, state)
+    # Per item: resolve, then (after the copy) commit of that same item, before the next resolve.
+    assert planner.calls[0::2] == [("resolve", k) for _, k in planner.calls[1::2]], planner.calls
+    assert {k for _, k in planner.calls} == {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel()}
+    if not kw:  # with the manifest's hashes: verified from the bytes the per-item path reads
+        expected = {f.name: hash_file(f) for f in path.glob("*.distcp")}
+        out = _empty_like(state)
+        reader = FastFileSystemReader(path, expected_files=expected)
+        dcp.load(out, storage_reader=reader, planner=_ScratchPlanner(), no_dist=True)
+        _assert_same(out, state)
+        assert reader._checked == set(expected)
+
+
+class _ScratchStub(_StubPlanner):
+    """``_StubPlanner`` that resolves into one shared scratch buffer and copies it into the
+    destination view at commit (resharding reads through a memory-bounded planner)."""
+
+    scratch = torch.empty(0, dtype=torch.uint8)
+
+    def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
+        target = super().resolve_tensor(item)
+        n = target.numel() * target.element_size()
+        if self.scratch.numel() < n:
+            self.scratch = torch.empty(n, dtype=torch.uint8)
+        return self.scratch[:n].view(target.dtype).view(target.shape)
+
+    def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
+        super().resolve_tensor(item).copy_(tensor)
+        super().commit_tensor(item, tensor)
+
+
+@pytest.mark.parametrize("kw", CONFIGS)
+def test_partial_reads_through_a_scratch_planner_match_the_saved_values(saved, kw):
+    path, state = saved
+    items = [_item("big0", "rows", [200, 0], [100, 600]), _item("big1", "cols", [0, 350], [512, 250]),
+             _item("big2", "box", [17, 33], [30, 40]), _item("big0", "into", [0, 0], [100, 600], [100, 0]),
+             _item("big_f64", "two_a", [100, 0], [300, 300]), _item("big_f64", "two_b", [200, 0], [300, 300]),
+             _item("fp32", "small", [0, 0], [10, 7])]
+    dest = {"rows": torch.zeros(100, 600), "cols": torch.zeros(512, 250), "box": torch.zeros(30, 40),
+            "into": torch.zeros(200, 600), "two_a": torch.zeros(300, 300, dtype=torch.float64),
+            "two_b": torch.zeros(300, 300, dtype=torch.float64), "small": torch.zeros(10, 7)}
+    reader = FastFileSystemReader(path, **kw)
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    planner = _ScratchStub(dest)
+    reader.read_data(LoadPlan(items), planner).wait()
+    assert torch.equal(dest["rows"], state["big0"][200:300])
+    assert torch.equal(dest["cols"], state["big1"][:, 350:])
+    assert torch.equal(dest["box"], state["big2"][17:47, 33:73])
+    assert torch.equal(dest["into"][100:], state["big0"][:100]) and not dest["into"][:100].any()
+    assert torch.equal(dest["two_a"], state["big_f64"][100:400, :300])
+    assert torch.equal(dest["two_b"], state["big_f64"][200:500, :300])
+    assert torch.equal(dest["small"], state["fp32"])
+    assert len(planner.committed) == len(items)
 
 
 # ============================================================================ integrity

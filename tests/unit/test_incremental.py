@@ -123,6 +123,26 @@ def test_reference_points_at_the_original_file_never_a_chain(tmp_path):
     assert refs and all(r.startswith(f"../{S1}/") for r in refs.values())  # not ../step-2/ -> step-1
 
 
+def test_ls_size_is_what_each_checkpoint_adds_and_refs_what_it_refers_to(tmp_path, capsys):
+    run_saves(tmp_path, steps=(1, 2, 3), keep_last=None)
+    assert main(["ls", str(tmp_path), "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert [rows[n]["size_bytes"] for n in (S1, S2, S3)] == [own_bytes(tmp_path / n) for n in (S1, S2, S3)]
+    for name in (S1, S2, S3):
+        referenced = set(references(tmp_path / name).values())
+        on_disk = sum((tmp_path / name / rel).stat().st_size for rel in referenced)
+        assert rows[name]["referenced_bytes"] == on_disk, name  # S1's files it refers to
+    assert rows[S1]["referenced_bytes"] == 0 and rows[S2]["referenced_bytes"] > rows[S2]["size_bytes"] > 0
+    assert main(["ls", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[0].split()
+    assert header[4:6] == ["SIZE", "REFS"], header  # NAME STEP TIME (UTC) SIZE REFS ...
+    s2 = next(line.split() for line in lines if line.startswith(S2))
+    kib = f"{own_bytes(tmp_path / S2) / 1024:.1f}"
+    assert s2[3:5] == [kib, "KiB"], s2
+    assert s2[5:7] == [f"{rows[S2]['referenced_bytes'] / 1024:.1f}", "KiB"], s2
+
+
 def test_full_every_writes_everything_again(tmp_path):
     run_saves(tmp_path, steps=(1, 2, 3), keep_last=None, full_every=2)
     assert references(tmp_path / S2) and not references(tmp_path / S3)
