@@ -183,9 +183,9 @@ def _make_reader(name: str, directory: str, expected: dict[str, tuple[int, str]]
                  blocks: dict[str, tuple[list[int], list[str]]] | None = None):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from distckpt.engine.fast_reader import FastFileSystemReader
+    from distckpt.engine.read.fast_reader import FastFileSystemReader
     from distckpt.engine.safe_io import SafeFileSystemReader
-    from distckpt.integrity import BlockDigests
+    from distckpt.ondisk.integrity import BlockDigests
 
     if name in ("stock", "stock_run_load"):
         return FileSystemReader(directory)

@@ -53,7 +53,9 @@ SAVE_MODES = ("blocking", "async_thread", "async_process", "async_thread_bgstage
 STAGED_MODES = ("async_thread", "async_process")  # the D2H copy happens inside save()
 LOAD_READERS = ("fast", "stock")
 _GIB = 1 << 30
-_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "distckpt", "distckpt.engine.fast_reader")
+_PRELOAD = (
+    "torch", "torch.distributed", "torch.distributed.checkpoint", "distckpt", "distckpt.engine.read.fast_reader",
+)
 _WORKERS = {"copy": "benchmarks.bench_gpu:copy_bandwidth_worker", "save": "benchmarks._save_ranks:_save_worker",
             "write": "benchmarks._load_ranks:_save_worker", "load": "benchmarks._load_ranks:_load_worker"}
 

@@ -110,7 +110,7 @@ _DISK = "disk"
 
 _TARGETS: dict[str, Callable[[int, int, dict[str, Any]], Any]] = {"save": _save_worker, "load": _load_worker}
 _PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "distckpt",
-            "distckpt.engine.fast_reader")
+            "distckpt.engine.read.fast_reader")
 
 
 def _run_ranks(target: str, world_size: int, spec: dict[str, Any], *, timeout_s: float) -> list[Any]:

@@ -60,7 +60,7 @@ def _round(rank: int, world_size: int, sd: dict, size_mib: int, rnd: int, thread
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     from distckpt.engine.blocking import dcp_save, run_load
-    from distckpt.manifest import Manifest
+    from distckpt.ondisk.manifest import Manifest
     from distckpt.storage import open_store
 
     endpoint = os.environ["AWS_ENDPOINT_URL"]

@@ -20,7 +20,7 @@ from .errors import (
     StorageError,
 )
 from .manager import CheckpointManager
-from .state import TrainState
+from .state.training_state import TrainState
 
 __all__ = [
     "__version__",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .errors import ConfigError
-from .layout import check_root_scheme, checkpoint_name
+from .ondisk.layout import check_root_scheme, checkpoint_name
 
 __all__ = ["CheckpointConfig", "KeepBest", "LOADABLE", "INITIAL_LOAD", "READ_ONLY_SAVE"]
 
@@ -27,7 +27,7 @@ READ_ONLY_SAVE = ("CheckpointConfig.read_only=true: this manager only loads and 
 
 INITIAL_LOAD = ("load_path", "load_step", "load_only", "exclude_from_loading")
 """The options that say how a run starts: applied only while the root holds no checkpoint the
-run committed (:mod:`distckpt.restart`; README "Resume options")."""
+run committed (:mod:`distckpt.load.restart`; README "Resume options")."""
 
 
 @dataclass(kw_only=True)
@@ -72,7 +72,7 @@ class CheckpointConfig:
             ``load_only`` and ``exclude_from_loading`` it applies at the run's first start only:
             once the root holds a checkpoint committed with the same four options (each
             manifest records them), a start with this config is a restart and resumes the
-            root's newest checkpoint in full (:mod:`distckpt.restart`).
+            root's newest checkpoint in full (:mod:`distckpt.load.restart`).
         on_existing: what a run that does not resume from ``root`` (``load: false``, or a
             ``load_path`` outside ``root``) does when ``root`` already holds checkpoints:
             ``"refuse"`` (``ConfigError`` at construction, naming the newest) or
@@ -341,7 +341,7 @@ class CheckpointConfig:
         return values if any(v is not None for v in values.values()) else None
 
     def for_restart(self) -> "CheckpointConfig":
-        """This config for a restart of its run (:mod:`distckpt.restart`): without the
+        """This config for a restart of its run (:mod:`distckpt.load.restart`): without the
         :data:`INITIAL_LOAD` options, so ``load()`` resumes the root's newest checkpoint in full."""
         return dataclasses.replace(self, load_path=None, load_step=None, load_only=None,
                                    exclude_from_loading=None, on_existing="refuse")

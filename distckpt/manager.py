@@ -24,22 +24,22 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .adapters import ddp_resume_not_bitwise, tensor_specs, wrapper_kind
-from .collective import Collective
 from .config import READ_ONLY_SAVE, CheckpointConfig
-from .discovery import make_discovery
+from .coord.collective import Collective
+from .coord.events import EventLog
+from .coord.topology import check_shared_root, elastic_store_warning, local_world_size
 from .engine import AsyncWriter
 from .errors import CheckpointLockedError, ConfigError
-from .events import EventLog
-from .grace import PreemptionPlan, SaveDurations, agree_preemption_plan
-from .loading import CheckpointLoader
-from .lock import RootLock
-from .preemption import PreemptionWatcher
-from .resume import ProbeFn, ResumeExtras
-from .schedule import SaveSchedule
-from .state import CheckpointState, TrainState
+from .load.discovery import make_discovery
+from .load.loading import CheckpointLoader
+from .load.resume import ProbeFn, ResumeExtras
+from .save.grace import PreemptionPlan, SaveDurations, agree_preemption_plan
+from .save.preemption import PreemptionWatcher
+from .save.schedule import SaveSchedule
+from .save.transaction import BackgroundSave, PhaseHook, SaveContext, SaveTransaction, save_options
+from .state.training_state import CheckpointState, TrainState
 from .storage import open_config_store
-from .topology import check_shared_root, elastic_store_warning, local_world_size
-from .transaction import BackgroundSave, PhaseHook, SaveContext, SaveTransaction, save_options
+from .storage.lock import RootLock
 
 __all__ = ["CheckpointManager"]
 
@@ -67,10 +67,10 @@ class CheckpointManager:
             single process when ``torch.distributed`` is not initialised).
         on_phase: ``on_phase(phase, step, rank)``, called on every rank before each phase of
             a save acts (``stage``, ``write``, ``manifest``, ``rename``, ``latest``,
-            ``retention``, ``committed``; see :mod:`distckpt.transaction`): tracing and
+            ``retention``, ``committed``; see :mod:`distckpt.save.transaction`): tracing and
             fault injection. It runs on the background thread for async saves.
         probe, run_id: ``probe(model) -> loss`` on a fixed batch, compared after ``load()``; the experiment
-            tracker's run id kept across resumes (``None``: the checkpoint's, or new). :mod:`distckpt.resume`.
+            tracker's run id kept across resumes (``None``: the checkpoint's, or new). :mod:`distckpt.load.resume`.
 
     Raises:
         ConfigError: the root directory cannot be created or written (on every rank); or the
@@ -264,7 +264,7 @@ class CheckpointManager:
         return saved
 
     def _plan_preemption(self, step: int) -> PreemptionPlan:
-        """The grace-window decision (:mod:`distckpt.grace`), the same on every rank."""
+        """The grace-window decision (:mod:`distckpt.save.grace`), the same on every rank."""
         assert self.preemption is not None  # only reached once the watcher agreed on a signal
         inflight, predicted = self._inflight, self.save_durations.predict()
         left = None
@@ -283,7 +283,7 @@ class CheckpointManager:
     def save(self, step: int, *, loss: float | None = None, metrics: dict | None = None, **counters: int) -> Path | str:
         """Save the whole training state as ``step-<step>`` (``metrics`` as for :meth:`maybe_save`).
 
-        The commit protocol is :class:`~distckpt.transaction.SaveTransaction`'s. With
+        The commit protocol is :class:`~distckpt.save.transaction.SaveTransaction`'s. With
         ``async_mode`` off it completes before the call returns; otherwise the call returns
         once the state is staged and the write and commit finish in the background (at most
         one save in flight: the next ``save``, :meth:`wait` or :meth:`close` waits for it and

@@ -225,7 +225,7 @@ def copy_root(server: S3Server, src: str, dst: str) -> None:
 
 def committed_locations(root: str) -> dict[int, str]:
     """``{step: data-prefix URL}`` of the committed checkpoints of an ``s3://`` root."""
-    from distckpt.manifest import Manifest
+    from distckpt.ondisk.manifest import Manifest
     from distckpt.storage import open_store
 
     return {s: loc for s, loc, r in open_store(root).find_committed() if isinstance(r, Manifest)}

@@ -52,7 +52,7 @@ from torch import nn
 
 from distckpt import CheckpointManager, ConfigError, DistCkptError
 from distckpt.data import ReshardableSampler, make_stateful_dataloader
-from distckpt.transaction import PHASES
+from distckpt.save.transaction import PHASES
 from launch.config import JobConfig, load_job_config
 from launch.data import ByteWindowDataset, corpus_fingerprint
 from launch.model import GPT, SampleSeedStream, lr_lambda_warmup_cosine, num_parameters

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ..manifest import TensorSpec
+from ..ondisk.manifest import TensorSpec
 from .wrappers import unwrap
 
 __all__ = ["ModelOptimState", "tensor_specs", "tied_keys"]

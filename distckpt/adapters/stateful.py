@@ -13,8 +13,9 @@ import copy
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ..engine.torch_internals import flatten_state_dict
 
 __all__ = ["with_saved_keys"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..compare import diff_checkpoints
-from ..reader import GROUPS, resolve_checkpoint
+from ..tools.compare import diff_checkpoints
+from ..tools.reader import GROUPS, resolve_checkpoint
 from ._common import fmt_float, print_json, print_table
 from ._errors import EXIT_FAILED, EXIT_OK
 

@@ -6,9 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Literal
 
-from ..export import export_checkpoint
-from ..layout import refuse_url_output
-from ..reader import resolve_checkpoint
+from ..ondisk.layout import refuse_url_output
+from ..tools.export import export_checkpoint
+from ..tools.reader import resolve_checkpoint
 from ._common import add_checkpoint_output, fmt_bytes, print_json
 
 NAME = "export"

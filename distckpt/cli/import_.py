@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from ..commit import existing_checkpoints
 from ..errors import ConfigError
-from ..export import import_weights
-from ..manifest import Manifest
+from ..ondisk.manifest import Manifest
 from ..storage import is_s3_url, open_store
-from ..store_import import import_to_store
+from ..storage.commit import existing_checkpoints
+from ..tools.export import import_weights
+from ..tools.store_import import import_to_store
 from ._common import fmt_bytes, print_json
 
 NAME = "import"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..reader import GROUPS, CheckpointReader, resolve_checkpoint
+from ..tools.reader import GROUPS, CheckpointReader, resolve_checkpoint
 from ._common import fmt_bytes, fmt_float, fmt_time, print_json, print_table
 
 NAME = "inspect"

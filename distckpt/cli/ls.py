@@ -17,12 +17,12 @@ import argparse
 from pathlib import Path
 from typing import Any, Callable
 
-from ..commit import find_committed
 from ..engine import read_dcp_metadata
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
-from ..layout import LATEST, MANIFEST, checkpoint_name, is_deferred, is_deleting, is_pending, parse_set_aside
-from ..manifest import Manifest, first_problem, structure_problems
+from ..ondisk.layout import LATEST, MANIFEST, checkpoint_name, is_deferred, is_deleting, is_pending, parse_set_aside
+from ..ondisk.manifest import Manifest, first_problem, structure_problems
 from ..storage import is_s3_url, open_store, split_location
+from ..storage.commit import find_committed
 from ._common import fmt_bytes, fmt_float, fmt_time, print_json, print_table
 
 NAME = "ls"

@@ -16,15 +16,15 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..audit import audit_checkpoint, audit_store_checkpoint
-from ..commit import find_committed
 from ..errors import CheckpointNotFoundError
-from ..incremental import References
-from ..layout import MANIFEST, checkpoint_name, is_deferred
-from ..lock import RootLock
-from ..manifest import Manifest
-from ..retention import steps_to_delete
+from ..ondisk.layout import MANIFEST, checkpoint_name, is_deferred
+from ..ondisk.manifest import Manifest
+from ..save.incremental import References
+from ..save.retention import steps_to_delete
 from ..storage import is_s3_url, open_store, split_location
+from ..storage.commit import find_committed
+from ..storage.lock import RootLock
+from ..tools.audit import audit_checkpoint, audit_store_checkpoint
 from ._common import print_json
 
 NAME = "prune"

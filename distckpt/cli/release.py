@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..layout import refuse_url_output
-from ..reader import resolve_checkpoint
-from ..release import release_checkpoint
+from ..ondisk.layout import refuse_url_output
+from ..tools.reader import resolve_checkpoint
+from ..tools.release import release_checkpoint
 from ._common import add_checkpoint_output, fmt_bytes, print_json
 
 NAME = "release"

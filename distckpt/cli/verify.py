@@ -10,10 +10,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..audit import AuditReport, audit_checkpoint, audit_store_checkpoint
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
-from ..layout import MANIFEST, checkpoint_dirs, is_deferred, is_pending, parse_step
+from ..ondisk.layout import MANIFEST, checkpoint_dirs, is_deferred, is_pending, parse_step
 from ..storage import is_s3_url, open_store, split_location
+from ..tools.audit import AuditReport, audit_checkpoint, audit_store_checkpoint
 from ._common import fmt_bytes, print_json
 from ._errors import EXIT_FAILED, EXIT_OK
 

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from ..errors import ConfigError
-from ..integrity import hash_file
+from ..ondisk.integrity import hash_file
 from .blocking import GC_PAUSE, hashing_writer
 from .incremental_writer import ReuseIndex
 from .staging import ReusingStager

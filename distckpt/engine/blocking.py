@@ -185,7 +185,7 @@ def dcp_load(
     Args:
         expected_files: ``{relative path: (size_bytes, digest)}`` from the manifest; each rank
             then checks the files it reads before reading them.
-        fast: read with :class:`~distckpt.engine.fast_reader.FastFileSystemReader` (large
+        fast: read with :class:`~distckpt.engine.read.fast_reader.FastFileSystemReader` (large
             parallel sequential reads straight into the destination tensors, hashes verified
             from the bytes read) instead of DCP's item-by-item reader.
         thread_count: parallel read streams per rank of the fast reader.
@@ -196,7 +196,7 @@ def dcp_load(
     """
     reader: SafeFileSystemReader
     if fast:
-        from .fast_reader import FastFileSystemReader
+        from .read.fast_reader import FastFileSystemReader
 
         reader = FastFileSystemReader(os.fspath(directory), expected_files=expected_files,
                                       thread_count=thread_count)

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..integrity import new_hasher
+from ..ondisk.integrity import new_hasher
+from .torch_internals import StorageInfo
 from .writer import CheckedFileSystemWriter
 
 __all__ = ["ITEMS_SUFFIX", "ItemRecord", "ReuseIndex", "IncrementalFileSystemWriter", "item_key",
@@ -163,7 +163,7 @@ class IncrementalFileSystemWriter(CheckedFileSystemWriter):
             if prev is not None and prev.hash == digest:
                 ref = reuse.reference(prev)
                 reused.append(WriteResult(index=item.index, size_in_bytes=prev.length,
-                                          storage_data=_StorageInfo(ref, prev.offset, prev.length)))
+                                          storage_data=StorageInfo(ref, prev.offset, prev.length)))
                 records[key] = ItemRecord(digest, ref, prev.offset, prev.length)
                 self.reused_bytes += prev.length
             else:

@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointCorruptError
-from ..integrity import check_file
-from ..safe_values import load_value
+from ..ondisk.integrity import check_file
+from ..ondisk.safe_values import load_value
+from .torch_internals import set_element
 
 __all__ = ["read_dcp_metadata", "parse_dcp_metadata", "SafeFileSystemReader", "SafeLoadPlanner"]
 
@@ -132,7 +132,7 @@ class SafeFileSystemReader(FileSystemReader):
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that loads non-tensor items with ``torch.load(weights_only=True)``
-    (numpy scalars and arrays admitted: :func:`distckpt.safe_values.load_value`)."""
+    (numpy scalars and arrays admitted: :func:`distckpt.ondisk.safe_values.load_value`)."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch.serialization
 from torch.distributed.checkpoint import FileSystemWriter
 
-from ..integrity import HashingFileSystem
+from ..ondisk.integrity import HashingFileSystem
 
 __all__ = ["CheckedFileSystemWriter", "WriteDeadlineExceeded"]
 

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..layout import check_root_scheme
+from ..ondisk.layout import check_root_scheme
 from .base import CheckpointStore, is_s3_url
 
 __all__ = ["CheckpointStore", "is_s3_url", "open_store", "open_config_store", "split_location", "store_of"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from ..errors import CheckpointCorruptError
-from ..integrity import BlockDigests
-from ..manifest import FileEntry, Manifest
+from ..ondisk.integrity import BlockDigests
+from ..ondisk.manifest import FileEntry, Manifest
 
 __all__ = ["CheckpointStore", "LockFile", "is_s3_url"]
 
@@ -23,7 +23,7 @@ def is_s3_url(root: str) -> bool:
 
 
 class LockFile(Protocol):
-    """The one object behind :class:`~distckpt.lock.RootLock`: created exclusively, read,
+    """The one object behind :class:`~distckpt.storage.lock.RootLock`: created exclusively, read,
     replaced in place and removed. ``where`` names it in messages."""
 
     where: str
@@ -141,5 +141,5 @@ class CheckpointStore(Protocol):
         ...
 
     def lock_file(self) -> LockFile:
-        """The root's lock object (:class:`~distckpt.lock.RootLock` runs the protocol)."""
+        """The root's lock object (:class:`~distckpt.storage.lock.RootLock` runs the protocol)."""
         ...

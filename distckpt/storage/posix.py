@@ -1,6 +1,6 @@
 """The POSIX store: today's on-disk layout and rename-based commit (docs/design.md, sections 3-4),
 reached through :class:`~distckpt.storage.base.CheckpointStore`. Every method delegates to
-:mod:`distckpt.commit` / :mod:`distckpt.engine`; nothing on disk changes."""
+:mod:`distckpt.storage.commit` / :mod:`distckpt.engine`; nothing on disk changes."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import commit as _commit
 from ..engine import SafeFileSystemReader, read_dcp_metadata
 from ..engine.blocking import hashing_writer
 from ..errors import CheckpointCorruptError
-from ..integrity import BlockDigests, check_file
-from ..layout import LATEST, checkpoint_name, pending_name
-from ..lock import PosixLockFile
-from ..manifest import FileEntry, Manifest
+from ..ondisk.integrity import BlockDigests, check_file
+from ..ondisk.layout import LATEST, checkpoint_name, pending_name
+from ..ondisk.manifest import FileEntry, Manifest
+from . import commit as _commit
+from .lock import PosixLockFile
 
 __all__ = ["PosixStore"]
 
@@ -54,7 +54,7 @@ class PosixStore:
     def dcp_reader(self, location: str, *, expected_files: dict[str, tuple[int, str | None]] | None,
                    fast: bool, thread_count: int, block_digests: dict[str, BlockDigests] | None = None) -> Any:
         if fast:
-            from ..engine.fast_reader import FastFileSystemReader
+            from ..engine.read.fast_reader import FastFileSystemReader
 
             return FastFileSystemReader(location, expected_files=expected_files, thread_count=thread_count,
                                         block_digests=block_digests)

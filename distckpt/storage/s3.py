@@ -26,9 +26,9 @@ import re
 from typing import Any, Callable
 
 from ..errors import CheckpointCorruptError
-from ..integrity import HASH_ALGORITHM, BlockDigests, new_hasher
-from ..layout import LATEST, checkpoint_name, parse_step
-from ..manifest import FileEntry, Manifest, first_problem, structure_problems
+from ..ondisk.integrity import HASH_ALGORITHM, BlockDigests, new_hasher
+from ..ondisk.layout import LATEST, checkpoint_name, parse_step
+from ..ondisk.manifest import FileEntry, Manifest, first_problem, structure_problems
 from .s3_client import S3Objects, split_url
 from .s3_dcp import S3Reader, S3Writer
 

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from ..engine.safe_io import SafeFileSystemReader, parse_dcp_metadata
 from ..engine.writer import CheckedFileSystemWriter, GuardedFileSystem
 from ..errors import CheckpointCorruptError
-from ..integrity import HASH_ALGORITHM, new_hasher
+from ..ondisk.integrity import HASH_ALGORITHM, new_hasher
 from .s3_client import S3Objects, split_url
 
 __all__ = ["S3ObjectFileSystem", "S3Writer", "S3Reader"]

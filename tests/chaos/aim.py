@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distckpt.commit import find_committed
-from distckpt.layout import LATEST, MANIFEST, checkpoint_name, is_deleting, is_pending, parse_step
-from distckpt.manifest import Manifest
+from distckpt.ondisk.layout import LATEST, MANIFEST, checkpoint_name, is_deleting, is_pending, parse_step
+from distckpt.ondisk.manifest import Manifest
+from distckpt.storage.commit import find_committed
 
 __all__ = ["PHASE_WEIGHTS", "Aim", "choose_aim", "next_world_size", "inspect_root", "inspect_s3_root", "classify_phase",
            "lost_checkpoints", "describe_disk"]
@@ -93,7 +93,7 @@ def inspect_root(root: Path) -> dict[str, Any]:
         ``{"valid": [steps], "invalid": {step: reason}, "pending": [{name, step, files,
         metadata, manifest, manifest_tmp}], "latest": name or None, "other": [names],
         "deleting": [steps of .deleting- directories]}``;
-        ``valid`` per :func:`distckpt.commit.find_committed` (manifest readable, every listed
+        ``valid`` per :func:`distckpt.storage.commit.find_committed` (manifest readable, every listed
         file present with its size).
     """
     valid, invalid = [], {}

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from distckpt import ConfigError
-from distckpt.commit import verify
-from distckpt.layout import checkpoint_name
+from distckpt.ondisk.layout import checkpoint_name
+from distckpt.storage.commit import verify
 from launch.config import load_job_config
 from launch.jobs import REPO, Run
 from launch.s3_server import committed_locations

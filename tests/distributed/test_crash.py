@@ -108,7 +108,7 @@ def test_metadata_error_on_one_rank_fails_or_falls_back_on_every_rank(tmp_path, 
 
 
 def save_then_die_mid_background_delete(rank, world_size, opts):
-    import distckpt.purge as purge_mod
+    import distckpt.save.purge as purge_mod
 
     manager, model, optimizer, scheduler, scaler, loader = make_manager(rank, world_size, opts)
     train_steps(model, optimizer, scheduler, scaler, loader, 3)

@@ -50,7 +50,7 @@ def _save(rank: int, world_size: int, path: str, wrapper: str) -> dict[str, tupl
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from distckpt.integrity import hash_file
+    from distckpt.ondisk.integrity import hash_file
 
     torch.manual_seed(0)
     model = _net()  # identical full values on every rank
@@ -101,7 +101,7 @@ def _local_params(model) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
 def _load(rank: int, world_size: int, path: str, reader_kw: dict, expected) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    from distckpt.engine.fast_reader import FastFileSystemReader
+    from distckpt.engine.read.fast_reader import FastFileSystemReader
     from distckpt.engine.safe_io import SafeLoadPlanner
 
     model, state, extra = _nan_target()
@@ -206,7 +206,7 @@ def _run_load(rank: int, world_size: int, path: str, expected, fault: tuple[str,
     ``fault = (kind, rank)``: ``"digest"`` (a digest that cannot match) or ``"interrupt"``
     (``KeyboardInterrupt`` inside the read) on that rank alone."""
     from distckpt.engine.blocking import run_load
-    from distckpt.engine.fast_reader import FastFileSystemReader
+    from distckpt.engine.read.fast_reader import FastFileSystemReader
     from distckpt.errors import CheckpointCorruptError, DistCkptError
 
     model, state, extra = _nan_target()
@@ -251,8 +251,8 @@ def _save_blocks(rank: int, world_size: int, path: str, min_block: int) -> dict:
     ``min_block`` bytes (the default 1 MiB would make this small model one block per shard)."""
     import torch.distributed as dist
 
-    from distckpt import integrity
     from distckpt.engine.blocking import dcp_save
+    from distckpt.ondisk import integrity
 
     integrity.MIN_BLOCK_BYTES = min_block
     torch.manual_seed(0)
@@ -266,7 +266,7 @@ def _save_blocks(rank: int, world_size: int, path: str, min_block: int) -> dict:
 
 def _load_blocks(rank: int, world_size: int, path: str, expected, blocks) -> dict:
     from distckpt.engine.blocking import run_load
-    from distckpt.engine.fast_reader import FastFileSystemReader
+    from distckpt.engine.read.fast_reader import FastFileSystemReader
     from distckpt.errors import CheckpointCorruptError
 
     model, state, extra = _nan_target()

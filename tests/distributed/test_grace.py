@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from distckpt import CheckpointConfig, CheckpointManager
-from distckpt.grace import SaveDurations, plan_preemption
+from distckpt.save.grace import SaveDurations, plan_preemption
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.trainer import build, optimizer_step
 

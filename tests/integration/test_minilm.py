@@ -20,7 +20,7 @@ from torch import nn
 
 from distckpt import CheckpointConfig, CheckpointManager
 from distckpt.cli import main
-from distckpt.export import export_checkpoint, import_weights
+from distckpt.tools.export import export_checkpoint, import_weights
 from tests.distributed.harness import run_ranks, values
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from distckpt.cli import main
-from distckpt.reader import CheckpointReader
+from distckpt.tools.reader import CheckpointReader
 from tests.distributed.trainer import full_params, train_steps
 from tests.s3.test_s3_single import get, keys, manager_for, put
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distckpt.engine.blocking import dcp_save, run_load
-from distckpt.integrity import new_hasher
+from distckpt.ondisk.integrity import new_hasher
 from distckpt.storage import open_store
 from distckpt.storage.s3_dcp import PART_BYTES
 from tests.s3.faults import Fault, uninstall_all

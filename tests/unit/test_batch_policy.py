@@ -13,8 +13,8 @@ from torch.utils.data import Dataset
 from distckpt import CheckpointConfig, ConfigError, IncompatibleCheckpointError
 from distckpt.data import ReshardableSampler, global_state_from_loader_state, make_stateful_dataloader
 from distckpt.data.reshard import DataLoaderState
-from distckpt.rebatch import apply_step_rule, move_scheduler
-from distckpt.state import TrainState
+from distckpt.state.rebatch import apply_step_rule, move_scheduler
+from distckpt.state.training_state import TrainState
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*set_vital.*:UserWarning")
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from distckpt import CheckpointConfig, CheckpointManager
-from distckpt.engine import fast_reader
 from distckpt.engine.blocking import dcp_load, dcp_save
-from distckpt.engine.fast_reader import FastFileSystemReader
+from distckpt.engine.read import fast_reader
+from distckpt.engine.read.fast_reader import FastFileSystemReader
 from distckpt.errors import CheckpointCorruptError
-from distckpt.integrity import MIN_BLOCK_BYTES, BlockDigests, BlockHasher, WrittenFile, hash_file, new_hasher
-from distckpt.manifest import Manifest
+from distckpt.ondisk.integrity import MIN_BLOCK_BYTES, BlockDigests, BlockHasher, WrittenFile, hash_file, new_hasher
+from distckpt.ondisk.manifest import Manifest
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -219,7 +219,7 @@ def test_block_digests_reject_bad_tilings_and_bad_types():
 
 @pytest.mark.parametrize("field,value", [("block_hashes", "0" * 64), ("block_ends", 8)])
 def test_block_lists_that_are_not_lists_are_refused(field, value):
-    from distckpt.manifest import FileEntry
+    from distckpt.ondisk.manifest import FileEntry
 
     entry = FileEntry(path="__0_0.distcp", size_bytes=8, hash="0" * 32, block_ends=[4, 8],
                       block_hashes=["0" * 32, "1" * 32])

@@ -18,10 +18,10 @@ from safetensors.torch import load_file, save_file
 from distckpt import CheckpointConfig, CheckpointManager, CheckpointNotFoundError, ConfigError
 from distckpt.cli import main
 from distckpt.cli.main import COMMANDS
-from distckpt.export import export_checkpoint
-from distckpt.integrity import hash_file
-from distckpt.manifest import Manifest
-from distckpt.release import release_checkpoint
+from distckpt.ondisk.integrity import hash_file
+from distckpt.ondisk.manifest import Manifest
+from distckpt.tools.export import export_checkpoint
+from distckpt.tools.release import release_checkpoint
 from tests.distributed.trainer import Net, build, train_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -1,4 +1,4 @@
-"""distckpt/collective.py on its own: agree() in one process and on two gloo ranks."""
+"""distckpt/coord/collective.py on its own: agree() in one process and on two gloo ranks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from distckpt import errors
-from distckpt.collective import Collective
+from distckpt.coord.collective import Collective
 from tests.distributed.harness import run_ranks, values
 
 

@@ -1,7 +1,7 @@
-"""distckpt/commit.py on its own: the on-disk commit protocol, validation, leftovers, deletes.
+"""distckpt/storage/commit.py on its own: the on-disk commit protocol, validation, leftovers, deletes.
 
 Checkpoints here are hand-made directories of small files with a real manifest (sizes and
-xxh3-128 hashes from :func:`distckpt.integrity.hash_file`); no DCP, no process group.
+xxh3-128 hashes from :func:`distckpt.ondisk.integrity.hash_file`); no DCP, no process group.
 """
 
 from __future__ import annotations
@@ -12,8 +12,12 @@ from pathlib import Path
 
 import pytest
 
-import distckpt.commit as commit_mod
-from distckpt.commit import (
+import distckpt.storage.commit as commit_mod
+from distckpt.errors import CheckpointCorruptError
+from distckpt.ondisk.integrity import hash_file
+from distckpt.ondisk.layout import LATEST, MANIFEST, checkpoint_name, pending_name
+from distckpt.ondisk.manifest import Manifest, TensorSpec, model_fingerprint
+from distckpt.storage.commit import (
     commit,
     delete_checkpoint,
     find_committed,
@@ -23,10 +27,6 @@ from distckpt.commit import (
     validate,
     verify,
 )
-from distckpt.errors import CheckpointCorruptError
-from distckpt.integrity import hash_file
-from distckpt.layout import LATEST, MANIFEST, checkpoint_name, pending_name
-from distckpt.manifest import Manifest, TensorSpec, model_fingerprint
 
 FILES = {"__0_0.distcp": b"rank zero bytes " * 64, "__1_0.distcp": b"rank one" * 10, ".metadata": b"meta"}
 

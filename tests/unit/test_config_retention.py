@@ -1,8 +1,8 @@
 import pytest
 
 from distckpt import CheckpointConfig, ConfigError
-from distckpt.layout import checkpoint_name, is_pending, parse_step, pending_name
-from distckpt.retention import steps_to_delete
+from distckpt.ondisk.layout import checkpoint_name, is_pending, parse_step, pending_name
+from distckpt.save.retention import steps_to_delete
 
 
 def test_unknown_key_names_the_valid_ones(tmp_path):

@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager
-from distckpt.compare import max_abs_diff
 from distckpt.errors import CheckpointNotFoundError, ConfigError
-from distckpt.export import export_checkpoint, import_weights
-from distckpt.reader import CheckpointReader
-from distckpt.single_file import SafetensorsWriter, TorchZipWriter
+from distckpt.tools.compare import max_abs_diff
+from distckpt.tools.export import export_checkpoint, import_weights
+from distckpt.tools.reader import CheckpointReader
+from distckpt.tools.single_file import SafetensorsWriter, TorchZipWriter
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.trainer import Net, build, full_params, save_after, train_steps
 

@@ -16,12 +16,12 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from distckpt.engine import fast_reader
-from distckpt.engine.fast_reader import FastFileSystemReader, parse_torch_save_header
+from distckpt.engine.read import fast_reader
+from distckpt.engine.read.fast_reader import FastFileSystemReader, parse_torch_save_header
+from distckpt.engine.read.torch_save_format import HeaderCache, LruCache, NeedMoreBytes, UnsupportedLayout
 from distckpt.engine.safe_io import SafeLoadPlanner
-from distckpt.engine.torch_save_format import HeaderCache, LruCache, NeedMoreBytes, UnsupportedLayout
 from distckpt.errors import CheckpointCorruptError
-from distckpt.integrity import hash_file
+from distckpt.ondisk.integrity import hash_file
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -547,7 +547,7 @@ def test_cached_header_parse_equals_the_full_parse_and_is_shared_by_equal_header
 def test_header_caches_are_per_reader_and_bounded(saved):
     """Parse caches live on the reader (none at module level, shared by every reader), each
     bounded; a cache far smaller than the checkpoint's distinct headers still loads bitwise."""
-    from distckpt.engine import item_decode, item_planner, read_stream, torch_save_format
+    from distckpt.engine.read import item_decode, item_planner, read_stream, torch_save_format
 
     for mod in (fast_reader, item_decode, item_planner, read_stream, torch_save_format):
         shared = [n for n, v in vars(mod).items()

@@ -9,12 +9,12 @@ import pytest
 
 from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager, ConfigError
 from distckpt.cli import main
-from distckpt.commit import commit
-from distckpt.discovery import StoreDiscovery
-from distckpt.export import export_checkpoint
-from distckpt.manifest import Manifest
-from distckpt.release import release_checkpoint
+from distckpt.load.discovery import StoreDiscovery
+from distckpt.ondisk.manifest import Manifest
 from distckpt.storage import open_store
+from distckpt.storage.commit import commit
+from distckpt.tools.export import export_checkpoint
+from distckpt.tools.release import release_checkpoint
 from tests.distributed.trainer import Net
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -151,7 +151,7 @@ def test_an_elastic_torchrun_sharing_its_store_is_warned_about_at_construction(t
 
 
 def test_the_agents_node_counts_come_from_its_command_line():
-    from distckpt.topology import agent_nnodes, elastic_store_warning
+    from distckpt.coord.topology import agent_nnodes, elastic_store_warning
 
     assert agent_nnodes({}, ["python", "/bin/torchrun", "--nnodes", "1:2", "train.py"]) == (1, 2)
     assert agent_nnodes({}, ["python", "-m", "torch.distributed.run", "--nnodes=2:4", "t.py"]) == (2, 4)

@@ -1,5 +1,6 @@
-"""Static checks of distckpt's own imports (issue 14, item 3): no import cycle, no private name
-imported from another distckpt module, no module over 450 lines.
+"""Static checks of distckpt's own imports (issue 14, item 3; issue 25): which tier may import
+which (``RULES``), no import cycle, no private name imported from another distckpt module, every
+private torch name in one module, no module over 450 lines.
 
 Every import statement counts, wherever it is: module level, inside functions (lazy imports),
 and under ``if TYPE_CHECKING:``.
@@ -102,12 +103,74 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sccs
 
 
+# Which tier may import which: one rule a line, read top to bottom as the layers of
+# docs/design.md. A unit is a subpackage (``save`` = ``distckpt.save.*``) or a root module.
+RULES: dict[str, set[str]] = {
+    "distckpt": {"_version", "config", "data", "errors", "manager", "state"},  # the public face
+    "manager": {"adapters", "config", "coord", "engine", "errors", "load", "save", "state", "storage"},
+    "cli": {"_version", "config", "engine", "errors", "load", "ondisk", "save", "state", "storage", "tools"},
+    "tools": {"_version", "adapters", "config", "engine", "errors", "ondisk", "state", "storage"},
+    "save": {"_version", "adapters", "config", "coord", "data", "engine", "errors", "ondisk", "state", "storage"},
+    "load": {"_version", "adapters", "config", "coord", "data", "engine", "errors", "ondisk", "state", "storage"},
+    "state": {"adapters", "config", "data", "engine", "errors", "ondisk"},
+    "adapters": {"engine", "errors", "ondisk"},
+    "data": {"errors"},
+    "coord": {"engine", "errors"},
+    "storage": {"engine", "errors", "ondisk"},
+    "engine": {"errors", "ondisk"},
+    "ondisk": {"errors"},
+    "config": {"errors", "ondisk"},
+    "errors": set(),
+    "_version": set(),
+}
+
+
+def _unit(module: str) -> str:
+    """``distckpt.save.transaction`` -> ``save``; ``distckpt.manager`` -> ``manager``; ``distckpt`` -> itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else module
+
+
+def test_every_import_follows_the_tier_rules():
+    mods = _modules()
+    graph = _graph(mods)
+    units = {_unit(m) for m in mods}
+    assert units == set(RULES), f"units without a rule or rules without a unit: {units ^ set(RULES)}"
+    bad = sorted(f"{m} -> {t}" for m in graph for t in graph[m]
+                 if _unit(t) != _unit(m) and _unit(t) not in RULES[_unit(m)])
+    assert bad == [], f"imports against RULES: {bad}"
+
+
+def test_the_rules_have_no_cycle():
+    assert _cycles({u: {t for t in RULES[u] if t != u} for u in RULES}) == []
+
+
+def _private_torch(dotted: str) -> bool:
+    parts = dotted.split(".")
+    return parts[0] in ("torch", "torchdata") and any(p.startswith("_") for p in parts)
+
+
+def test_private_torch_names_are_imported_in_one_module():
+    allowed = "distckpt.engine.torch_internals"
+    bad = []
+    for m, f in _modules().items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            bad += [f"{m}:{node.lineno}: {n}" for n in names if _private_torch(n) and m != allowed]
+    assert bad == [], f"private torch/torchdata imports outside {allowed}: {bad}"
+
+
 def test_the_graph_builder_sees_relative_and_type_checking_imports():
     mods = _modules()
     graph = _graph(mods)
     assert "distckpt.manager" in graph["distckpt"]  # from .manager import CheckpointManager
-    assert "distckpt.engine.safe_io" in graph["distckpt.engine.fast_reader"]
-    assert "distckpt.errors" in graph["distckpt.engine.read_stream"]  # from ..errors import ...
+    assert "distckpt.engine.safe_io" in graph["distckpt.engine.read.fast_reader"]
+    assert "distckpt.errors" in graph["distckpt.engine.read.read_stream"]  # from ..errors import ...
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager, ConfigError
 from distckpt.cli import main
 from distckpt.engine import read_dcp_metadata
-from distckpt.export import export_checkpoint
+from distckpt.tools.export import export_checkpoint
 from tests.distributed.harness import run_ranks
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(180)]

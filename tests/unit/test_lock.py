@@ -15,7 +15,7 @@ import pytest
 
 from distckpt import CheckpointConfig, CheckpointLockedError, CheckpointManager
 from distckpt.errors import CheckpointSaveError, StorageError
-from distckpt.lock import LOCK_NAME, RootLock, job_id
+from distckpt.storage.lock import LOCK_NAME, RootLock, job_id
 from tests.distributed.trainer import Net
 
 

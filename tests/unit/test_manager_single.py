@@ -409,7 +409,7 @@ def test_unusable_event_log_fails_at_construction(tmp_path):
 
 
 def test_manifest_hashes_match_files_and_bitflip_is_caught(tmp_path):
-    from distckpt.integrity import hash_file
+    from distckpt.ondisk.integrity import hash_file
 
     trained_manager(tmp_path)
     ckpt = tmp_path / "step-000000003"
@@ -454,7 +454,7 @@ class _Payload:
 def test_crafted_metadata_pickle_is_refused_and_never_runs(tmp_path):
     import pickle
 
-    from distckpt.integrity import hash_file
+    from distckpt.ondisk.integrity import hash_file
 
     trained_manager(tmp_path / "root")
     ckpt = tmp_path / "root" / "step-000000003"
@@ -561,7 +561,7 @@ def test_a_reader_bug_is_not_taken_for_corruption(tmp_path, monkeypatch):
     """A failed invariant of the fast reader itself raises as it is: the checkpoint is not set
     aside and no older one is loaded in its place."""
     from distckpt import ReaderInvariantError
-    from distckpt.engine import read_verify
+    from distckpt.engine.read import read_verify
 
     trained_manager(tmp_path, steps=(3, 6))
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from distckpt import CheckpointConfig, CheckpointManager, ConfigError
 from distckpt.cli import main
-from distckpt.export import export_checkpoint
+from distckpt.tools.export import export_checkpoint
 from tests.distributed.trainer import Net
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

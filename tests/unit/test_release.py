@@ -102,7 +102,7 @@ def release_peak_over_baseline(tmp_path, total_mib):
     own memory; ``ru_maxrss`` would start from the forking parent's)."""
     CheckpointManager(CheckpointConfig(root=str(tmp_path / "ckpt"), interval_steps=None, thread_count=1),
                       model=Big(total_mib), optimizer=None).save(1)
-    script = ("import sys; from distckpt.cli.main import main; import distckpt.release\n"
+    script = ("import sys; from distckpt.cli.main import main; import distckpt.tools.release\n"
               "def kib(field):\n"
               "    return next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith(field))\n"
               "base = kib('VmRSS'); rc = main(sys.argv[1:]); print(kib('VmHWM') - base, rc)")

@@ -22,8 +22,8 @@ from distckpt import (
 )
 from distckpt.cli import main
 from distckpt.config import KeepBest
-from distckpt.manifest import Manifest
-from distckpt.retention import best_steps, steps_to_delete
+from distckpt.ondisk.manifest import Manifest
+from distckpt.save.retention import best_steps, steps_to_delete
 from tests.distributed.trainer import Net, Points, build, optimizer_step
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -81,7 +81,7 @@ def test_probe_restores_module_modes():
     model = Net()
     model.train()
     model.drop.eval()  # a submodule the user keeps in eval mode stays so
-    from distckpt.probe import run_probe
+    from distckpt.load.probe import run_probe
     run_probe(hostile_probe, model)
     assert model.training and model.inp.training and not model.drop.training
 

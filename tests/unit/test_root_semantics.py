@@ -11,10 +11,10 @@ import torch.distributed.checkpoint as dcp
 
 from distckpt import CheckpointConfig, CheckpointManager, CheckpointNotFoundError, ConfigError
 from distckpt.cli import main
-from distckpt.commit import delete_checkpoint, remove_leftovers
-from distckpt.manifest import Manifest
-from distckpt.reader import CheckpointReader
-from distckpt.retention import steps_to_delete
+from distckpt.ondisk.manifest import Manifest
+from distckpt.save.retention import steps_to_delete
+from distckpt.storage.commit import delete_checkpoint, remove_leftovers
+from distckpt.tools.reader import CheckpointReader
 from tests.distributed.trainer import Net, build, optimizer_step, train_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -209,7 +209,7 @@ def test_retention_delete_is_marked_so_only_its_leftover_is_removed(tmp_path, mo
     root = tmp_path / "ckpt"
     run_a(root, steps=(3, 6))
     files = listing(root)["step-000000003"]
-    monkeypatch.setattr("distckpt.commit.shutil.rmtree", lambda *a, **k: None)  # crash after the rename
+    monkeypatch.setattr("distckpt.storage.commit.shutil.rmtree", lambda *a, **k: None)  # crash after the rename
     delete_checkpoint(root / "step-000000003")
     monkeypatch.undo()
     (doomed,) = root.glob(".deleting-step-000000003-*")

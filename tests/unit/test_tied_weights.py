@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from distckpt import CheckpointConfig, CheckpointManager, IncompatibleCheckpointError
-from distckpt.export import import_weights
+from distckpt.tools.export import import_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -1,4 +1,4 @@
-"""distckpt/transaction.py's SaveTransaction in one process (the real Collective, no process
+"""distckpt/save/transaction.py's SaveTransaction in one process (the real Collective, no process
 group: world size 1): phase order, manifest content, abort on a failed write or commit,
 retention."""
 
@@ -11,17 +11,17 @@ from typing import Any
 import pytest
 import torch
 
-import distckpt.transaction as tx_mod
+import distckpt.save.transaction as tx_mod
 from distckpt import __version__
-from distckpt.collective import Collective
-from distckpt.commit import validate
+from distckpt.coord.collective import Collective
+from distckpt.coord.events import EventLog
 from distckpt.errors import CheckpointSaveError
-from distckpt.events import EventLog
-from distckpt.integrity import hash_file
-from distckpt.layout import LATEST, MANIFEST, checkpoint_name
-from distckpt.manifest import Manifest, TensorSpec, model_fingerprint
-from distckpt.state import TrainState
-from distckpt.transaction import PHASES, SaveContext, SaveTransaction
+from distckpt.ondisk.integrity import hash_file
+from distckpt.ondisk.layout import LATEST, MANIFEST, checkpoint_name
+from distckpt.ondisk.manifest import Manifest, TensorSpec, model_fingerprint
+from distckpt.save.transaction import PHASES, SaveContext, SaveTransaction
+from distckpt.state.training_state import TrainState
+from distckpt.storage.commit import validate
 
 SPECS = {"model.w": TensorSpec(shape=[4, 3], dtype="torch.float32")}
 

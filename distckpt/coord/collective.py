@@ -1,0 +1,226 @@
+"""Agreement between ranks on distckpt's own gloo process group.
+
+All ranks agree or all ranks raise: :func:`Collective.agree` runs a step on every rank, gathers
+the outcomes and raises the same typed error everywhere if any rank failed, so no rank is left
+waiting in a later collective. Without an initialised process group it degrades to one rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Any, Callable, TypeVar
+
+import torch.distributed as dist
+
+from .. import errors
+from ..engine.blocking import describe_exception
+from ..engine.torch_internals import default_store
+
+__all__ = ["Collective"]
+
+T = TypeVar("T")
+
+# Added to an arrival counter by a rank that stopped waiting: any later arrival sees it.
+_GAVE_UP = 1 << 40
+
+
+def _check_single_process(process_group: dist.ProcessGroup | None) -> None:
+    """Refuse a one-process setup that is really one rank of many (``torchrun`` without
+    ``init_process_group``): each rank would write its own "world size 1" checkpoints."""
+    if process_group is not None:
+        raise errors.ConfigError(
+            "a process_group was passed but torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group() before building the CheckpointManager")
+    try:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if world_size > 1:
+        raise errors.ConfigError(
+            f"WORLD_SIZE={world_size} in the environment (rank {os.environ.get('RANK', '?')}, as "
+            "torchrun sets it) but torch.distributed is not initialised, so every rank would act as "
+            "a separate one-process job writing its own checkpoints. Call "
+            "torch.distributed.init_process_group() before building the CheckpointManager (or pass "
+            "process_group=...); unset WORLD_SIZE for a single-process run.")
+
+
+class Collective:
+    """Object collectives over a dedicated gloo group (works beside an NCCL training group).
+
+    Args:
+        process_group: the training group whose ranks take part; ``None`` = default group.
+        timeout_s: timeout of the gloo group's collectives (seconds).
+
+    Raises:
+        ConfigError: ``torch.distributed`` is not initialised but the environment says this is
+            one of several ranks (``WORLD_SIZE > 1``, as set by ``torchrun``), or a
+            ``process_group`` is passed without an initialised default group.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None, *, timeout_s: float) -> None:
+        self.enabled = dist.is_available() and dist.is_initialized()
+        self._arrivals = 0  # entry checks made so far (see arrive)
+        self._calls: dict[int, str] = {}  # recent entry checks' calls, for removing their keys
+        if not self.enabled:
+            _check_single_process(process_group)
+            self.group, self.rank, self.world_size = None, 0, 1
+            return
+        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+        # new_group is collective over the default group: every process calls it.
+        self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+
+    def arrive(self, call: str, *, timeout_s: float) -> None:
+        """Entry check of a collective call: every rank must make the same ``call`` (e.g.
+        ``"save(step=10)"``) within ``timeout_s`` seconds of each other.
+
+        Uses the default group's key-value store, not a process group, so a rank that never
+        comes costs the others ``timeout_s`` (not the groups' timeout) and leaves every
+        process group usable. Cost when all ranks arrive: four small store requests per rank.
+
+        Raises:
+            CollectiveMismatchError: some rank did not make ``call`` in time; names the ranks
+                that made no call and the calls the others made instead (on every rank that
+                waited; a rank arriving after the others gave up raises at once).
+        """
+        if not self.enabled or self.world_size == 1:
+            return
+        assert self.group is not None  # enabled
+        try:  # no public accessor for the default store in torch 2.13; new_group uses the same one
+            store_of_group = default_store()
+        except (RuntimeError, ValueError):  # a group without a store: the collectives' timeout applies
+            return
+        store = dist.PrefixStore(f"distckpt/{self.group.group_name}/", store_of_group)
+        gen, self._arrivals = self._arrivals, self._arrivals + 1
+        self._calls[gen] = call
+        store.set(f"{gen}/rank{self.rank}", call)
+        arrived = store.add(f"{gen}/{call}/arrived", 1)
+        if arrived == self.world_size:
+            store.set(f"{gen}/{call}/done", "")
+        elif arrived < _GAVE_UP:
+            try:
+                store.wait([f"{gen}/{call}/done"], datetime.timedelta(seconds=timeout_s))
+                arrived = 0
+            except RuntimeError:  # DistStoreError: "Wait timeout"
+                # Give up, atomically with the arrivals: a rank arriving later sees it and raises.
+                arrived = store.add(f"{gen}/{call}/arrived", _GAVE_UP)
+                if arrived % _GAVE_UP == self.world_size:
+                    arrived = 0  # the last rank arrived just before we gave up
+        if arrived >= _GAVE_UP:
+            raise self._mismatch(store, gen, call, timeout_s)
+        if gen >= 2:  # every rank is past call gen - 1, so past gen - 2: its keys are unused
+            old = gen - 2
+            store.delete_key(f"{old}/rank{self.rank}")
+            old_call = self._calls.pop(old)
+            if self.rank == 0:
+                store.delete_key(f"{old}/{old_call}/arrived")
+                store.delete_key(f"{old}/{old_call}/done")
+
+    def _mismatch(self, store: Any, gen: int, call: str, timeout_s: float) -> errors.CollectiveMismatchError:
+        assert self.group is not None  # only arrive() calls it, when enabled
+        missing, others = [], {}
+        for r in range(self.world_size):
+            key = f"{gen}/rank{r}"
+            theirs = store.get(key).decode() if store.check([key]) else None
+            global_rank = dist.get_global_rank(self.group, r)
+            if theirs is None:
+                missing.append(global_rank)
+            elif theirs != call:
+                others[global_rank] = theirs
+        me = dist.get_global_rank(self.group, self.rank)
+        parts = []
+        if missing:
+            parts.append(f"rank(s) {missing} did not make this call (nor any other manager call at this point)")
+        if others:
+            parts.append("; ".join(f"rank {r} called {c} instead" for r, c in sorted(others.items())))
+        if not parts:
+            parts.append("every rank arrived, but only after the others had given up")
+        return errors.CollectiveMismatchError(
+            f"rank {me} called CheckpointManager.{call}, but within arrival_timeout_s={timeout_s:g} s "
+            + ", ".join(parts) + ". Every rank must call the manager's collective methods (save, load, "
+            "maybe_save, wait, close) in the same order with the same step; a rank doing long work "
+            "of its own before the call (evaluation on rank 0) needs a larger arrival_timeout_s. "
+            "The ranks are now out of step: end the job.",
+            call=call, missing_ranks=missing, other_calls=others)
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier(group=self.group)
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.enabled:
+            return obj
+        assert self.group is not None  # enabled
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def agree(self, fn: Callable[[], T], *, what: str,
+              error_type: type[errors.DistCkptError] = errors.DistCkptError) -> T:
+        """Run ``fn`` on every rank; if it raised anywhere, raise on every rank.
+
+        A :class:`~distckpt.errors.DistCkptError` keeps its type on every rank; any other
+        exception becomes ``error_type``. The message names the failing rank(s).
+        """
+        result: T | None = None
+        outcome: tuple[str, str] | None = None
+        local_exc: BaseException | None = None
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            local_exc = e
+            outcome = (type(e).__name__, f"{type(e).__name__}: {e}")
+        outcomes = self.all_gather(outcome)
+        failed = {r: o for r, o in enumerate(outcomes) if o is not None}
+        if not failed:
+            return result  # type: ignore[return-value]
+        first_rank, (type_name, message) = next(iter(failed.items()))
+        if first_rank == self.rank and isinstance(local_exc, errors.DistCkptError) and self.world_size == 1:
+            raise local_exc
+        cls = getattr(errors, type_name, None)
+        if not (isinstance(cls, type) and issubclass(cls, errors.DistCkptError)):
+            cls = error_type
+        others = f" (failed on ranks {sorted(failed)})" if len(failed) > 1 else ""
+        exc = cls(f"{what} failed on rank {first_rank}{others}: {message}")
+        if local_exc is not None:
+            raise exc from local_exc
+        raise exc
+
+    def close(self) -> None:
+        """Destroy this gloo group after a barrier; every rank of the group calls it (the
+        manager's ``close``). gloo groups left to the interpreter's exit have aborted a rank
+        here ("terminate called without an active exception", exit code -6) after a clean
+        save. Idempotent; a failure is logged, never raised: nothing is left to agree on."""
+        if not self.enabled or self.group is None:
+            return
+        group, self.group, self.enabled = self.group, None, False
+        try:
+            dist.barrier(group=group)
+            dist.destroy_process_group(group)
+        except Exception as e:  # noqa: BLE001 - closing; the caller goes on either way
+            logging.getLogger(__name__).warning("destroying distckpt's process group failed: %s",
+                                                describe_exception(e))
+
+    def tear_down_for_exit(self) -> None:
+        """Every rank is leaving together (a preemption exit): :meth:`close`, then destroy the
+        default group after a barrier, for the reason :meth:`close` gives. A failure is
+        logged, never raised: the caller exits anyway."""
+        self.close()
+        try:
+            if dist.is_available() and dist.is_initialized():
+                dist.barrier()
+                dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 - the checkpoint is committed; exiting anyway
+            logging.getLogger(__name__).warning("process group teardown before the preemption exit failed: %s",
+                                                describe_exception(e))

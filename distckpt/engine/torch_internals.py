@@ -1,0 +1,50 @@
+"""Every private torch name distckpt uses, in one place.
+
+These have no public equivalent in torch 2.13; when torch renames one, this module is the only
+one to change. Each is used for the reason given beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Weights-only unpickler over a raw stream (the fast reader decodes torch.save records itself).
+from torch import _weights_only_unpickler as weights_only_unpickler
+
+# Fake tensors: a torch.save layout of tensors that are never allocated (single-file export).
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+# A view of a shard's bytes at DCP's storage offsets, exactly as DCP's own reader narrows them.
+from torch.distributed._shard._utils import narrow_tensor_by_index
+
+# DCP's flattening of nested state_dicts (the keys its metadata holds) and the setter its
+# planner uses to put a loaded non-tensor value back in place.
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
+
+# FileSystemWriter/Reader's per-item storage record (incremental saves refer to earlier files
+# with it) and the reader's stream transforms (_extensions of items saved with them).
+from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
+from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms as StorageReaderTransforms
+
+__all__ = [
+    "FakeTensorMode",
+    "StorageInfo",
+    "StorageReaderTransforms",
+    "default_store",
+    "flatten_state_dict",
+    "narrow_tensor_by_index",
+    "set_element",
+    "weights_only_unpickler",
+]
+
+
+def default_store() -> Any:
+    """The default process group's store (``new_group`` uses the same one).
+
+    Raises:
+        RuntimeError, ValueError: the default group has no store.
+    """
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()

@@ -1,0 +1,152 @@
+"""Reading a committed checkpoint into the live training objects, on every rank.
+
+:meth:`CheckpointLoader.load` takes the checkpoint rank 0 chose
+(:class:`~distckpt.load.discovery.CheckpointDiscovery`), checks that it fits the live model before
+touching anything, plans and reads it through DCP (distckpt's fast reader by default, every file
+hashed while read), restores the training state, and falls back to the next older committed
+checkpoint when a read finds corruption and ``fallback_to_older`` allows it. Every step that
+can fail on one rank only is agreed on, so all ranks raise (or fall back) together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ..config import LOADABLE, CheckpointConfig
+from ..coord.collective import Collective
+from ..coord.events import EventLog
+from ..engine.blocking import run_load
+from ..errors import CheckpointCorruptError, IncompatibleCheckpointError
+from ..ondisk.layout import parse_step
+from ..ondisk.manifest import Manifest, TensorSpec, check_model_fits, first_problem, structure_problems
+from ..state.training_state import CheckpointState, TrainState
+from ..storage import CheckpointStore, open_store, store_of
+from .discovery import CheckpointDiscovery, StoreDiscovery
+
+__all__ = ["CheckpointLoader"]
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointLoader:
+    """Loads checkpoints for one manager (every method is collective over ``collective``).
+
+    Args:
+        collective: the manager's process-group helper.
+        state: the live training state.
+        config: ``verify_on_load``, ``fast_load``, ``load_streams_per_node``, ``load_path``,
+            ``fallback_to_older``, ``root``.
+        events: this rank's event log (a ``load`` event per read).
+        model_specs: ``{fqn: TensorSpec}`` of the live model.
+        local_world_size: ranks on this node (they share ``load_streams_per_node``).
+        store: the root's storage; ``None``: opened from ``config.root``.
+    """
+
+    def __init__(self, *, collective: Collective, state: CheckpointState, config: CheckpointConfig,
+                 events: EventLog, model_specs: dict[str, TensorSpec], local_world_size: int,
+                 store: CheckpointStore | None = None) -> None:
+        self.collective, self.state, self.config = collective, state, config
+        self.events, self.model_specs, self.local_world_size = events, model_specs, local_world_size
+        self.store = store if store is not None else open_store(config.root)
+
+    def load(self, discovery: CheckpointDiscovery | StoreDiscovery) -> tuple[str, TrainState, Manifest] | None:
+        """Load the checkpoint ``discovery`` chooses, falling back when allowed.
+
+        Returns:
+            ``(path, train state, manifest)``, or ``None`` when there is nothing to load.
+
+        Raises:
+            CheckpointNotFoundError, CheckpointCorruptError, IncompatibleCheckpointError: as
+            :meth:`distckpt.CheckpointManager.load` documents.
+        """
+        rejected: list[str] = []
+        selected = self.config.load_selection
+        if selected != frozenset(LOADABLE) and self.collective.rank == 0:
+            how = (f"load_only={self.config.load_only}" if self.config.load_only is not None
+                   else f"exclude_from_loading={self.config.exclude_from_loading}")
+            logger.info("selective load (%s): loading %s; not loading (live state kept): %s", how,
+                        ", ".join(p for p in LOADABLE if p in selected) or "nothing",
+                        ", ".join(p for p in LOADABLE if p not in selected))
+        while True:
+            path = self.collective.agree(lambda: discovery.choose(rejected), what="finding a checkpoint")
+            path = self.collective.broadcast(path)
+            if path is None:
+                return None
+            try:
+                train_state, manifest = self.read(path)
+                return path, train_state, manifest
+            except CheckpointCorruptError as e:
+                # A changed byte (same size) is only found while reading. Loading an older
+                # checkpoint rewrites every tensor the failed read may have touched.
+                if self.config.resolved_load_path is not None:
+                    raise
+                if not self.config.fallback_to_older:
+                    raise CheckpointCorruptError(
+                        f"{e} -- the newest checkpoint {path} is not loadable. Set fallback_to_older: "
+                        "true to resume from the previous committed checkpoint, or restore the file; "
+                        f"`distckpt verify {self.config.root}` lists every bad file. The live model and "
+                        "optimizer may be partly overwritten: load again before training.",
+                        path=e.path) from e
+                if self.collective.rank == 0:
+                    logger.warning("%s -- falling back to the previous committed checkpoint "
+                                   "(fallback_to_older=true)", e)
+                rejected.append(path)
+
+    def read(self, path: str) -> tuple[TrainState, Manifest]:
+        """Read the checkpoint ``path`` into the live objects (every rank).
+
+        Raises:
+            CheckpointCorruptError: its manifest, ``.metadata`` or a data file is bad (every rank).
+            IncompatibleCheckpointError: it does not fit the live model or components.
+        """
+        store = store_of(path, self.store)  # load_path may name a checkpoint of another root
+
+        def read_plan_inputs() -> tuple[Manifest, Any]:
+            manifest = store.read_manifest(path)
+            check_model_fits(manifest, path, self.model_specs, self.state.model_optim.ties)
+            if self.config.verify_on_load:  # every rank plans from .metadata: check it first
+                for f in manifest.files:
+                    if f.path == ".metadata":
+                        store.check_file(path, f.path, size_bytes=f.size_bytes, digest=f.hash)
+            return manifest, checked_metadata(store, path, manifest)
+
+        # Every rank reads these files itself (one node may see an I/O error the others do
+        # not): agree, so all ranks raise together, and fall back together.
+        manifest, metadata = self.collective.agree(read_plan_inputs, what=f"reading {path}",
+                                                   error_type=CheckpointCorruptError)
+        keys = set(metadata.state_dict_metadata)
+        with self.state.model_optim.load_context():
+            select = self.config.load_selection
+            target = self.collective.agree(
+                lambda: self.state.for_load(keys, manifest.world_size, select, metadata=metadata),
+                what=f"planning the load of {path}")
+            expected = ({f.path: (f.size_bytes, f.hash) for f in manifest.files}
+                        if self.config.verify_on_load else None)
+            blocks = {f.path: b for f in manifest.files if (b := f.blocks()) is not None} if expected else None
+            self.events.emit("load", manifest.step, path=str(path))
+            streams = max(1, self.config.load_streams_per_node // self.local_world_size)
+            reader = store.dcp_reader(path, expected_files=expected, fast=self.config.fast_load,
+                                      thread_count=streams, block_digests=blocks)
+            run_load(target, reader, process_group=self.collective.group, directory=path)
+            train_state = self.collective.agree(
+                lambda: self.state.restore(target, saved_world_size=manifest.world_size),
+                what=f"restoring {path}", error_type=IncompatibleCheckpointError)
+        return train_state, manifest
+
+
+def checked_metadata(store: CheckpointStore, path: str, manifest: Manifest) -> Any:
+    """The DCP ``Metadata`` of checkpoint ``path``, after the structure checks ``distckpt verify``
+    makes (:func:`~distckpt.ondisk.manifest.structure_problems`: the manifest's step is the directory's,
+    every item lies in a listed file, the model tensors are the manifest's).
+
+    Raises:
+        CheckpointCorruptError: the first problem (naming its file).
+    """
+    metadata = store.read_dcp_metadata(path)
+    problem = first_problem(structure_problems(
+        manifest, location=path, dir_step=parse_step(os.path.basename(path.rstrip("/"))), metadata=metadata), path)
+    if problem is not None:
+        raise problem
+    return metadata

@@ -1,0 +1,46 @@
+"""When to save: every N steps and/or every T seconds, agreed by all ranks."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from ..coord.collective import Collective
+
+__all__ = ["SaveSchedule"]
+
+
+class SaveSchedule:
+    """Decides whether step ``step`` is a save step.
+
+    ``interval_steps`` is a pure function of the step, so every rank computes the same answer.
+    ``interval_seconds`` depends on a clock: rank 0 decides and broadcasts, so ranks whose clocks
+    disagree still save together (one small collective per call when enabled).
+
+    Args:
+        interval_steps: save when ``step % interval_steps == 0``; ``None`` disables.
+        interval_seconds: save when this many seconds passed since the last save (rank 0's
+            clock); ``None`` disables.
+        collective: agreement helper of the training ranks.
+        clock: monotonic seconds; injectable for tests.
+    """
+
+    def __init__(self, *, interval_steps: int | None, interval_seconds: float | None,
+                 collective: Collective, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_steps = interval_steps
+        self.interval_seconds = interval_seconds
+        self.collective = collective
+        self.clock = clock
+        self.last_save_time = clock()
+
+    def mark_saved(self) -> None:
+        self.last_save_time = self.clock()
+
+    def is_due(self, step: int) -> bool:
+        """All ranks must call this with the same ``step``."""
+        due = bool(self.interval_steps and step % self.interval_steps == 0)
+        if self.interval_seconds is not None:
+            by_time = self.clock() - self.last_save_time >= self.interval_seconds
+            # Collective on every call so that all ranks always issue the same sequence.
+            due = self.collective.broadcast(due or by_time)
+        return due

@@ -1,0 +1,2 @@
+"""Offline tools on committed checkpoints (no process group): read, compare, audit, export,
+release, import."""
