@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +29,7 @@ from .coord.events import EventLog
 from .coord.topology import check_shared_root, elastic_store_warning, local_world_size
 from .engine import AsyncWriter
 from .errors import CheckpointLockedError, ConfigError
-from .load.discovery import make_discovery
+from .load.discovery import CheckpointDiscovery
 from .load.loading import CheckpointLoader
 from .load.resume import ProbeFn, ResumeExtras
 from .save.grace import PreemptionPlan, SaveDurations, agree_preemption_plan
@@ -93,7 +92,8 @@ class CheckpointManager:
         probe: ProbeFn | None = None, run_id: str | None = None,
     ) -> None:
         self.config = config
-        self.store, self.root = open_config_store(config)  # a plain path: POSIX; s3://bucket/prefix: S3
+        self.store = open_config_store(config)  # a plain path: POSIX; s3://bucket/prefix: S3
+        self.root = self.store.root  # a location: str
         self.collective = Collective(process_group, timeout_s=config.timeout_s)
         self.rank, self.world_size = self.collective.rank, self.collective.world_size
         self.state = CheckpointState(
@@ -122,9 +122,10 @@ class CheckpointManager:
                                          process_group=self.background.group, thread_count=config.thread_count,
                                          write_timeout_s=config.effective_write_timeout_s)
                              if self.background is not None and config.async_mode != "off" else None)
-        self.discovery = make_discovery(self.store, config, rank=self.rank, locked=config.lock and not config.read_only)
+        self.discovery = CheckpointDiscovery(self.store, config, rank=self.rank,
+                                             locked=config.lock and not config.read_only)
         self.collective.agree(self.discovery.prepare_root, what="preparing the checkpoint root", error_type=ConfigError)
-        check_shared_root(self.collective, self.root, write=not config.read_only)  # node-local: ConfigError
+        check_shared_root(self.collective, self.store, write=not config.read_only)  # node-local: ConfigError
         self.events = EventLog(config.event_log, self.rank)
         self.collective.agree(self.events.check_appendable, what="opening the event log", error_type=ConfigError)
         self.lock = RootLock.of(self.store, lease_s=config.lock_lease_s, renew=True) if self.discovery.locked else None
@@ -280,7 +281,7 @@ class CheckpointManager:
         self.train_state.record(step, loss, counters, history_len=self.config.loss_history_len, metrics=metrics)
         self._explicit_counters.update(counters)
 
-    def save(self, step: int, *, loss: float | None = None, metrics: dict | None = None, **counters: int) -> Path | str:
+    def save(self, step: int, *, loss: float | None = None, metrics: dict | None = None, **counters: int) -> str:
         """Save the whole training state as ``step-<step>`` (``metrics`` as for :meth:`maybe_save`).
 
         The commit protocol is :class:`~distckpt.save.transaction.SaveTransaction`'s. With
@@ -300,7 +301,7 @@ class CheckpointManager:
         return self._save(step, loss=loss, counters=counters, metrics=metrics)
 
     def _save(self, step: int, *, loss: float | None = None, counters: dict[str, int] | None = None,
-              blocking: bool = False, full: bool = False, metrics: dict[str, float] | None = None) -> Path | str:
+              blocking: bool = False, full: bool = False, metrics: dict[str, float] | None = None) -> str:
         self._check_open(save=True)
         self.collective.arrive(f"save(step={step})", timeout_s=self.config.effective_arrival_timeout_s)
         if loss is not None or counters or metrics or step != self.train_state.step:

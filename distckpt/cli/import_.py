@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import ConfigError
 from ..ondisk.manifest import Manifest
-from ..storage import is_s3_url, open_store
-from ..storage.commit import existing_checkpoints
+from ..storage import open_store
 from ..tools.export import import_weights
-from ..tools.store_import import import_to_store
 from ._common import fmt_bytes, print_json
 
 NAME = "import"
@@ -42,19 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.step < 0:
         raise ValueError(f"--step {args.step}: must be >= 0")
-    if is_s3_url(args.root):
-        path: object = import_to_store(args.weights, args.root, step=args.step,
-                                       on_existing="archive" if args.archive_existing else "refuse")
-        return report(args, path, open_store(args.root).read_manifest(str(path)))
-    existing = existing_checkpoints(args.root)
-    if existing and not args.archive_existing:  # checked again under the root's lock
-        raise ConfigError(
-            f"{args.root} already holds {len(existing)} checkpoint(s), newest {existing[-1][1].name}: a "
-            "resume would take those, not the import. Import into another root, or pass "
-            "--archive-existing to rename them archived-step-N-<n> (nothing is deleted)")
-    path = import_weights(args.weights, args.root, step=args.step,
-                          on_existing="archive" if args.archive_existing else "refuse")
-    return report(args, path, Manifest.read(path))
+    location = import_weights(args.weights, args.root, step=args.step,
+                              on_existing="archive" if args.archive_existing else "refuse")
+    return report(args, location, open_store(args.root).read_manifest(location))
 
 
 def report(args: argparse.Namespace, path: object, m: Manifest) -> int:

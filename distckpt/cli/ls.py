@@ -14,15 +14,12 @@ allow-listed DCP metadata types.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any, Callable
 
-from ..engine import read_dcp_metadata
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
-from ..ondisk.layout import LATEST, MANIFEST, checkpoint_name, is_deferred, is_deleting, is_pending, parse_set_aside
+from ..ondisk.layout import MANIFEST, checkpoint_name, is_deleting, parse_set_aside
 from ..ondisk.manifest import Manifest, first_problem, structure_problems
-from ..storage import is_s3_url, open_store, split_location
-from ..storage.commit import find_committed
+from ..storage import open_location
 from ._common import fmt_bytes, fmt_float, fmt_time, print_json, print_table
 
 NAME = "ls"
@@ -50,44 +47,44 @@ def _manifest_columns(m: Manifest) -> dict[str, Any]:
                 metrics=m.metrics)
 
 
-def list_root(root: Path) -> list[dict]:
-    """One row per ``step-*`` (oldest first), then pending, deleting and set-aside directories.
+def list_root(root: str) -> list[dict]:
+    """One row per checkpoint (oldest first), then saves and deletions in progress and set-aside
+    checkpoints, of a root on any store.
 
     Raises:
         CheckpointNotFoundError: ``root`` does not exist, is not a directory, or is a checkpoint.
     """
-    if not root.exists():
-        raise CheckpointNotFoundError(f"{root}: no such checkpoint root")
-    if not root.is_dir():
-        raise CheckpointNotFoundError(f"{root}: not a directory (expected a checkpoint root)")
-    if (root / MANIFEST).exists() or (root / ".metadata").exists():
+    store, location = open_location(root)
+    if location is not None:
         raise CheckpointNotFoundError(
-            f"{root} is a checkpoint directory, not a root: run `distckpt inspect {root}` "
-            f"or `distckpt ls {root.parent}`")
-    latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+            f"{root} is a checkpoint, not a root: run `distckpt inspect {root}` or `distckpt ls {store.root}`")
+    store.check_tool_root()
+    latest = store.read_latest()
+    with_manifest = {loc for _, loc in store.existing()}
+    unmanaged = set(store.unmanaged())
     rows = []
-    for step, path, result in reversed(find_committed(root)):
+    for step, found, result in reversed(store.find_committed()):
         if isinstance(result, Manifest):
-            result = with_metadata_checked(result, str(path), read_dcp_metadata)
-        row = {"name": path.name, "step": step, "status": "committed", "latest": path.name == latest}
+            result = with_metadata_checked(result, found, store.read_dcp_metadata)
+        row = {"name": found.rstrip("/").rsplit("/", 1)[-1], "step": step, "status": "committed",
+               "latest": checkpoint_name(step) == latest, "path": found}
         if isinstance(result, Manifest):
             row.update(_manifest_columns(result))
-        elif is_deferred(path):
+        elif found in unmanaged:
+            row.update(status="unmanaged", reason=f"no {MANIFEST}: not written by distckpt, ignored by the "
+                                                  f"manager; `distckpt import {found} NEW_ROOT` to use it")
+        elif found not in with_manifest:
             row.update(status="deferred", reason="retired; kept (never loaded) while incremental checkpoints "
                                                  "refer to its files")
-        elif not (path / MANIFEST).exists():
-            row.update(status="unmanaged", reason=f"no {MANIFEST}: not written by distckpt, ignored by the "
-                                                  f"manager; `distckpt import {path} NEW_ROOT` to use it")
         else:
             row.update(status="corrupt", reason=str(result))
         rows.append(row)
-    others = sorted(root.iterdir())
-    rows += [{"name": p.name, "step": None, "status": "pending", "latest": False}
-             for p in others if is_pending(p.name)]
-    rows += [{"name": p.name, "step": None, "status": "deleting", "latest": False}
-             for p in others if is_deleting(p.name)]
-    rows += [{"name": p.name, "step": aside[1], "status": "set aside", "reason": aside[0], "latest": False}
-             for p in others if (aside := parse_set_aside(p.name)) is not None]
+    names = [rel.rsplit("/", 1)[-1] for rel in store.leftovers()]
+    rows += [{"name": n, "step": None, "status": "deleting" if is_deleting(n) else "pending", "latest": False}
+             for n in names]
+    rows += [{"name": n, "step": aside[1], "status": "set aside", "reason": aside[0], "latest": False}
+             for n in (name.rsplit("/", 1)[-1] for name in store.set_aside_names())
+             if (aside := parse_set_aside(n)) is not None]
     return rows
 
 
@@ -102,41 +99,11 @@ def with_metadata_checked(manifest: Manifest, location: str,
     return manifest if problem is None else problem
 
 
-def list_s3_root(root: str) -> list[dict]:
-    """:func:`list_root` of an ``s3://`` root: committed (or corrupt) checkpoints by manifest,
-    then unreferenced data prefixes (``pending``) and set-aside manifests.
-
-    Raises:
-        CheckpointNotFoundError: ``root`` names one checkpoint, not a root.
-    """
-    if split_location(root)[1] is not None:
-        raise CheckpointNotFoundError(f"{root} is a checkpoint, not a root: run `distckpt inspect {root}`")
-    store: Any = open_store(root)  # an S3Store
-    latest = store.read_latest()
-    rows = []
-    for step, location, result in reversed(store.find_committed()):
-        if isinstance(result, Manifest):
-            result = with_metadata_checked(result, location, store.read_dcp_metadata)
-        name = location.rsplit("/", 1)[-1]
-        row = {"name": name, "step": step, "status": "committed", "latest": checkpoint_name(step) == latest,
-               "path": location}
-        if isinstance(result, Manifest):
-            row.update(_manifest_columns(result))
-        else:
-            row.update(status="corrupt", reason=str(result))
-        rows.append(row)
-    rows += [{"name": rel.rsplit("/", 1)[-1], "step": None, "status": "pending", "latest": False}
-             for rel in store.unreferenced()]
-    rows += [{"name": name, "step": aside[1], "status": "set aside", "reason": aside[0], "latest": False}
-             for name in store.set_aside_names() if (aside := parse_set_aside(name)) is not None]
-    return rows
-
-
 def run(args: argparse.Namespace) -> int:
-    root = args.root if is_s3_url(args.root) else Path(args.root)
-    rows = list_s3_root(root) if isinstance(root, str) else list_root(root)
+    root = args.root
+    rows = list_root(root)
     if args.json:
-        print_json({"root": str(root), "checkpoints": rows})
+        print_json({"root": root, "checkpoints": rows})
         return 0
     if not rows:
         print(f"no checkpoints in {root}")

@@ -13,18 +13,13 @@ refers to it. Holds the root's write lock, so it refuses while a training job wr
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-from typing import Any
 
-from ..errors import CheckpointNotFoundError
-from ..ondisk.layout import MANIFEST, checkpoint_name, is_deferred
+from ..ondisk.layout import checkpoint_name
 from ..ondisk.manifest import Manifest
-from ..save.incremental import References
 from ..save.retention import steps_to_delete
-from ..storage import is_s3_url, open_store, split_location
-from ..storage.commit import find_committed
+from ..storage import open_store
 from ..storage.lock import RootLock
-from ..tools.audit import audit_checkpoint, audit_store_checkpoint
+from ..tools.audit import audit_checkpoint
 from ._common import print_json
 
 NAME = "prune"
@@ -47,86 +42,38 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--keep-last {args.keep_last}: must be >= 1 (the newest checkpoint is always kept)")
     if args.keep_every is not None and args.keep_every < 1:
         raise ValueError(f"--keep-every {args.keep_every}: must be >= 1")
-    if is_s3_url(args.root):
-        committed, doomed, corrupt, where = prune_store(open_store(args.root), args)
-        return report(args, args.root, committed, doomed, corrupt, where=where)
-    root = Path(args.root)
-    if not root.exists():
-        raise CheckpointNotFoundError(f"{root}: no such checkpoint root")
-    if not root.is_dir():
-        raise CheckpointNotFoundError(f"{root}: not a directory (expected a checkpoint root)")
-    if (root / MANIFEST).exists():
-        raise CheckpointNotFoundError(f"{root} is a checkpoint directory; pass its root {root.parent}")
-    lock = None
-    if not args.dry_run:
-        lock = RootLock(root)
-        lock.acquire()
-    try:
-        found = find_committed(root)
-        committed = sorted(s for s, _, r in found if isinstance(r, Manifest))
-        corrupt = sorted(p.name for _, p, r in found if not isinstance(r, Manifest) and not is_deferred(p))
-        good = 0
-        for step in sorted(committed, reverse=True):  # verify newest first until K load
-            if good == args.keep_last:
-                break
-            if audit_checkpoint(root / checkpoint_name(step)).ok:
-                good += 1
-            else:
-                committed.remove(step)
-                corrupt.append(checkpoint_name(step))
-        corrupt.sort()
-        doomed = steps_to_delete(committed, keep_last=args.keep_last, keep_every_steps=args.keep_every)
-        refs = References(root)  # a checkpoint a kept incremental one refers to is deferred, not deleted
-        for step in doomed:
-            if args.dry_run:
-                refs.forget(checkpoint_name(step))
-            else:
-                refs.retire(root / checkpoint_name(step))
-        if not args.dry_run:
-            refs.collect()
-        deferred = [checkpoint_name(s) for s in doomed if refs.referenced(checkpoint_name(s))]
-    finally:
-        if lock is not None:
-            lock.release()
-    return report(args, root, committed, doomed, corrupt, deferred)
-
-
-def prune_store(store: Any, args: argparse.Namespace) -> tuple[list[int], list[int], list[str], dict[int, str]]:
-    """Prune an object-storage root (lock, audit the kept ones, manifest-first deletes).
-
-    Returns:
-        ``(committed steps, deleted steps, corrupt names, {step: location (data prefix URL)})``.
-    """
-    if split_location(store.root)[1] is not None:
-        raise CheckpointNotFoundError(f"{store.root} is a checkpoint; pass its root")
+    store = open_store(args.root)
+    store.check_tool_root()
     lock = None
     if not args.dry_run:
         lock = RootLock.of(store)
         lock.acquire()
     try:
         found = store.find_committed()
+        listed = {loc for _, loc in store.existing()} | set(store.unmanaged())  # not deferred deletions
         committed = sorted(s for s, _, r in found if isinstance(r, Manifest))
-        corrupt = sorted(checkpoint_name(s) for s, _, r in found if not isinstance(r, Manifest))
+        corrupt = sorted(checkpoint_name(s) for s, loc, r in found if not isinstance(r, Manifest) and loc in listed)
         where = {s: loc for s, loc, _ in found}
         good = 0
-        for step in sorted(committed, reverse=True):
+        for step in sorted(committed, reverse=True):  # verify newest first until K load
             if good == args.keep_last:
                 break
-            if audit_store_checkpoint(store, where[step]).ok:
+            if audit_checkpoint(where[step], store=store).ok:
                 good += 1
             else:
                 committed.remove(step)
                 corrupt.append(checkpoint_name(step))
         doomed = steps_to_delete(committed, keep_last=args.keep_last, keep_every_steps=args.keep_every)
-        for step in doomed if not args.dry_run else []:
-            store.delete_checkpoint(step)
+        deferred = store.deferred_by(doomed)  # a checkpoint a kept incremental one refers to is deferred
+        if not args.dry_run:
+            store.delete_checkpoints(doomed)
     finally:
         if lock is not None:
             lock.release()
-    return committed, doomed, sorted(corrupt), where
+    return report(args, store.root, committed, doomed, sorted(corrupt), deferred, where)
 
 
-def report(args: argparse.Namespace, root: Path | str, committed: list[int], doomed: list[int],
+def report(args: argparse.Namespace, root: str, committed: list[int], doomed: list[int],
            corrupt: list[str], deferred: list[str] | None = None, where: dict[int, str] | None = None) -> int:
     deferred = deferred or []
     kept = [s for s in committed if s not in doomed]
@@ -138,7 +85,7 @@ def report(args: argparse.Namespace, root: Path | str, committed: list[int], doo
     verb = "would delete" if args.dry_run else "deleted"
     for s in doomed:
         note = "  (deferred: a kept incremental checkpoint refers to it)" if checkpoint_name(s) in deferred else ""
-        print(f"{verb}  {(where or {}).get(s) or f'{root}/{checkpoint_name(s)}'}{note}")
+        print(f"{verb}  {(where or {}).get(s, f'{root}/{checkpoint_name(s)}')}{note}")
     print(f"{verb} {len(doomed)}, kept {len(kept)} committed checkpoint(s)"
           + (f"; {len(corrupt)} corrupt left untouched: {', '.join(corrupt)}" if corrupt else ""))
     return 0

@@ -40,18 +40,21 @@ def local_world_size(collective: Collective) -> int:
     return hosts.count(hosts[collective.rank])
 
 
-def check_shared_root(collective: Collective, root: Path | str, *, write: bool = True) -> None:
-    """Check that every rank sees the files rank 0 writes in ``root``. Collective.
+def check_shared_root(collective: Collective, store: Any, *, write: bool = True) -> None:
+    """Check that every rank sees the files rank 0 writes in the root of ``store``. Collective.
 
     Args:
+        store: the root's ``CheckpointStore``; one whose storage is the same for every node by
+            construction (``store.shared``: object storage) needs no check.
         write: whether the manager writes to ``root``; ``False`` (``read_only``): no check, and
             no token file (each node may read its own copy of a snapshot).
 
     Raises:
         ConfigError: on every rank, naming the ranks and hosts that do not see rank 0's token.
     """
-    if not write or not collective.enabled or collective.world_size == 1 or not isinstance(root, Path):
-        return  # a URL root (object storage) is the same storage for every node
+    if not write or not collective.enabled or collective.world_size == 1 or store.shared:
+        return
+    root = Path(store.root)
     token = collective.broadcast(uuid.uuid4().hex if collective.rank == 0 else "")  # rank 0's on every rank
     probe = root / f"{PROBE_PREFIX}{token}"
     write_error = None

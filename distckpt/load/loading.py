@@ -23,7 +23,7 @@ from ..ondisk.layout import parse_step
 from ..ondisk.manifest import Manifest, TensorSpec, check_model_fits, first_problem, structure_problems
 from ..state.training_state import CheckpointState, TrainState
 from ..storage import CheckpointStore, open_store, store_of
-from .discovery import CheckpointDiscovery, StoreDiscovery
+from .discovery import CheckpointDiscovery
 
 __all__ = ["CheckpointLoader"]
 
@@ -51,7 +51,7 @@ class CheckpointLoader:
         self.events, self.model_specs, self.local_world_size = events, model_specs, local_world_size
         self.store = store if store is not None else open_store(config.root)
 
-    def load(self, discovery: CheckpointDiscovery | StoreDiscovery) -> tuple[str, TrainState, Manifest] | None:
+    def load(self, discovery: CheckpointDiscovery) -> tuple[str, TrainState, Manifest] | None:
         """Load the checkpoint ``discovery`` chooses, falling back when allowed.
 
         Returns:

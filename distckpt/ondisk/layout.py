@@ -31,7 +31,7 @@ LATEST = "latest"
 MANIFEST = "distckpt.json"
 DEFERRED_MANIFEST = "distckpt.deferred.json"
 """A retired checkpoint's manifest while incremental checkpoints still refer to its files
-(``distckpt.save.incremental``): no longer committed, deleted once nobody refers to it."""
+(``distckpt.storage.incremental``): no longer committed, deleted once nobody refers to it."""
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
 # ``.staging-`` is the name earlier versions gave the same directory: still distckpt's own.
 _PENDING_RE = re.compile(r"^\.(?:pending|staging)-step-(\d{9,})-([0-9a-f]+)$")

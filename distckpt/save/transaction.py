@@ -38,12 +38,9 @@ from ..coord.topology import hardware_summary
 from ..engine import dcp_save
 from ..engine.blocking import describe_exception
 from ..errors import CheckpointSaveError
-from ..ondisk.integrity import hash_file
-from ..ondisk.layout import checkpoint_name
 from ..ondisk.manifest import Manifest, TensorSpec, model_fingerprint
 from ..state.training_state import TrainState
 from ..storage import CheckpointStore, open_store
-from .incremental import References, reference_entries, reuse_for
 from .purge import Purger
 from .retention import best_steps, steps_to_delete
 
@@ -102,7 +99,7 @@ class SaveContext:
         before_commit: rank 0, called after the manifest is built and before it is written
             (the manager sets aside a rolled-back run's newer checkpoints there).
         keep_best: best-K retention by a metric of the manifests, or ``None``.
-        incremental, full_every: incremental saves (``CheckpointConfig``; :mod:`distckpt.save.incremental`).
+        incremental, full_every: incremental saves (``CheckpointConfig``; :mod:`distckpt.storage.incremental`).
         store: the root's storage (:mod:`distckpt.storage`); ``None``: the POSIX directory ``root``.
         purger: removes the files of checkpoints retention deleted, in the background (rank 0,
             POSIX); joined before the next retention, by ``BackgroundSave`` and the manager's ``wait``.
@@ -144,10 +141,8 @@ class SaveTransaction:
                  full: bool) -> None:
         self.ctx, self.step, self.train_state, self.full = ctx, step, train_state, full
         self.store = ctx.store if ctx.store is not None else open_store(ctx.root)
-        # Paths on POSIX (as before); s3:// URL strings on object storage.
-        as_loc: Callable[[str], Path | str] = Path if self.store.kind == "posix" else str
-        self.pending = as_loc(self.store.pending_location(step, save_id))
-        self.final = as_loc(self.store.final_location(step, str(self.pending)))
+        self.pending = self.store.pending_location(step, save_id)  # a location: a path or a URL
+        self.final = self.store.final_location(step, self.pending)
         self.t0 = time.perf_counter()
 
     def phase(self, name: str, step: int | None = None, **fields: Any) -> None:
@@ -165,11 +160,11 @@ class SaveTransaction:
         try:
             self.phase("stage")
             sd = build_state_dict()
-            self.phase("write", pending=str(self.pending), blocking=True)
-            self.store.begin_write(str(self.pending))
+            self.phase("write", pending=self.pending, blocking=True)
+            self.store.begin_write(self.pending)
             t_stage = time.perf_counter() - self.t0
             files = dcp_save(sd, self.pending, process_group=collective.group, thread_count=self.ctx.thread_count,
-                             write_timeout_s=self.ctx.write_timeout_s, reuse=self._reuse(), writer=self._writer())
+                             write_timeout_s=self.ctx.write_timeout_s, writer=self._writer())
             return RankOutcome(None, t_stage, time.perf_counter() - self.t0 - t_stage, files)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -186,11 +181,9 @@ class SaveTransaction:
         try:
             self.phase("stage")
             sd = build_state_dict()
-            self.phase("write", pending=str(self.pending), blocking=False)
-            self.store.begin_write(str(self.pending))
-            reuse, writer = self._reuse(), self._writer()
-            upload = async_writer.start(sd, self.pending, **({"reuse": reuse} if reuse else {}),
-                                        **({"writer": writer} if writer is not None else {}))
+            self.phase("write", pending=self.pending, blocking=False)
+            self.store.begin_write(self.pending)
+            upload = async_writer.start(sd, self.pending, writer=self._writer())
             return upload, RankOutcome(None, time.perf_counter() - self.t0)
         except BaseException as e:  # noqa: BLE001 - as in write()
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -201,14 +194,12 @@ class SaveTransaction:
         """What this rank's write may reuse, read when the write starts (``None``: not incremental)."""
         if not self.ctx.incremental:
             return None
-        return functools.partial(reuse_for, self.ctx.root, self.step, full_every=self.ctx.full_every)
+        return functools.partial(self.store.reuse_index, self.step, full_every=self.ctx.full_every)
 
-    def _writer(self) -> object | None:
-        """The store's DCP writer; ``None`` on POSIX (the engine's own, as before)."""
-        if self.store.kind == "posix":
-            return None
-        return self.store.dcp_writer(str(self.pending), thread_count=self.ctx.thread_count,
-                                     write_timeout_s=self.ctx.write_timeout_s)
+    def _writer(self) -> Any:
+        """The store's DCP writer for this save (incremental when configured)."""
+        return self.store.dcp_writer(self.pending, thread_count=self.ctx.thread_count,
+                                     write_timeout_s=self.ctx.write_timeout_s, reuse=self._reuse())
 
     def agree_started(self, collective: Collective, outcome: RankOutcome) -> None:
         """All ranks agree that the background write started everywhere (training thread).
@@ -285,14 +276,10 @@ class SaveTransaction:
             distckpt_version=__version__, model=ctx.model_specs,
             model_fingerprint=model_fingerprint(ctx.model_specs),
             loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == self.step else None,
-            timings_s=timings, files=self.store.list_files(str(self.pending), files)
-            + (reference_entries(self.pending) if ctx.incremental else []), run_id=ts.run_id,
+            timings_s=timings, files=self.store.list_files(self.pending, files)
+            + (self.store.reference_entries(self.pending) if ctx.incremental else []), run_id=ts.run_id,
             metrics=dict(ts.metrics), probe_loss=ts.probe_loss, hardware=hardware_summary(),
             batch_change=ts.batch_change, initial_load=ctx.initial_load)
-        for entry in manifest.files:
-            if entry.hash is None and isinstance(self.pending, Path):  # no writer reported it: hash it here
-                logger.warning("no writer reported a hash for %s; hashing it on rank 0", entry.path)
-                entry.hash = hash_file(self.pending / entry.path)[1]
         return manifest
 
     def _commit(self, timings: dict[str, float], files: dict[str, tuple[int, str]]) -> str | None:
@@ -304,7 +291,7 @@ class SaveTransaction:
             manifest.timings_s["commit"] = time.perf_counter() - t0  # up to the manifest write
             if self.ctx.before_commit is not None:
                 self.ctx.before_commit()
-            self.store.commit(str(self.pending), self.step, manifest, on_phase=self.phase)
+            self.store.commit(self.pending, self.step, manifest, on_phase=self.phase)
         except Exception as e:  # noqa: BLE001 - broadcast to every rank
             return describe_exception(e)
         try:
@@ -329,23 +316,15 @@ class SaveTransaction:
         self.ctx.purger.join()  # the previous save's removals: References reads every directory
         # POSIX: a checkpoint an incremental one refers to is deferred, not deleted. The rename
         # to .deleting- happens here; the removal of its files runs on the purger's thread.
-        refs = References(Path(root), remove=self.ctx.purger.submit) if self.store.kind == "posix" else None
-        for step in steps_to_delete(committed, keep_last=self.ctx.keep_last,
-                                    keep_every_steps=self.ctx.keep_every_steps, just_committed=self.step,
-                                    also_keep=best):
-            self.phase("retention", step)
-            if refs is not None:
-                logger.info("retention: %s %s", refs.retire(Path(root) / checkpoint_name(step)),
-                            Path(root) / checkpoint_name(step))
-            else:
-                self.store.delete_checkpoint(step)
-                logger.info("retention: deleted %s of %s", checkpoint_name(step), root)
-        for name in refs.collect() if refs is not None else []:
-            logger.info("retention: deleted %s (no kept checkpoint refers to it any more)", Path(root) / name)
+        steps = steps_to_delete(committed, keep_last=self.ctx.keep_last, keep_every_steps=self.ctx.keep_every_steps,
+                                just_committed=self.step, also_keep=best)
+        for line in self.store.delete_checkpoints(steps, before=lambda step: self.phase("retention", step),
+                                                  remove=self.ctx.purger.submit):
+            logger.info("retention: %s", line)
 
     def _abort(self, collective: Collective) -> None:
         if self.ctx.rank == 0:
-            self.store.abort(str(self.pending))
+            self.store.abort(self.pending)
         collective.barrier()
 
 

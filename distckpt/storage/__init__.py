@@ -10,14 +10,14 @@ A root is a URL: a plain path (or ``file://``) is :class:`~distckpt.storage.posi
 from __future__ import annotations
 
 import os
-import re
-from pathlib import Path
 from typing import Any
 
 from ..ondisk.layout import check_root_scheme
-from .base import CheckpointStore, is_s3_url
+from .base import CheckpointStore, is_s3_url, split_location
 
-__all__ = ["CheckpointStore", "is_s3_url", "open_store", "open_config_store", "split_location", "store_of"]
+__all__ = [
+    "CheckpointStore", "is_s3_url", "open_store", "open_config_store", "open_location", "split_location", "store_of",
+]
 
 
 def open_store(root: str | os.PathLike, *, endpoint_url: str | None = None,
@@ -43,20 +43,30 @@ def open_store(root: str | os.PathLike, *, endpoint_url: str | None = None,
     return PosixStore(text[len("file://"):] if text.startswith("file://") else text)
 
 
-def open_config_store(config: Any) -> tuple[CheckpointStore, Path | str]:
-    """``(store, root)`` of a :class:`~distckpt.config.CheckpointConfig`: the root as a ``Path``
-    on POSIX (as the manager always had it), the URL string on S3."""
-    store = open_store(config.root, endpoint_url=config.s3_endpoint_url, region=config.s3_region)
-    return store, (Path(store.root) if store.kind == "posix" else store.root)
+def open_config_store(config: Any) -> CheckpointStore:
+    """The store of a :class:`~distckpt.config.CheckpointConfig`'s root (its S3 endpoint and region)."""
+    return open_store(config.root, endpoint_url=config.s3_endpoint_url, region=config.s3_region)
 
 
-def split_location(url: str) -> tuple[str, str | None]:
-    """``(root, checkpoint location or None)`` of an ``s3://`` URL: a save's data prefix
-    ``<root>/data/step-N-<id>`` names one checkpoint; anything else is taken as a root."""
-    parent, _, name = url.rstrip("/").rpartition("/")
-    if parent.endswith("/data") and re.match(r"^step-\d{9,}-[0-9a-f]+$", name):
-        return parent[: -len("/data")], url.rstrip("/")
-    return url.rstrip("/"), None
+def open_location(path: str | os.PathLike, *, endpoint_url: str | None = None,
+                  region: str | None = None) -> tuple[CheckpointStore, str | None]:
+    """``(store, checkpoint location or None)`` of a path an operator gave a tool: one checkpoint
+    (a directory holding a manifest or ``.metadata`` or named ``step-N``; an S3 data prefix
+    ``<root>/data/step-N-<id>``), whose store is its root's, or else a root.
+
+    Raises:
+        ConfigError: as :func:`open_store`.
+    """
+    text = os.fspath(path)
+    if is_s3_url(text):
+        root, location = split_location(text)
+        return open_store(text if location is None else root, endpoint_url=endpoint_url, region=region), location
+    from .posix import PosixStore
+
+    local = text[len("file://"):] if text.startswith("file://") else text
+    if PosixStore.is_checkpoint_dir(local):
+        return open_store(os.path.dirname(os.path.abspath(local))), os.path.abspath(local)
+    return open_store(local), None
 
 
 def store_of(location: str, like: CheckpointStore) -> CheckpointStore:

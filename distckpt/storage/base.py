@@ -8,18 +8,28 @@ validates and deletes checkpoints, and hands DCP a ``StorageWriter`` / ``Storage
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Protocol
 
 from ..errors import CheckpointCorruptError
 from ..ondisk.integrity import BlockDigests
 from ..ondisk.manifest import FileEntry, Manifest
 
-__all__ = ["CheckpointStore", "LockFile", "is_s3_url"]
+__all__ = ["CheckpointStore", "LockFile", "is_s3_url", "split_location"]
 
 
 def is_s3_url(root: str) -> bool:
     """Whether ``root`` names an S3 root (``s3://bucket[/prefix]``)."""
     return root.startswith("s3://")
+
+
+def split_location(url: str) -> tuple[str, str | None]:
+    """``(root, checkpoint location or None)`` of an ``s3://`` URL: a save's data prefix
+    ``<root>/data/step-N-<id>`` names one checkpoint; anything else is taken as a root."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    if parent.endswith("/data") and re.match(r"^step-\d{9,}-[0-9a-f]+$", name):
+        return parent[: -len("/data")], url.rstrip("/")
+    return url.rstrip("/"), None
 
 
 class LockFile(Protocol):
@@ -59,8 +69,9 @@ class CheckpointStore(Protocol):
     kind: str
     shared: bool
 
-    def prepare(self) -> None:
-        """Rank 0: create the root / check the bucket. Raises ``ConfigError`` naming the root."""
+    def prepare(self, *, read_only: bool = False) -> None:
+        """Rank 0: create the root and check it is writable / check the bucket (``read_only``:
+        only that it exists). Raises ``ConfigError`` naming the root."""
         ...
 
     def pending_location(self, step: int, save_id: str) -> str:
@@ -75,8 +86,11 @@ class CheckpointStore(Protocol):
         """Every rank, before DCP writes into ``pending`` (creates the directory on POSIX)."""
         ...
 
-    def dcp_writer(self, location: str, *, thread_count: int, write_timeout_s: float | None) -> Any:
-        """A DCP ``StorageWriter`` whose ``fs.written`` maps each file it wrote to ``(size, xxh3_128)``."""
+    def dcp_writer(self, location: str, *, thread_count: int, write_timeout_s: float | None,
+                   reuse: Any = None) -> Any:
+        """A DCP ``StorageWriter`` whose ``fs.written`` maps each file it wrote to ``(size, xxh3_128)``;
+        with ``reuse`` (an ``engine.incremental_writer.ReuseIndex`` or a callable giving one), an
+        incremental save (POSIX only: ``ValueError`` elsewhere)."""
         ...
 
     def dcp_reader(self, location: str, *, expected_files: dict[str, tuple[int, str | None]] | None,
@@ -87,6 +101,19 @@ class CheckpointStore(Protocol):
 
     def read_dcp_metadata(self, location: str) -> Any:
         """The checkpoint's DCP ``Metadata``, unpickled with the allow-list."""
+        ...
+
+    def object_sizes(self, location: str) -> dict[str, int]:
+        """``{relative name: size in bytes}`` of every file stored under a checkpoint's location."""
+        ...
+
+    def manifest_path(self, location: str) -> str | None:
+        """Where the manifest of ``location`` is, for messages (``None``: no separate name)."""
+        ...
+
+    def named_step(self, location: str) -> int | None:
+        """The step a checkpoint's name says, to check against its manifest (``None``: the
+        store checks it when it parses the manifest)."""
         ...
 
     def check_file(self, location: str, name: str, *, size_bytes: int, digest: str | None) -> None:
@@ -123,13 +150,80 @@ class CheckpointStore(Protocol):
         """Every checkpoint, newest first, with its manifest or why it is invalid."""
         ...
 
+    def existing(self) -> list[tuple[int, str]]:
+        """``(step, location)`` of every checkpoint with a manifest (committed, or damaged after
+        its commit), oldest first: the checkpoints of whatever run wrote the root."""
+        ...
+
+    def unmanaged(self) -> list[str]:
+        """Locations of step names distckpt did not write (a plain ``dcp.save``): never loaded,
+        deleted or overwritten."""
+        ...
+
+    def set_aside(self, step: int, reason: str = "corrupt") -> str:
+        """Rename checkpoint ``step`` to ``<reason>-step-N-<n>`` (``reason``: ``corrupt``,
+        ``rolledback``, ``archived``): kept, never loaded, counted or deleted; its step can be
+        saved again. Returns the new name, relative to the root."""
+        ...
+
+    def set_aside_names(self) -> list[str]:
+        """Names of the set-aside checkpoints, relative to the root."""
+        ...
+
+    def step_of(self, location: str) -> int | None:
+        """The step of ``location`` when it is one of this root's checkpoints (``None``: another root's)."""
+        ...
+
+    def location_of(self, step: int) -> str:
+        """The location of this root's checkpoint of ``step`` (committed or not)."""
+        ...
+
+    def exists(self, location: str) -> bool:
+        """Whether anything is stored at ``location``."""
+        ...
+
+    def is_plain_dcp(self, location: str) -> bool:
+        """Whether ``location`` holds DCP files without a distckpt manifest (``distckpt import`` it)."""
+        ...
+
     def delete_checkpoint(self, step: int) -> None:
         """Retention: delete the committed checkpoint of ``step`` (crash-safe order)."""
+        ...
+
+    def delete_checkpoints(self, steps: list[int], *, before: Callable[[int], None] | None = None,
+                           remove: Callable[[Any], None] | None = None) -> list[str]:
+        """Retention (rank 0 or ``distckpt prune``, holding the lock): delete the checkpoints of
+        ``steps``, oldest first, calling ``before(step)`` before each; on POSIX one an incremental
+        checkpoint refers to is deferred, not deleted, and ``remove`` (the purger's ``submit``) removes the renamed
+        directories' files in the background. Returns one line per action, for the log."""
+        ...
+
+    def deferred_by(self, steps: list[int]) -> list[str]:
+        """Names of the checkpoints of ``steps`` that :meth:`delete_checkpoints` would defer (a
+        kept incremental checkpoint refers to their files); changes nothing."""
+        ...
+
+    def check_tool_root(self) -> None:
+        """Raise ``CheckpointNotFoundError`` unless the root exists and is a root (not one checkpoint)."""
+        ...
+
+    def reuse_index(self, step: int, *, full_every: int | None) -> Any:
+        """What an incremental save of ``step`` may reuse (an ``engine.incremental_writer.ReuseIndex``;
+        every rank calls it). ``ValueError`` on a store without incremental saves."""
+        ...
+
+    def reference_entries(self, pending: str) -> list[FileEntry]:
+        """Manifest entries of earlier checkpoints' files a written incremental save refers to (rank 0)."""
         ...
 
     def remove_leftovers(self) -> list[str]:
         """Rank 0 holding the lock, at start: delete what interrupted saves/deletes left (only
         distckpt's own names). Returns what was removed."""
+        ...
+
+    def leftovers(self) -> list[str]:
+        """Names (relative to the root) of what :meth:`remove_leftovers` would remove: saves in
+        progress or interrupted. Changes nothing."""
         ...
 
     def read_latest(self) -> str | None:

@@ -34,11 +34,10 @@ from ..ondisk.layout import (
     parse_step,
 )
 from ..ondisk.manifest import FileEntry, Manifest, first_problem, structure_problems
+from .localfs import fsync_dir, write_atomic
 
 __all__ = [
-    "fsync_dir",
     "set_aside",
-    "write_atomic",
     "list_files",
     "commit",
     "validate",
@@ -53,27 +52,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """fsync a directory so a rename or create inside it is durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Replace ``path`` with ``text`` atomically: tmp file, fsync, ``os.replace``, fsync dir."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def list_files(checkpoint_dir: str | os.PathLike,

@@ -4,6 +4,7 @@ reached through :class:`~distckpt.storage.base.CheckpointStore`. Every method de
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -11,14 +12,27 @@ from typing import Any, Callable
 
 from ..engine import SafeFileSystemReader, read_dcp_metadata
 from ..engine.blocking import hashing_writer
-from ..errors import CheckpointCorruptError
-from ..ondisk.integrity import BlockDigests, check_file
-from ..ondisk.layout import LATEST, checkpoint_name, pending_name
+from ..engine.incremental_writer import ReuseIndex
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from ..ondisk.integrity import BlockDigests, check_file, hash_file
+from ..ondisk.layout import (
+    LATEST,
+    MANIFEST,
+    checkpoint_name,
+    is_deleting,
+    is_pending,
+    parse_set_aside,
+    parse_step,
+    pending_name,
+)
 from ..ondisk.manifest import FileEntry, Manifest
 from . import commit as _commit
+from .incremental import References, delete_or_defer, reference_entries, reuse_for
 from .lock import PosixLockFile
 
 __all__ = ["PosixStore"]
+
+logger = logging.getLogger(__name__)
 
 
 class PosixStore:
@@ -35,9 +49,30 @@ class PosixStore:
         self.root = root
         self.path = Path(root)
 
-    def prepare(self) -> None:
-        """Not used by the manager (its discovery probes the directory); kept for tools."""
-        self.path.mkdir(parents=True, exist_ok=True)
+    @staticmethod
+    def is_checkpoint_dir(path: str) -> bool:
+        """Whether ``path`` looks like one checkpoint (manifest, ``.metadata`` or a ``step-N`` name)."""
+        p = Path(path)
+        return p.is_dir() and ((p / MANIFEST).exists() or (p / ".metadata").exists() or parse_step(p.name) is not None)
+
+    def leftovers(self) -> list[str]:
+        names = [e.name for e in os.scandir(self.path)] if self.path.is_dir() else []
+        return sorted(n for n in names if is_pending(n) or is_deleting(n))
+
+    def prepare(self, *, read_only: bool = False) -> None:
+        """Create the root and check that a file can be written in it (``read_only``: that it is
+        a directory; nothing is written). Raises ``ConfigError`` naming the root and the OS error."""
+        if read_only:
+            if not self.path.is_dir():
+                raise ConfigError(f"CheckpointConfig.root={self.root!r} (read_only: true) is not a directory")
+            return
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / f".write-probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(f"CheckpointConfig.root={self.root!r} is not a writable directory: {e}") from e
 
     def pending_location(self, step: int, save_id: str) -> str:
         return str(self.path / pending_name(step, save_id))
@@ -48,8 +83,9 @@ class PosixStore:
     def begin_write(self, pending: str) -> None:
         Path(pending).mkdir(parents=True, exist_ok=True)
 
-    def dcp_writer(self, location: str, *, thread_count: int, write_timeout_s: float | None) -> Any:
-        return hashing_writer(location, thread_count=thread_count, write_timeout_s=write_timeout_s)
+    def dcp_writer(self, location: str, *, thread_count: int, write_timeout_s: float | None,
+                   reuse: Any = None) -> Any:
+        return hashing_writer(location, thread_count=thread_count, write_timeout_s=write_timeout_s, reuse=reuse)
 
     def dcp_reader(self, location: str, *, expected_files: dict[str, tuple[int, str | None]] | None,
                    fast: bool, thread_count: int, block_digests: dict[str, BlockDigests] | None = None) -> Any:
@@ -63,12 +99,25 @@ class PosixStore:
     def read_dcp_metadata(self, location: str) -> Any:
         return read_dcp_metadata(location)
 
+    def object_sizes(self, location: str) -> dict[str, int]:
+        root = Path(location)
+        return {name: (root / name).stat().st_size for name in _commit.own_files(root)}
+
+    def manifest_path(self, location: str) -> str | None:
+        return str(Path(location) / MANIFEST)
+
+    def named_step(self, location: str) -> int | None:
+        return parse_step(Path(location).name)
+
     def check_file(self, location: str, name: str, *, size_bytes: int, digest: str | None) -> None:
         check_file(Path(location) / name, size_bytes=size_bytes, digest=digest)
 
     def list_files(self, pending: str, hashes: dict[str, tuple[int, str]]) -> list[FileEntry]:
         entries = _commit.list_files(pending, hashes)
         for entry in entries:  # the block digests the writers recorded (integrity.WrittenFile)
+            if entry.hash is None:  # no writer reported it: hash it here
+                logger.warning("no writer reported a hash for %s; hashing it on rank 0", entry.path)
+                entry.hash = hash_file(Path(pending) / entry.path)[1]
             blocks = getattr(hashes.get(entry.path), "blocks", None)
             if isinstance(blocks, BlockDigests) and blocks.valid_for(entry.size_bytes):
                 entry.block_ends, entry.block_hashes = list(blocks.ends), list(blocks.hashes)
@@ -95,8 +144,61 @@ class PosixStore:
     def find_committed(self) -> list[tuple[int, str, Manifest | CheckpointCorruptError]]:
         return [(s, str(p), r) for s, p, r in _commit.find_committed(self.path)]
 
+    def existing(self) -> list[tuple[int, str]]:
+        return [(s, str(p)) for s, p in _commit.existing_checkpoints(self.path)]
+
+    def unmanaged(self) -> list[str]:
+        return [str(p) for p in _commit.unmanaged_step_dirs(self.path)]
+
+    def set_aside(self, step: int, reason: str = "corrupt") -> str:
+        return _commit.set_aside(self.path / checkpoint_name(step), reason).name
+
+    def set_aside_names(self) -> list[str]:
+        names = [e.name for e in os.scandir(self.path)] if self.path.is_dir() else []
+        return sorted(n for n in names if parse_set_aside(n) is not None)
+
+    def step_of(self, location: str) -> int | None:
+        p = Path(location)
+        step = parse_step(p.name)
+        return step if step is not None and p.resolve().parent == self.path.resolve() else None
+
+    def location_of(self, step: int) -> str:
+        return str(self.path / checkpoint_name(step))
+
+    def exists(self, location: str) -> bool:
+        return Path(location).is_dir()
+
+    def is_plain_dcp(self, location: str) -> bool:
+        return not (Path(location) / MANIFEST).exists() and (Path(location) / ".metadata").exists()
+
     def delete_checkpoint(self, step: int) -> None:
         _commit.delete_checkpoint(self.path / checkpoint_name(step))
+
+    def delete_checkpoints(self, steps: list[int], *, before: Callable[[int], None] | None = None,
+                           remove: Callable[[Path], None] | None = None) -> list[str]:
+        """Deletes, or defers while an incremental checkpoint refers to its files
+        (:func:`~distckpt.storage.incremental.delete_or_defer`)."""
+        return delete_or_defer(self.path, steps, before=before, remove=remove)
+
+    def deferred_by(self, steps: list[int]) -> list[str]:
+        refs = References(self.path)
+        for step in steps:
+            refs.forget(checkpoint_name(step))
+        return [checkpoint_name(s) for s in steps if refs.referenced(checkpoint_name(s))]
+
+    def check_tool_root(self) -> None:
+        if not self.path.exists():
+            raise CheckpointNotFoundError(f"{self.root}: no such checkpoint root")
+        if not self.path.is_dir():
+            raise CheckpointNotFoundError(f"{self.root}: not a directory (expected a checkpoint root)")
+        if (self.path / MANIFEST).exists():
+            raise CheckpointNotFoundError(f"{self.root} is a checkpoint directory; pass its root {self.path.parent}")
+
+    def reuse_index(self, step: int, *, full_every: int | None) -> ReuseIndex:
+        return reuse_for(self.path, step, full_every=full_every)
+
+    def reference_entries(self, pending: str) -> list[FileEntry]:
+        return reference_entries(pending)
 
     def remove_leftovers(self) -> list[str]:
         return _commit.remove_leftovers(self.path)

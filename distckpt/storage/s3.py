@@ -25,10 +25,11 @@ import logging
 import re
 from typing import Any, Callable
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..ondisk.integrity import HASH_ALGORITHM, BlockDigests, new_hasher
 from ..ondisk.layout import LATEST, checkpoint_name, parse_step
 from ..ondisk.manifest import FileEntry, Manifest, first_problem, structure_problems
+from .base import split_location
 from .s3_client import S3Objects, split_url
 from .s3_dcp import S3Reader, S3Writer
 
@@ -103,7 +104,8 @@ class S3Store:
         return self.objects.url(self.key(data_prefix))
 
     # ------------------------------------------------------------------ write
-    def prepare(self) -> None:
+    def prepare(self, *, read_only: bool = False) -> None:
+        """The bucket exists and the credentials reach it (a read, so ``read_only`` changes nothing)."""
         self.objects.check_bucket(self.root)
 
     def pending_location(self, step: int, save_id: str) -> str:
@@ -115,7 +117,10 @@ class S3Store:
     def begin_write(self, pending: str) -> None:
         pass
 
-    def dcp_writer(self, location: str, *, thread_count: int, write_timeout_s: float | None) -> Any:
+    def dcp_writer(self, location: str, *, thread_count: int, write_timeout_s: float | None,
+                   reuse: Any = None) -> Any:
+        if reuse is not None:  # CheckpointConfig refuses incremental on object storage
+            raise ValueError("incremental saves need a POSIX root")
         return S3Writer(location, thread_count=thread_count, write_timeout_s=write_timeout_s,
                         endpoint_url=self.endpoint_url, region=self.region)
 
@@ -133,6 +138,12 @@ class S3Store:
         """``{file name: size}`` of every object under a checkpoint's data prefix."""
         base = self.key(self._rel(location)) + "/"
         return {k[len(base):]: size for k, size in self.objects.list_objects(base).items()}
+
+    def manifest_path(self, location: str) -> str | None:
+        return None  # the manifest's key names its step; parsing it checks that
+
+    def named_step(self, location: str) -> int | None:
+        return None
 
     def list_files(self, pending: str, hashes: dict[str, tuple[int, str]]) -> list[FileEntry]:
         entries = []
@@ -270,6 +281,32 @@ class S3Store:
                 out.append((step, location, e))
         return out
 
+    def existing(self) -> list[tuple[int, str]]:
+        return sorted((s, loc) for s, loc, _ in self.find_committed())
+
+    def unmanaged(self) -> list[str]:
+        return []  # a data prefix no manifest names is a save's leftover: remove_leftovers' business
+
+    def step_of(self, location: str) -> int | None:
+        for step, loc, _ in self.find_committed():
+            if loc == location.rstrip("/"):
+                return step
+        return None
+
+    def location_of(self, step: int) -> str:
+        for s, loc, _ in self.find_committed():
+            if s == step:
+                return loc
+        return self.objects.url(self._manifest_key(step))
+
+    def exists(self, location: str) -> bool:
+        bucket, key = split_url(location)
+        return bucket == self.bucket and bool(self.objects.list_objects(key.rstrip("/") + "/"))
+
+    def is_plain_dcp(self, location: str) -> bool:
+        """Not a data prefix of a root (``<root>/data/step-N-<id>``) but holding objects: a plain ``dcp.save``."""
+        return split_location(location)[1] is None and self.exists(location)
+
     # ------------------------------------------------------------------ delete
     def delete_checkpoint(self, step: int) -> None:
         """Manifest first (the checkpoint stops existing), then its data objects."""
@@ -281,6 +318,30 @@ class S3Store:
         self.objects.delete([key])
         self.objects.delete_prefix(self.key(manifest.data_prefix or "") + "/")
 
+    def delete_checkpoints(self, steps: list[int], *, before: Callable[[int], None] | None = None,
+                           remove: Callable[[Any], None] | None = None) -> list[str]:
+        """Retention: :meth:`delete_checkpoint` each (no incremental references on S3)."""
+        done = []
+        for step in steps:
+            if before is not None:
+                before(step)
+            self.delete_checkpoint(step)
+            done.append(f"deleted {checkpoint_name(step)} of {self.root}")
+        return done
+
+    def deferred_by(self, steps: list[int]) -> list[str]:
+        return []  # no incremental references on S3
+
+    def check_tool_root(self) -> None:
+        if split_location(self.root)[1] is not None:
+            raise CheckpointNotFoundError(f"{self.root} is a checkpoint; pass its root")
+
+    def reuse_index(self, step: int, *, full_every: int | None) -> Any:
+        raise ValueError("incremental saves need a POSIX root")
+
+    def reference_entries(self, pending: str) -> list[FileEntry]:
+        return []
+
     def remove_leftovers(self) -> list[str]:
         """Delete data prefixes no manifest references (interrupted saves and deletes). Only
         ``data/step-N-<hex>`` prefixes are touched, and none of a step whose manifest is unreadable."""
@@ -288,6 +349,9 @@ class S3Store:
         for rel in removed:
             self.objects.delete_prefix(self.key(f"{rel}/"))
         return removed
+
+    def leftovers(self) -> list[str]:
+        return self.unreferenced()
 
     def unreferenced(self) -> list[str]:
         """``data/step-N-<hex>`` prefixes no manifest references (saves in progress, or left by a
@@ -338,16 +402,17 @@ class S3Store:
         return S3LockFile(self.objects, self.key(".lock"))
 
     def set_aside_names(self) -> list[str]:
-        """Names (``<reason>-step-N-<n>``) of the set-aside manifests."""
+        """Names (``manifests/<reason>-step-N-<n>``) of the set-aside manifests."""
         names = [k.rsplit("/", 1)[-1] for k in self.objects.list_objects(self.key(MANIFESTS))]
-        return sorted(n[: -len(".json")] for n in names if n.endswith(".json") and not _MANIFEST_RE.match(n))
+        return sorted(MANIFESTS + n[: -len(".json")] for n in names
+                      if n.endswith(".json") and not _MANIFEST_RE.match(n))
 
     def set_aside(self, step: int, reason: str = "corrupt") -> str:
         """Rename the manifest of ``step`` to ``manifests/<reason>-step-N-<n>.json`` (copy, then
         delete): no longer a checkpoint (never loaded, counted or deleted), its data kept.
 
         Returns:
-            The new manifest name.
+            The new manifest name (``manifests/<reason>-step-N-<n>``).
         """
         taken = {k.rsplit("/", 1)[-1] for k in self.objects.list_objects(self.key(MANIFESTS))}
         n = 0
@@ -355,4 +420,4 @@ class S3Store:
             n += 1
         self.objects.copy(self._manifest_key(step), self.key(MANIFESTS + name))
         self.objects.delete([self._manifest_key(step)])
-        return name
+        return MANIFESTS + name[: -len(".json")]

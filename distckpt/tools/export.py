@@ -22,14 +22,12 @@ from typing import Any, Callable, Literal, Mapping
 
 import torch
 
-from ..errors import CheckpointNotFoundError, ConfigError
-from ..ondisk.integrity import hash_file
-from ..ondisk.layout import checkpoint_name, refuse_output_in_checkpoint, refuse_url_output
+from ..errors import CheckpointNotFoundError
+from ..ondisk.layout import refuse_output_in_checkpoint, refuse_url_output
 from ..ondisk.manifest import Manifest, TensorSpec, model_fingerprint
 from ..state.training_state import WEIGHTS_ONLY_KEY
-from ..storage import CheckpointStore
-from ..storage.commit import existing_checkpoints, repair_latest, set_aside
-from ..storage.posix import PosixStore
+from ..storage import CheckpointStore, open_store
+from ..storage.claims import refuse_or_archive
 from .reader import CheckpointReader
 from .single_file import SafetensorsWriter, TorchZipWriter
 
@@ -319,7 +317,8 @@ def load_dcp_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def import_weights(weights_path: str | os.PathLike, root: str | os.PathLike, *, step: int = 0,
-                   on_existing: Literal["refuse", "archive"] = "refuse") -> Path:
+                   on_existing: Literal["refuse", "archive"] = "refuse", endpoint_url: str | None = None,
+                   region: str | None = None) -> str:
     """Commit a weights file as checkpoint ``<root>/step-<step>`` that ``CheckpointManager``
     loads into the same architecture under any wrapper at any world size.
 
@@ -336,13 +335,16 @@ def import_weights(weights_path: str | os.PathLike, root: str | os.PathLike, *, 
     Args:
         weights_path: safetensors file, ``torch.save`` state dict ``{fqn: tensor}``, or DCP
             directory; names must be the model's state_dict keys without wrapper prefixes.
-        root: checkpoint root (created if absent; its write lock is held meanwhile).
+        root: checkpoint root, a directory (created if absent) or ``s3://bucket/prefix``; its
+            write lock is held meanwhile.
         step: global step recorded for the checkpoint.
         on_existing: when ``root`` already holds checkpoints: ``"refuse"`` (raise) or
             ``"archive"`` (rename them ``archived-step-N-<n>`` first; nothing is deleted).
+        endpoint_url, region: S3 client settings of an ``s3://`` root (default: the standard
+            AWS environment).
 
     Returns:
-        The committed checkpoint directory.
+        The committed checkpoint's location (a directory path, or an S3 data-prefix URL).
 
     Raises:
         CheckpointNotFoundError: no such weights file.
@@ -354,29 +356,22 @@ def import_weights(weights_path: str | os.PathLike, root: str | os.PathLike, *, 
     """
     if on_existing not in ("refuse", "archive"):
         raise ValueError(f"on_existing={on_existing!r}: expected 'refuse' or 'archive'")
-    root = Path(root)
-    final = root / checkpoint_name(step)
+    store = open_store(root, endpoint_url=endpoint_url, region=region)
 
-    def refuse_or_archive() -> None:
-        existing = existing_checkpoints(root)
-        if existing and on_existing != "archive":
-            raise ConfigError(
-                f"{root} already holds {len(existing)} checkpoint(s), newest {existing[-1][1].name}: a "
-                "load: true run would resume those, not the import. Import into another root, or "
-                "archive them first (on_existing='archive': renamed archived-step-N-<n>, nothing deleted)")
-        if existing:
-            moved = [f"{p.name} -> {set_aside(p, 'archived').name}" for _, p in existing]
-            repair_latest(root)
-            logger.warning("import: set aside the %d checkpoint(s) of %s: %s", len(moved), root, ", ".join(moved))
-        if final.exists():
-            raise FileExistsError(f"{final} already exists; import into another root or pick another step")
+    def refuse_or_archive_existing() -> None:  # under the root's lock
+        refuse_or_archive(store, on_existing=on_existing, locked=True, subject=store.root,
+                          why="a load: true run would resume those, not the import",
+                          choices="import into another root; pass on_existing='archive' (CLI: --archive-existing)")
+        if store.exists(store.location_of(step)):
+            raise FileExistsError(f"{store.location_of(step)} already exists; import into another root or pick "
+                                  "another step")
 
-    return Path(import_into(PosixStore(str(root)), weights_path, step=step, before_write=refuse_or_archive))
+    return import_into(store, weights_path, step=step, before_write=refuse_or_archive_existing)
 
 
 def import_into(store: CheckpointStore, weights_path: str | os.PathLike, *, step: int,
                 before_write: Callable[[], None]) -> str:
-    """:func:`import_weights` into any store's root (``s3://``: :mod:`distckpt.tools.store_import`),
+    """:func:`import_weights` into any store's root,
     written in this process (``dcp.save``, no process group); returns the committed checkpoint's
     location. ``before_write`` runs holding the root's lock, before anything is written: the
     store's refuse-or-archive of the checkpoints the root holds.
@@ -417,9 +412,6 @@ def import_into(store: CheckpointStore, weights_path: str | os.PathLike, *, step
         t_write = time.perf_counter() - t_write
         specs = {k: TensorSpec(shape=list(v.shape), dtype=str(v.dtype)) for k, v in sorted(weights.items())}
         files = store.list_files(pending, dict(writer.fs.written))
-        for entry in files:
-            if entry.hash is None and store.kind == "posix":  # not reported by the writer: hash it here
-                entry.hash = hash_file(Path(pending) / entry.path)[1]
         manifest = Manifest(
             step=step, wall_time=time.time(), world_size=1, wrapper="plain", state_dict_type="full",
             torch_version=torch.__version__, distckpt_version=__version__, model=specs,

@@ -21,13 +21,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from ..engine import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
+from ..engine import SafeLoadPlanner
 from ..engine.blocking import raise_as_corrupt
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..ondisk.layout import MANIFEST
 from ..ondisk.manifest import Manifest
-from ..storage import is_s3_url, open_store, split_location
-from ..storage.commit import find_committed
+from ..storage import open_location
 
 __all__ = ["GROUPS", "ItemInfo", "CheckpointReader", "item_group", "resolve_checkpoint"]
 
@@ -81,35 +80,27 @@ class ItemInfo:
                 "dtype": self.dtype, "size_bytes": self.size_bytes, "shards": self.shards}
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path | str:
-    """A checkpoint directory from a checkpoint directory or a root (its newest committed one);
-    on S3 (``s3://...``) the checkpoint's data-prefix URL, from itself or from a root.
+def resolve_checkpoint(path: str | os.PathLike) -> str:
+    """The checkpoint ``path`` names: itself when it is one (a directory with DCP metadata or a
+    manifest; an S3 data prefix), else the newest committed checkpoint of the root it names.
+
+    Returns:
+        The checkpoint's location (a directory path, or an S3 data-prefix URL).
 
     Raises:
         CheckpointNotFoundError: ``path`` does not exist, or holds neither DCP metadata nor a
             committed checkpoint.
     """
-    if is_s3_url(os.fspath(path)):
-        root, location = split_location(os.fspath(path))
-        if location is not None:
-            return location
-        for _, loc, result in open_store(root).find_committed():
-            if isinstance(result, Manifest):
-                return loc
-        raise CheckpointNotFoundError(f"{root}: no committed checkpoint under it")
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointNotFoundError(f"{path}: no such file or directory")
-    if not path.is_dir():
-        raise CheckpointNotFoundError(f"{path}: not a directory (expected a checkpoint directory or root)")
-    if (path / ".metadata").exists() or (path / MANIFEST).exists():
-        return path
-    for _, ckpt, result in find_committed(path):
+    store, location = open_location(path)
+    if location is not None:
+        return location
+    if not store.exists(store.root):
+        raise CheckpointNotFoundError(f"{store.root}: no such checkpoint or root")
+    for _, found, result in store.find_committed():
         if isinstance(result, Manifest):
-            return ckpt
+            return found
     raise CheckpointNotFoundError(
-        f"{path}: not a checkpoint (no .metadata or {MANIFEST}) and no committed step-* "
-        "checkpoint under it")
+        f"{store.root}: not a checkpoint (no .metadata or {MANIFEST}) and no committed checkpoint under it")
 
 
 def _catalogue(metadata: Metadata, path: Path | str) -> dict[str, ItemInfo]:
@@ -145,18 +136,6 @@ def _volume(sizes: Iterable[int]) -> int:
     return n
 
 
-class _CachedReader(SafeFileSystemReader):
-    """Safe reader that parses ``.metadata`` once for many ``dcp.load`` calls."""
-
-    def __init__(self, path: Path, metadata: Metadata,
-                 expected_files: dict[str, tuple[int, str | None]] | None) -> None:
-        super().__init__(path, expected_files=expected_files)
-        self._metadata = metadata
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self._metadata
-
-
 class CheckpointReader:
     """Items of one checkpoint directory, readable one batch at a time.
 
@@ -179,31 +158,15 @@ class CheckpointReader:
     """
 
     def __init__(self, checkpoint_dir: str | os.PathLike, *, check_files: bool = True) -> None:
-        if is_s3_url(os.fspath(checkpoint_dir)):
-            self._init_s3(os.fspath(checkpoint_dir), check_files)
-            return
-        self.path: Path | str = Path(checkpoint_dir)
-        if not self.path.is_dir():
+        store, location = open_location(checkpoint_dir)
+        self.path: str = location if location is not None else os.fspath(checkpoint_dir)
+        if not store.exists(self.path):
             raise CheckpointNotFoundError(f"{self.path}: no such checkpoint directory")
-        self.metadata = read_dcp_metadata(self.path)
-        read = functools.partial(Manifest.read, self.path) if (self.path / MANIFEST).exists() else None
-        expected = self._read_manifest(read, check_files)
-        self._storage: Any = _CachedReader(self.path, self.metadata, expected)
-        self.items = _catalogue(self.metadata, self.path)
-
-    def _init_s3(self, url: str, check_files: bool) -> None:
-        """The same over an S3 data prefix (a committed checkpoint, or a plain ``dcp.save``)."""
-        from ..storage.s3_dcp import S3Reader
-
-        root, location = split_location(url)
-        self.path = location or url
-        store = open_store(root)
         self.metadata = store.read_dcp_metadata(self.path)
-        read = functools.partial(store.read_manifest, location) if location is not None else None
+        read = None if store.is_plain_dcp(self.path) else functools.partial(store.read_manifest, self.path)
         expected = self._read_manifest(read, check_files)
-        reader = S3Reader(self.path, expected_files=expected, endpoint_url=None, region=None)
-        reader.read_metadata = lambda *a, **k: self.metadata  # type: ignore[method-assign]  # parsed once
-        self._storage = reader
+        self._storage = store.dcp_reader(self.path, expected_files=expected, fast=False, thread_count=1)
+        self._storage.read_metadata = lambda *a, **k: self.metadata  # parsed once, safely
         self.items = _catalogue(self.metadata, self.path)
 
     def _read_manifest(self, read_manifest: Callable[[], Manifest] | None,

@@ -25,7 +25,7 @@ from .._version import __version__
 from ..errors import CheckpointNotFoundError
 from ..ondisk.layout import refuse_output_in_checkpoint, refuse_url_output
 from ..state.training_state import unpack
-from ..storage.commit import write_atomic
+from ..storage.localfs import write_atomic
 from .export import ExportDtype, ExportResult, export_checkpoint
 from .reader import CheckpointReader
 
@@ -106,7 +106,7 @@ def release_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.Path
             raise FileExistsError(f"{out / name} exists; pass overwrite (--force) to replace the release files")
     extra, not_shown = _extra_values(reader)
     config = {
-        "source": str(reader.path.resolve() if isinstance(reader.path, Path) else reader.path),
+        "source": reader.path,
         "released": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "step": manifest.step, "epoch": state.get("epoch", manifest.epoch),
         "batch_in_epoch": state.get("batch_in_epoch"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -52,7 +53,8 @@ def _job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     dist.barrier()
     return {"losses": losses, "resumed_from": state.step if state else None, "stopped_at": step,
             "messages": messages, "saved": saved,
-            "committed": sorted(int(p.parent.name.split("-")[1]) for p in manager.root.glob("step-*/distckpt.json"))}
+            "committed": sorted(int(p.parent.name.split("-")[1])
+                                for p in Path(manager.root).glob("step-*/distckpt.json"))}
 
 
 @pytest.mark.timeout(180)

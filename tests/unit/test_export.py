@@ -4,6 +4,7 @@ in one process without a process group; resharded checkpoints come from 2 gloo r
 from __future__ import annotations
 
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def trained_checkpoint(root, steps=3, **opts):
     train_steps(model, optimizer, scheduler, scaler, loader, steps)
     path = manager.save(steps, loss=0.25)
     manager.close()
-    return path, model, optimizer
+    return Path(path), model, optimizer
 
 
 def checkpoint_tensors(path):
@@ -148,7 +149,7 @@ def test_import_then_manager_load_gives_identical_weights(tmp_path, kind):
     path = tmp_path / f"w.{kind}"
     save_file(weights, path) if kind == "safetensors" else torch.save(weights, path)
     ckpt = import_weights(path, tmp_path / "root")
-    assert ckpt == tmp_path / "root" / "step-000000000"
+    assert ckpt == str(tmp_path / "root" / "step-000000000")
     torch.manual_seed(2)
     model = Net()
     state = CheckpointManager(CheckpointConfig(root=str(tmp_path / "root")), model=model, optimizer=None).load()

@@ -9,7 +9,7 @@ import pytest
 
 from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager, ConfigError
 from distckpt.cli import main
-from distckpt.load.discovery import StoreDiscovery
+from distckpt.load.discovery import CheckpointDiscovery
 from distckpt.ondisk.manifest import Manifest
 from distckpt.storage import open_store
 from distckpt.storage.commit import commit
@@ -112,17 +112,23 @@ class _CorruptOnlyStore:
     def find_committed(self):
         return []
 
+    def existing(self):
+        return []
+
+    def unmanaged(self):
+        return []
+
     def set_aside_names(self):
-        return self.names
+        return [f"manifests/{n}" for n in self.names]
 
 
 def test_object_store_root_holding_only_corrupt_manifests_refuses_a_fresh_start(tmp_path):
     config = CheckpointConfig(root="s3://bucket/run")
     names = ["archived-step-000000001-0", "corrupt-step-000000004-0", "rolledback-step-000000009-0"]
     with pytest.raises(CheckpointCorruptError, match="only checkpoints set aside as corrupt") as err:
-        StoreDiscovery(_CorruptOnlyStore(names), config, rank=0, locked=True).choose([])
+        CheckpointDiscovery(_CorruptOnlyStore(names), config, rank=0, locked=True).choose([])
     assert "manifests/corrupt-step-000000004-0" in str(err.value) and "archived" not in str(err.value)
-    other = StoreDiscovery(_CorruptOnlyStore(names[::2]), config, rank=0, locked=True)
+    other = CheckpointDiscovery(_CorruptOnlyStore(names[::2]), config, rank=0, locked=True)
     assert other.choose([]) is None  # archived / rolled back only: a fresh start, as before
 
 

@@ -217,3 +217,43 @@ def test_design_doc_names_every_module():
     unnamed = [f.relative_to(PKG.parent).as_posix() for f in sorted(PKG.rglob("*.py"))
                if f.stem != "__init__" and not re.search(rf"`{re.escape(f.stem)}`", text)]
     assert unnamed == [], f"docs/design.md does not name: {unnamed}"
+
+
+# The storage seam (issue 25 item 1): only storage/ knows which store a root has. Outside it
+# (and the config, which checks the root's scheme), nothing imports a store's internals or
+# branches on the kind of store.
+STORE_INTERNALS = {"distckpt.storage.commit", "distckpt.storage.posix", "distckpt.storage.s3",
+                   "distckpt.storage.s3_client", "distckpt.storage.s3_dcp", "distckpt.storage.incremental"}
+SEAM_EXEMPT = {"distckpt.config"}
+
+
+def _kind_branches(tree: ast.AST) -> list[int]:
+    """Lines that compare with a store kind (``"posix"``, ``"s3"``) or call ``is_s3_url``."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(isinstance(o, ast.Constant) and o.value in ("posix", "s3") for o in operands):
+                lines.append(node.lineno)
+        elif isinstance(node, (ast.Name, ast.Attribute)):
+            if (node.id if isinstance(node, ast.Name) else node.attr) in ("is_s3_url", "PosixStore", "S3Store"):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_only_storage_knows_the_kind_of_store():
+    mods = _modules()
+    bad = []
+    for m, f in mods.items():
+        if m.startswith("distckpt.storage") or m in SEAM_EXEMPT:
+            continue
+        bad += [f"{m}:{line}: imports {t}" for t, _names, line in _imports(mods, m) if t in STORE_INTERNALS]
+        bad += [f"{m}:{line}: imports {t}.{n}" for t, names, line in _imports(mods, m) for n in names
+                if f"{t}.{n}" in STORE_INTERNALS]
+        bad += [f"{m}:{line}: branches on the kind of store" for line in _kind_branches(ast.parse(f.read_text()))]
+    assert bad == [], "outside distckpt/storage/: " + "; ".join(bad)
+
+
+def test_the_seam_check_sees_a_kind_branch_and_an_internal_import():
+    tree = ast.parse("if store.kind == 's3':\n    pass\nok = is_s3_url(root)\n")
+    assert _kind_branches(tree) == [1, 3]

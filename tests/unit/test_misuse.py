@@ -3,6 +3,8 @@ missing directory, and which option the overwrite error names."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -28,7 +30,7 @@ def test_torchrun_without_init_process_group_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
     with CheckpointManager(config, model=Net(), optimizer=None) as manager:
-        assert manager.world_size == 1 and manager.save(1).is_dir()
+        assert manager.world_size == 1 and Path(manager.save(1)).is_dir()
 
 
 def test_yaml_without_root_names_the_missing_field(tmp_path):

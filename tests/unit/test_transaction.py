@@ -60,9 +60,9 @@ def test_phases_in_order_and_the_manifest_describes_the_files(tmp_path: Path) ->
         (7, 0, 56, 1, "plain", "sharded", 3.5)
     assert (m.distckpt_version, m.torch_version, m.hash_algorithm) == (__version__, torch.__version__, "xxh3_128")
     assert m.model == SPECS and m.model_fingerprint == model_fingerprint(SPECS)
-    on_disk = sorted(p.name for p in tx.final.iterdir() if p.name != MANIFEST)
+    on_disk = sorted(p.name for p in Path(tx.final).iterdir() if p.name != MANIFEST)
     assert [f.path for f in m.files] == on_disk and ".metadata" in on_disk
-    assert all((f.size_bytes, f.hash) == hash_file(tx.final / f.path) for f in m.files)
+    assert all((f.size_bytes, f.hash) == hash_file(Path(tx.final) / f.path) for f in m.files)
     assert set(m.timings_s) == {"stage", "write", "commit"}
 
 
@@ -79,7 +79,7 @@ def test_retention_deletes_only_older_checkpoints(tmp_path: Path) -> None:
     assert retention == [("retention", 2, 0)]  # keep_last=2 among steps <= 6: 4 and 6 stay
     assert [p for p, _, _ in calls] == list(PHASES)  # retention between latest and committed
     assert sorted(p for p in os.listdir(root) if p.startswith("step-")) == \
-        ["step-000000004", "step-000000006", newer.final.name]
+        ["step-000000004", "step-000000006", Path(newer.final).name]
     ctx.purger.join()  # the files of a deleted checkpoint are removed in the background
     assert not [p for p in os.listdir(root) if p.startswith(".")]  # no .deleting- left
     assert validate(newer.final, check_hashes=True).step == 50

@@ -27,11 +27,12 @@ from typing import Callable
 from ..engine import read_dcp_metadata
 from ..engine.incremental_writer import ReuseIndex, read_item_records
 from ..errors import CheckpointCorruptError
-from ..ondisk.layout import DEFERRED_MANIFEST, MANIFEST, checkpoint_dirs, is_deferred
+from ..ondisk.layout import DEFERRED_MANIFEST, MANIFEST, checkpoint_dirs, checkpoint_name, is_deferred
 from ..ondisk.manifest import FileEntry, Manifest
-from ..storage.commit import delete_checkpoint, fsync_dir, validate
+from .commit import delete_checkpoint, validate
+from .localfs import fsync_dir
 
-__all__ = ["reuse_for", "reference_entries", "referenced_files", "References"]
+__all__ = ["reuse_for", "reference_entries", "referenced_files", "References", "delete_or_defer"]
 
 logger = logging.getLogger(__name__)
 
@@ -187,3 +188,30 @@ class References:
         for p in path.iterdir():
             if p.is_file() and p.name not in keep:
                 p.unlink()
+
+
+def delete_or_defer(root: str | os.PathLike, steps: list[int], *, before: Callable[[int], None] | None = None,
+                    remove: Callable[[Path], None] | None = None) -> list[str]:
+    """Retention on a POSIX root: delete each checkpoint of ``steps`` (oldest first), or defer
+    it while a kept checkpoint refers to its files; then delete the deferred ones nobody refers
+    to any more. Rank 0, holding the root's lock.
+
+    Args:
+        before: called with each step before it is deleted (the transaction's phase hook).
+        remove: as :class:`References`.
+
+    Returns:
+        One line per action, for the log.
+
+    Raises:
+        OSError: a rename failed (that checkpoint is then still committed and whole).
+    """
+    refs = References(root, remove=remove)
+    done = []
+    for step in steps:
+        if before is not None:
+            before(step)
+        path = Path(root) / checkpoint_name(step)
+        done.append(f"{refs.retire(path)} {path}")
+    done += [f"deleted {Path(root) / name} (no kept checkpoint refers to it any more)" for name in refs.collect()]
+    return done
