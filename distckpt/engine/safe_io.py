@@ -18,6 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
+from typing_extensions import override
 
 from ..errors import CheckpointCorruptError
 from ..ondisk.integrity import check_file
@@ -43,6 +44,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         super().__init__(file)
         self._path = path
 
+    @override
     def find_class(self, module: str, name: str):
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
@@ -107,6 +109,7 @@ class SafeFileSystemReader(FileSystemReader):
         self.expected_files = expected_files
         self._checked: set[str] = set()
 
+    @override
     def read_data(self, plan, planner):
         if self.expected_files is not None:
             for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
@@ -121,6 +124,7 @@ class SafeFileSystemReader(FileSystemReader):
                 self._checked.add(name)
         return super().read_data(plan, planner)
 
+    @override
     def read_metadata(self, *args, **kwargs) -> Metadata:
         metadata = _read_metadata_file(str(self._get_metadata_path(kwargs.get("rank"))))
         storage_meta = getattr(metadata, "storage_meta", None)
@@ -134,6 +138,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that loads non-tensor items with ``torch.load(weights_only=True)``
     (numpy scalars and arrays admitted: :func:`distckpt.ondisk.safe_values.load_value`)."""
 
+    @override
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
             obj = load_value(value)

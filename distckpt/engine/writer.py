@@ -28,6 +28,7 @@ from typing import Any, Iterator
 
 import torch.serialization
 from torch.distributed.checkpoint import FileSystemWriter
+from typing_extensions import override
 
 from ..ondisk.integrity import HashingFileSystem
 
@@ -123,6 +124,7 @@ class GuardedFileSystem(HashingFileSystem):
         if self.errors:
             raise self.errors[0]
 
+    @override
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
         writing = "w" in mode
@@ -172,6 +174,7 @@ class CheckedFileSystemWriter(FileSystemWriter):
         self.fs = GuardedFileSystem()
         self.write_timeout_s = write_timeout_s
 
+    @override
     def write_data(self, plan: Any, planner: Any) -> Any:
         self.fs.begin(self.write_timeout_s)
         try:

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import xxhash
 from torch.distributed.checkpoint.filesystem import FileSystem
+from typing_extensions import override
 
 from ..errors import CheckpointCorruptError
 
@@ -231,6 +232,7 @@ class HashingFileSystem(FileSystem):
         self.written: dict[str, tuple[int, str]] = {}
         self._lock = threading.Lock()
 
+    @override
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
         if "w" not in mode:
@@ -254,6 +256,7 @@ class HashingFileSystem(FileSystem):
         self.written = state["written"]
         self._lock = threading.Lock()
 
+    @override
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         # DCP writes .metadata.tmp then renames it: keep the record under the final name.
         super().rename(path, new_path)

@@ -27,7 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from typing_extensions import override
+
 from ..errors import CheckpointLockedError
+from .base import LockFile
 
 __all__ = ["RootLock", "PosixLockFile", "job_id"]
 
@@ -58,13 +61,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class PosixLockFile:
+class PosixLockFile(LockFile):
     """``<root>/.lock`` on a POSIX file system (see :class:`distckpt.storage.base.LockFile`)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.where = str(self.path)
 
+    @override
     def create_exclusive(self, text: str) -> bool:
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -76,12 +80,14 @@ class PosixLockFile:
             os.fsync(f.fileno())
         return True
 
+    @override
     def read(self) -> str | None:
         try:
             return self.path.read_text()
         except FileNotFoundError:
             return None
 
+    @override
     def replace(self, text: str) -> None:
         tmp = self.path.with_name(f"{LOCK_NAME}.renew-{os.getpid()}")
         try:
@@ -94,6 +100,7 @@ class PosixLockFile:
             tmp.unlink(missing_ok=True)
             raise
 
+    @override
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
 

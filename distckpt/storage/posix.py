@@ -10,6 +10,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from typing_extensions import override
+
 from ..engine import SafeFileSystemReader, read_dcp_metadata
 from ..engine.blocking import hashing_writer
 from ..engine.incremental_writer import ReuseIndex
@@ -27,6 +29,7 @@ from ..ondisk.layout import (
 )
 from ..ondisk.manifest import FileEntry, Manifest
 from . import commit as _commit
+from .base import CheckpointStore
 from .incremental import References, delete_or_defer, reference_entries, reuse_for
 from .lock import PosixLockFile
 
@@ -35,7 +38,7 @@ __all__ = ["PosixStore"]
 logger = logging.getLogger(__name__)
 
 
-class PosixStore:
+class PosixStore(CheckpointStore):
     """A checkpoint root directory (see :class:`~distckpt.storage.base.CheckpointStore`).
 
     Args:
@@ -55,6 +58,7 @@ class PosixStore:
         p = Path(path)
         return p.is_dir() and ((p / MANIFEST).exists() or (p / ".metadata").exists() or parse_step(p.name) is not None)
 
+    @override
     def leftovers(self) -> list[str]:
         names = [e.name for e in os.scandir(self.path)] if self.path.is_dir() else []
         return sorted(n for n in names if is_pending(n) or is_deleting(n))
@@ -74,19 +78,24 @@ class PosixStore:
         except OSError as e:
             raise ConfigError(f"CheckpointConfig.root={self.root!r} is not a writable directory: {e}") from e
 
+    @override
     def pending_location(self, step: int, save_id: str) -> str:
         return str(self.path / pending_name(step, save_id))
 
+    @override
     def final_location(self, step: int, pending: str) -> str:
         return str(self.path / checkpoint_name(step))
 
+    @override
     def begin_write(self, pending: str) -> None:
         Path(pending).mkdir(parents=True, exist_ok=True)
 
+    @override
     def dcp_writer(self, location: str, *, thread_count: int, write_timeout_s: float | None,
                    reuse: Any = None) -> Any:
         return hashing_writer(location, thread_count=thread_count, write_timeout_s=write_timeout_s, reuse=reuse)
 
+    @override
     def dcp_reader(self, location: str, *, expected_files: dict[str, tuple[int, str | None]] | None,
                    fast: bool, thread_count: int, block_digests: dict[str, BlockDigests] | None = None) -> Any:
         if fast:
@@ -96,22 +105,28 @@ class PosixStore:
                                         block_digests=block_digests)
         return SafeFileSystemReader(location, expected_files=expected_files)
 
+    @override
     def read_dcp_metadata(self, location: str) -> Any:
         return read_dcp_metadata(location)
 
+    @override
     def object_sizes(self, location: str) -> dict[str, int]:
         root = Path(location)
         return {name: (root / name).stat().st_size for name in _commit.own_files(root)}
 
+    @override
     def manifest_path(self, location: str) -> str | None:
         return str(Path(location) / MANIFEST)
 
+    @override
     def named_step(self, location: str) -> int | None:
         return parse_step(Path(location).name)
 
+    @override
     def check_file(self, location: str, name: str, *, size_bytes: int, digest: str | None) -> None:
         check_file(Path(location) / name, size_bytes=size_bytes, digest=digest)
 
+    @override
     def list_files(self, pending: str, hashes: dict[str, tuple[int, str]]) -> list[FileEntry]:
         entries = _commit.list_files(pending, hashes)
         for entry in entries:  # the block digests the writers recorded (integrity.WrittenFile)
@@ -123,54 +138,69 @@ class PosixStore:
                 entry.block_ends, entry.block_hashes = list(blocks.ends), list(blocks.hashes)
         return entries
 
+    @override
     def commit(self, pending: str, step: int, manifest: Manifest,
                on_phase: Callable[[str], None] | None = None) -> str:
         final = self.final_location(step, pending)
         _commit.commit(pending, final, manifest, on_phase=on_phase)
         return final
 
+    @override
     def abort(self, pending: str) -> None:
         shutil.rmtree(pending, ignore_errors=True)
 
+    @override
     def read_manifest(self, location: str) -> Manifest:
         return Manifest.read(location)
 
+    @override
     def validate(self, location: str, *, check_hashes: bool = False) -> Manifest:
         return _commit.validate(location, check_hashes=check_hashes)
 
+    @override
     def verify(self, location: str) -> list[CheckpointCorruptError]:
         return _commit.verify(location)
 
+    @override
     def find_committed(self) -> list[tuple[int, str, Manifest | CheckpointCorruptError]]:
         return [(s, str(p), r) for s, p, r in _commit.find_committed(self.path)]
 
+    @override
     def existing(self) -> list[tuple[int, str]]:
         return [(s, str(p)) for s, p in _commit.existing_checkpoints(self.path)]
 
+    @override
     def unmanaged(self) -> list[str]:
         return [str(p) for p in _commit.unmanaged_step_dirs(self.path)]
 
+    @override
     def set_aside(self, step: int, reason: str = "corrupt") -> str:
         return _commit.set_aside(self.path / checkpoint_name(step), reason).name
 
+    @override
     def set_aside_names(self) -> list[str]:
         names = [e.name for e in os.scandir(self.path)] if self.path.is_dir() else []
         return sorted(n for n in names if parse_set_aside(n) is not None)
 
+    @override
     def step_of(self, location: str) -> int | None:
         p = Path(location)
         step = parse_step(p.name)
         return step if step is not None and p.resolve().parent == self.path.resolve() else None
 
+    @override
     def location_of(self, step: int) -> str:
         return str(self.path / checkpoint_name(step))
 
+    @override
     def exists(self, location: str) -> bool:
         return Path(location).is_dir()
 
+    @override
     def is_plain_dcp(self, location: str) -> bool:
         return not (Path(location) / MANIFEST).exists() and (Path(location) / ".metadata").exists()
 
+    @override
     def delete_checkpoint(self, step: int) -> None:
         _commit.delete_checkpoint(self.path / checkpoint_name(step))
 
@@ -180,12 +210,14 @@ class PosixStore:
         (:func:`~distckpt.storage.incremental.delete_or_defer`)."""
         return delete_or_defer(self.path, steps, before=before, remove=remove)
 
+    @override
     def deferred_by(self, steps: list[int]) -> list[str]:
         refs = References(self.path)
         for step in steps:
             refs.forget(checkpoint_name(step))
         return [checkpoint_name(s) for s in steps if refs.referenced(checkpoint_name(s))]
 
+    @override
     def check_tool_root(self) -> None:
         if not self.path.exists():
             raise CheckpointNotFoundError(f"{self.root}: no such checkpoint root")
@@ -194,23 +226,29 @@ class PosixStore:
         if (self.path / MANIFEST).exists():
             raise CheckpointNotFoundError(f"{self.root} is a checkpoint directory; pass its root {self.path.parent}")
 
+    @override
     def reuse_index(self, step: int, *, full_every: int | None) -> ReuseIndex:
         return reuse_for(self.path, step, full_every=full_every)
 
+    @override
     def reference_entries(self, pending: str) -> list[FileEntry]:
         return reference_entries(pending)
 
+    @override
     def remove_leftovers(self) -> list[str]:
         return _commit.remove_leftovers(self.path)
 
+    @override
     def read_latest(self) -> str | None:
         try:
             return (self.path / LATEST).read_text().strip() or None
         except OSError:
             return None
 
+    @override
     def repair_latest(self) -> str | None:
         return _commit.repair_latest(self.path)
 
+    @override
     def lock_file(self) -> PosixLockFile:
         return PosixLockFile(os.path.join(self.root, ".lock"))

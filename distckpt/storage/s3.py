@@ -25,11 +25,13 @@ import logging
 import re
 from typing import Any, Callable
 
+from typing_extensions import override
+
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..ondisk.integrity import HASH_ALGORITHM, BlockDigests, new_hasher
 from ..ondisk.layout import LATEST, checkpoint_name, parse_step
 from ..ondisk.manifest import FileEntry, Manifest, first_problem, structure_problems
-from .base import split_location
+from .base import CheckpointStore, LockFile, split_location
 from .s3_client import S3Objects, split_url
 from .s3_dcp import S3Reader, S3Writer
 
@@ -42,12 +44,13 @@ _DATA_RE = re.compile(r"^(step-\d{9,})-([0-9a-f]+)$")
 _MANIFEST_RE = re.compile(r"^(step-\d{9,})\.json$")
 
 
-class S3LockFile:
+class S3LockFile(LockFile):
     """``<prefix>/.lock`` (see :class:`distckpt.storage.base.LockFile`): conditional create."""
 
     def __init__(self, objects: S3Objects, key: str) -> None:
         self.objects, self.key, self.where = objects, key, objects.url(key)
 
+    @override
     def create_exclusive(self, text: str) -> bool:
         try:
             self.objects.put(self.key, text.encode(), if_absent=True)
@@ -55,18 +58,21 @@ class S3LockFile:
             return False
         return True
 
+    @override
     def read(self) -> str | None:
         data = self.objects.get(self.key)
         return None if data is None else data.decode("utf-8", "replace")
 
+    @override
     def replace(self, text: str) -> None:
         self.objects.put(self.key, text.encode())
 
+    @override
     def remove(self) -> None:
         self.objects.delete([self.key])
 
 
-class S3Store:
+class S3Store(CheckpointStore):
     """A checkpoint root on S3 (see the module docstring and
     :class:`~distckpt.storage.base.CheckpointStore`).
 
@@ -108,15 +114,19 @@ class S3Store:
         """The bucket exists and the credentials reach it (a read, so ``read_only`` changes nothing)."""
         self.objects.check_bucket(self.root)
 
+    @override
     def pending_location(self, step: int, save_id: str) -> str:
         return self.location(f"{DATA}{checkpoint_name(step)}-{save_id}")
 
+    @override
     def final_location(self, step: int, pending: str) -> str:
         return pending  # no rename: the manifest makes the data prefix a checkpoint
 
+    @override
     def begin_write(self, pending: str) -> None:
         pass
 
+    @override
     def dcp_writer(self, location: str, *, thread_count: int, write_timeout_s: float | None,
                    reuse: Any = None) -> Any:
         if reuse is not None:  # CheckpointConfig refuses incremental on object storage
@@ -124,12 +134,14 @@ class S3Store:
         return S3Writer(location, thread_count=thread_count, write_timeout_s=write_timeout_s,
                         endpoint_url=self.endpoint_url, region=self.region)
 
+    @override
     def dcp_reader(self, location: str, *, expected_files: dict[str, tuple[int, str | None]] | None,
                    fast: bool, thread_count: int, block_digests: dict[str, BlockDigests] | None = None) -> Any:
         # Whole objects: each object a rank needs is downloaded and verified once (block_digests unused).
         return S3Reader(location, expected_files=expected_files, endpoint_url=self.endpoint_url,
                         region=self.region)
 
+    @override
     def read_dcp_metadata(self, location: str) -> Any:
         return S3Reader(location, expected_files=None, endpoint_url=self.endpoint_url,
                         region=self.region).read_metadata()
@@ -139,12 +151,15 @@ class S3Store:
         base = self.key(self._rel(location)) + "/"
         return {k[len(base):]: size for k, size in self.objects.list_objects(base).items()}
 
+    @override
     def manifest_path(self, location: str) -> str | None:
         return None  # the manifest's key names its step; parsing it checks that
 
+    @override
     def named_step(self, location: str) -> int | None:
         return None
 
+    @override
     def list_files(self, pending: str, hashes: dict[str, tuple[int, str]]) -> list[FileEntry]:
         entries = []
         for name, size in sorted(self.object_sizes(pending).items()):
@@ -177,6 +192,7 @@ class S3Store:
         self.objects.put(self.key(LATEST), (checkpoint_name(step) + "\n").encode())
         return pending
 
+    @override
     def abort(self, pending: str) -> None:
         try:
             self.objects.delete_prefix(self.key(self._rel(pending)) + "/")
@@ -200,6 +216,7 @@ class S3Store:
                                          f"(step {manifest.step}, data {manifest.data_prefix!r})", path=url)
         return manifest
 
+    @override
     def read_manifest(self, location: str) -> Manifest:
         rel = self._rel(location)
         m = _DATA_RE.match(rel[len(DATA):]) if rel.startswith(DATA) else None
@@ -214,6 +231,7 @@ class S3Store:
                                          path=location)
         return manifest
 
+    @override
     def check_file(self, location: str, name: str, *, size_bytes: int, digest: str | None,
                    sizes: dict[str, int] | None = None) -> None:
         url = f"{location}/{name}"
@@ -232,6 +250,7 @@ class S3Store:
             raise CheckpointCorruptError(f"{url}: {HASH_ALGORITHM} {hasher.hexdigest()} does not match the "
                                          f"manifest's {digest} (bytes changed after the commit)", path=url)
 
+    @override
     def validate(self, location: str, *, check_hashes: bool = False) -> Manifest:
         manifest = self.read_manifest(location)
         sizes = self.object_sizes(location)
@@ -243,6 +262,7 @@ class S3Store:
             raise problem
         return manifest
 
+    @override
     def verify(self, location: str) -> list[CheckpointCorruptError]:
         try:
             manifest = self.read_manifest(location)
@@ -265,6 +285,7 @@ class S3Store:
                 steps.append(step)
         return sorted(steps)
 
+    @override
     def find_committed(self) -> list[tuple[int, str, Manifest | CheckpointCorruptError]]:
         out: list[tuple[int, str, Manifest | CheckpointCorruptError]] = []
         for step in reversed(self._manifest_steps()):
@@ -281,24 +302,29 @@ class S3Store:
                 out.append((step, location, e))
         return out
 
+    @override
     def existing(self) -> list[tuple[int, str]]:
         return sorted((s, loc) for s, loc, _ in self.find_committed())
 
+    @override
     def unmanaged(self) -> list[str]:
         return []  # a data prefix no manifest names is a save's leftover: remove_leftovers' business
 
+    @override
     def step_of(self, location: str) -> int | None:
         for step, loc, _ in self.find_committed():
             if loc == location.rstrip("/"):
                 return step
         return None
 
+    @override
     def location_of(self, step: int) -> str:
         for s, loc, _ in self.find_committed():
             if s == step:
                 return loc
         return self.objects.url(self._manifest_key(step))
 
+    @override
     def exists(self, location: str) -> bool:
         bucket, key = split_url(location)
         return bucket == self.bucket and bool(self.objects.list_objects(key.rstrip("/") + "/"))
@@ -329,16 +355,20 @@ class S3Store:
             done.append(f"deleted {checkpoint_name(step)} of {self.root}")
         return done
 
+    @override
     def deferred_by(self, steps: list[int]) -> list[str]:
         return []  # no incremental references on S3
 
+    @override
     def check_tool_root(self) -> None:
         if split_location(self.root)[1] is not None:
             raise CheckpointNotFoundError(f"{self.root} is a checkpoint; pass its root")
 
+    @override
     def reuse_index(self, step: int, *, full_every: int | None) -> Any:
         raise ValueError("incremental saves need a POSIX root")
 
+    @override
     def reference_entries(self, pending: str) -> list[FileEntry]:
         return []
 
@@ -350,6 +380,7 @@ class S3Store:
             self.objects.delete_prefix(self.key(f"{rel}/"))
         return removed
 
+    @override
     def leftovers(self) -> list[str]:
         return self.unreferenced()
 
@@ -380,10 +411,12 @@ class S3Store:
         return loose
 
     # ------------------------------------------------------------------ latest, lock
+    @override
     def read_latest(self) -> str | None:
         data = self.objects.get(self.key(LATEST))
         return data.decode("utf-8", "replace").strip() or None if data is not None else None
 
+    @override
     def repair_latest(self) -> str | None:
         name = self.read_latest()
         if name is None:
@@ -398,6 +431,7 @@ class S3Store:
         self.objects.delete([self.key(LATEST)])
         return None
 
+    @override
     def lock_file(self) -> S3LockFile:
         return S3LockFile(self.objects, self.key(".lock"))
 

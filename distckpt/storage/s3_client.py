@@ -30,6 +30,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from botocore.handlers import VALID_BUCKET, VALID_S3_ARN
+from typing_extensions import override
 
 from ..errors import ConfigError, StorageError
 
@@ -86,6 +87,7 @@ class _RedactKeys(logging.Filter):
         super().__init__()
         self.secrets: set[str] = set()
 
+    @override
     def filter(self, record: logging.LogRecord) -> bool:
         try:
             text = record.getMessage()

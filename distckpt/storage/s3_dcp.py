@@ -20,6 +20,7 @@ from typing import Any, Iterator
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import StorageMeta
+from typing_extensions import override
 
 from ..engine.safe_io import SafeFileSystemReader, parse_dcp_metadata
 from ..engine.writer import CheckedFileSystemWriter, GuardedFileSystem
@@ -133,6 +134,7 @@ class S3ObjectFileSystem(FileSystem):
         bucket, key = split_url(os.fspath(path))
         return S3Objects(bucket, endpoint_url=self.endpoint_url, region=self.region), key
 
+    @override
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
         objects, key = self._objects(path)
@@ -170,12 +172,15 @@ class S3ObjectFileSystem(FileSystem):
                     f"{url}: {HASH_ALGORITHM} {hasher.hexdigest()} does not match the manifest's {digest} "
                     "(bytes changed after the commit)", path=url)
 
+    @override
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
         return f"{os.fspath(path).rstrip('/')}/{suffix}"
 
+    @override
     def init_path(self, path: str | os.PathLike, **kwargs: Any) -> str:
         return os.fspath(path)
 
+    @override
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         # DCP renames .metadata.tmp -> .metadata; the commit record is the manifest, not this.
         objects, src = self._objects(path)
@@ -183,21 +188,26 @@ class S3ObjectFileSystem(FileSystem):
         objects.copy(src, dst)
         objects.delete([src])
 
+    @override
     def mkdir(self, path: str | os.PathLike) -> None:
         pass  # prefixes need no creation
 
+    @override
     def exists(self, path: str | os.PathLike) -> bool:
         objects, key = self._objects(path)
         return bool(objects.list_objects(key))
 
+    @override
     def rm_file(self, path: str | os.PathLike) -> None:
         objects, key = self._objects(path)
         objects.delete([key])
 
+    @override
     def ls(self, path: str | os.PathLike) -> list[str]:
         objects, key = self._objects(path)
         return [objects.url(k) for k in objects.list_objects(key.rstrip("/") + "/")]
 
+    @override
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return os.fspath(checkpoint_id).startswith("s3://")
@@ -252,9 +262,11 @@ class S3Reader(SafeFileSystemReader):
         self.fs = fs
         self.path = url
 
+    @override
     def read_data(self, plan: Any, planner: Any) -> Any:
         return FileSystemReader.read_data(self, plan, planner)  # the fs verifies each download
 
+    @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         url = f"{os.fspath(self.path).rstrip('/')}/.metadata"
         with self.fs.create_stream(url, "rb") as f:
