@@ -44,7 +44,7 @@ def check_shared_root(collective: Collective, root: Path | str, *, write: bool =
     """Check that every rank sees the files rank 0 writes in ``root``. Collective.
 
     Args:
-        write: whether the manager writes to ``root``; ``False`` (``read_only``): no check, and
+        write: whether the manager writes to ``root``; ``False`` (``load.read_only``): no check, and
             no token file (each node may read its own copy of a snapshot).
 
     Raises:

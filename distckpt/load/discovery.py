@@ -50,8 +50,8 @@ class CheckpointDiscovery:
 
     Args:
         root: the checkpoint root.
-        config: the manager's config (``load``, ``load_path``, ``on_existing``,
-            ``fallback_to_older``).
+        config: the manager's config (``load.enabled``, ``load.path``, ``load.on_existing``,
+            ``load.fallback_to_older``).
         rank: this process's rank.
         locked: whether this job holds the root's lock: only then may it remove crash
             leftovers or rename (set aside) checkpoints.
@@ -70,9 +70,9 @@ class CheckpointDiscovery:
         """
         if self.rank != 0:
             return
-        if self.config.read_only:
+        if self.config.load.read_only:
             if not self.root.is_dir():
-                raise ConfigError(f"CheckpointConfig.root={str(self.root)!r} (read_only: true) is not a directory")
+                raise ConfigError(f"CheckpointConfig.root={str(self.root)!r} (load.read_only: true) is not a directory")
             return
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -92,29 +92,29 @@ class CheckpointDiscovery:
         Raises:
             ConfigError: such a run, without ``on_existing: archive`` (or without the lock).
         """
-        if self.rank != 0 or self.config.read_only:  # a read-only manager writes nothing among them
+        if self.rank != 0 or self.config.load.read_only:  # a read-only manager writes nothing among them
             return self.config
         existing = existing_checkpoints(self.root)
         if self.config.initial_load is not None and is_restart(
                 self.config, str(self.root), ((p.name, read_manifest_or_none(p)) for _, p in reversed(existing))):
             return self.config.for_restart()
-        fresh = not self.config.load
+        fresh = not self.config.load.enabled
         if not fresh and (self.config.resolved_load_path is None or self.rollback_step() is not None):
             return self.config  # resumes from the root
         if not existing:
             return self.config
-        why = ("load: false" if fresh
-               else f"load_path={self.config.load_path!r} is not a step-* directory of the root")
-        if self.config.on_existing != "archive":
+        why = ("load.enabled: false" if fresh
+               else f"load.path={self.config.load.path!r} is not a step-* directory of the root")
+        if self.config.load.on_existing != "archive":
             raise ConfigError(
                 f"CheckpointConfig.root={str(self.root)!r} already holds {len(existing)} checkpoint(s), "
                 f"newest {existing[-1][1].name}, and this run does not resume from them ({why}; none was "
                 "committed with this config's load options, which would make this start a restart). "
-                "Choose: resume them (load: true, with no load_path or one naming a step-* of the "
-                "root); on_existing: archive to rename them archived-step-N-<n> (nothing is deleted); "
+                "Choose: resume them (load.enabled: true, with no load.path or one naming a step-* of the "
+                "root); load.on_existing: archive to rename them archived-step-N-<n> (nothing is deleted); "
                 "or another root.")
         if not self.locked:
-            raise ConfigError("CheckpointConfig.on_existing='archive' needs lock: true: it renames "
+            raise ConfigError("CheckpointConfig.load.on_existing='archive' needs coordination.lock: true: it renames "
                               "checkpoints that another job could be writing")
         moved = [f"{p.name} -> {set_aside(p, 'archived').name}" for _, p in existing]
         repair_latest(self.root)
@@ -140,17 +140,17 @@ class CheckpointDiscovery:
         """Rank 0, after loading ``load_path`` = ``<root>/step-<step>``: the root's newer
         checkpoints are set aside at this run's first commit (:meth:`set_aside_newer`), not
         now, so a manager that only loads (an evaluation) changes nothing."""
-        if self.rank != 0 or self.config.read_only:
+        if self.rank != 0 or self.config.load.read_only:
             return False  # never commits: nothing to set aside
         newer = [p.name for s, p in existing_checkpoints(self.root) if s > step]
         if not newer:
             return False
-        what = (f"load_path={self.config.resolved_load_path!r}" if self.config.resolved_load_path is not None
-                else f"step_rule='rescale' (step {step})" if self.config.step_rule == "rescale"
+        what = (f"load.path={self.config.resolved_load_path!r}" if self.config.resolved_load_path is not None
+                else f"step_rule='rescale' (step {step})" if self.config.elastic.step_rule == "rescale"
                 else f"the resumed step {step} (the load selection left out counters)")
         if not self.locked:
             raise ConfigError(f"{what} rolls back {self.root}, whose newer "
-                              "checkpoints must be set aside before this run saves: that needs lock: true")
+                              "checkpoints must be set aside before this run saves: that needs coordination.lock: true")
         logger.warning("rollback to %s: the root's %d newer checkpoint(s) (%s) will be renamed "
                        "rolledback-step-M-<n> at this run's first save (kept, never loaded or deleted)",
                        what, len(newer), ", ".join(newer))
@@ -164,7 +164,7 @@ class CheckpointDiscovery:
                  for s, p in existing_checkpoints(self.root) if s > step]
         repair_latest(self.root)
         if moved:
-            again = ("This run's checkpoints record load_path/load_step: a restart with the same config resumes "
+            again = ("This run's checkpoints record load.path/load.step: a restart with the same config resumes "
                      "them, not the rollback." if self.config.resolved_load_path is not None else "")
             logger.warning("rollback to %s: set aside %d newer checkpoint(s), kept: %s. %s",
                            checkpoint_name(step), len(moved), ", ".join(moved), again)
@@ -184,22 +184,22 @@ class CheckpointDiscovery:
                            "there. To use it: `distckpt import %s NEW_ROOT`", p, MANIFEST, p)
         if self.config.resolved_load_path is not None:
             p = Path(self.config.resolved_load_path)
-            if self.config.load_step is not None:
+            if self.config.load.step is not None:
                 steps = [s for s, _ in existing_checkpoints(self.root)]
                 if not p.is_dir():
                     raise CheckpointNotFoundError(
-                        f"CheckpointConfig.load_step={self.config.load_step}: no {p.name} in {self.root} "
+                        f"CheckpointConfig.load.step={self.config.load.step}: no {p.name} in {self.root} "
                         f"(its checkpoints: steps {steps or 'none'})")
-                logger.info("load_step=%d: loading %s (the root's newest is step %s)", self.config.load_step,
+                logger.info("load.step=%d: loading %s (the root's newest is step %s)", self.config.load.step,
                             p, max(steps) if steps else "-")
             if not p.is_dir():
-                raise CheckpointNotFoundError(f"CheckpointConfig.load_path={str(p)!r} does not exist")
+                raise CheckpointNotFoundError(f"CheckpointConfig.load.path={str(p)!r} does not exist")
             if not (p / MANIFEST).exists() and (p / ".metadata").exists():
                 raise CheckpointNotFoundError(
-                    f"CheckpointConfig.load_path={str(p)!r} is a DCP directory without a distckpt "
+                    f"CheckpointConfig.load.path={str(p)!r} is a DCP directory without a distckpt "
                     f"manifest ({MANIFEST}), not a distckpt checkpoint. Import its model weights: "
                     f"`distckpt import {p} NEW_ROOT [--step N]`, then set root: NEW_ROOT (or "
-                    "load_path: NEW_ROOT/step-...)")
+                    "load.path: NEW_ROOT/step-...)")
             validate(p)
             return str(p)
         newest_error: CheckpointCorruptError | None = None
@@ -211,7 +211,7 @@ class CheckpointDiscovery:
             elif isinstance(result, Manifest):
                 if newest_error is not None:
                     logger.warning("newest checkpoint is corrupt (%s); falling back to %s "
-                                   "(fallback_to_older=true)", newest_error, p)
+                                   "(load.fallback_to_older=true)", newest_error, p)
                 latest = self.root / LATEST
                 last = latest.read_text().strip() if latest.is_file() else p.name
                 if newest_error is None and last != p.name and (self.root / last / MANIFEST).is_file():
@@ -219,10 +219,10 @@ class CheckpointDiscovery:
                                    "commit was %s (named by %s): the newer one is another run's or "
                                    "was saved without a load", p.name, self.root, last, LATEST)
                 return str(p)
-            if not self.config.fallback_to_older:
+            if not self.config.load.fallback_to_older:
                 raise CheckpointCorruptError(
                     f"{result} -- the newest checkpoint {p} is not loadable. Set "
-                    "fallback_to_older: true to resume from the previous committed checkpoint, "
+                    "load.fallback_to_older: true to resume from the previous committed checkpoint, "
                     f"or remove {p}.", path=result.path)
             newest_error = newest_error or result
             if self.locked:  # the run will save this step again: move it out of the way
@@ -231,7 +231,7 @@ class CheckpointDiscovery:
         if newest_error is not None:  # never start fresh silently over a run's checkpoints
             raise CheckpointCorruptError(
                 f"no committed checkpoint in {self.root} is loadable (newest problem: {newest_error}). "
-                "Restore the files, point load_path at a good copy, or move the root away to start "
+                "Restore the files, point load.path at a good copy, or move the root away to start "
                 "fresh.", path=newest_error.path)
         refuse_corrupt_only(str(self.root), [e.name for e in os.scandir(self.root)] if self.root.is_dir() else [])
         return None
@@ -262,7 +262,7 @@ def refuse_corrupt_only(root: str, names: list[str]) -> None:
         raise CheckpointCorruptError(
             f"no committed checkpoint in {root}: it holds only checkpoints set aside as corrupt "
             f"({', '.join(corrupt)}). Restore one (rename it back to step-N after repairing its files), "
-            "point load_path at a good copy, or move the root away (or set load: false) to start "
+            "point load.path at a good copy, or move the root away (or set load.enabled: false) to start "
             "fresh deliberately.", path=root)
 
 
@@ -296,37 +296,37 @@ class StoreDiscovery:
         Raises:
             CheckpointNotFoundError: no committed checkpoint of step ``load_step``.
         """
-        if self.config.load_step is None:
-            return self.config.load_path
+        if self.config.load.step is None:
+            return self.config.load.path
         for step, location in self._committed():
-            if step == self.config.load_step:
+            if step == self.config.load.step:
                 return location
-        raise CheckpointNotFoundError(f"CheckpointConfig.load_step={self.config.load_step}: no committed checkpoint "
+        raise CheckpointNotFoundError(f"CheckpointConfig.load.step={self.config.load.step}: no committed checkpoint "
                                       f"of that step in {self.root} (`distckpt ls {self.root}` lists them)")
 
     def check_existing(self) -> CheckpointConfig:
         """As :meth:`CheckpointDiscovery.check_existing`."""
-        if self.rank != 0 or self.config.read_only:
+        if self.rank != 0 or self.config.load.read_only:
             return self.config
         if self.config.initial_load is not None and is_restart(self.config, self.root, (
                 (checkpoint_name(s), r if isinstance(r, Manifest) else self._manifest_or_none(loc))
                 for s, loc, r in self.store.find_committed())):
             return self.config.for_restart()
-        fresh = not self.config.load
+        fresh = not self.config.load.enabled
         if not fresh and (self._load_location() is None or self.rollback_step() is not None):
             return self.config
         existing = self._committed()
         if not existing:
             return self.config
-        if self.config.on_existing != "archive":
+        if self.config.load.on_existing != "archive":
             raise ConfigError(
                 f"CheckpointConfig.root={self.root!r} already holds {len(existing)} checkpoint(s), newest "
                 f"{checkpoint_name(existing[-1][0])}, and this run does not resume from them (none was committed "
                 "with this config's load options, which would make this start a restart). Resume them "
-                "(load: true), set on_existing: archive (their manifests are renamed archived-step-N-<n>, "
+                "(load.enabled: true), set load.on_existing: archive (their manifests are renamed archived-step-N-<n>, "
                 "nothing deleted), or use another root.")
         if not self.locked:
-            raise ConfigError("CheckpointConfig.on_existing='archive' needs lock: true")
+            raise ConfigError("CheckpointConfig.load.on_existing='archive' needs coordination.lock: true")
         moved = [self.store.set_aside(s, "archived") for s, _ in existing]
         self.store.repair_latest()
         logger.warning("on_existing=archive: set aside %d checkpoint(s) in %s, nothing deleted: %s",
@@ -354,11 +354,12 @@ class StoreDiscovery:
 
     def plan_rollback(self, step: int) -> bool:
         """As :meth:`CheckpointDiscovery.plan_rollback`."""
-        if self.rank != 0 or self.config.read_only:
+        if self.rank != 0 or self.config.load.read_only:
             return False
         newer = [s for s, _ in self._committed() if s > step]
         if newer and not self.locked:
-            raise ConfigError(f"load_path={self.config.load_path!r} rolls back {self.root}: that needs lock: true")
+            raise ConfigError(f"load.path={self.config.load.path!r} rolls back {self.root}: that needs "
+                              "coordination.lock: true")
         return bool(newer)
 
     def set_aside_newer(self, step: int) -> None:
@@ -382,7 +383,7 @@ class StoreDiscovery:
             try:  # load_path may be a checkpoint of another root
                 store_of(location, self.store).validate(location)
             except CheckpointCorruptError as e:
-                raise CheckpointNotFoundError(f"CheckpointConfig.load_path={location!r} is not a "
+                raise CheckpointNotFoundError(f"CheckpointConfig.load.path={location!r} is not a "
                                               f"loadable committed checkpoint: {e}") from e
             return location
         newest_error: CheckpointCorruptError | None = None
@@ -392,11 +393,11 @@ class StoreDiscovery:
             elif isinstance(result, Manifest):
                 if newest_error is not None:
                     logger.warning("newest checkpoint is corrupt (%s); falling back to %s "
-                                   "(fallback_to_older=true)", newest_error, location)
+                                   "(load.fallback_to_older=true)", newest_error, location)
                 return location
-            if not self.config.fallback_to_older:
+            if not self.config.load.fallback_to_older:
                 raise CheckpointCorruptError(
-                    f"{result} -- the newest checkpoint {location} is not loadable. Set fallback_to_older: "
+                    f"{result} -- the newest checkpoint {location} is not loadable. Set load.fallback_to_older: "
                     "true to resume from the previous committed checkpoint.", path=result.path)
             newest_error = newest_error or result
             if self.locked:  # the run will save this step again: its manifest name must be free

@@ -31,7 +31,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from .._version import __version__
-from ..config import KeepBest
+from ..config import RetentionConfig, SaveConfig
 from ..coord.collective import Collective
 from ..coord.events import EventLog
 from ..coord.topology import hardware_summary
@@ -47,7 +47,7 @@ from .incremental import References, reference_entries, reuse_for
 from .purge import Purger
 from .retention import best_steps, steps_to_delete
 
-__all__ = ["BackgroundSave", "PHASES", "PhaseHook", "RankOutcome", "SaveContext", "SaveTransaction", "save_options"]
+__all__ = ["BackgroundSave", "PHASES", "PhaseHook", "RankOutcome", "SaveContext", "SaveTransaction"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +78,6 @@ class RankOutcome:
     files: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
 
 
-def save_options(config: Any) -> dict[str, Any]:
-    """The :class:`SaveContext` fields a :class:`~distckpt.config.CheckpointConfig` sets."""
-    return dict(keep_last=config.keep_last, keep_every_steps=config.keep_every_steps, keep_best=config.keep_best,
-                thread_count=config.thread_count, write_timeout_s=config.effective_write_timeout_s,
-                incremental=config.incremental, full_every=config.full_every, initial_load=config.initial_load)
-
-
 @dataclasses.dataclass
 class SaveContext:
     """What every save of one manager shares (built once by the manager).
@@ -96,13 +89,14 @@ class SaveContext:
         model_specs: ``{fqn: TensorSpec}`` of the live model (manifest + fingerprint).
         events: this rank's event log.
         on_phase: the user's phase hook, or ``None``.
-        keep_last, keep_every_steps: retention policy (``CheckpointConfig``).
-        thread_count: writer threads per rank (blocking writes).
-        write_timeout_s: deadline of one rank's blocking write phase (seconds).
+        retention: ``CheckpointConfig.retention``: ``keep_last``, ``keep_every_steps``, best-K
+            retention by a metric of the manifests (``keep_best``).
+        save: ``CheckpointConfig.save``: writer threads per rank (``thread_count``), incremental
+            saves (``incremental``, ``full_every``; :mod:`distckpt.save.incremental`).
+        write_timeout_s: deadline of one rank's blocking write phase (seconds;
+            ``CheckpointConfig.coordination.effective_write_timeout_s``).
         before_commit: rank 0, called after the manifest is built and before it is written
             (the manager sets aside a rolled-back run's newer checkpoints there).
-        keep_best: best-K retention by a metric of the manifests, or ``None``.
-        incremental, full_every: incremental saves (``CheckpointConfig``; :mod:`distckpt.save.incremental`).
         store: the root's storage (:mod:`distckpt.storage`); ``None``: the POSIX directory ``root``.
         purger: removes the files of checkpoints retention deleted, in the background (rank 0,
             POSIX); joined before the next retention, by ``BackgroundSave`` and the manager's ``wait``.
@@ -116,14 +110,10 @@ class SaveContext:
     model_specs: dict[str, TensorSpec]
     events: EventLog
     on_phase: PhaseHook | None
-    keep_last: int | None
-    keep_every_steps: int | None
-    thread_count: int
+    retention: RetentionConfig
+    save: SaveConfig
     write_timeout_s: float
     before_commit: Callable[[], None] | None = None
-    keep_best: KeepBest | None = None
-    incremental: bool = False
-    full_every: int | None = None
     store: CheckpointStore | None = None
     purger: Purger = dataclasses.field(default_factory=Purger)
     initial_load: dict[str, Any] | None = None
@@ -168,7 +158,7 @@ class SaveTransaction:
             self.phase("write", pending=str(self.pending), blocking=True)
             self.store.begin_write(str(self.pending))
             t_stage = time.perf_counter() - self.t0
-            files = dcp_save(sd, self.pending, process_group=collective.group, thread_count=self.ctx.thread_count,
+            files = dcp_save(sd, self.pending, process_group=collective.group, thread_count=self.ctx.save.thread_count,
                              write_timeout_s=self.ctx.write_timeout_s, reuse=self._reuse(), writer=self._writer())
             return RankOutcome(None, t_stage, time.perf_counter() - self.t0 - t_stage, files)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
@@ -199,15 +189,15 @@ class SaveTransaction:
 
     def _reuse(self) -> Any:
         """What this rank's write may reuse, read when the write starts (``None``: not incremental)."""
-        if not self.ctx.incremental:
+        if not self.ctx.save.incremental:
             return None
-        return functools.partial(reuse_for, self.ctx.root, self.step, full_every=self.ctx.full_every)
+        return functools.partial(reuse_for, self.ctx.root, self.step, full_every=self.ctx.save.full_every)
 
     def _writer(self) -> object | None:
         """The store's DCP writer; ``None`` on POSIX (the engine's own, as before)."""
         if self.store.kind == "posix":
             return None
-        return self.store.dcp_writer(str(self.pending), thread_count=self.ctx.thread_count,
+        return self.store.dcp_writer(str(self.pending), thread_count=self.ctx.save.thread_count,
                                      write_timeout_s=self.ctx.write_timeout_s)
 
     def agree_started(self, collective: Collective, outcome: RankOutcome) -> None:
@@ -286,7 +276,7 @@ class SaveTransaction:
             model_fingerprint=model_fingerprint(ctx.model_specs),
             loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == self.step else None,
             timings_s=timings, files=self.store.list_files(str(self.pending), files)
-            + (reference_entries(self.pending) if ctx.incremental else []), run_id=ts.run_id,
+            + (reference_entries(self.pending) if ctx.save.incremental else []), run_id=ts.run_id,
             metrics=dict(ts.metrics), probe_loss=ts.probe_loss, hardware=hardware_summary(),
             batch_change=ts.batch_change, initial_load=ctx.initial_load)
         for entry in manifest.files:
@@ -317,21 +307,21 @@ class SaveTransaction:
         root = self.ctx.root
         manifests = {s: r for s, _, r in self.store.find_committed() if isinstance(r, Manifest)}
         committed = list(manifests)
-        best, kb = [], self.ctx.keep_best
+        best, kb = [], self.ctx.retention.keep_best
         if kb is not None and (best := best_steps({s: m.metrics for s, m in manifests.items() if s <= self.step}, kb)):
             logger.info("retention: keeps the best %d by %s (%s): %s", kb.k, kb.metric, kb.mode,
                         ", ".join(f"step {s} ({manifests[s].metrics[kb.metric]:.6g})" for s in best))
         newer = [s for s in committed if s > self.step]
         if newer:  # not this run's (a save without a load in a used root): never deleted
             logger.warning("%s holds checkpoints newer than the step-%d just committed (steps %s); "
-                           "retention leaves them, and a later load: true resumes from step %d",
+                           "retention leaves them, and a later load.enabled: true resumes from step %d",
                            root, self.step, newer, max(newer))
         self.ctx.purger.join()  # the previous save's removals: References reads every directory
         # POSIX: a checkpoint an incremental one refers to is deferred, not deleted. The rename
         # to .deleting- happens here; the removal of its files runs on the purger's thread.
         refs = References(Path(root), remove=self.ctx.purger.submit) if self.store.kind == "posix" else None
-        for step in steps_to_delete(committed, keep_last=self.ctx.keep_last,
-                                    keep_every_steps=self.ctx.keep_every_steps, just_committed=self.step,
+        for step in steps_to_delete(committed, keep_last=self.ctx.retention.keep_last,
+                                    keep_every_steps=self.ctx.retention.keep_every_steps, just_committed=self.step,
                                     also_keep=best):
             self.phase("retention", step)
             if refs is not None:

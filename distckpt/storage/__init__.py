@@ -46,7 +46,7 @@ def open_store(root: str | os.PathLike, *, endpoint_url: str | None = None,
 def open_config_store(config: Any) -> tuple[CheckpointStore, Path | str]:
     """``(store, root)`` of a :class:`~distckpt.config.CheckpointConfig`: the root as a ``Path``
     on POSIX (as the manager always had it), the URL string on S3."""
-    store = open_store(config.root, endpoint_url=config.s3_endpoint_url, region=config.s3_region)
+    store = open_store(config.root, endpoint_url=config.storage.s3_endpoint_url, region=config.storage.s3_region)
     return store, (Path(store.root) if store.kind == "posix" else store.root)
 
 
