@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -127,9 +128,15 @@ class CheckpointConfig:
     coordination: CoordinationConfig = field(default_factory=CoordinationConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
 
-    def __init__(self, *, root: str | os.PathLike[str], schedule: Any = None, retention: Any = None,
-                 save: Any = None, async_save: Any = None, load: Any = None, elastic: Any = None,
-                 preemption: Any = None, coordination: Any = None, storage: Any = None, **flat: Any) -> None:
+    def __init__(self, *, root: str | os.PathLike[str], schedule: ScheduleConfig | Mapping[str, Any] | None = None,
+                 retention: RetentionConfig | Mapping[str, Any] | None = None,
+                 save: SaveConfig | Mapping[str, Any] | None = None,
+                 async_save: AsyncSaveConfig | Mapping[str, Any] | None = None,
+                 load: LoadConfig | Mapping[str, Any] | bool | None = None,
+                 elastic: ElasticConfig | Mapping[str, Any] | None = None,
+                 preemption: PreemptionConfig | Mapping[str, Any] | bool | None = None,
+                 coordination: CoordinationConfig | Mapping[str, Any] | None = None,
+                 storage: StorageConfig | Mapping[str, Any] | None = None, **flat: Any) -> None:
         given = dict(schedule=schedule, retention=retention, save=save, async_save=async_save, load=load,
                      elastic=elastic, preemption=preemption, coordination=coordination, storage=storage)
         sections = _regroup(given, flat, lambda key: f"CheckpointConfig({key}=...)")
@@ -254,7 +261,7 @@ def _regroup(given: dict[str, Any], flat: dict[str, Any], spelled: Callable[[str
     """
     given, flat = dict(given), dict(flat)
     for name in ("load", "preemption"):
-        if name not in flat and given.get(name) is not None and not isinstance(given[name], (dict, SECTIONS[name])):
+        if name not in flat and given.get(name) is not None and not isinstance(given[name], (Mapping, SECTIONS[name])):
             flat[name] = given.pop(name)
     unknown = sorted(set(flat) - set(DEPRECATED_KEYS))
     if unknown:
@@ -277,12 +284,12 @@ def _section(name: str, value: Any, updates: dict[str, Any]) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     if value is None:
         value = {}
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         unknown = sorted(set(value) - set(fields))
         if unknown:
             raise ConfigError(f"unknown CheckpointConfig.{name} key(s) {unknown}{_suggest(unknown)}; valid keys: "
                               f"{', '.join(fields)}")
-        nested = value
+        nested = dict(value)
     elif isinstance(value, cls):  # a field left at its default may take the flat key's value
         nested = {k: v for k, f in fields.items() if (v := getattr(value, k)) != _default(f)}
     else:
@@ -292,7 +299,7 @@ def _section(name: str, value: Any, updates: dict[str, Any]) -> Any:
             old = next(k for k, v in DEPRECATED_KEYS.items() if v == (name, key))
             raise ConfigError(f"CheckpointConfig: {old}={new!r} (deprecated) and {name}.{key}={nested[key]!r} "
                               f"conflict; set only {name}.{key}")
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return cls(**{**value, **updates})
     return cls(**{**{k: getattr(value, k) for k in fields}, **updates}) if updates else value
 

@@ -7,6 +7,7 @@ import dataclasses
 import pickle
 import warnings
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 
@@ -69,6 +70,8 @@ def test_new_form_instances_and_mappings():
     assert default.schedule == ScheduleConfig() and default.save == SaveConfig() and default.elastic == ElasticConfig()
     assert default.storage == StorageConfig() and default.preemption == PreemptionConfig()
     assert default.retention == RetentionConfig() and default.retention.keep_last == 3
+    proxy = MappingProxyType({"interval_steps": 3})  # any mapping
+    assert CheckpointConfig(root="/tmp/x", schedule=proxy).schedule.interval_steps == 3
     assert pickle.loads(pickle.dumps(cfg)) == cfg  # broadcast to the ranks
     assert dataclasses.replace(cfg, root="/tmp/y").retention == cfg.retention
 
