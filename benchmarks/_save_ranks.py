@@ -211,13 +211,25 @@ class _NaiveSaver:
 def _make_saver(mode: str, spec: dict[str, Any], model, optimizer, rank: int):
     if mode == "naive_torch_save":
         return _NaiveSaver(model, optimizer, spec["root"], rank)
-    from distckpt import CheckpointConfig, CheckpointManager
+    from distckpt import (
+        AsyncSaveConfig,
+        CheckpointConfig,
+        CheckpointManager,
+        CoordinationConfig,
+        LoadConfig,
+        RetentionConfig,
+        SaveConfig,
+        ScheduleConfig,
+    )
 
     async_mode = {"blocking": "off", "async_thread": "thread", "async_process": "process",
                   "async_thread_bgstage": "thread"}[mode]
-    config = CheckpointConfig(root=spec["root"], interval_steps=None, keep_last=2, load=False,
-                              async_mode=async_mode, background_staging=mode == "async_thread_bgstage",
-                              thread_count=spec["thread_count"], timeout_s=spec["timeout_s"])
+    config = CheckpointConfig(root=spec["root"], schedule=ScheduleConfig(interval_steps=None),
+                              retention=RetentionConfig(keep_last=2), load=LoadConfig(enabled=False),
+                              async_save=AsyncSaveConfig(mode=async_mode,
+                                                         background_staging=mode == "async_thread_bgstage"),
+                              save=SaveConfig(thread_count=spec["thread_count"]),
+                              coordination=CoordinationConfig(timeout_s=spec["timeout_s"]))
     return CheckpointManager(config, model=model, optimizer=optimizer, process_group=None)
 
 
@@ -315,12 +327,23 @@ def _train_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str,
     mode = spec["mode"]
     manager = None
     if mode != "train_none":
-        from distckpt import CheckpointConfig, CheckpointManager
+        from distckpt import (
+            AsyncSaveConfig,
+            CheckpointConfig,
+            CheckpointManager,
+            CoordinationConfig,
+            LoadConfig,
+            RetentionConfig,
+            SaveConfig,
+            ScheduleConfig,
+        )
 
-        config = CheckpointConfig(
-            root=spec["root"], interval_steps=None, keep_last=2, load=False,
-            async_mode=spec["async_mode"] if mode == "train_async" else "off",
-            thread_count=spec["thread_count"], timeout_s=spec["timeout_s"])
+        config = CheckpointConfig(root=spec["root"], schedule=ScheduleConfig(interval_steps=None),
+                                  retention=RetentionConfig(keep_last=2), load=LoadConfig(enabled=False),
+                                  async_save=AsyncSaveConfig(
+                                      mode=spec["async_mode"] if mode == "train_async" else "off"),
+                                  save=SaveConfig(thread_count=spec["thread_count"]),
+                                  coordination=CoordinationConfig(timeout_s=spec["timeout_s"]))
         manager = CheckpointManager(config, model=model, optimizer=optimizer, process_group=None)
     gen = torch.Generator().manual_seed(1000 + rank)
     batch, seq = spec["batch_per_rank"], cfg.seq_len

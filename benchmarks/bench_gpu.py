@@ -106,10 +106,10 @@ def _spec(cell: dict[str, Any], args: argparse.Namespace, data_dir: Path) -> dic
     if cell["kind"] == "copy":
         return {"device": args.device, "size_bytes": size}
     if cell["kind"] == "save":
-        from distckpt import CheckpointConfig
+        from distckpt import SaveConfig
 
         return {"device": args.device, "size_bytes": size, "mode": cell["mode"], "root": str(data_dir / "save"),
-                "thread_count": CheckpointConfig.thread_count, "saves_per_process": args.repeats,
+                "thread_count": SaveConfig.thread_count, "saves_per_process": args.repeats,
                 "step_compute_s": args.step_compute_s}
     ckpt = str(data_dir / f"load-{cell['size_gib']:g}")
     if cell["kind"] == "write":

@@ -38,7 +38,14 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from benchmarks._output import machine_info, prepare_dirs, pyplot, write_outputs
-from distckpt import CheckpointConfig, CheckpointManager
+from distckpt import (
+    CheckpointConfig,
+    CheckpointManager,
+    CoordinationConfig,
+    RetentionConfig,
+    SaveConfig,
+    ScheduleConfig,
+)
 from distckpt.engine.incremental_writer import tensor_digest
 
 GOAL_BYTES, GOAL_TIME, GOAL_COST = 0.15, 0.35, 0.02
@@ -52,8 +59,9 @@ class _State(nn.Module):
 
 
 def _manager(root: Path, model: nn.Module, incremental: bool) -> CheckpointManager:
-    config = CheckpointConfig(root=str(root), interval_steps=None, keep_last=None, incremental=incremental,
-                              lock=False)
+    config = CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=None),
+                              retention=RetentionConfig(keep_last=None), save=SaveConfig(incremental=incremental),
+                              coordination=CoordinationConfig(lock=False))
     return CheckpointManager(config, model=model, optimizer=None)
 
 

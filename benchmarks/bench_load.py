@@ -19,7 +19,7 @@ each load, so a load that does nothing fails the check).
 
 Checkpoints (written once, before the loads, with distckpt's ``dcp_save``: DCP's
 ``FileSystemWriter`` + per-file fsync + xxh3-128 of each file; ``--save-thread-count`` files per
-rank, by default ``CheckpointConfig.thread_count`` (4), as ``CheckpointManager`` writes them;
+rank, by default ``SaveConfig.thread_count`` (4), as ``CheckpointManager`` writes them;
 1 is what a plain ``dcp.save`` writes):
 
 * ``fsdp2-ws<W>``: FSDP2 (``fully_shard`` per layer + root; a plain module at W = 1) saved by W
@@ -99,7 +99,7 @@ from benchmarks._load_ranks import _data_files, _evict, _load_worker, _save_work
 from benchmarks._load_report import _cell_key, _median, _plot, _rows, _verdicts, render_markdown
 from benchmarks._output import machine_info, prepare_dirs, write_outputs
 from benchmarks._ranks import BenchError, run_ranks
-from distckpt.config import CheckpointConfig
+from distckpt.config import SaveConfig
 
 __all__ = ["main", "READERS", "render_markdown"]
 
@@ -291,9 +291,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--thread-count", type=int, default=None,
                    help="FastFileSystemReader thread_count per rank (default: as the manager, 2 streams per node "
                         "divided among the ranks, at least 1)")
-    p.add_argument("--save-thread-count", type=int, default=CheckpointConfig.thread_count,
+    p.add_argument("--save-thread-count", type=int, default=SaveConfig.thread_count,
                    help="writer threads (files) per rank of the checkpoints loaded (default: "
-                        f"{CheckpointConfig.thread_count}, CheckpointManager's; 1 = plain dcp.save's)")
+                        f"{SaveConfig.thread_count}, CheckpointManager's; 1 = plain dcp.save's)")
     p.add_argument("--out", default="runs/bench_load", help="output directory")
     p.add_argument("--data-dir", default=None, help="checkpoints (default: OUT/data; removed at the end)")
     p.add_argument("--keep-data", action="store_true", help="keep the checkpoints")

@@ -1,11 +1,23 @@
 """distckpt: save and resume the whole training state of a torchrun job through DCP.
 
-Public API: :class:`CheckpointConfig`, :class:`CheckpointManager`, :class:`TrainState`, the
-reshardable data sampler, and the typed errors.
+Public API: :class:`CheckpointConfig` and its sections (:class:`ScheduleConfig`, ...),
+:class:`CheckpointManager`, :class:`TrainState`, the reshardable data sampler, and the typed errors.
 """
 
 from ._version import __version__
-from .config import CheckpointConfig
+from .config import (
+    AsyncSaveConfig,
+    CheckpointConfig,
+    CoordinationConfig,
+    ElasticConfig,
+    KeepBest,
+    LoadConfig,
+    PreemptionConfig,
+    RetentionConfig,
+    SaveConfig,
+    ScheduleConfig,
+    StorageConfig,
+)
 from .data import ReshardableSampler
 from .errors import (
     CheckpointCorruptError,
@@ -25,6 +37,16 @@ from .state.training_state import TrainState
 __all__ = [
     "__version__",
     "CheckpointConfig",
+    "ScheduleConfig",
+    "RetentionConfig",
+    "KeepBest",
+    "SaveConfig",
+    "AsyncSaveConfig",
+    "LoadConfig",
+    "ElasticConfig",
+    "PreemptionConfig",
+    "CoordinationConfig",
+    "StorageConfig",
     "CheckpointManager",
     "TrainState",
     "ReshardableSampler",

@@ -1,215 +1,154 @@
-"""Checkpoint policy configuration: a kw-only dataclass, YAML only at the edge."""
+"""Checkpoint policy configuration: a kw-only dataclass of kw-only sections, YAML only at the edge.
+
+``CheckpointConfig(root=..., schedule=ScheduleConfig(interval_steps=10),
+retention=RetentionConfig(keep_last=2))``, or in YAML::
+
+    checkpoint:
+      root: runs/my_run/ckpt
+      schedule: {interval_steps: 10}
+      retention: {keep_last: 2}
+
+The sections are :mod:`distckpt.config_sections`. The flat keys of earlier versions
+(``keep_last=2``, ``keep_last: 2``; :data:`DEPRECATED_KEYS`) still work, each with one
+``DeprecationWarning`` naming its new key.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import difflib
 import os
-from dataclasses import dataclass
-from typing import Any, Literal
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
+from .config_sections import (
+    LOADABLE,
+    AsyncSaveConfig,
+    CoordinationConfig,
+    ElasticConfig,
+    KeepBest,
+    LoadConfig,
+    PreemptionConfig,
+    RetentionConfig,
+    SaveConfig,
+    ScheduleConfig,
+    StorageConfig,
+)
 from .errors import ConfigError
 from .ondisk.layout import check_root_scheme, checkpoint_name
 
-__all__ = ["CheckpointConfig", "KeepBest", "LOADABLE", "INITIAL_LOAD", "READ_ONLY_SAVE"]
+__all__ = ["AsyncSaveConfig", "CheckpointConfig", "CoordinationConfig", "DEPRECATED_KEYS", "ElasticConfig",
+           "INITIAL_LOAD", "KeepBest", "LOADABLE", "LoadConfig", "PreemptionConfig", "READ_ONLY_SAVE",
+           "RetentionConfig", "SECTIONS", "SaveConfig", "ScheduleConfig", "StorageConfig"]
 
-StateDictType = Literal["sharded", "full"]
-BATCH_POLICIES = ("keep_global_batch", "keep_local_batch")  # CheckpointConfig.batch_policy
-STEP_RULES = ("keep", "rescale")  # CheckpointConfig.step_rule
-
-LOADABLE = ("model", "optimizer", "lr_scheduler", "grad_scaler", "dataloader", "rng", "counters", "extra_state")
-"""Parts of a checkpoint ``load_only`` / ``exclude_from_loading`` name (``counters``: step, epoch,
-samples/tokens seen, loss history, metrics, run id)."""
-
-READ_ONLY_SAVE = ("CheckpointConfig.read_only=true: this manager only loads and never writes to its root, so "
+READ_ONLY_SAVE = ("CheckpointConfig.load.read_only=true: this manager only loads and never writes to its root, so "
                   "save() and maybe_save() are refused. Build the manager without read_only to train and save.")
 """The ``ConfigError`` message of a save asked of a ``read_only`` manager."""
 
 INITIAL_LOAD = ("load_path", "load_step", "load_only", "exclude_from_loading")
-"""The options that say how a run starts: applied only while the root holds no checkpoint the
-run committed (:mod:`distckpt.load.restart`; README "Resume options")."""
+"""The options that say how a run starts (``load.path``, ``load.step``, ``load.only``,
+``load.exclude``), by the names every manifest records them under (``initial_load``): applied
+only while the root holds no checkpoint the run committed (:mod:`distckpt.load.restart`;
+docs/configuration.md "Initial-load options")."""
+
+SECTIONS: dict[str, type] = {
+    "schedule": ScheduleConfig, "retention": RetentionConfig, "save": SaveConfig, "async_save": AsyncSaveConfig,
+    "load": LoadConfig, "elastic": ElasticConfig, "preemption": PreemptionConfig,
+    "coordination": CoordinationConfig, "storage": StorageConfig,
+}
+"""``{section: its dataclass}``: the keys of :class:`CheckpointConfig` besides ``root``."""
+
+DEPRECATED_KEYS: dict[str, tuple[str, str]] = {
+    "interval_steps": ("schedule", "interval_steps"), "interval_seconds": ("schedule", "interval_seconds"),
+    "save_at_end": ("schedule", "save_at_end"), "full_at_end": ("schedule", "full_at_end"),
+    "keep_last": ("retention", "keep_last"), "keep_every_steps": ("retention", "keep_every_steps"),
+    "keep_best": ("retention", "keep_best"),
+    "state_dict_type": ("save", "state_dict_type"), "thread_count": ("save", "thread_count"),
+    "incremental": ("save", "incremental"), "full_every": ("save", "full_every"),
+    "loss_history_len": ("save", "loss_history_len"),
+    "async_mode": ("async_save", "mode"), "background_staging": ("async_save", "background_staging"),
+    "load": ("load", "enabled"), "load_path": ("load", "path"), "load_step": ("load", "step"),
+    "load_only": ("load", "only"), "exclude_from_loading": ("load", "exclude"),
+    "on_existing": ("load", "on_existing"), "fallback_to_older": ("load", "fallback_to_older"),
+    "read_only": ("load", "read_only"), "verify_on_load": ("load", "verify"), "fast_load": ("load", "fast_reader"),
+    "load_streams_per_node": ("load", "streams_per_node"), "probe_tolerance": ("load", "probe_tolerance"),
+    "probe_on_mismatch": ("load", "probe_on_mismatch"),
+    "batch_policy": ("elastic", "batch_policy"), "step_rule": ("elastic", "step_rule"), "seed": ("elastic", "seed"),
+    "preemption": ("preemption", "enabled"), "exit_on_preemption": ("preemption", "exit"),
+    "preemption_grace_s": ("preemption", "grace_s"),
+    "timeout_s": ("coordination", "timeout_s"), "write_timeout_s": ("coordination", "write_timeout_s"),
+    "arrival_timeout_s": ("coordination", "arrival_timeout_s"), "lock": ("coordination", "lock"),
+    "lock_lease_s": ("coordination", "lock_lease_s"), "event_log": ("coordination", "event_log"),
+    "s3_endpoint_url": ("storage", "s3_endpoint_url"), "s3_region": ("storage", "s3_region"),
+}
+"""``{flat key of earlier versions: (section, field)}``. A flat key still works, as a keyword
+(``CheckpointConfig(keep_last=2)``) or a YAML/dict key (``keep_last: 2``), with one
+``DeprecationWarning`` naming the new key. ``load`` and ``preemption`` are both: a bool is the
+flat key (``load.enabled``, ``preemption.enabled``), a mapping the section."""
 
 
-@dataclass(kw_only=True)
-class KeepBest:
-    """Best-K retention (``keep_best: {metric: val_loss, mode: min, k: 2}``): the ``k``
-    checkpoints with the best ``metric`` (passed as ``maybe_save(..., metrics={...})``) are kept
-    in addition to ``keep_last``. Ties: the earlier step wins. A checkpoint without the metric
-    (or with a NaN) never counts as best."""
-
-    metric: str
-    mode: Literal["min", "max"] = "min"
-    k: int = 1
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.metric, str) or not self.metric:
-            raise ConfigError(f"CheckpointConfig.keep_best.metric={self.metric!r}: must be a non-empty name")
-        if self.mode not in ("min", "max"):
-            raise ConfigError(f"CheckpointConfig.keep_best.mode={self.mode!r}: expected 'min' or 'max'")
-        _positive("keep_best.k", self.k, integer=True)
-
-
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, init=False)
 class CheckpointConfig:
-    """What to save, when, and how many to keep.
+    """What to save, when, and how many to keep: ``root`` and one section per concern.
+
+    Each section is a kw-only dataclass of :mod:`distckpt.config_sections` (whose fields document
+    their unit and default), given as an instance or a mapping of its fields, or left out for its
+    defaults. The flat keys of :data:`DEPRECATED_KEYS` are still accepted as keywords (one
+    ``DeprecationWarning`` each); a flat key and its section's field set to different values is a
+    ``ConfigError``.
 
     Args:
-        root: directory holding ``step-*`` checkpoints, ``latest`` and pending directories (saves in progress).
-        interval_steps: save when ``step % interval_steps == 0``; ``None`` disables.
-        interval_seconds: save when this many seconds (wall clock on rank 0) passed since the
-            last save; rank 0 decides and broadcasts, so skewed clocks never split the ranks.
-        keep_last: committed checkpoints to keep (>= 1); the newest is never deleted.
-            ``None`` keeps all.
-        keep_every_steps: checkpoints whose step is a multiple of this are kept forever.
-        save_at_end: ``maybe_save(..., last_step=True)`` always saves.
-        state_dict_type: ``"sharded"`` (each rank writes its shards) or ``"full"``
-            (model/optimizer gathered to rank 0 with CPU offload, rank 0 writes them).
-        load: ``True`` resumes from the newest committed checkpoint in ``root`` if any.
-        load_path: resume from this checkpoint directory instead of the newest in ``root``.
-            A ``step-N`` of ``root`` itself is a rollback: at the run's first save, the root's
-            newer checkpoints are renamed ``rolledback-step-M-<n>`` (kept, never loaded or
-            deleted), so its steps and ``latest`` are the rolled-back run's. Like ``load_step``,
-            ``load_only`` and ``exclude_from_loading`` it applies at the run's first start only:
-            once the root holds a checkpoint committed with the same four options (each
-            manifest records them), a start with this config is a restart and resumes the
-            root's newest checkpoint in full (:mod:`distckpt.load.restart`).
-        on_existing: what a run that does not resume from ``root`` (``load: false``, or a
-            ``load_path`` outside ``root``) does when ``root`` already holds checkpoints:
-            ``"refuse"`` (``ConfigError`` at construction, naming the newest) or
-            ``"archive"`` (rename them ``archived-step-N-<n>``, nothing deleted). A run that
-            resumes from ``root`` never needs it.
-        fallback_to_older: when the newest checkpoint is corrupt, load the next older
-            committed one (with a warning) instead of raising ``CheckpointCorruptError``.
-        verify_on_load: each rank checks size and xxh3-128 hash of every file it reads
-            against the manifest: with ``fast_load`` from the bytes as they are read (one
-            pass), otherwise in a pass before DCP's read.
-        fast_load: read with distckpt's ``FastFileSystemReader`` (large sequential reads
-            straight into the destination tensors; README "Benchmarks" has the figures) instead
-            of DCP's item-by-item ``FileSystemReader``. ``False`` falls back to DCP's reader (the
-            checkpoint format is the same either way).
-        load_streams_per_node: with ``fast_load``, parallel sequential read streams per node,
-            divided among the node's ranks (at least one per rank). Deeper storage queues
-            (NVMe arrays) usually want more (``benchmarks/README.md`` has this disk's figures).
-        loss_history_len: number of recent losses kept in the checkpoint.
-        seed: base seed for deriving RNG state of ranks that did not exist at save time.
-        async_mode: ``"off"`` (blocking save), ``"thread"`` or ``"process"``: ``save`` returns
-            once the state is staged (copied); the write and the commit finish in the background
-            (``"thread"``: with Python's cyclic GC paused until this rank's write ends).
-        background_staging: with async, copy in a background thread too; the loop must call
-            ``manager.wait_staged()`` before the state changes in place: ``optimizer.step()``,
-            and the forward when it updates buffers (BatchNorm's running statistics).
-        thread_count: writer threads (and files) per rank for DCP's ``FileSystemWriter``
-            (``make bench`` measures 1 against the default 4 on your disk).
-        lock: hold ``<root>/.lock`` while the manager is open, so a second job on the same root
-            fails at construction (``CheckpointLockedError``). Without the lock the manager
-            does not remove pending directories (they may belong to a live writer).
-        lock_lease_s: rank 0 renews the lock every ``lock_lease_s / 3`` seconds; another job
-            (on another host, where the holder's process cannot be checked) takes a lock over
-            once it was not renewed for this long. The same scheduler job takes it over at once.
-        preemption: on SIGTERM (any rank), all ranks save at the next ``maybe_save``.
-        exit_on_preemption: after that save, close, destroy the process groups (distckpt's
-            and the default one, after a barrier: every rank leaves together) and ``raise
-            SystemExit(0)``; when false, ``maybe_save`` returns and ``manager.preempted`` is
-            true (the job then ends the way it chooses, as ``launch/train.py`` does).
-        preemption_grace_s: seconds between SIGTERM and the launcher's SIGKILL (torchelastic: 30;
-            SLURM: ``KillWait``). The preemption save starts only when its predicted duration
-            (the longest of this manager's last 4 saves) fits in what is left of it; an async
-            save in flight is finished instead of starting another when both do not fit.
-        full_at_end: the final save (``last_step=True``) is a FULL checkpoint.
-        event_log: append phase events (stage, write, manifest, rename, latest, retention,
-            committed, load) as JSON lines to this file; ``$DISTCKPT_EVENT_LOG`` also works.
-        timeout_s: timeout of collectives distckpt issues on its own process groups (seconds).
-        write_timeout_s: deadline of one rank's write phase (seconds); past it the rank gives
-            up and the save fails with ``CheckpointSaveError`` on every rank, before the other
-            ranks' wait hits ``timeout_s`` (which would leave the process group unusable).
-            ``None``: ``timeout_s / 2``. Must be below ``timeout_s``.
-        arrival_timeout_s: how long the entry check of ``save`` and ``load`` (also of a
-            ``maybe_save`` that saves) waits for every rank to make the same call (seconds). A
-            rank that skipped the call, passed another step or made another call then gives
-            ``CollectiveMismatchError`` naming the ranks, instead of a hang of ``timeout_s``
-            ending in a gloo error. It bounds that check only: ``maybe_save`` first runs its own
-            collectives (the preemption all-reduce with ``preemption``, the schedule's broadcast
-            with ``interval_seconds``), which wait up to ``timeout_s`` for a rank that is merely
-            late. Raise it when a rank does long work of its own (evaluation on rank 0 only)
-            before a direct ``save``/``load``, or before ``maybe_save`` without those
-            collectives. ``None``: ``timeout_s / 5``. Must be below ``timeout_s``.
-        batch_policy: what a resume does when the global batch size changed since the save
-            (read from the saved ``ReshardableSampler`` state). ``"keep_global_batch"``: refuse
-            (``IncompatibleCheckpointError``), the global batch must be held constant.
-            ``"keep_local_batch"``: the data position carries over in samples (every sample of
-            the epoch is still handed out exactly once; README "Resharding").
-        step_rule: with ``keep_local_batch``, what happens to the step counter when the global
-            batch changed: ``"keep"`` (step and LR scheduler untouched) or ``"rescale"``
-            (``step = global_samples_seen // new_global_batch``, the LR scheduler moved by the
-            same number of steps; checkpoints of higher steps are set aside at the first save).
-        incremental: a tensor whose bytes equal those of the same item (name, shard layout,
-            dtype) in the previous committed checkpoint is not written again: the new
-            checkpoint refers to the earlier file (plain ``dcp.load`` follows the reference).
-            Local (POSIX) roots only. Retention defers deleting a checkpoint while a kept one
-            refers to it. README "Incremental checkpoints" has the measured cost.
-        full_every: with ``incremental``, every ``full_every``-th save writes every tensor
-            (``None``: only when there is no incremental checkpoint before it), so old
-            checkpoints stay referenced for at most that many saves.
-        s3_endpoint_url: S3 endpoint of an ``s3://bucket/prefix`` root (``None``: boto3's
-            standard ``AWS_ENDPOINT_URL`` or AWS). Credentials only ever come from the standard
-            environment / profiles, never from this config.
-        s3_region: S3 region (``None``: ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, else ``us-east-1``).
-        read_only: a manager that only loads and writes nothing to the root (an evaluation of a
-            read-only snapshot): no lock, no shared-root token file, no removal of leftovers, no
-            set-aside or rollback, no SIGTERM handler, no async writer; ``load_path`` /
-            ``load_step`` / the selection always apply; ``save`` and ``maybe_save`` raise
-            ``ConfigError``. Needs ``load: true``. An ``event_log`` is still appended to where it points.
+        root: directory holding ``step-*`` checkpoints, ``latest`` and pending directories (saves
+            in progress), or ``s3://bucket/prefix``. Required.
+        schedule: when to save (:class:`ScheduleConfig`).
+        retention: how many checkpoints to keep (:class:`RetentionConfig`).
+        save: what one save writes and how (:class:`SaveConfig`).
+        async_save: saves in the background (:class:`AsyncSaveConfig`).
+        load: what ``load()`` resumes from, which parts, and how it reads (:class:`LoadConfig`).
+        elastic: a resume at another world size or global batch (:class:`ElasticConfig`).
+        preemption: SIGTERM handling (:class:`PreemptionConfig`).
+        coordination: collective timeouts, the root's lock, the event log (:class:`CoordinationConfig`).
+        storage: object storage of an ``s3://`` root (:class:`StorageConfig`).
+
+    Raises:
+        ConfigError: an unknown keyword, an invalid value (the message names its dotted key), or a
+            flat key in conflict with its section.
     """
 
     root: str
-    interval_steps: int | None = 100
-    interval_seconds: float | None = None
-    keep_last: int | None = 3
-    keep_every_steps: int | None = None
-    save_at_end: bool = True
-    state_dict_type: StateDictType = "sharded"
-    load: bool = True
-    load_path: str | None = None
-    on_existing: Literal["refuse", "archive"] = "refuse"
-    fallback_to_older: bool = False
-    verify_on_load: bool = True
-    fast_load: bool = True
-    load_streams_per_node: int = 2
-    loss_history_len: int = 1000
-    seed: int = 0
-    async_mode: Literal["off", "thread", "process"] = "off"
-    background_staging: bool = False
-    thread_count: int = 4
-    lock: bool = True
-    lock_lease_s: float = 300.0
-    preemption: bool = True
-    exit_on_preemption: bool = True
-    preemption_grace_s: float = 30.0
-    full_at_end: bool = False
-    event_log: str | None = None
-    timeout_s: float = 600.0
-    write_timeout_s: float | None = None
-    arrival_timeout_s: float | None = None
-    keep_best: KeepBest | None = None
-    load_step: int | None = None
-    load_only: list[str] | None = None
-    exclude_from_loading: list[str] | None = None
-    probe_tolerance: float = 0.01
-    probe_on_mismatch: Literal["raise", "warn"] = "raise"
-    # A changed global batch on resume (issue 16 item 1; README "Resharding")
-    batch_policy: Literal["keep_global_batch", "keep_local_batch"] = "keep_global_batch"
-    step_rule: Literal["keep", "rescale"] = "keep"
-    incremental: bool = False
-    full_every: int | None = None
-    s3_endpoint_url: str | None = None
-    s3_region: str | None = None
-    read_only: bool = False
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    save: SaveConfig = field(default_factory=SaveConfig)
+    async_save: AsyncSaveConfig = field(default_factory=AsyncSaveConfig)
+    load: LoadConfig = field(default_factory=LoadConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    coordination: CoordinationConfig = field(default_factory=CoordinationConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
-    def __post_init__(self) -> None:
-        _check_batch_policy(self.batch_policy, self.step_rule)
-        if not isinstance(self.root, (str, os.PathLike)):
-            raise ConfigError(f"CheckpointConfig.root={self.root!r}: must be a directory path")
-        self.root = os.fspath(self.root)
+    def __init__(self, *, root: str | os.PathLike[str], schedule: ScheduleConfig | Mapping[str, Any] | None = None,
+                 retention: RetentionConfig | Mapping[str, Any] | None = None,
+                 save: SaveConfig | Mapping[str, Any] | None = None,
+                 async_save: AsyncSaveConfig | Mapping[str, Any] | None = None,
+                 load: LoadConfig | Mapping[str, Any] | bool | None = None,
+                 elastic: ElasticConfig | Mapping[str, Any] | None = None,
+                 preemption: PreemptionConfig | Mapping[str, Any] | bool | None = None,
+                 coordination: CoordinationConfig | Mapping[str, Any] | None = None,
+                 storage: StorageConfig | Mapping[str, Any] | None = None, **flat: Any) -> None:
+        given = dict(schedule=schedule, retention=retention, save=save, async_save=async_save, load=load,
+                     elastic=elastic, preemption=preemption, coordination=coordination, storage=storage)
+        sections = _regroup(given, flat, lambda key: f"CheckpointConfig({key}=...)")
+        for name in SECTIONS:
+            setattr(self, name, sections[name])
+        if not isinstance(root, (str, os.PathLike)):
+            raise ConfigError(f"CheckpointConfig.root={root!r}: must be a directory path")
+        self.root = os.fspath(root)
+        self._check()
+
+    def _check(self) -> None:
+        """The checks that need ``root`` or span sections (each section checks its own fields)."""
         if not self.root:
             raise ConfigError("CheckpointConfig.root must be a non-empty directory path")
         check_root_scheme(self.root, "CheckpointConfig.root")
@@ -217,178 +156,74 @@ class CheckpointConfig:
             if len(self.root[5:].split("/", 1)[0]) < 3:
                 raise ConfigError(f"CheckpointConfig.root={self.root!r}: expected s3://bucket/prefix "
                                   "(a bucket name of 3-63 characters)")
-            if self.async_mode == "process":
-                raise ConfigError("CheckpointConfig.async_mode='process' is not supported on s3:// roots "
+            if self.async_save.mode == "process":
+                raise ConfigError("CheckpointConfig.async_save.mode='process' is not supported on s3:// roots "
                                   "(use 'thread')")
-        for name in ("s3_endpoint_url", "s3_region"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise ConfigError(f"CheckpointConfig.{name}={getattr(self, name)!r}: must be a string or null")
-        _positive("interval_steps", self.interval_steps, allow_none=True, integer=True)
-        _positive("interval_seconds", self.interval_seconds, allow_none=True)
-        _positive("keep_last", self.keep_last, allow_none=True, integer=True)
-        _positive("keep_every_steps", self.keep_every_steps, allow_none=True, integer=True)
-        _positive("loss_history_len", self.loss_history_len, integer=True)
-        _positive("thread_count", self.thread_count, integer=True)
-        _positive("load_streams_per_node", self.load_streams_per_node, integer=True)
-        _positive("timeout_s", self.timeout_s)
-        _positive("preemption_grace_s", self.preemption_grace_s)
-        _positive("lock_lease_s", self.lock_lease_s)
-        _positive("write_timeout_s", self.write_timeout_s, allow_none=True)
-        if self.write_timeout_s is not None and self.write_timeout_s >= self.timeout_s:
+        keep_last, mode = self.retention.keep_last, self.async_save.mode
+        if mode != "off" and keep_last is not None and keep_last < 2:
             raise ConfigError(
-                f"CheckpointConfig.write_timeout_s={self.write_timeout_s!r} must be below "
-                f"timeout_s={self.timeout_s!r}: the other ranks wait for a slow writer at most timeout_s")
-        _positive("arrival_timeout_s", self.arrival_timeout_s, allow_none=True)
-        if self.arrival_timeout_s is not None and self.arrival_timeout_s >= self.timeout_s:
+                f"CheckpointConfig.retention.keep_last={keep_last} with async_save.mode={mode!r}: "
+                "keep at least 2 (the newest may still be in flight when retention runs)")
+        if self.save.incremental and "://" in self.root:
             raise ConfigError(
-                f"CheckpointConfig.arrival_timeout_s={self.arrival_timeout_s!r} must be below "
-                f"timeout_s={self.timeout_s!r}: it exists to fail before the collectives time out")
-        if self.async_mode not in ("off", "thread", "process"):
-            raise ConfigError(
-                f"CheckpointConfig.async_mode={self.async_mode!r}: expected 'off', 'thread' or 'process'"
-            )
-        if self.async_mode != "off" and self.keep_last is not None and self.keep_last < 2:
-            raise ConfigError(
-                f"CheckpointConfig.keep_last={self.keep_last} with async_mode={self.async_mode!r}: "
-                "keep at least 2 (the newest may still be in flight when retention runs)"
-            )
-        if self.background_staging and self.async_mode == "off":
-            raise ConfigError("CheckpointConfig.background_staging=true needs async_mode 'thread' or 'process'")
-        if self.on_existing not in ("refuse", "archive"):
-            raise ConfigError(f"CheckpointConfig.on_existing={self.on_existing!r}: expected 'refuse' or 'archive'")
-        if self.on_existing == "archive" and self.load and self.load_path is None:
-            raise ConfigError(
-                "CheckpointConfig.on_existing='archive' with load: true and no load_path: this run "
-                "resumes from the root's checkpoints, so nothing would be archived. Set load: false "
-                "to start fresh and archive them, or drop on_existing")
-        if not isinstance(self.read_only, bool):
-            raise ConfigError(f"CheckpointConfig.read_only={self.read_only!r}: must be true or false")
-        if self.read_only and (not self.load or self.on_existing == "archive"):
-            raise ConfigError("CheckpointConfig.read_only=true only loads: it needs load: true and no on_existing: "
-                              f"archive (load={self.load}, on_existing={self.on_existing!r})")
-        if not isinstance(self.incremental, bool):
-            raise ConfigError(f"CheckpointConfig.incremental={self.incremental!r}: must be true or false")
-        _positive("full_every", self.full_every, allow_none=True, integer=True)
-        if self.full_every is not None and not self.incremental:
-            raise ConfigError(f"CheckpointConfig.full_every={self.full_every!r} needs incremental: true "
-                              "(every save of a non-incremental run is full); set incremental: true or drop it")
-        if self.incremental and "://" in self.root:
-            raise ConfigError(
-                f"CheckpointConfig.incremental=true with root={self.root!r}: incremental checkpoints refer to "
-                "earlier checkpoints' files by relative file-system paths, so they need a local (POSIX) root; "
-                "set incremental: false for this root")
-        if self.state_dict_type not in ("sharded", "full"):
-            raise ConfigError(
-                f"CheckpointConfig.state_dict_type={self.state_dict_type!r}: "
-                "expected 'sharded' or 'full'"
-            )
-        self._check_resume_options()
-
-    def _check_resume_options(self) -> None:
-        if isinstance(self.keep_best, dict):
-            unknown = sorted(set(self.keep_best) - {"metric", "mode", "k"})
-            if unknown or "metric" not in self.keep_best:
-                raise ConfigError(f"CheckpointConfig.keep_best={self.keep_best!r}: expected "
-                                  "{metric: NAME, mode: min|max, k: N}")
-            self.keep_best = KeepBest(**self.keep_best)
-        if self.keep_best is not None and not isinstance(self.keep_best, KeepBest):
-            raise ConfigError(f"CheckpointConfig.keep_best={self.keep_best!r}: expected a mapping "
-                              "{metric: NAME, mode: min|max, k: N}")
-        if self.load_step is not None:
-            if isinstance(self.load_step, bool) or not isinstance(self.load_step, int) or self.load_step < 0:
-                raise ConfigError(f"CheckpointConfig.load_step={self.load_step!r}: must be a step number (>= 0)")
-            if self.load_path is not None or not self.load:
-                raise ConfigError("CheckpointConfig.load_step needs load: true and no load_path "
-                                  f"(load_step={self.load_step}, load={self.load}, load_path={self.load_path!r})")
-        for name in ("load_only", "exclude_from_loading"):
-            parts = getattr(self, name)
-            if parts is None:
-                continue
-            if isinstance(parts, str) or not all(isinstance(p, str) for p in parts):
-                raise ConfigError(f"CheckpointConfig.{name}={parts!r}: expected a list of {list(LOADABLE)}")
-            unknown = sorted(set(parts) - set(LOADABLE))
-            if unknown:
-                raise ConfigError(f"CheckpointConfig.{name}: unknown part(s) {unknown}; valid: {list(LOADABLE)}")
-        if self.load_only is not None and self.exclude_from_loading is not None:
-            raise ConfigError("CheckpointConfig: set load_only or exclude_from_loading, not both")
-        selected = self.load_selection
-        if "lr_scheduler" in selected and "optimizer" not in selected:
-            raise ConfigError(
-                "CheckpointConfig: loading the lr_scheduler without its optimizer is refused (the "
-                "scheduler's state sets the optimizer's learning rates and counts its steps): load "
-                "both, or neither (add lr_scheduler to exclude_from_loading / drop it from load_only)")
-        _positive("probe_tolerance", self.probe_tolerance)
-        if self.probe_on_mismatch not in ("raise", "warn"):
-            raise ConfigError(f"CheckpointConfig.probe_on_mismatch={self.probe_on_mismatch!r}: "
-                              "expected 'raise' or 'warn'")
+                f"CheckpointConfig.save.incremental=true with root={self.root!r}: incremental checkpoints refer "
+                "to earlier checkpoints' files by relative file-system paths, so they need a local (POSIX) root; "
+                "set save.incremental: false for this root")
 
     @property
     def load_selection(self) -> frozenset[str]:
-        """The parts of a checkpoint ``load()`` restores (:data:`LOADABLE` by default)."""
-        if self.load_only is not None:
-            return frozenset(self.load_only)
-        return frozenset(LOADABLE) - frozenset(self.exclude_from_loading or ())
+        """The parts of a checkpoint ``load()`` restores (``load.only`` / ``load.exclude``; :data:`LOADABLE`)."""
+        return self.load.selection
 
     @property
     def initial_load(self) -> dict[str, Any] | None:
         """``{option: value}`` of :data:`INITIAL_LOAD` as configured (paths as strings, parts as
         lists), or ``None`` when none is set: what every checkpoint of this run records."""
-        values = {name: getattr(self, name) for name in INITIAL_LOAD}
-        if values["load_path"] is not None:
-            values["load_path"] = os.fspath(values["load_path"])
-        for name in ("load_only", "exclude_from_loading"):
-            values[name] = None if values[name] is None else list(values[name])
+        load = self.load
+        values: dict[str, Any] = {
+            "load_path": None if load.path is None else os.fspath(load.path), "load_step": load.step,
+            "load_only": None if load.only is None else list(load.only),
+            "exclude_from_loading": None if load.exclude is None else list(load.exclude)}
         return values if any(v is not None for v in values.values()) else None
 
     def for_restart(self) -> "CheckpointConfig":
         """This config for a restart of its run (:mod:`distckpt.load.restart`): without the
         :data:`INITIAL_LOAD` options, so ``load()`` resumes the root's newest checkpoint in full."""
-        return dataclasses.replace(self, load_path=None, load_step=None, load_only=None,
-                                   exclude_from_loading=None, on_existing="refuse")
+        load = dataclasses.replace(self.load, path=None, step=None, only=None, exclude=None, on_existing="refuse")
+        return dataclasses.replace(self, load=load)
 
     @property
     def resolved_load_path(self) -> str | None:
-        """``load_path``, or ``<root>/step-<load_step>``; ``None`` when neither is set."""
-        if self.load_step is not None:
-            return os.path.join(self.root, checkpoint_name(self.load_step))
-        return self.load_path
-
-    @property
-    def effective_write_timeout_s(self) -> float:
-        """``write_timeout_s``, or ``timeout_s / 2`` when unset (seconds)."""
-        return self.write_timeout_s if self.write_timeout_s is not None else self.timeout_s / 2
+        """``load.path``, or ``<root>/step-<load.step>``; ``None`` when neither is set."""
+        if self.load.step is not None:
+            return os.path.join(self.root, checkpoint_name(self.load.step))
+        return self.load.path
 
     @property
     def effective_preemption(self) -> bool:
-        """``preemption``, unless ``read_only``: a manager that never saves leaves SIGTERM alone."""
-        return self.preemption and not self.read_only
-
-    @property
-    def effective_arrival_timeout_s(self) -> float:
-        """``arrival_timeout_s``, or ``timeout_s / 5`` when unset (seconds)."""
-        return self.arrival_timeout_s if self.arrival_timeout_s is not None else self.timeout_s / 5
+        """``preemption.enabled``, unless ``load.read_only``: a manager that never saves leaves SIGTERM alone."""
+        return self.preemption.enabled and not self.load.read_only
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "CheckpointConfig":
-        """Build from a mapping.
+        """Build from a mapping: ``root`` and sections (mappings of their fields); the flat keys
+        of :data:`DEPRECATED_KEYS` still work, each with one ``DeprecationWarning``.
 
         Raises:
             ConfigError: an unknown key (names the valid ones), a missing required key
-                (``root``), or an invalid value.
+                (``root``), an invalid value, or a flat key in conflict with its section.
         """
-        valid = sorted(f.name for f in dataclasses.fields(cls))
-        unknown = sorted(set(values) - set(valid))
+        valid = ["root", *SECTIONS]
+        unknown = sorted(set(values) - set(valid) - set(DEPRECATED_KEYS))
         if unknown:
-            raise ConfigError(
-                f"unknown CheckpointConfig key(s) {unknown}; valid keys: {', '.join(valid)}"
-            )
-        required = [f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-        missing = [name for name in required if name not in values]
-        if missing:
-            raise ConfigError(f"CheckpointConfig: missing required key(s) {missing} (e.g. root: "
-                              "runs/my_run/ckpt)")
-        return cls(**values)
+            raise ConfigError(f"unknown CheckpointConfig key(s) {unknown}{_suggest(unknown)}; valid keys: "
+                              f"{', '.join(valid)} (each section a mapping of its fields)")
+        if "root" not in values:
+            raise ConfigError("CheckpointConfig: missing required key(s) ['root'] (e.g. root: runs/my_run/ckpt)")
+        given = {name: values.get(name) for name in SECTIONS}
+        flat = {key: value for key, value in values.items() if key != "root" and key not in given}
+        sections = _regroup(given, flat, lambda key: f"CheckpointConfig key {key!r}")
+        return cls(root=values["root"], **sections)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, *, section: str | None = "checkpoint") -> "CheckpointConfig":
@@ -415,24 +250,67 @@ class CheckpointConfig:
             raise ConfigError(f"{path}: {e}") from e
 
 
-def _check_batch_policy(batch_policy: str, step_rule: str) -> None:
-    if batch_policy not in BATCH_POLICIES:
-        raise ConfigError(f"CheckpointConfig.batch_policy={batch_policy!r}: expected one of {list(BATCH_POLICIES)}")
-    if step_rule not in STEP_RULES:
-        raise ConfigError(f"CheckpointConfig.step_rule={step_rule!r}: expected one of {list(STEP_RULES)}")
-    if step_rule == "rescale" and batch_policy != "keep_local_batch":
-        raise ConfigError("CheckpointConfig.step_rule='rescale' needs batch_policy='keep_local_batch': with "
-                          f"batch_policy={batch_policy!r} the global batch never changes, so there is nothing "
-                          "to rescale")
+def _regroup(given: dict[str, Any], flat: dict[str, Any], spelled: Callable[[str], str]) -> dict[str, Any]:
+    """``{section: instance}`` of every section, from ``given`` (``{section: instance, mapping or
+    None}``) and the flat keys in ``flat`` (one ``DeprecationWarning`` each, ``spelled(key)``
+    naming the flat key). ``load`` / ``preemption`` given as a bool are the flat keys.
+
+    Raises:
+        ConfigError: an unknown key, a section of the wrong type or with unknown fields, a flat key
+            set to another value than its section's field, or an invalid value.
+    """
+    given, flat = dict(given), dict(flat)
+    for name in ("load", "preemption"):
+        if name not in flat and given.get(name) is not None and not isinstance(given[name], (Mapping, SECTIONS[name])):
+            flat[name] = given.pop(name)
+    unknown = sorted(set(flat) - set(DEPRECATED_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown CheckpointConfig key(s) {unknown}{_suggest(unknown)}; valid keys: root, "
+                          f"{', '.join(SECTIONS)} (each section a mapping or instance of its fields)")
+    updates: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for key, value in flat.items():
+        section, name = DEPRECATED_KEYS[key]
+        updates[section][name] = value
+    sections = {name: _section(name, given.get(name), updates[name]) for name in SECTIONS}
+    for key in flat:  # once the values are known to be valid and free of conflicts
+        warnings.warn(f"{spelled(key)} is deprecated: use {'.'.join(DEPRECATED_KEYS[key])}", DeprecationWarning,
+                      stacklevel=3)  # the caller of CheckpointConfig(...) / from_dict
+    return sections
 
 
-def _positive(name: str, value: float | None, *, allow_none: bool = False, integer: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if integer:
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"CheckpointConfig.{name}={value!r}: must be a positive integer")
-        return
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or value <= 0):
-        raise ConfigError(f"CheckpointConfig.{name}={value!r}: must be a positive, finite number")
+def _section(name: str, value: Any, updates: dict[str, Any]) -> Any:
+    """Section ``name`` from ``value`` (an instance, a mapping or ``None``) and the flat keys' ``updates``."""
+    cls = SECTIONS[name]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if value is None:
+        value = {}
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            raise ConfigError(f"unknown CheckpointConfig.{name} key(s) {unknown}{_suggest(unknown)}; valid keys: "
+                              f"{', '.join(fields)}")
+        nested = dict(value)
+    elif isinstance(value, cls):  # a field left at its default may take the flat key's value
+        nested = {k: v for k, f in fields.items() if (v := getattr(value, k)) != _default(f)}
+    else:
+        raise ConfigError(f"CheckpointConfig.{name}={value!r}: expected a {cls.__name__} or a mapping of its fields")
+    for key, new in updates.items():
+        if key in nested and nested[key] != new:
+            old = next(k for k, v in DEPRECATED_KEYS.items() if v == (name, key))
+            raise ConfigError(f"CheckpointConfig: {old}={new!r} (deprecated) and {name}.{key}={nested[key]!r} "
+                              f"conflict; set only {name}.{key}")
+    if isinstance(value, Mapping):
+        return cls(**{**value, **updates})
+    return cls(**{**{k: getattr(value, k) for k in fields}, **updates}) if updates else value
+
+
+def _suggest(unknown: list[str]) -> str:
+    """`` (did you mean schedule.interval_steps?)`` for misspelt or misplaced keys, or ``""``."""
+    dotted = {f.name: f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    dotted.update({key: ".".join(new) for key, new in DEPRECATED_KEYS.items()})
+    near = [dotted[m[0]] for key in unknown if (m := difflib.get_close_matches(key, dotted, n=1, cutoff=0.75))]
+    return f" (did you mean {', '.join(near)}?)" if near else ""
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

@@ -86,7 +86,7 @@ class CheckpointSaveError(DistCkptError, RuntimeError):
 
 class CollectiveMismatchError(DistCkptError, RuntimeError):
     """Not every rank entered the same collective ``CheckpointManager`` call (``save``,
-    ``load``) within ``CheckpointConfig.arrival_timeout_s``: a rank skipped the call, made it
+    ``load``) within ``CheckpointConfig.coordination.arrival_timeout_s``: a rank skipped the call, made it
     with another step, or made another call. distckpt's process groups are not used by the
     check, but the ranks are out of step: end the job and fix the calling code.
 
@@ -114,9 +114,9 @@ class StorageError(DistCkptError, OSError):
 class ReaderInvariantError(DistCkptError, RuntimeError):
     """The fast reader's own bookkeeping went wrong (bytes hashed out of order, a block read in
     part, an item never read): a bug in distckpt, not a property of the checkpoint, so it is
-    never counted as corruption (nothing set aside, no fallback). Set ``fast_load: false`` to
+    never counted as corruption (nothing set aside, no fallback). Set ``load.fast_reader: false`` to
     load with DCP's own reader, and report the message."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(f"{message} (a distckpt reader bug, not a damaged checkpoint: set fast_load: false "
+        super().__init__(f"{message} (a distckpt reader bug, not a damaged checkpoint: set load.fast_reader: false "
                          "to load with DCP's reader, and report this)")

@@ -35,7 +35,7 @@ from .load.resume import ProbeFn, ResumeExtras
 from .save.grace import PreemptionPlan, SaveDurations, agree_preemption_plan
 from .save.preemption import PreemptionWatcher
 from .save.schedule import SaveSchedule
-from .save.transaction import BackgroundSave, PhaseHook, SaveContext, SaveTransaction, save_options
+from .save.transaction import BackgroundSave, PhaseHook, SaveContext, SaveTransaction
 from .state.training_state import CheckpointState, TrainState
 from .storage import open_config_store
 from .storage.lock import RootLock
@@ -73,8 +73,8 @@ class CheckpointManager:
 
     Raises:
         ConfigError: the root directory cannot be created or written (on every rank); or the
-            run does not resume from the root (``load: false``, or ``load_path`` outside it)
-            while the root holds checkpoints, and ``on_existing`` is not ``archive``.
+            run does not resume from the root (``load.enabled: false``, or ``load.path`` outside it)
+            while the root holds checkpoints, and ``load.on_existing`` is not ``archive``.
     """
 
     def __init__(
@@ -94,17 +94,15 @@ class CheckpointManager:
         self.config = config
         self.store = open_config_store(config)  # a plain path: POSIX; s3://bucket/prefix: S3
         self.root = self.store.root  # a location: str
-        self.collective = Collective(process_group, timeout_s=config.timeout_s)
+        self.collective = Collective(process_group, timeout_s=config.coordination.timeout_s)
         self.rank, self.world_size = self.collective.rank, self.collective.world_size
         self.state = CheckpointState(
-            model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, grad_scaler=grad_scaler,
-            dataloader=dataloader, extra_state=extra_state, rank=self.rank, world_size=self.world_size,
-            seed=config.seed, batch_policy=config.batch_policy, step_rule=config.step_rule)
+            model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, grad_scaler=grad_scaler, rank=self.rank,
+            dataloader=dataloader, extra_state=extra_state, world_size=self.world_size, elastic=config.elastic)
         self.extras = ResumeExtras(probe=probe, run_id=run_id, model=model, collective=self.collective, config=config)
         self.train_state = TrainState(run_id=self.extras.run_id)
         self._explicit_counters: set[str] = set()  # passed by the caller: never derived
-        self.schedule = SaveSchedule(interval_steps=config.interval_steps, interval_seconds=config.interval_seconds,
-                                     collective=self.collective)
+        self.schedule = SaveSchedule(config.schedule, collective=self.collective)
         self.wrapper = wrapper_kind(model)
         self.model_specs = tensor_specs(model)
         if self.rank == 0:  # pitfalls of the wrapper and of the launcher, said once
@@ -115,20 +113,20 @@ class CheckpointManager:
         self.save_durations = SaveDurations()  # predicts the preemption save (grace window)
         self._closed = False
         self._inflight: BackgroundSave | None = None
+        coord, read_only, mode = config.coordination, config.load.read_only, config.async_save.mode
         # Background work gets its own gloo group so it never interleaves with the loop's.
-        self.background = (Collective(process_group, timeout_s=config.timeout_s)
-                           if config.async_mode != "off" and not config.read_only else None)
-        self.async_writer = (AsyncWriter(config.async_mode, background_staging=config.background_staging,
-                                         process_group=self.background.group, thread_count=config.thread_count,
-                                         write_timeout_s=config.effective_write_timeout_s)
-                             if self.background is not None and config.async_mode != "off" else None)
-        self.discovery = CheckpointDiscovery(self.store, config, rank=self.rank,
-                                             locked=config.lock and not config.read_only)
+        self.background = (Collective(process_group, timeout_s=coord.timeout_s)
+                           if mode != "off" and not read_only else None)
+        self.async_writer = (AsyncWriter(mode, background_staging=config.async_save.background_staging,
+                                         process_group=self.background.group, thread_count=config.save.thread_count,
+                                         write_timeout_s=coord.effective_write_timeout_s)
+                             if self.background is not None and mode != "off" else None)
+        self.discovery = CheckpointDiscovery(self.store, config, rank=self.rank, locked=coord.lock and not read_only)
         self.collective.agree(self.discovery.prepare_root, what="preparing the checkpoint root", error_type=ConfigError)
-        check_shared_root(self.collective, self.store, write=not config.read_only)  # node-local: ConfigError
-        self.events = EventLog(config.event_log, self.rank)
+        check_shared_root(self.collective, self.store, write=not read_only)  # node-local: ConfigError
+        self.events = EventLog(coord.event_log, self.rank)
         self.collective.agree(self.events.check_appendable, what="opening the event log", error_type=ConfigError)
-        self.lock = RootLock.of(self.store, lease_s=config.lock_lease_s, renew=True) if self.discovery.locked else None
+        self.lock = RootLock.of(self.store, lease_s=coord.lock_lease_s, renew=True) if self.discovery.locked else None
         if (lock := self.lock) is not None:
             self.collective.agree(lambda: lock.acquire() if self.rank == 0 else None,
                                   what="locking the checkpoint root", error_type=CheckpointLockedError)
@@ -146,9 +144,10 @@ class CheckpointManager:
         self._save_count = 0
         self._rollback_from: int | None = None  # rank 0: set aside newer checkpoints at the next commit
         self._save_ctx = SaveContext(
-            root=self.root, rank=self.rank, world_size=self.world_size, wrapper=self.wrapper, on_phase=on_phase,
-            model_specs=self.model_specs, events=self.events, before_commit=self._before_commit, store=self.store,
-            **save_options(config))
+            store=self.store, rank=self.rank, world_size=self.world_size, wrapper=self.wrapper, on_phase=on_phase,
+            model_specs=self.model_specs, events=self.events, before_commit=self._before_commit,
+            retention=config.retention, save=config.save, initial_load=config.initial_load,
+            write_timeout_s=coord.effective_write_timeout_s)
         self.loader = CheckpointLoader(collective=self.collective, state=self.state, config=self.config,
                                        events=self.events, model_specs=self.model_specs,
                                        local_world_size=self.local_world_size, store=self.store)
@@ -159,37 +158,37 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load
     def load(self) -> TrainState | None:
-        """Resume from the newest valid committed checkpoint (or ``config.load_path``/``load_step``),
-        all of it or the parts ``load_only``/``exclude_from_loading`` select.
+        """Resume from the newest valid committed checkpoint (or ``config.load.path``/``load.step``),
+        all of it or the parts ``load.only``/``load.exclude`` select.
 
         Rank 0 first removes pending directories and deletions left by a crash. A checkpoint is
         valid when its manifest is readable and every listed file exists with the recorded size.
-        A ``load_path`` naming ``step-N`` of the root is a rollback: the root's newer checkpoints
+        A ``load.path`` naming ``step-N`` of the root is a rollback: the root's newer checkpoints
         are renamed ``rolledback-step-M-<n>`` (kept; a warning lists them) at this run's first
         save, so a manager that only loads changes nothing.
 
         Returns:
             The restored :class:`TrainState`, or ``None`` when there is nothing to load (or
-            ``config.load`` is false).
+            ``config.load.enabled`` is false).
 
         Raises:
-            CheckpointNotFoundError: ``config.load_path`` does not exist, or is a DCP directory
+            CheckpointNotFoundError: ``config.load.path`` does not exist, or is a DCP directory
                 without a distckpt manifest (import it with ``distckpt import``).
             CheckpointCorruptError: the newest checkpoint is invalid (a missing or truncated
                 file, or a hash mismatch found while reading it) and
-                ``config.fallback_to_older`` is false, or no committed checkpoint is loadable;
-                names the file. With ``fallback_to_older`` the next older committed checkpoint
+                ``config.load.fallback_to_older`` is false, or no committed checkpoint is loadable;
+                names the file. With ``load.fallback_to_older`` the next older committed checkpoint
                 is tried (a warning names the bad one), and loading it rewrites whatever the
                 failed read had written.
             IncompatibleCheckpointError: the live model/optimizer/components do not match;
                 lists every difference. Or the probe's loss differs from the saved one (both named).
             CollectiveMismatchError: not every rank called ``load()`` within
-                ``config.arrival_timeout_s``; names the ranks.
+                ``config.coordination.arrival_timeout_s``; names the ranks.
         """
         self._check_open()
-        self.collective.arrive("load()", timeout_s=self.config.effective_arrival_timeout_s)
+        self.collective.arrive("load()", timeout_s=self.config.coordination.effective_arrival_timeout_s)
         self.wait()
-        if not self.config.load:
+        if not self.config.load.enabled:
             return None
         t0 = time.perf_counter()
         found = self.loader.load(self.discovery)
@@ -217,8 +216,8 @@ class CheckpointManager:
         Args:
             step: optimizer steps completed (global, the same on every rank).
             loss: this step's loss; pass the same (e.g. all-reduced) value on every rank.
-            last_step: the final step of training: saves if ``config.save_at_end``.
-            metrics: ``{name: number}`` of this step, the same on every rank; saved in the manifest (``keep_best``).
+            last_step: the final step of training: saves if ``config.schedule.save_at_end``.
+            metrics: ``{name: number}`` of this step, the same on every rank; in the manifest (``retention.keep_best``).
             **counters: ``epoch``, ``batch_in_epoch``, ``global_samples_seen``,
                 ``global_tokens_seen`` to record in :class:`TrainState`. With a
                 ``ReshardableSampler`` the first three are derived from its consumed position
@@ -237,10 +236,10 @@ class CheckpointManager:
         self._record(step, loss, counters, metrics)
         if self.preemption is not None and self.preemption.agreed():
             return self._save_for_preemption(step)
-        due = self.schedule.is_due(step) or (last_step and self.config.save_at_end)
+        due = self.schedule.is_due(step) or (last_step and self.config.schedule.save_at_end)
         if not due or self.last_saved_step == step:
             return False
-        self._save(step, full=last_step and self.config.full_at_end)
+        self._save(step, full=last_step and self.config.schedule.full_at_end)
         return True
 
     def _save_for_preemption(self, step: int) -> bool:
@@ -257,8 +256,8 @@ class CheckpointManager:
             logger.warning("preempted (SIGTERM): %s in %.2f s; %s",
                            f"saved step {step}" if saved else f"no save of step {step} (last saved: "
                            f"{self.last_saved_step})", time.perf_counter() - t0,
-                           "exiting" if self.config.exit_on_preemption else "manager.preempted is set")
-        if self.config.exit_on_preemption:
+                           "exiting" if self.config.preemption.exit else "manager.preempted is set")
+        if self.config.preemption.exit:
             self.close()
             self.collective.tear_down_for_exit()
             raise SystemExit(0)
@@ -273,19 +272,19 @@ class CheckpointManager:
             left = (max(0.0, (predicted or 0.0) - (time.perf_counter() - inflight.started))
                     if inflight.running() else 0.0)
         return agree_preemption_plan(
-            self.collective, grace_s=self.config.preemption_grace_s,
+            self.collective, grace_s=self.config.preemption.grace_s,
             elapsed_s=self.preemption.seconds_since_signal(), predicted_s=predicted, inflight_left_s=left,
             step_saved=self.last_saved_step == step)
 
     def _record(self, step: int, loss: float | None, counters: dict[str, int], metrics: dict | None = None) -> None:
-        self.train_state.record(step, loss, counters, history_len=self.config.loss_history_len, metrics=metrics)
+        self.train_state.record(step, loss, counters, history_len=self.config.save.loss_history_len, metrics=metrics)
         self._explicit_counters.update(counters)
 
     def save(self, step: int, *, loss: float | None = None, metrics: dict | None = None, **counters: int) -> str:
         """Save the whole training state as ``step-<step>`` (``metrics`` as for :meth:`maybe_save`).
 
         The commit protocol is :class:`~distckpt.save.transaction.SaveTransaction`'s. With
-        ``async_mode`` off it completes before the call returns; otherwise the call returns
+        ``async_save.mode`` off it completes before the call returns; otherwise the call returns
         once the state is staged and the write and commit finish in the background (at most
         one save in flight: the next ``save``, :meth:`wait` or :meth:`close` waits for it and
         raises its error, on every rank).
@@ -296,14 +295,14 @@ class CheckpointManager:
         Raises:
             CheckpointSaveError: on every rank if any rank failed; nothing was committed.
             CollectiveMismatchError: not every rank called ``save`` with this ``step`` within
-                ``config.arrival_timeout_s`` (names the ranks); nothing was written.
+                ``config.coordination.arrival_timeout_s`` (names the ranks); nothing was written.
         """
         return self._save(step, loss=loss, counters=counters, metrics=metrics)
 
     def _save(self, step: int, *, loss: float | None = None, counters: dict[str, int] | None = None,
               blocking: bool = False, full: bool = False, metrics: dict[str, float] | None = None) -> str:
         self._check_open(save=True)
-        self.collective.arrive(f"save(step={step})", timeout_s=self.config.effective_arrival_timeout_s)
+        self.collective.arrive(f"save(step={step})", timeout_s=self.config.coordination.effective_arrival_timeout_s)
         if loss is not None or counters or metrics or step != self.train_state.step:
             self._record(step, loss, counters or {}, metrics)
         self.wait()  # at most one save in flight
@@ -312,7 +311,7 @@ class CheckpointManager:
         self.state.derive_counters(self.train_state, explicit=self._explicit_counters)
         self.extras.before_save(self.train_state)  # run id, probe loss (a forward on every rank)
         snapshot = dataclasses.replace(self.train_state, loss_history=list(self.train_state.loss_history))
-        full = full or self.config.state_dict_type == "full"
+        full = full or self.config.save.state_dict_type == "full"
         tx = SaveTransaction(self._save_ctx, step=step, save_id=f"{self._run_id}{self._save_count:04x}",
                              train_state=snapshot, full=full)
 
@@ -342,7 +341,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ lifecycle
     def wait_staged(self) -> None:
-        """Block until the in-flight save's tensors are copied. With ``background_staging``, call
+        """Block until the in-flight save's tensors are copied. With ``async_save.background_staging``, call
         it before the state changes in place (``optimizer.step()``; a forward updating buffers)."""
         if self.async_writer is not None:
             self.async_writer.wait_staged()
@@ -391,7 +390,7 @@ class CheckpointManager:
     def _check_open(self, *, save: bool = False) -> None:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
-        if save and self.config.read_only:
+        if save and self.config.load.read_only:
             raise ConfigError(READ_ONLY_SAVE)
 
     def __enter__(self) -> "CheckpointManager":

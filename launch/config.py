@@ -5,11 +5,13 @@ A job config is one YAML file with four sections, each a dataclass::
     model:       GPTConfig fields (launch.model)
     data:        DataConfig
     train:       TrainConfig
-    checkpoint:  distckpt.CheckpointConfig fields
+    checkpoint:  distckpt.CheckpointConfig: root and its sections (schedule, retention, save, ...)
 
 Command-line overrides are dotted ``section.key=value`` pairs whose values are parsed as
-YAML scalars (``train.steps=40``, ``checkpoint.load_path=null``). Unknown sections or keys
-are errors that name the valid ones.
+YAML scalars (``train.steps=40``); a checkpoint field is ``checkpoint.<section>.key=value``
+(``checkpoint.load.path=null``, ``checkpoint.schedule.interval_steps=10``). Unknown sections
+or keys are errors that name the valid ones. The flat checkpoint keys of earlier versions
+(``checkpoint.keep_last: 2``) still work, deprecated (:data:`distckpt.config.DEPRECATED_KEYS`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Literal, Sequence
 import yaml
 
 from distckpt import CheckpointConfig, ConfigError
+from distckpt.config import DEPRECATED_KEYS, SECTIONS
 from launch.model import GPTConfig
 
 __all__ = ["DataConfig", "TrainConfig", "JobConfig", "load_job_config", "parse_override"]
@@ -143,15 +146,18 @@ _SECTIONS: dict[str, type] = {
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
-    """Split ``section.key=value`` into ``(section, key, value)``; the value is a YAML scalar.
+    """Split ``section.key=value`` into ``(section, key, value)``; the value is a YAML scalar. In
+    the ``checkpoint`` section the key may be ``sub.key`` (``checkpoint.retention.keep_last=2``).
 
     Raises:
-        ConfigError: no ``=``, or the key is not ``section.key``.
+        ConfigError: no ``=``, or the key is not ``section.key`` (``checkpoint.sub.key``).
     """
     key, sep, raw = text.partition("=")
     section, dot, name = key.strip().partition(".")
-    if not sep or not dot or not name or "." in name:
-        raise ConfigError(f"override {text!r}: expected section.key=value, e.g. train.steps=40")
+    depth = 1 if section == "checkpoint" else 0
+    if not sep or not dot or not name or name.count(".") > depth or "" in name.split("."):
+        raise ConfigError(f"override {text!r}: expected section.key=value, e.g. train.steps=40 or "
+                          "checkpoint.schedule.interval_steps=10")
     return section, name, yaml.safe_load(raw) if raw.strip() else None
 
 
@@ -185,10 +191,17 @@ def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> J
     for text in overrides:
         section, key, value = parse_override(text)
         _check_section(section, f"override {text!r}")
-        sections.setdefault(section, {})[key] = value
+        target = sections.setdefault(section, {})
+        sub, dot, key = key.rpartition(".")
+        if dot:
+            if not isinstance(target.get(sub, {}), dict):  # a deprecated flat bool (load: true, preemption: true)
+                raise ConfigError(f"override {text!r}: {section}.{sub} is {target[sub]!r}, not a section mapping")
+            target = target.setdefault(sub, {})
+        target[key] = value
     built: dict[str, Any] = {}
     for name, cls in _SECTIONS.items():
-        built[name] = _build(cls, name, sections.get(name, {}))
+        values = sections.get(name, {})
+        built[name] = _build_checkpoint(values) if cls is CheckpointConfig else _build(cls, name, values)
     return JobConfig(**built)
 
 
@@ -211,6 +224,24 @@ def _build(cls: type, section: str, values: dict[str, Any]) -> Any:
         raise
     except (TypeError, ValueError) as e:
         raise ConfigError(f"invalid {section} config: {e}") from e
+
+
+def _build_checkpoint(values: dict[str, Any]) -> CheckpointConfig:
+    """The ``checkpoint`` section: ``root`` and sections, their fields coerced like the other
+    sections'; ``CheckpointConfig.from_dict`` checks the keys and warns about flat ones."""
+    coerced = dict(values)
+    for key, value in values.items():
+        if key in SECTIONS and isinstance(value, dict):
+            hints = typing.get_type_hints(SECTIONS[key])
+            coerced[key] = {k: _coerce(f"checkpoint.{key}.{k}", v, hints[k]) if k in hints else v
+                            for k, v in value.items()}
+        elif key in DEPRECATED_KEYS and not (key in SECTIONS and value is None):
+            section, name = DEPRECATED_KEYS[key]
+            coerced[key] = _coerce(f"checkpoint.{key}", value, typing.get_type_hints(SECTIONS[section])[name])
+    try:
+        return CheckpointConfig.from_dict(coerced)
+    except ConfigError as e:
+        raise ConfigError(f"invalid checkpoint config: {e}") from e
 
 
 def _coerce(name: str, value: Any, hint: Any) -> Any:

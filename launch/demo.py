@@ -15,7 +15,7 @@ f. ``resume_4to4``  4 ranks, resumes that same checkpoint; compared with d itsel
                     trained on from it uninterrupted (same-world exactness at 4 ranks).
 g. ``resume_2to4_local``  4 ranks, resumes b's checkpoint (from another copy of b's root) with
                     the per-rank batch kept: global batch ``G * 4 / 2``,
-                    ``checkpoint.batch_policy=keep_local_batch`` (``step_rule`` keep). Its
+                    ``checkpoint.elastic.batch_policy=keep_local_batch`` (``step_rule`` keep). Its
                     losses are not compared (another global batch trains another trajectory);
                     its samples are: none duplicated or skipped, epochs laid out at the new ``G``
                     from the saved sample position on.
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     n, interval = args.steps, args.interval
     if not 0 < 2 * interval < n:
         raise SystemExit(f"--interval {interval} must leave room for two checkpoints before --steps {n}")
-    overrides = [f"train.steps={n}", f"train.warmup_steps={n // 6}", f"checkpoint.interval_steps={interval}",
+    overrides = [f"train.steps={n}", f"train.warmup_steps={n // 6}", f"checkpoint.schedule.interval_steps={interval}",
                  "train.log_every=10", *args.overrides]  # --set comes last: it wins
     try:
         cfg = load_job_config(REPO / args.config, overrides)
@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     runs["resume_2to4_local"] = Run("resume_2to4_local", args.nproc_alt, out / "resume_2to4_local",
                                     roots["ckpt_killed_copy_local"], parent=runs["killed"])
     g_local = cfg.data.global_batch_size * args.nproc_alt // args.nproc  # the per-rank batch kept
-    extra = {"resume_2to4_local": [f"data.global_batch_size={g_local}", "checkpoint.batch_policy=keep_local_batch"]}
+    extra = {"resume_2to4_local": [f"data.global_batch_size={g_local}",
+                                   "checkpoint.elastic.batch_policy=keep_local_batch"]}
     for path in [r.out for r in runs.values()] + [shared, out / "ckpt_killed_copy", out / "ckpt_killed_copy_local"]:
         shutil.rmtree(path, ignore_errors=True)  # only what an earlier demo in --out made
     (out / "summary.json").unlink(missing_ok=True)

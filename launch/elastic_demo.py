@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     n, interval = args.steps, args.interval
     overrides = [f"train.steps={n}", f"train.warmup_steps={max(1, n // 6)}",
-                 f"checkpoint.interval_steps={interval}", "train.log_every=10", *args.overrides]
+                 f"checkpoint.schedule.interval_steps={interval}", "train.log_every=10", *args.overrides]
     try:
         cfg = load_job_config(REPO / args.config, overrides)
     except (ConfigError, OSError) as e:

@@ -66,7 +66,7 @@ class Run:
         ckpt_root: ``checkpoint.root``.
         parent: the run whose checkpoint this one resumes (for :func:`kept_history`).
         reference: whose losses it must reproduce (the demo's default: its baseline).
-        load_path: ``checkpoint.load_path`` when set.
+        load_path: ``checkpoint.load.path`` when set.
         returncode, wall_seconds, killed: how the job ended.
         metrics, events, samples: its records (:func:`load_records`); ``samples`` holds only
             steps every rank recorded.
@@ -220,7 +220,7 @@ def launch(run: Run, config: str, overrides: list[str], timeout_s: float,
         run: the run; ``returncode``, ``wall_seconds``, ``killed`` and its records
             (:func:`load_records`) are set afterwards.
         config: job YAML.
-        overrides: ``section.key=value`` for every run; ``checkpoint.load_path`` is added
+        overrides: ``section.key=value`` for every run; ``checkpoint.load.path`` is added
             when ``run.load_path`` is set.
         timeout_s: the job is killed (whole tree) and ``TimeoutError`` raised past this.
         kill_when: polled every 10 ms while the job runs; when true the job is SIGKILLed as
@@ -231,7 +231,7 @@ def launch(run: Run, config: str, overrides: list[str], timeout_s: float,
     """
     args = ["--config", config, *overrides]
     if run.load_path is not None:
-        args.append(f"checkpoint.load_path={run.load_path}")
+        args.append(f"checkpoint.load.path={run.load_path}")
     t0 = time.monotonic()
     proc = start_train(run, args)
     try:

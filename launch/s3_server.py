@@ -15,7 +15,7 @@ stops weed, keeping the data in ``DIR``)::
     python -m launch.s3_server --dir /tmp/s3data [--port 8333] [--bucket ckpt]
 
 It prints the endpoint and the environment (``AWS_ENDPOINT_URL``, keys, region) or config keys
-(``s3_endpoint_url``) to use. Exit code 0 after Ctrl-C / SIGTERM, 1 when weed exits by itself or
+(``storage.s3_endpoint_url``) to use. Exit code 0 after Ctrl-C / SIGTERM, 1 when weed exits by itself or
 does not start, 2 on bad arguments.
 """
 
@@ -258,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(weed pid {server.proc.pid})\n"
               f"  shell:  export {env}\n"
               f"  config: checkpoint.root=s3://{args.bucket}/run1 (with the environment above), or "
-              f"CheckpointConfig(root='s3://{args.bucket}/run1', s3_endpoint_url='{server.endpoint_url}') "
+              f"CheckpointConfig(root='s3://{args.bucket}/run1', "
+              f"storage=StorageConfig(s3_endpoint_url='{server.endpoint_url}')) "
               "with the keys in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY\n"
               "Ctrl-C or SIGTERM stops it (the data stays).", flush=True)
         while not stop.wait(0.5):

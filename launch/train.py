@@ -6,7 +6,7 @@ Usage (from the repository root)::
     torchrun --nproc-per-node 2 -m launch.train --config launch/configs/fsdp2.yaml
 
 A run resumes from the newest committed checkpoint in ``checkpoint.root`` (or from
-``checkpoint.load_path``) and trains up to ``train.steps`` optimizer steps. Outputs in
+``checkpoint.load.path``) and trains up to ``train.steps`` optimizer steps. Outputs in
 ``train.out``, appended to (one line per record, flushed at once so a killed run keeps them;
 a run resumed into the same ``out`` appends the steps it replays again):
 
@@ -17,10 +17,10 @@ a run resumed into the same ``out`` appends the steps it replays again):
   trained on at that step.
 * ``events.jsonl`` (rank 0): ``start``, ``resumed``, ``checkpoint``, ``preempted``, ``end``.
 
-SIGTERM (preemption, with ``checkpoint.preemption`` on and ``exit_on_preemption`` off as in
+SIGTERM (preemption, with ``checkpoint.preemption.enabled`` on and ``preemption.exit`` off as in
 the shipped configs): every rank saves at the next step boundary, records it and exits 0.
 
-World-size invariance: the global batch ``G`` is fixed (unless ``checkpoint.batch_policy`` is
+World-size invariance: the global batch ``G`` is fixed (unless ``checkpoint.elastic.batch_policy`` is
 ``keep_local_batch``: then a resume may change ``G``, the position carries over in samples and
 losses are no longer comparable to a run at the old ``G``), and dropout masks come from
 per-sample seeds drawn from one stream shared by all ranks (``launch.model.SampleSeedStream``,
@@ -315,7 +315,7 @@ def train(job: Job) -> int:
     step = samples = epoch = 0
     if state is not None:
         _check_resumable(manager.extra_state["job"], job_info, state.global_samples_seen, state.step,
-                         keep_local_batch=cfg.checkpoint.batch_policy == "keep_local_batch")
+                         keep_local_batch=cfg.checkpoint.elastic.batch_policy == "keep_local_batch")
         step, samples, epoch = state.step, state.global_samples_seen, state.epoch
         logger.info("resumed from step %d (%s, saved by %s ranks, now %d ranks)", step,
                     state.checkpoint_path, state.saved_world_size, job.world_size)
@@ -437,7 +437,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                "launch/configs/ddp.yaml train.steps=40 checkpoint.root=/tmp/ckpt")
     parser.add_argument("--config", required=True, help="job YAML (launch/configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="dotted overrides, e.g. train.steps=40 checkpoint.interval_steps=10")
+                        help="dotted overrides, e.g. train.steps=40 checkpoint.schedule.interval_steps=10")
     return parser.parse_args(argv)
 
 

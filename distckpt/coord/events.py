@@ -1,6 +1,6 @@
 """Named phase events of saves and loads, for logs and for tools that aim at a phase.
 
-Every event goes to the ``distckpt.coord.events`` logger at DEBUG; when ``CheckpointConfig.event_log``
+Every event goes to the ``distckpt.coord.events`` logger at DEBUG; when ``CheckpointConfig.coordination.event_log``
 or the ``DISTCKPT_EVENT_LOG`` environment variable names a file, each event is also appended to
 it as one JSON line ``{"phase", "rank", "step", "t" (unix seconds), ...}`` and flushed, so an
 external observer (the chaos harness, ``tests/chaos``) sees it before the phase starts.
@@ -57,5 +57,5 @@ class EventLog:
             with open(self.path, "a", encoding="utf-8"):
                 pass
         except OSError as e:
-            raise ConfigError(f"CheckpointConfig.event_log={self.path!r} (or $DISTCKPT_EVENT_LOG) "
+            raise ConfigError(f"CheckpointConfig.coordination.event_log={self.path!r} (or $DISTCKPT_EVENT_LOG) "
                               f"cannot be appended to: {e}") from e

@@ -99,7 +99,7 @@ class DataLoaderState:
         Args:
             local: this rank's saved loader state (``None``: the world size changed).
             global_: the global sampler state saved by rank 0 (``None`` if none was saved).
-            batch_policy: ``CheckpointConfig.batch_policy``; ``"keep_local_batch"`` lets the
+            batch_policy: ``CheckpointConfig.elastic.batch_policy``; ``"keep_local_batch"`` lets the
                 global batch size differ from the saved one (position carried over in samples).
 
         Returns:

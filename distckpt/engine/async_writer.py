@@ -55,8 +55,8 @@ class AsyncWriter:
                  write_timeout_s: float | None = None) -> None:
         if mode == "process" and not dist.is_initialized():
             # DCP's process executor builds its daemon's group from the default one.
-            raise ConfigError("async_mode='process' needs torch.distributed initialised (init_process_group, "
-                              "also for a single process); without it use async_mode='thread'")
+            raise ConfigError("async_save.mode='process' needs torch.distributed initialised (init_process_group, "
+                              "also for a single process); without it use async_save.mode='thread'")
         self.cuda = torch.cuda.is_available()
         # On CPU every CUDA-only option must be off: DefaultStager raises otherwise.
         self.options = StagingOptions(

@@ -111,7 +111,7 @@ class GuardedFileSystem(HashingFileSystem):
             raise WriteDeadlineExceeded(
                 f"{path}: still writing {elapsed:.1f} s after this rank's write started, past "
                 f"write_timeout_s={self.timeout_s:g} (storage too slow); giving up on this save. "
-                "Raise CheckpointConfig.write_timeout_s (and timeout_s) if the storage is "
+                "Raise CheckpointConfig.coordination.write_timeout_s (and timeout_s) if the storage is "
                 "known to be this slow")
 
     def record(self, error: BaseException) -> None:

@@ -1,16 +1,16 @@
 """Which checkpoint of a root a run resumes, and what a run may do among the root's
 checkpoints (rank 0's decisions; the manager broadcasts them).
 
-* Resume discovery: the newest committed checkpoint (or ``load_path``), skipping directories
+* Resume discovery: the newest committed checkpoint (or ``load.path``), skipping directories
   distckpt did not write, falling back to older ones when allowed, never starting fresh over
   a run's unloadable checkpoints.
 * Claims on the root: a run that does not resume from a root holding checkpoints is refused
-  (or archives them with ``on_existing: archive``); a ``load_path`` naming ``step-N`` of the
+  (or archives them with ``load.on_existing: archive``); a ``load.path`` naming ``step-N`` of the
   root is a rollback, whose newer checkpoints are set aside at its first commit.
 * Restarts: a root holding a checkpoint committed with the config's initial-load options
-  (``load_path``, ``load_step``, the selection) is this run's; the options then no longer apply
+  (``load.path``, ``load.step``, the selection) is this run's; the options then no longer apply
   (:mod:`distckpt.load.restart`).
-* ``read_only``: nothing is written, claimed or set aside.
+* ``load.read_only``: nothing is written, claimed or set aside.
 
 The model check (a checkpoint's model specs against the live model's) is
 :func:`distckpt.ondisk.manifest.check_model_fits`.
@@ -41,8 +41,7 @@ class CheckpointDiscovery:
 
     Args:
         store: the root's store.
-        config: the manager's config (``load``, ``load_path``, ``load_step``, ``on_existing``,
-            ``fallback_to_older``, ``read_only``).
+        config: the manager's config (its ``load`` section).
         rank: this process's rank.
         locked: whether this job holds the root's lock: only then may it remove crash
             leftovers or set checkpoints aside.
@@ -53,15 +52,15 @@ class CheckpointDiscovery:
         self.root = store.root
 
     def prepare_root(self) -> None:
-        """Rank 0: create the root and check that it is writable (``read_only``: that it exists;
+        """Rank 0: create the root and check that it is writable (``load.read_only``: that it exists;
         nothing is written).
 
         Raises:
             ConfigError: the root cannot be created or written (names the OS error), the bucket
-                is missing or not accessible, or with ``read_only`` the root is not a directory.
+                is missing or not accessible, or with ``load.read_only`` the root is not a directory.
         """
         if self.rank == 0:
-            self.store.prepare(read_only=self.config.read_only)
+            self.store.prepare(read_only=self.config.load.read_only)
 
     def _manifests(self) -> Iterator[tuple[str, Manifest | None]]:
         """``(name, manifest or None)`` of the root's checkpoints, newest first, read lazily."""
@@ -73,19 +72,19 @@ class CheckpointDiscovery:
             yield checkpoint_name(step), manifest
 
     def load_location(self) -> str | None:
-        """``load_path``, or the location of step ``load_step`` of this root (``None``: neither).
+        """``load.path``, or the location of step ``load.step`` of this root (``None``: neither).
 
         Raises:
-            CheckpointNotFoundError: no committed checkpoint of step ``load_step``.
+            CheckpointNotFoundError: no committed checkpoint of step ``load.step``.
         """
-        if self.config.load_step is None:
-            return None if self.config.load_path is None else str(self.config.load_path)
+        if self.config.load.step is None:
+            return None if self.config.load.path is None else str(self.config.load.path)
         steps = [s for s, _ in self.store.existing()]
-        if self.config.load_step not in steps:
+        if self.config.load.step not in steps:
             raise CheckpointNotFoundError(
-                f"CheckpointConfig.load_step={self.config.load_step}: no {checkpoint_name(self.config.load_step)} "
+                f"CheckpointConfig.load.step={self.config.load.step}: no {checkpoint_name(self.config.load.step)} "
                 f"in {self.root} (its checkpoints: steps {steps or 'none'}; `distckpt ls {self.root}` lists them)")
-        return self.store.location_of(self.config.load_step)
+        return self.store.location_of(self.config.load.step)
 
     def check_existing(self) -> CheckpointConfig:
         """Rank 0: the config this start runs with: for a restart of the run that committed the
@@ -95,24 +94,24 @@ class CheckpointDiscovery:
         would mix two runs). Other ranks: the config (rank 0's is broadcast).
 
         Raises:
-            ConfigError: such a run, without ``on_existing: archive`` (or without the lock).
+            ConfigError: such a run, without ``load.on_existing: archive`` (or without the lock).
         """
-        if self.rank != 0 or self.config.read_only:  # a read-only manager writes nothing among them
+        if self.rank != 0 or self.config.load.read_only:  # a read-only manager writes nothing among them
             return self.config
         if self.config.initial_load is not None and is_restart(self.config, self.root, self._manifests()):
             return self.config.for_restart()
-        fresh = not self.config.load
-        if not fresh and (self.config.load_step is not None or self.load_location() is None
+        fresh = not self.config.load.enabled
+        if not fresh and (self.config.load.step is not None or self.load_location() is None
                           or self.rollback_step() is not None):
-            return self.config  # resumes from the root (load_step: a step of the root; load() checks it)
-        why = ("load: false" if fresh
-               else f"load_path={self.config.load_path!r} is not a checkpoint of this root")
+            return self.config  # resumes from the root (load.step: a step of the root; load() checks it)
+        why = ("load.enabled: false" if fresh
+               else f"load.path={self.config.load.path!r} is not a checkpoint of this root")
         refuse_or_archive(
-            self.store, on_existing=self.config.on_existing, locked=self.locked,
+            self.store, on_existing=self.config.load.on_existing, locked=self.locked,
             subject=f"CheckpointConfig.root={self.root!r}",
             why=f"this run does not resume from them ({why}; none was committed with this config's load "
                 "options, which would make this start a restart)",
-            choices="resume them (load: true, with no load_path or one naming a checkpoint of the root)")
+            choices="resume them (load.enabled: true, with no load.path or one naming a checkpoint of the root)")
         return self.config
 
     def rollback_step(self, *, loaded_step: int | None = None, resumed_step: int | None = None) -> int | None:
@@ -126,25 +125,25 @@ class CheckpointDiscovery:
         return None if location is None else self.store.step_of(location)
 
     def plan_rollback(self, step: int) -> bool:
-        """Rank 0, after loading ``load_path`` = this root's checkpoint of ``step``: the root's
+        """Rank 0, after loading ``load.path`` = this root's checkpoint of ``step``: the root's
         newer checkpoints are set aside at this run's first commit (:meth:`set_aside_newer`), not
         now, so a manager that only loads (an evaluation) changes nothing.
 
         Raises:
             ConfigError: there are newer checkpoints and this job does not hold the lock.
         """
-        if self.rank != 0 or self.config.read_only:
+        if self.rank != 0 or self.config.load.read_only:
             return False  # never commits: nothing to set aside
         newer = [checkpoint_name(s) for s, _ in self.store.existing() if s > step]
         if not newer:
             return False
         location = self.load_location()
-        what = (f"load_path={location!r}" if location is not None
-                else f"step_rule='rescale' (step {step})" if self.config.step_rule == "rescale"
+        what = (f"load.path={location!r}" if location is not None
+                else f"step_rule='rescale' (step {step})" if self.config.elastic.step_rule == "rescale"
                 else f"the resumed step {step} (the load selection left out counters)")
         if not self.locked:
             raise ConfigError(f"{what} rolls back {self.root}, whose newer "
-                              "checkpoints must be set aside before this run saves: that needs lock: true")
+                              "checkpoints must be set aside before this run saves: that needs coordination.lock: true")
         logger.warning("rollback to %s: the root's %d newer checkpoint(s) (%s) will be renamed "
                        "rolledback-step-M-<n> at this run's first save (kept, never loaded or deleted)",
                        what, len(newer), ", ".join(newer))
@@ -157,40 +156,40 @@ class CheckpointDiscovery:
                  for s, _ in self.store.existing() if s > step]
         self.store.repair_latest()
         if moved:
-            again = ("This run's checkpoints record load_path/load_step: a restart with the same config resumes "
+            again = ("This run's checkpoints record load.path/load.step: a restart with the same config resumes "
                      "them, not the rollback." if self.load_location() is not None else "")
             logger.warning("rollback to %s: set aside %d newer checkpoint(s), kept: %s. %s",
                            checkpoint_name(step), len(moved), ", ".join(moved), again)
 
     def _check_load_location(self, location: str) -> None:
-        """``load_path`` / ``load_step`` names a loadable committed checkpoint.
+        """``load.path`` / ``load.step`` names a loadable committed checkpoint.
 
         Raises:
             CheckpointNotFoundError: nothing there, or DCP files without a distckpt manifest.
             CheckpointCorruptError: the checkpoint is damaged.
         """
-        store = store_of(location, self.store)  # load_path may be a checkpoint of another root
+        store = store_of(location, self.store)  # load.path may be a checkpoint of another root
         if not store.exists(location):
-            raise CheckpointNotFoundError(f"CheckpointConfig.load_path={location!r} does not exist")
+            raise CheckpointNotFoundError(f"CheckpointConfig.load.path={location!r} does not exist")
         if store.is_plain_dcp(location):
             raise CheckpointNotFoundError(
-                f"CheckpointConfig.load_path={location!r} is a DCP directory without a distckpt "
+                f"CheckpointConfig.load.path={location!r} is a DCP directory without a distckpt "
                 "manifest, not a distckpt checkpoint. Import its model weights: "
                 f"`distckpt import {location} NEW_ROOT [--step N]`, then set root: NEW_ROOT (or "
-                "load_path: a checkpoint of NEW_ROOT)")
+                "load.path: a checkpoint of NEW_ROOT)")
         store.validate(location)
 
     def choose(self, rejected: list[str]) -> str | None:
         """Rank 0 picks the checkpoint to load (other ranks: ``None``; the manager broadcasts).
 
         Args:
-            rejected: locations that failed to load in this call (``fallback_to_older`` then
+            rejected: locations that failed to load in this call (``load.fallback_to_older`` then
                 moves past them).
 
         Raises:
-            CheckpointNotFoundError: ``load_path`` / ``load_step`` names nothing loadable.
+            CheckpointNotFoundError: ``load.path`` / ``load.step`` names nothing loadable.
             CheckpointCorruptError: the newest checkpoint is not loadable (without
-                ``fallback_to_older``), none is, or the root holds only checkpoints set aside
+                ``load.fallback_to_older``), none is, or the root holds only checkpoints set aside
                 as corrupt (never a silent fresh start over a run's checkpoints).
         """
         if self.rank != 0:
@@ -205,9 +204,9 @@ class CheckpointDiscovery:
                            "it is there. To use it: `distckpt import %s NEW_ROOT`", ignored, ignored)
         location = self.load_location()
         if location is not None:
-            if self.config.load_step is not None:
+            if self.config.load.step is not None:
                 newest = max((s for s, _ in self.store.existing()), default=None)
-                logger.info("load_step=%d: loading %s (the root's newest is step %s)", self.config.load_step,
+                logger.info("load.step=%d: loading %s (the root's newest is step %s)", self.config.load.step,
                             location, "-" if newest is None else newest)
             self._check_load_location(location)
             return location
@@ -221,13 +220,13 @@ class CheckpointDiscovery:
             elif isinstance(result, Manifest):
                 if newest_error is not None:
                     logger.warning("newest checkpoint is corrupt (%s); falling back to %s "
-                                   "(fallback_to_older=true)", newest_error, found)
+                                   "(load.fallback_to_older=true)", newest_error, found)
                 self._warn_if_latest_differs(checkpoint_name(step), newest_error)
                 return found
-            if not self.config.fallback_to_older:
+            if not self.config.load.fallback_to_older:
                 raise CheckpointCorruptError(
                     f"{result} -- the newest checkpoint {found} is not loadable. Set "
-                    "fallback_to_older: true to resume from the previous committed checkpoint, "
+                    "load.fallback_to_older: true to resume from the previous committed checkpoint, "
                     f"or remove {found}.", path=result.path)
             newest_error = newest_error or result
             if self.locked:  # the run will save this step again: move it out of the way
@@ -236,7 +235,7 @@ class CheckpointDiscovery:
         if newest_error is not None:  # never start fresh silently over a run's checkpoints
             raise CheckpointCorruptError(
                 f"no committed checkpoint in {self.root} is loadable (newest problem: {newest_error}). "
-                "Restore the files, point load_path at a good copy, or move the root away to start "
+                "Restore the files, point load.path at a good copy, or move the root away to start "
                 "fresh.", path=newest_error.path)
         refuse_corrupt_only(self.root, self.store.set_aside_names())
         return None
@@ -254,7 +253,7 @@ class CheckpointDiscovery:
 def refuse_corrupt_only(root: str, names: list[str]) -> None:
     """A resume finding no committed checkpoint in ``root`` must not start fresh over the run's
     checkpoints set aside as corrupt (``corrupt-step-N-<n>``, e.g. by an earlier start's
-    ``fallback_to_older``): a restart would otherwise train from step 0 into the run's root.
+    ``load.fallback_to_older``): a restart would otherwise train from step 0 into the run's root.
 
     Args:
         root: the checkpoint root (for the message).
@@ -268,5 +267,5 @@ def refuse_corrupt_only(root: str, names: list[str]) -> None:
         raise CheckpointCorruptError(
             f"no committed checkpoint in {root}: it holds only checkpoints set aside as corrupt "
             f"({', '.join(corrupt)}). Restore one (rename it back to step-N after repairing its files), "
-            "point load_path at a good copy, or move the root away (or set load: false) to start "
+            "point load.path at a good copy, or move the root away (or set load.enabled: false) to start "
             "fresh deliberately.", path=root)

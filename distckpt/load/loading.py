@@ -4,7 +4,7 @@
 (:class:`~distckpt.load.discovery.CheckpointDiscovery`), checks that it fits the live model before
 touching anything, plans and reads it through DCP (distckpt's fast reader by default, every file
 hashed while read), restores the training state, and falls back to the next older committed
-checkpoint when a read finds corruption and ``fallback_to_older`` allows it. Every step that
+checkpoint when a read finds corruption and ``load.fallback_to_older`` allows it. Every step that
 can fail on one rank only is agreed on, so all ranks raise (or fall back) together.
 """
 
@@ -22,7 +22,7 @@ from ..errors import CheckpointCorruptError, IncompatibleCheckpointError
 from ..ondisk.layout import parse_step
 from ..ondisk.manifest import Manifest, TensorSpec, check_model_fits, first_problem, structure_problems
 from ..state.training_state import CheckpointState, TrainState
-from ..storage import CheckpointStore, open_store, store_of
+from ..storage import CheckpointStore, store_of
 from .discovery import CheckpointDiscovery
 
 __all__ = ["CheckpointLoader"]
@@ -36,20 +36,20 @@ class CheckpointLoader:
     Args:
         collective: the manager's process-group helper.
         state: the live training state.
-        config: ``verify_on_load``, ``fast_load``, ``load_streams_per_node``, ``load_path``,
-            ``fallback_to_older``, ``root``.
+        config: ``load`` (``verify``, ``fast_reader``, ``streams_per_node``, ``path``,
+            ``fallback_to_older``), ``root``.
         events: this rank's event log (a ``load`` event per read).
         model_specs: ``{fqn: TensorSpec}`` of the live model.
-        local_world_size: ranks on this node (they share ``load_streams_per_node``).
-        store: the root's storage; ``None``: opened from ``config.root``.
+        local_world_size: ranks on this node (they share ``load.streams_per_node``).
+        store: the root's storage; every read goes through it.
     """
 
     def __init__(self, *, collective: Collective, state: CheckpointState, config: CheckpointConfig,
                  events: EventLog, model_specs: dict[str, TensorSpec], local_world_size: int,
-                 store: CheckpointStore | None = None) -> None:
+                 store: CheckpointStore) -> None:
         self.collective, self.state, self.config = collective, state, config
         self.events, self.model_specs, self.local_world_size = events, model_specs, local_world_size
-        self.store = store if store is not None else open_store(config.root)
+        self.store = store
 
     def load(self, discovery: CheckpointDiscovery) -> tuple[str, TrainState, Manifest] | None:
         """Load the checkpoint ``discovery`` chooses, falling back when allowed.
@@ -62,10 +62,10 @@ class CheckpointLoader:
             :meth:`distckpt.CheckpointManager.load` documents.
         """
         rejected: list[str] = []
-        selected = self.config.load_selection
+        selected = self.config.load.selection
         if selected != frozenset(LOADABLE) and self.collective.rank == 0:
-            how = (f"load_only={self.config.load_only}" if self.config.load_only is not None
-                   else f"exclude_from_loading={self.config.exclude_from_loading}")
+            how = (f"load.only={self.config.load.only}" if self.config.load.only is not None
+                   else f"load.exclude={self.config.load.exclude}")
             logger.info("selective load (%s): loading %s; not loading (live state kept): %s", how,
                         ", ".join(p for p in LOADABLE if p in selected) or "nothing",
                         ", ".join(p for p in LOADABLE if p not in selected))
@@ -82,16 +82,16 @@ class CheckpointLoader:
                 # checkpoint rewrites every tensor the failed read may have touched.
                 if self.config.resolved_load_path is not None:
                     raise
-                if not self.config.fallback_to_older:
+                if not self.config.load.fallback_to_older:
                     raise CheckpointCorruptError(
-                        f"{e} -- the newest checkpoint {path} is not loadable. Set fallback_to_older: "
+                        f"{e} -- the newest checkpoint {path} is not loadable. Set load.fallback_to_older: "
                         "true to resume from the previous committed checkpoint, or restore the file; "
                         f"`distckpt verify {self.config.root}` lists every bad file. The live model and "
                         "optimizer may be partly overwritten: load again before training.",
                         path=e.path) from e
                 if self.collective.rank == 0:
                     logger.warning("%s -- falling back to the previous committed checkpoint "
-                                   "(fallback_to_older=true)", e)
+                                   "(load.fallback_to_older=true)", e)
                 rejected.append(path)
 
     def read(self, path: str) -> tuple[TrainState, Manifest]:
@@ -106,7 +106,7 @@ class CheckpointLoader:
         def read_plan_inputs() -> tuple[Manifest, Any]:
             manifest = store.read_manifest(path)
             check_model_fits(manifest, path, self.model_specs, self.state.model_optim.ties)
-            if self.config.verify_on_load:  # every rank plans from .metadata: check it first
+            if self.config.load.verify:  # every rank plans from .metadata: check it first
                 for f in manifest.files:
                     if f.path == ".metadata":
                         store.check_file(path, f.path, size_bytes=f.size_bytes, digest=f.hash)
@@ -118,16 +118,16 @@ class CheckpointLoader:
                                                    error_type=CheckpointCorruptError)
         keys = set(metadata.state_dict_metadata)
         with self.state.model_optim.load_context():
-            select = self.config.load_selection
+            select = self.config.load.selection
             target = self.collective.agree(
                 lambda: self.state.for_load(keys, manifest.world_size, select, metadata=metadata),
                 what=f"planning the load of {path}")
             expected = ({f.path: (f.size_bytes, f.hash) for f in manifest.files}
-                        if self.config.verify_on_load else None)
+                        if self.config.load.verify else None)
             blocks = {f.path: b for f in manifest.files if (b := f.blocks()) is not None} if expected else None
             self.events.emit("load", manifest.step, path=str(path))
-            streams = max(1, self.config.load_streams_per_node // self.local_world_size)
-            reader = store.dcp_reader(path, expected_files=expected, fast=self.config.fast_load,
+            streams = max(1, self.config.load.streams_per_node // self.local_world_size)
+            reader = store.dcp_reader(path, expected_files=expected, fast=self.config.load.fast_reader,
                                       thread_count=streams, block_digests=blocks)
             run_load(target, reader, process_group=self.collective.group, directory=path)
             train_state = self.collective.agree(

@@ -1,6 +1,6 @@
 """Which start of a run is its first: where the initial-load options apply.
 
-``load_path``, ``load_step``, ``load_only`` and ``exclude_from_loading``
+``load.path``, ``load.step``, ``load.only`` and ``load.exclude``
 (:data:`~distckpt.config.INITIAL_LOAD`) say how a run *starts*: from another run's checkpoint
 (fine-tuning), from an older step of its own root (a rollback), with parts of the state fresh.
 A preemptible job is restarted with the same config, so they apply only at its first start
@@ -10,16 +10,16 @@ A preemptible job is restarted with the same config, so they apply only at its f
   (manifest ``initial_load``);
 * a start whose root holds a committed checkpoint (a ``step-N`` with a readable manifest)
   recording the same options is a *restart* of that run: the options are ignored and ``load()``
-  resumes the root's newest checkpoint in full, as ``load: true`` without them would;
+  resumes the root's newest checkpoint in full, as ``load.enabled: true`` without them would;
 * otherwise they apply: the run's first start, or a start whose options were changed.
 
-So a rollback (``load_path`` = ``<root>/step-N``) rolls back once: until the rolled-back run
+So a rollback (``load.path`` = ``<root>/step-N``) rolls back once: until the rolled-back run
 commits, the root's newer checkpoints are the old run's and a restart rolls back again; its
 first commit sets them aside and records the options, and from then on a restart resumes it.
-A fine-tune (``load_path`` in another root) restarts from its own checkpoints, never refused
+A fine-tune (``load.path`` in another root) restarts from its own checkpoints, never refused
 as "another run's" nor archived. Rolling back to the same checkpoint a second time therefore
-needs a changed option (``load_step: N`` in place of ``load_path: <root>/step-N`` counts as
-changed). A ``read_only`` manager never commits: for it the options always apply.
+needs a changed option (``load.step: N`` in place of ``load.path: <root>/step-N`` counts as
+changed). A ``load.read_only`` manager never commits: for it the options always apply.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def is_restart(config: CheckpointConfig, root: str, checkpoints: Iterable[tuple[
             checkpoints, newest first; read only until the first match.
     """
     options = config.initial_load
-    if options is None or config.read_only:
+    if options is None or config.load.read_only:
         return False
     given = ", ".join(f"{k}={v!r}" for k, v in options.items() if v is not None)
     for name, manifest in checkpoints:

@@ -6,8 +6,8 @@ itself: the experiment tracker's run id and the loss probe (README "Resume optio
   checkpoint (``train_state`` and the manifest) and returned by ``load()``, so a resumed job
   logs to the same tracker run.
 * The probe: measured on every rank before each save (rank 0's value is recorded in the
-  manifest), measured again after ``load()`` and compared with ``probe_tolerance``; a mismatch
-  raises :class:`~distckpt.errors.IncompatibleCheckpointError` or warns (``probe_on_mismatch``).
+  manifest), measured again after ``load()`` and compared with ``load.probe_tolerance``; a mismatch
+  raises :class:`~distckpt.errors.IncompatibleCheckpointError` or warns (``load.probe_on_mismatch``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class ResumeExtras:
         run_id: the tracker's run id, or ``None`` to keep the checkpoint's (or generate one).
         model: the live model (as passed to the manager).
         collective: the manager's process-group helper.
-        config: ``probe_tolerance``, ``probe_on_mismatch``.
+        config: ``load.probe_tolerance``, ``load.probe_on_mismatch``.
     """
 
     def __init__(self, *, probe: ProbeFn | None, run_id: str | None, model: nn.Module,
@@ -67,8 +67,8 @@ class ResumeExtras:
         recorded at save.
 
         Raises:
-            IncompatibleCheckpointError: with ``probe_on_mismatch: raise``, the probe loss after
-                the load differs from the saved one by more than ``probe_tolerance`` (relative).
+            IncompatibleCheckpointError: with ``load.probe_on_mismatch: raise``, the probe loss after
+                the load differs from the saved one by more than ``load.probe_tolerance`` (relative).
         """
         train_state.checkpoint_path, train_state.saved_world_size = str(path), manifest.world_size
         saved_id = train_state.run_id
@@ -87,7 +87,7 @@ class ResumeExtras:
         assert loaded is not None  # a probe is set
         train_state.probe_loss_loaded = loaded
         saved = manifest.probe_loss
-        if "model" not in self.config.load_selection:  # fresh weights on purpose: nothing to compare
+        if "model" not in self.config.load.selection:  # fresh weights on purpose: nothing to compare
             if self.collective.rank == 0:
                 logger.info("probe loss after loading %s: %.6g; the model was not loaded (load selection), "
                             "so it is not compared with the save's %s", path, loaded, saved)
@@ -97,18 +97,18 @@ class ResumeExtras:
                 logger.info("probe loss after loading %s: %.6g; none recorded at its save, nothing to compare",
                             path, loaded)
             return
-        diff, tol = relative_difference(saved, loaded), self.config.probe_tolerance
+        diff, tol = relative_difference(saved, loaded), self.config.load.probe_tolerance
         if diff <= tol:
             if self.collective.rank == 0:
                 logger.info("probe loss after loading %s: %.6g, at save %.6g (relative difference %.2e "
-                            "<= probe_tolerance %g): restored", path, loaded, saved, diff, tol)
+                            "<= load.probe_tolerance %g): restored", path, loaded, saved, diff, tol)
             return
         message = (f"probe loss after loading {path}: {loaded:.6g}, at save {saved:.6g} (relative difference "
-                   f"{diff:.3g} > probe_tolerance {tol:g}): the model does not compute what it computed at the "
+                   f"{diff:.3g} > load.probe_tolerance {tol:g}): the model does not compute what it computed at the "
                    "save, so something it depends on was not restored (weights not loaded or changed after "
                    "the load, a non-persistent buffer, a different probe batch or model code). Check the "
                    "load selection and the model")
-        if self.config.probe_on_mismatch == "raise":
-            raise IncompatibleCheckpointError(message + ", or set probe_on_mismatch: warn to continue anyway.")
+        if self.config.load.probe_on_mismatch == "raise":
+            raise IncompatibleCheckpointError(message + ", or set load.probe_on_mismatch: warn to continue anyway.")
         if self.collective.rank == 0:
-            logger.warning("%s (probe_on_mismatch: warn: continuing)", message)
+            logger.warning("%s (load.probe_on_mismatch: warn: continuing)", message)

@@ -38,7 +38,7 @@ _PENDING_RE = re.compile(r"^\.(?:pending|staging)-step-(\d{9,})-([0-9a-f]+)$")
 _DELETING_RE = re.compile(r"^\.deleting-step-(\d{9,})-([0-9a-f]+)$")
 SET_ASIDE_REASONS = ("corrupt", "rolledback", "archived")
 """Why a checkpoint was renamed out of the way (never deleted): damaged, newer than a rollback's
-``load_path``, or moved aside for a fresh run (``on_existing: archive``)."""
+``load.path``, or moved aside for a fresh run (``load.on_existing: archive``)."""
 _SET_ASIDE_RE = re.compile(rf"^({'|'.join(SET_ASIDE_REASONS)})-step-(\d{{9,}})-(\d+)$")
 
 

@@ -28,7 +28,7 @@ SCHEMA_VERSION = 5
 # incremental checkpoint's reference): an older distckpt would delete referenced checkpoints.
 # v3 -> v4: files may carry "block_ends" + "block_hashes" (xxh3_128 per block, integrity.py);
 # an older distckpt would call such a manifest malformed, so it says "upgrade" instead. A
-# manifest without block digests (S3, async_mode: process) is still written as v3.
+# manifest without block digests (S3, async_save.mode: process) is still written as v3.
 # v4 -> v5: "initial_load", the load options the run that wrote it started with (restart.py); a
 # manifest without them is written as v4 (or v3), which older distckpt reads.
 
@@ -84,7 +84,7 @@ class Manifest:
         probe_loss: the probe's loss at the save (``CheckpointManager(probe=)``).
         hardware: rank 0's machine at the save (platform, CPUs, accelerators).
         batch_change: set when the run that wrote it resumed with another global batch
-            (``batch_policy: keep_local_batch``): policy, step rule, global batch, world size and
+            (``elastic.batch_policy: keep_local_batch``): policy, step rule, global batch, world size and
             step before/after (``TrainState.batch_change``).
         data_prefix: object storage only: the save's data prefix relative to the root
             (``data/step-N-<id>``); absent on POSIX, where the manifest sits in the directory.
@@ -262,7 +262,7 @@ def structure_problems(manifest: Manifest, *, location: str, manifest_path: str 
         location: the checkpoint directory or data-prefix URL (files are named ``location/name``).
         manifest_path: where the manifest is, for messages (``None``: "the manifest of ``location``").
         dir_step: the step the checkpoint's name says (``step-N``); ``None``: not checked (a
-            ``load_path`` named otherwise; S3 checks its manifest name when parsing it).
+            ``load.path`` named otherwise; S3 checks its manifest name when parsing it).
         present: relative names of the files there; ``None``: not checked. A file present but not
             listed was added or renamed after the commit.
         metadata: the checkpoint's DCP ``Metadata``; ``None``: not checked. Every item must lie in

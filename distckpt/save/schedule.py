@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from ..config import ScheduleConfig
 from ..coord.collective import Collective
 
 __all__ = ["SaveSchedule"]
@@ -18,17 +19,17 @@ class SaveSchedule:
     disagree still save together (one small collective per call when enabled).
 
     Args:
-        interval_steps: save when ``step % interval_steps == 0``; ``None`` disables.
-        interval_seconds: save when this many seconds passed since the last save (rank 0's
-            clock); ``None`` disables.
+        schedule: ``CheckpointConfig.schedule``: its ``interval_steps`` (save when ``step %
+            interval_steps == 0``; ``None`` disables) and ``interval_seconds`` (save when this many
+            seconds passed since the last save, rank 0's clock; ``None`` disables).
         collective: agreement helper of the training ranks.
         clock: monotonic seconds; injectable for tests.
     """
 
-    def __init__(self, *, interval_steps: int | None, interval_seconds: float | None,
-                 collective: Collective, clock: Callable[[], float] = time.monotonic) -> None:
-        self.interval_steps = interval_steps
-        self.interval_seconds = interval_seconds
+    def __init__(self, schedule: ScheduleConfig, *, collective: Collective,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_steps = schedule.interval_steps
+        self.interval_seconds = schedule.interval_seconds
         self.collective = collective
         self.clock = clock
         self.last_save_time = clock()

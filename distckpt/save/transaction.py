@@ -25,13 +25,12 @@ import functools
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
 
 from .._version import __version__
-from ..config import KeepBest
+from ..config import RetentionConfig, SaveConfig
 from ..coord.collective import Collective
 from ..coord.events import EventLog
 from ..coord.topology import hardware_summary
@@ -40,11 +39,11 @@ from ..engine.blocking import describe_exception
 from ..errors import CheckpointSaveError
 from ..ondisk.manifest import Manifest, TensorSpec, model_fingerprint
 from ..state.training_state import TrainState
-from ..storage import CheckpointStore, open_store
+from ..storage import CheckpointStore
 from .purge import Purger
 from .retention import best_steps, steps_to_delete
 
-__all__ = ["BackgroundSave", "PHASES", "PhaseHook", "RankOutcome", "SaveContext", "SaveTransaction", "save_options"]
+__all__ = ["BackgroundSave", "PHASES", "PhaseHook", "RankOutcome", "SaveContext", "SaveTransaction"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,53 +74,41 @@ class RankOutcome:
     files: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
 
 
-def save_options(config: Any) -> dict[str, Any]:
-    """The :class:`SaveContext` fields a :class:`~distckpt.config.CheckpointConfig` sets."""
-    return dict(keep_last=config.keep_last, keep_every_steps=config.keep_every_steps, keep_best=config.keep_best,
-                thread_count=config.thread_count, write_timeout_s=config.effective_write_timeout_s,
-                incremental=config.incremental, full_every=config.full_every, initial_load=config.initial_load)
-
-
 @dataclasses.dataclass
 class SaveContext:
     """What every save of one manager shares (built once by the manager).
 
     Attributes:
-        root: checkpoint root.
+        store: the root's storage (:mod:`distckpt.storage`); every save goes through it.
         rank, world_size: of the checkpointing process group.
         wrapper: wrapper kind recorded in the manifest (``ddp``, ``fsdp2+compile``, ...).
         model_specs: ``{fqn: TensorSpec}`` of the live model (manifest + fingerprint).
         events: this rank's event log.
         on_phase: the user's phase hook, or ``None``.
-        keep_last, keep_every_steps: retention policy (``CheckpointConfig``).
-        thread_count: writer threads per rank (blocking writes).
-        write_timeout_s: deadline of one rank's blocking write phase (seconds).
+        retention: ``CheckpointConfig.retention``: ``keep_last``, ``keep_every_steps``, best-K
+            retention by a metric of the manifests (``keep_best``).
+        save: ``CheckpointConfig.save``: writer threads per rank (``thread_count``), incremental
+            saves (``incremental``, ``full_every``; :mod:`distckpt.storage.incremental`).
+        write_timeout_s: deadline of one rank's blocking write phase (seconds;
+            ``CheckpointConfig.coordination.effective_write_timeout_s``).
         before_commit: rank 0, called after the manifest is built and before it is written
             (the manager sets aside a rolled-back run's newer checkpoints there).
-        keep_best: best-K retention by a metric of the manifests, or ``None``.
-        incremental, full_every: incremental saves (``CheckpointConfig``; :mod:`distckpt.storage.incremental`).
-        store: the root's storage (:mod:`distckpt.storage`); ``None``: the POSIX directory ``root``.
         purger: removes the files of checkpoints retention deleted, in the background (rank 0,
             POSIX); joined before the next retention, by ``BackgroundSave`` and the manager's ``wait``.
         initial_load: the run's initial-load options, recorded in every manifest (:mod:`distckpt.load.restart`).
     """
 
-    root: Path | str
+    store: CheckpointStore
     rank: int
     world_size: int
     wrapper: str
     model_specs: dict[str, TensorSpec]
     events: EventLog
     on_phase: PhaseHook | None
-    keep_last: int | None
-    keep_every_steps: int | None
-    thread_count: int
+    retention: RetentionConfig
+    save: SaveConfig
     write_timeout_s: float
     before_commit: Callable[[], None] | None = None
-    keep_best: KeepBest | None = None
-    incremental: bool = False
-    full_every: int | None = None
-    store: CheckpointStore | None = None
     purger: Purger = dataclasses.field(default_factory=Purger)
     initial_load: dict[str, Any] | None = None
 
@@ -140,7 +127,7 @@ class SaveTransaction:
     def __init__(self, ctx: SaveContext, *, step: int, save_id: str, train_state: TrainState,
                  full: bool) -> None:
         self.ctx, self.step, self.train_state, self.full = ctx, step, train_state, full
-        self.store = ctx.store if ctx.store is not None else open_store(ctx.root)
+        self.store = ctx.store
         self.pending = self.store.pending_location(step, save_id)  # a location: a path or a URL
         self.final = self.store.final_location(step, self.pending)
         self.t0 = time.perf_counter()
@@ -163,7 +150,7 @@ class SaveTransaction:
             self.phase("write", pending=self.pending, blocking=True)
             self.store.begin_write(self.pending)
             t_stage = time.perf_counter() - self.t0
-            files = dcp_save(sd, self.pending, process_group=collective.group, thread_count=self.ctx.thread_count,
+            files = dcp_save(sd, self.pending, process_group=collective.group, thread_count=self.ctx.save.thread_count,
                              write_timeout_s=self.ctx.write_timeout_s, writer=self._writer())
             return RankOutcome(None, t_stage, time.perf_counter() - self.t0 - t_stage, files)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
@@ -192,13 +179,13 @@ class SaveTransaction:
 
     def _reuse(self) -> Any:
         """What this rank's write may reuse, read when the write starts (``None``: not incremental)."""
-        if not self.ctx.incremental:
+        if not self.ctx.save.incremental:
             return None
-        return functools.partial(self.store.reuse_index, self.step, full_every=self.ctx.full_every)
+        return functools.partial(self.store.reuse_index, self.step, full_every=self.ctx.save.full_every)
 
     def _writer(self) -> Any:
         """The store's DCP writer for this save (incremental when configured)."""
-        return self.store.dcp_writer(self.pending, thread_count=self.ctx.thread_count,
+        return self.store.dcp_writer(self.pending, thread_count=self.ctx.save.thread_count,
                                      write_timeout_s=self.ctx.write_timeout_s, reuse=self._reuse())
 
     def agree_started(self, collective: Collective, outcome: RankOutcome) -> None:
@@ -264,7 +251,7 @@ class SaveTransaction:
         return CheckpointSaveError(
             f"save of step {self.step} failed on rank(s) {sorted(failures)}: "
             + "; ".join(f"rank {r}: {m}" for r, m in failures.items())
-            + f". Nothing was committed; previous checkpoints in {self.ctx.root} are intact.",
+            + f". Nothing was committed; previous checkpoints in {self.store.root} are intact.",
             failures=failures)
 
     def _manifest(self, timings: dict[str, float], files: dict[str, tuple[int, str]]) -> Manifest:
@@ -277,7 +264,7 @@ class SaveTransaction:
             model_fingerprint=model_fingerprint(ctx.model_specs),
             loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == self.step else None,
             timings_s=timings, files=self.store.list_files(self.pending, files)
-            + (self.store.reference_entries(self.pending) if ctx.incremental else []), run_id=ts.run_id,
+            + (self.store.reference_entries(self.pending) if ctx.save.incremental else []), run_id=ts.run_id,
             metrics=dict(ts.metrics), probe_loss=ts.probe_loss, hardware=hardware_summary(),
             batch_change=ts.batch_change, initial_load=ctx.initial_load)
         return manifest
@@ -297,26 +284,27 @@ class SaveTransaction:
         try:
             self._apply_retention()
         except OSError as e:  # a failed delete never fails the save that just committed
-            logger.error("retention failed in %s: %s", self.ctx.root, e)
+            logger.error("retention failed in %s: %s", self.store.root, e)
         return None
 
     def _apply_retention(self) -> None:
-        root = self.ctx.root
+        root = self.store.root
         manifests = {s: r for s, _, r in self.store.find_committed() if isinstance(r, Manifest)}
         committed = list(manifests)
-        best, kb = [], self.ctx.keep_best
+        best, kb = [], self.ctx.retention.keep_best
         if kb is not None and (best := best_steps({s: m.metrics for s, m in manifests.items() if s <= self.step}, kb)):
             logger.info("retention: keeps the best %d by %s (%s): %s", kb.k, kb.metric, kb.mode,
                         ", ".join(f"step {s} ({manifests[s].metrics[kb.metric]:.6g})" for s in best))
         newer = [s for s in committed if s > self.step]
         if newer:  # not this run's (a save without a load in a used root): never deleted
             logger.warning("%s holds checkpoints newer than the step-%d just committed (steps %s); "
-                           "retention leaves them, and a later load: true resumes from step %d",
+                           "retention leaves them, and a later load.enabled: true resumes from step %d",
                            root, self.step, newer, max(newer))
         self.ctx.purger.join()  # the previous save's removals: References reads every directory
         # POSIX: a checkpoint an incremental one refers to is deferred, not deleted. The rename
         # to .deleting- happens here; the removal of its files runs on the purger's thread.
-        steps = steps_to_delete(committed, keep_last=self.ctx.keep_last, keep_every_steps=self.ctx.keep_every_steps,
+        steps = steps_to_delete(committed, keep_last=self.ctx.retention.keep_last,
+                                keep_every_steps=self.ctx.retention.keep_every_steps,
                                 just_committed=self.step, also_keep=best)
         for line in self.store.delete_checkpoints(steps, before=lambda step: self.phase("retention", step),
                                                   remove=self.ctx.purger.submit):

@@ -1,8 +1,8 @@
 """A resume with a different global batch size: the step rule and the LR scheduler.
 
-With ``CheckpointConfig.batch_policy = "keep_local_batch"`` the data position is carried over
+With ``CheckpointConfig.elastic.batch_policy = "keep_local_batch"`` the data position is carried over
 in samples by :class:`~distckpt.data.ReshardableSampler`; this module applies
-``CheckpointConfig.step_rule`` to the step counter and the LR scheduler, and describes what
+``CheckpointConfig.elastic.step_rule`` to the step counter and the LR scheduler, and describes what
 was done (one INFO line on rank 0, and ``TrainState.batch_change``, which the manifests of the
 run's next saves record):
 

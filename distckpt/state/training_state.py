@@ -27,7 +27,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..adapters import ModelOptimState, with_saved_keys
-from ..config import LOADABLE
+from ..config import LOADABLE, ElasticConfig
 from ..data.reshard import DataLoaderState
 from ..engine.torch_internals import flatten_state_dict
 from ..errors import IncompatibleCheckpointError
@@ -85,8 +85,9 @@ class TrainState:
         probe_loss: the probe's loss at the save (``CheckpointManager(probe=)``), or ``None``.
         probe_loss_loaded: the probe's loss measured after ``load()`` (not saved).
         batch_change: set by a resume whose global batch differs from the saved one
-            (``batch_policy: keep_local_batch``): what was done (:func:`distckpt.state.rebatch.apply_step_rule`);
-            recorded in the manifest of this run's saves, not in the checkpoint's state.
+            (``elastic.batch_policy: keep_local_batch``): what was done
+            (:func:`distckpt.state.rebatch.apply_step_rule`); recorded in the manifest of this run's saves, not in
+            the checkpoint's state.
     """
 
     step: int = 0
@@ -147,8 +148,8 @@ class CheckpointState:
         extra_state: ``{name: Stateful | plain value}``; plain values must be made of
             containers, primitives and tensors.
         rank, world_size: of the training process group.
-        seed: base seed for ranks that have no saved RNG state.
-        batch_policy, step_rule: ``CheckpointConfig``'s, for a resume with another global batch.
+        elastic: ``CheckpointConfig.elastic``: ``seed`` (base seed for ranks that have no saved RNG
+            state), ``batch_policy`` and ``step_rule`` (a resume with another global batch).
     """
 
     def __init__(
@@ -162,9 +163,7 @@ class CheckpointState:
         extra_state: dict[str, Any] | None = None,
         rank: int,
         world_size: int,
-        seed: int,
-        batch_policy: str = "keep_global_batch",
-        step_rule: str = "keep",
+        elastic: ElasticConfig | None = None,
     ) -> None:
         self.model_optim = ModelOptimState(model, optimizer)
         self.lr_scheduler = lr_scheduler
@@ -173,8 +172,8 @@ class CheckpointState:
         self.extra_state = dict(extra_state or {})
         self.rank = rank
         self.world_size = world_size
-        self.seed = seed
-        self.batch_policy, self.step_rule = batch_policy, step_rule
+        elastic = elastic if elastic is not None else ElasticConfig()
+        self.seed, self.batch_policy, self.step_rule = elastic.seed, elastic.batch_policy, elastic.step_rule
         self.weights_only = False  # set by for_load: an imported checkpoint (model weights only)
         self.select: frozenset[str] = frozenset(LOADABLE)  # set by for_load: the parts to restore
         self._live_model_sd: dict[str, Any] = {}  # optimizer-only load: the model's own state

@@ -45,7 +45,7 @@ def open_store(root: str | os.PathLike, *, endpoint_url: str | None = None,
 
 def open_config_store(config: Any) -> CheckpointStore:
     """The store of a :class:`~distckpt.config.CheckpointConfig`'s root (its S3 endpoint and region)."""
-    return open_store(config.root, endpoint_url=config.s3_endpoint_url, region=config.s3_region)
+    return open_store(config.root, endpoint_url=config.storage.s3_endpoint_url, region=config.storage.s3_region)
 
 
 def open_location(path: str | os.PathLike, *, endpoint_url: str | None = None,

@@ -42,11 +42,11 @@ def refuse_or_archive(store: CheckpointStore, *, on_existing: Literal["refuse", 
     if on_existing != "archive":
         raise ConfigError(
             f"{subject} already holds {len(existing)} checkpoint(s), newest {checkpoint_name(existing[-1][0])}, "
-            f"and {why}. Choose: {choices}; on_existing: archive to set them aside as archived-step-N-<n> "
+            f"and {why}. Choose: {choices}; load.on_existing: archive to set them aside as archived-step-N-<n> "
             "(nothing is deleted); or another root.")
     if not locked:
-        raise ConfigError(f"on_existing='archive' for {subject} needs lock: true: it renames checkpoints "
-                          "that another job could be writing")
+        raise ConfigError(f"load.on_existing='archive' for {subject} needs coordination.lock: true: it renames "
+                          "checkpoints that another job could be writing")
     moved = [f"{checkpoint_name(step)} -> {store.set_aside(step, 'archived')}" for step, _ in existing]
     store.repair_latest()
     logger.warning("on_existing=archive (%s): set aside the %d checkpoint(s) in %s, nothing deleted: %s",

@@ -1,7 +1,7 @@
 """Incremental checkpoints: which previous checkpoint a save reuses, the references a commit
 records, and deletions that never remove a file a kept checkpoint refers to.
 
-A save with ``incremental: true`` compares every tensor item with the newest committed
+A save with ``save.incremental: true`` compares every tensor item with the newest committed
 checkpoint before it (:func:`reuse_for`); unchanged items are not written, and the new
 checkpoint's DCP ``.metadata`` points at the file that first stored them through
 ``../step-N/<file>`` (the write side: :mod:`distckpt.engine.incremental_writer`). Rank 0 lists

@@ -360,7 +360,7 @@ def import_weights(weights_path: str | os.PathLike, root: str | os.PathLike, *, 
 
     def refuse_or_archive_existing() -> None:  # under the root's lock
         refuse_or_archive(store, on_existing=on_existing, locked=True, subject=store.root,
-                          why="a load: true run would resume those, not the import",
+                          why="a load.enabled: true run would resume those, not the import",
                           choices="import into another root; pass on_existing='archive' (CLI: --archive-existing)")
         if store.exists(store.location_of(step)):
             raise FileExistsError(f"{store.location_of(step)} already exists; import into another root or pick "

@@ -51,7 +51,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=0,
                    help="T, the target step; 0: interval * (2 * kills + 4) (default 0)")
     p.add_argument("--interval", type=int, default=2, help="checkpoint every this many steps (default 2)")
-    p.add_argument("--keep-last", type=int, default=2, help="checkpoint.keep_last (default 2)")
+    p.add_argument("--keep-last", type=int, default=2, help="checkpoint.retention.keep_last (default 2)")
     p.add_argument("--epoch-steps", type=int, default=10, help="cut the corpus to this many steps per epoch")
     p.add_argument("--global-batch", type=int, default=8, help="G, constant across world sizes (default 8)")
     p.add_argument("--seq-len", type=int, default=32, help="model.seq_len and data.seq_len (default 32)")
@@ -102,14 +102,14 @@ def _run(args: argparse.Namespace) -> int:
     overrides = [*SMALL_MODEL, f"model.seq_len={args.seq_len}", f"data.seq_len={args.seq_len}",
                  f"data.global_batch_size={g}", f"data.max_bytes={args.epoch_steps * g * (args.seq_len + 1)}",
                  f"train.steps={steps}", f"train.warmup_steps={steps // 6}", "train.log_every=1000",
-                 f"checkpoint.interval_steps={interval}", f"checkpoint.keep_last={args.keep_last}",
-                 *args.overrides]
+                 f"checkpoint.schedule.interval_steps={interval}",
+                 f"checkpoint.retention.keep_last={args.keep_last}", *args.overrides]
     try:
         cfg = load_job_config(REPO / args.config, overrides)
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    keep_last = cfg.checkpoint.keep_last or args.keep_last
+    keep_last = cfg.checkpoint.retention.keep_last or args.keep_last
     for name in ("reference", "chaos"):
         shutil.rmtree(out / name, ignore_errors=True)  # only what an earlier chaos run in --out made
     (out / "report.json").unlink(missing_ok=True)
@@ -124,7 +124,8 @@ def _run(args: argparse.Namespace) -> int:
     ref = Run("reference", args.ref_world_size, out / "reference", out / "reference" / "checkpoints")
     log(f"reference: {ref.nproc} ranks to step {steps} ...")
     try:
-        ref_events, _, _, _ = run_job(ref, cmd_tail + ["checkpoint.keep_last=null"], timeout_s=args.run_timeout_s)
+        ref_events, _, _, _ = run_job(ref, cmd_tail + ["checkpoint.retention.keep_last=null"],
+                                      timeout_s=args.run_timeout_s)
     except TimeoutError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distckpt import CheckpointConfig, CheckpointManager
+from distckpt import CheckpointConfig, CheckpointManager, ScheduleConfig
 
 JOIN_AT = 5  # first step whose loss uses the late branch
 STEPS = 8
@@ -69,7 +69,8 @@ def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, An
 
 
 def manager(root: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> CheckpointManager:
-    return CheckpointManager(CheckpointConfig(root=root, interval_steps=None), model=model, optimizer=optimizer)
+    return CheckpointManager(CheckpointConfig(root=root, schedule=ScheduleConfig(interval_steps=None)), model=model,
+                             optimizer=optimizer)
 
 
 def reference_and_save(rank: int, world_size: int, case: str, root: str) -> dict[str, Any]:

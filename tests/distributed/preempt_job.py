@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch.distributed as dist  # noqa: E402
 
-from distckpt import CheckpointConfig, CheckpointManager  # noqa: E402
+from distckpt import CheckpointConfig, CheckpointManager, RetentionConfig, ScheduleConfig  # noqa: E402
 from tests.distributed.trainer import build, optimizer_step  # noqa: E402
 
 
@@ -33,7 +33,8 @@ def main() -> None:
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, {"wrapper": "ddp",
                                                                     "num_workers": args.num_workers})
     manager = CheckpointManager(
-        CheckpointConfig(root=args.root, interval_steps=100, keep_last=3), model=model,
+        CheckpointConfig(root=args.root, schedule=ScheduleConfig(interval_steps=100),
+                         retention=RetentionConfig(keep_last=3)), model=model,
         optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader)
     state = manager.load()
     step = state.step if state else 0

@@ -14,12 +14,13 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def async_manager(rank, world_size, opts):
-    from distckpt import CheckpointConfig, CheckpointManager
+    from distckpt import AsyncSaveConfig, CheckpointConfig, CheckpointManager, RetentionConfig, ScheduleConfig
 
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
-    config = CheckpointConfig(root=opts["root"], interval_steps=None, async_mode=opts["mode"],
-                              background_staging=opts.get("background_staging", False),
-                              keep_last=opts.get("keep_last", 3))
+    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None),
+                              async_save=AsyncSaveConfig(mode=opts["mode"],
+                                                         background_staging=opts.get("background_staging", False)),
+                              retention=RetentionConfig(keep_last=opts.get("keep_last", 3)))
     manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                 grad_scaler=scaler, dataloader=loader)
     return manager, model, optimizer, scheduler, scaler, loader

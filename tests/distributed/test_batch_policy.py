@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from distckpt import CheckpointConfig, CheckpointManager, IncompatibleCheckpointError
+from distckpt import CheckpointConfig, CheckpointManager, IncompatibleCheckpointError, ScheduleConfig
 from distckpt.ondisk.manifest import Manifest
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.trainer import build, optimizer_step, release_workers
@@ -33,7 +33,8 @@ def job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     refused = None
     if opts.get("refuse_first"):  # the default policy (keep_global_batch) must refuse the new G
         model, optimizer, scheduler, scaler, loader = build(rank, world_size, {"global_batch_size": opts["g"]})
-        with CheckpointManager(CheckpointConfig(root=opts["root"], interval_steps=None), model=model,
+        with CheckpointManager(CheckpointConfig(root=opts["root"],
+                                                schedule=ScheduleConfig(interval_steps=None)), model=model,
                                optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
                                dataloader=loader) as manager:
             try:
@@ -41,7 +42,7 @@ def job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
             except IncompatibleCheckpointError as e:
                 refused = str(e)
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, {"global_batch_size": opts["g"]})
-    config = CheckpointConfig(root=opts["root"], interval_steps=None, **opts.get("config", {}))
+    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None), **opts.get("config", {}))
     manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                 grad_scaler=scaler, dataloader=loader)
     state = manager.load()
@@ -94,10 +95,10 @@ def test_keep_local_batch_2_to_4_rescale_then_4_to_2_keep(tmp_path: Path) -> Non
     # B: 4 ranks x 4 (G = 16), rescale: step = 24 // 16 = 1. 6 steps: the rest of epoch 0 at
     # sample 24 (4 batches of 16, 8 left as its tail) and 2 of epoch 1; saved at step 3 (56 samples).
     b = values(run_ranks(job, 4, {"root": root, "g": 16, "steps": 6, "save_at": [3], "refuse_first": True,
-                                  "config": {**local, "step_rule": "rescale"}}, timeout_s=60))
+                                  "config": {"elastic": {**local, "step_rule": "rescale"}}}, timeout_s=60))
     # C: back to 2 ranks x 4 (G = 8) from B's step 3, step_rule keep; 6 steps: 5 end epoch 0.
     c = values(run_ranks(job, 2, {"root": root, "g": 8, "steps": 6, "save_at": [9],
-                                  "config": {**local, "step_rule": "keep"}}, timeout_s=60))
+                                  "config": {"elastic": {**local, "step_rule": "keep"}}}, timeout_s=60))
 
     ga, gb, gc = _global(a), _global(b), _global(c)
     assert [len(x) for x in ga + gb + gc] == [8] * 3 + [16] * 6 + [8] * 6  # whole global batches

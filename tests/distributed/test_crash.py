@@ -95,7 +95,7 @@ def load_with_metadata_error_on_rank_1(rank, world_size, opts):
 def test_metadata_error_on_one_rank_fails_or_falls_back_on_every_rank(tmp_path, fallback):
     from tests.distributed.trainer import save_after
 
-    opts = {"root": str(tmp_path), "wrapper": "fsdp2", "config": {"timeout_s": 60.0}}
+    opts = {"root": str(tmp_path), "wrapper": "fsdp2", "config": {"coordination": {"timeout_s": 60.0}}}
     values(run_ranks(save_after, 2, dict(opts, steps=3)))
     values(run_ranks(save_after, 2, dict(opts, steps=6)))
     out = values(run_ranks(load_with_metadata_error_on_rank_1, 2, dict(opts, fallback_to_older=fallback),
@@ -130,7 +130,7 @@ def save_then_die_mid_background_delete(rank, world_size, opts):
 def test_sigkill_during_background_delete_loses_nothing_and_next_start_cleans_up(tmp_path):
     root = tmp_path / "ckpt"
     opts = {"root": str(root), "wrapper": "ddp", "expected": str(tmp_path / "expected.pt"),
-            "config": {"keep_last": 1}}
+            "config": {"retention": {"keep_last": 1}}}
     results = run_ranks(save_then_die_mid_background_delete, 2, opts, expect_death=True)
     assert results[0] is None
     doomed = [p for p in root.iterdir() if p.name.startswith(".deleting-step-000000003-")]

@@ -52,11 +52,12 @@ def check_cross_load(tmp_path, save_ws: int, save_opts: dict, load_ws: int, load
 
 
 def train_full_at_end(rank, world_size, opts):
-    from distckpt import CheckpointConfig, CheckpointManager
+    from distckpt import CheckpointConfig, CheckpointManager, ScheduleConfig
     from tests.distributed.trainer import build, full_params, train_steps
 
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
-    manager = CheckpointManager(CheckpointConfig(root=opts["root"], interval_steps=2, full_at_end=True),
+    manager = CheckpointManager(CheckpointConfig(root=opts["root"],
+                                                 schedule=ScheduleConfig(interval_steps=2, full_at_end=True)),
                                 model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
                                 dataloader=loader)
     for step in range(1, 6):

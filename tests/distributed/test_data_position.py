@@ -8,7 +8,7 @@ import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from distckpt import CheckpointConfig, CheckpointManager, ReshardableSampler
+from distckpt import CheckpointConfig, CheckpointManager, ReshardableSampler, RetentionConfig, ScheduleConfig
 from tests.distributed.harness import run_ranks, values
 
 N, G, WORLD_SIZE, SEED = 256, 16, 2, 3
@@ -31,7 +31,8 @@ def _phase(rank: int, world_size: int, root: str, num_workers: int, *, load: boo
     context = "fork" if num_workers else None
     loader = StatefulDataLoader(Ids(), batch_size=G // world_size, sampler=sampler, num_workers=num_workers,
                                 multiprocessing_context=context)
-    manager = CheckpointManager(CheckpointConfig(root=root, interval_steps=4, keep_last=5),
+    manager = CheckpointManager(CheckpointConfig(root=root, schedule=ScheduleConfig(interval_steps=4),
+                                                 retention=RetentionConfig(keep_last=5)),
                                 model=torch.nn.Linear(1, 1), optimizer=None, dataloader=loader)
     state = manager.load() if load else None
     step = state.step if state else 0

@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from distckpt import CheckpointConfig, CheckpointManager
+from distckpt import (
+    AsyncSaveConfig,
+    CheckpointConfig,
+    CheckpointManager,
+    PreemptionConfig,
+    RetentionConfig,
+    ScheduleConfig,
+)
 from distckpt.save.grace import SaveDurations, plan_preemption
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.trainer import build, optimizer_step
@@ -22,9 +29,10 @@ def _job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     """Train to ``until``; rank 1 gets SIGTERM at ``signal_at``; ``fake_s`` is injected as the
     measured duration of the previous saves (a slow disk) just before the signal."""
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, {"wrapper": "ddp"})
-    config = CheckpointConfig(root=opts["root"], interval_steps=opts.get("interval", 3), keep_last=5,
-                              exit_on_preemption=False, preemption_grace_s=opts.get("grace", 30.0),
-                              async_mode=opts.get("async_mode", "off"))
+    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=opts.get("interval", 3)),
+                              retention=RetentionConfig(keep_last=5),
+                              preemption=PreemptionConfig(exit=False, grace_s=opts.get("grace", 30.0)),
+                              async_save=AsyncSaveConfig(mode=opts.get("async_mode", "off")))
     manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                 grad_scaler=scaler, dataloader=loader)
     messages: list[str] = []
@@ -117,5 +125,5 @@ def test_plan_rules() -> None:
 def test_grace_must_be_positive_and_finite(value) -> None:
     from distckpt import ConfigError
 
-    with pytest.raises(ConfigError, match="preemption_grace_s"):
-        CheckpointConfig(root="/tmp/x", preemption_grace_s=value)
+    with pytest.raises(ConfigError, match="preemption.grace_s"):
+        CheckpointConfig(root="/tmp/x", preemption=PreemptionConfig(grace_s=value))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from distckpt import CheckpointConfig, CheckpointManager
+from distckpt import AsyncSaveConfig, CheckpointConfig, CheckpointManager, SaveConfig, ScheduleConfig
 from distckpt.engine import read_dcp_metadata
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.trainer import full_params
@@ -38,8 +38,9 @@ def run(rank, world_size, opts):
     fully_shard(model.head)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.head.parameters(), lr=0.01)
-    config = CheckpointConfig(root=opts["root"], interval_steps=None, incremental=True,
-                              async_mode=opts.get("async_mode", "off"))
+    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None),
+                              save=SaveConfig(incremental=True),
+                              async_save=AsyncSaveConfig(mode=opts.get("async_mode", "off")))
     manager = CheckpointManager(config, model=model, optimizer=optimizer)
     state = manager.load()
     # clone: at 1 rank the full state dict shares storage with the parameters trained below

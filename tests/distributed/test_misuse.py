@@ -13,11 +13,18 @@ pytestmark = pytest.mark.timeout(240)
 
 def one_sided_calls(rank, world_size, opts):
     """Manager A: rank 0 saves alone. Manager B: rank 0 saves while rank 1 loads."""
-    from distckpt import CheckpointConfig, CheckpointManager, CollectiveMismatchError
+    from distckpt import (
+        CheckpointConfig,
+        CheckpointManager,
+        CollectiveMismatchError,
+        CoordinationConfig,
+        ScheduleConfig,
+    )
     from tests.distributed.trainer import Net
 
     def manager(root):
-        config = CheckpointConfig(root=root, interval_steps=None, arrival_timeout_s=opts["arrival"])
+        config = CheckpointConfig(root=root, schedule=ScheduleConfig(interval_steps=None),
+                                  coordination=CoordinationConfig(arrival_timeout_s=opts["arrival"]))
         return CheckpointManager(config, model=Net(), optimizer=None)
 
     out = {}
@@ -62,10 +69,10 @@ def test_save_on_one_rank_raises_naming_the_missing_rank_in_seconds(tmp_path):
 
 
 def save_then_load_warnings(rank, world_size, opts):
-    from distckpt import CheckpointConfig, CheckpointManager
+    from distckpt import CheckpointConfig, CheckpointManager, ScheduleConfig
     from tests.distributed.trainer import Net
 
-    config = CheckpointConfig(root=opts["root"], interval_steps=None)
+    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with CheckpointManager(config, model=Net(), optimizer=None) as manager:
@@ -83,13 +90,21 @@ def test_multi_rank_load_prints_no_dcp_single_process_warning(tmp_path):
 
 def late_rank(rank, world_size, opts):
     """Rank 1 reaches maybe_save(1) (a save step) 4 s after rank 0, with arrival_timeout_s 1.5."""
-    from distckpt import CheckpointConfig, CheckpointManager, CollectiveMismatchError
+    from distckpt import (
+        CheckpointConfig,
+        CheckpointManager,
+        CollectiveMismatchError,
+        CoordinationConfig,
+        PreemptionConfig,
+        ScheduleConfig,
+    )
     from tests.distributed.trainer import Net
 
     out = {}
     for name, preemption in (("preemption", True), ("no preemption", False)):
-        config = CheckpointConfig(root=f"{opts['root']}/{name}", interval_steps=1, arrival_timeout_s=1.5,
-                                  preemption=preemption)
+        config = CheckpointConfig(root=f"{opts['root']}/{name}", schedule=ScheduleConfig(interval_steps=1),
+                                  coordination=CoordinationConfig(arrival_timeout_s=1.5),
+                                  preemption=PreemptionConfig(enabled=preemption))
         manager = CheckpointManager(config, model=Net(), optimizer=None)
         if rank == 1:
             time.sleep(4.0)  # the lateness under test (rank-0-only work would do the same)

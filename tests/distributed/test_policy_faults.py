@@ -13,12 +13,12 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def run_with_skewed_clock(rank, world_size, opts):
-    from distckpt import CheckpointConfig, CheckpointManager
+    from distckpt import CheckpointConfig, CheckpointManager, RetentionConfig, ScheduleConfig
     from tests.distributed.trainer import build
 
     model, optimizer, *_ = build(rank, world_size, {"wrapper": "ddp"})
-    config = CheckpointConfig(root=opts["root"], interval_steps=None, interval_seconds=10.0, keep_last=2,
-                              keep_every_steps=4)
+    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None, interval_seconds=10.0),
+                              retention=RetentionConfig(keep_last=2, keep_every_steps=4))
     manager = CheckpointManager(config, model=model, optimizer=optimizer)
     # Fake clocks: rank 1 runs 3x faster and 100 s ahead; only rank 0's clock may decide.
     ticks = {"t": 0.0}
@@ -42,11 +42,12 @@ def test_interval_seconds_decided_by_rank0_despite_skewed_clocks(tmp_path):
 
 
 def interval_steps_and_retention(rank, world_size, opts):
-    from distckpt import CheckpointConfig, CheckpointManager
+    from distckpt import CheckpointConfig, CheckpointManager, RetentionConfig, ScheduleConfig
     from tests.distributed.trainer import build
 
     model, optimizer, *_ = build(rank, world_size, {"wrapper": "ddp"})
-    config = CheckpointConfig(root=opts["root"], interval_steps=2, keep_last=2, keep_every_steps=3)
+    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=2),
+                              retention=RetentionConfig(keep_last=2, keep_every_steps=3))
     manager = CheckpointManager(config, model=model, optimizer=optimizer)
     saved = [s for s in range(1, 11) if manager.maybe_save(s, last_step=s == 10)]
     assert not manager.maybe_save(10, last_step=True)  # already saved at this step
@@ -208,7 +209,8 @@ def storage_fault(rank, world_size, opts):
                                               ("slow_disk", "thread")])
 def test_storage_fault_on_one_rank_fails_the_save_everywhere(tmp_path, fault, async_mode):
     # write_timeout_s well below timeout_s: the slow rank gives up before the others' wait expires.
-    config = {"thread_count": 4, "timeout_s": 20.0, "write_timeout_s": 1.5, "async_mode": async_mode}
+    config = {"save": {"thread_count": 4}, "coordination": {"timeout_s": 20.0, "write_timeout_s": 1.5},
+              "async_save": {"mode": async_mode}}
     out = values(run_ranks(storage_fault, 2, {"root": str(tmp_path), "wrapper": "ddp", "victim": 1,
                                               "fault": fault, "config": config}))
     expected_text = "No space left on device" if fault.startswith("enospc") else "write_timeout_s=1.5"

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from distckpt import CheckpointConfig, CheckpointLockedError, CheckpointManager, ConfigError
+from distckpt import CheckpointConfig, CheckpointLockedError, CheckpointManager, ConfigError, CoordinationConfig
 from distckpt.storage.lock import LOCK_NAME
 from tests.distributed.trainer import Net
 
@@ -83,15 +83,16 @@ def test_lock_of_another_host_is_respected(tmp_path):
     write_lock(tmp_path, "some-other-host", 1)
     with pytest.raises(CheckpointLockedError, match="host=some-other-host"):
         CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=Net(), optimizer=None)
-    assert CheckpointManager(CheckpointConfig(root=str(tmp_path), lock=False), model=Net(), optimizer=None)
+    assert CheckpointManager(CheckpointConfig(root=str(tmp_path),
+                                              coordination=CoordinationConfig(lock=False)), model=Net(), optimizer=None)
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    ({"interval_steps": -5}, "interval_steps"),
-    ({"interval_seconds": -1.0}, "interval_seconds"),
-    ({"async_mode": "thread", "keep_last": 1}, "keep_last"),
-    ({"async_mode": "fork"}, "async_mode"),
-    ({"background_staging": True}, "background_staging"),
+    ({"schedule": {"interval_steps": -5}}, "schedule.interval_steps"),
+    ({"schedule": {"interval_seconds": -1.0}}, "schedule.interval_seconds"),
+    ({"async_save": {"mode": "thread"}, "retention": {"keep_last": 1}}, "retention.keep_last"),
+    ({"async_save": {"mode": "fork"}}, "async_save.mode"),
+    ({"async_save": {"background_staging": True}}, "async_save.background_staging"),
 ])
 def test_bad_configuration_fails_before_training(kwargs, field):
     with pytest.raises(ConfigError, match=field):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from distckpt import CheckpointConfig, CheckpointManager
+from distckpt import CheckpointConfig, CheckpointManager, ScheduleConfig
 from distckpt.ondisk.manifest import Manifest
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.trainer import Points, build, full_params, optimizer_step
@@ -24,7 +24,8 @@ def probe(model: nn.Module) -> torch.Tensor:
 
 def save_with_probe(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
-    manager = CheckpointManager(CheckpointConfig(root=opts["root"], interval_steps=None), model=model,
+    manager = CheckpointManager(CheckpointConfig(root=opts["root"],
+                                                 schedule=ScheduleConfig(interval_steps=None)), model=model,
                                 optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
                                 dataloader=loader, probe=probe, run_id="dist-run")
     it = iter(loader)
@@ -37,7 +38,8 @@ def save_with_probe(rank: int, world_size: int, opts: dict[str, Any]) -> dict[st
 
 def load_with_probe(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
-    manager = CheckpointManager(CheckpointConfig(root=opts["root"], interval_steps=None, **opts.get("config", {})),
+    manager = CheckpointManager(CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None),
+                                                 **opts.get("config", {})),
                                 model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
                                 dataloader=loader, probe=probe)
     state = manager.load()
@@ -56,7 +58,7 @@ def test_probe_across_world_sizes_and_model_only_load(tmp_path):
     assert manifest.metrics == {"val_loss": 0.5}
 
     loaded = values(run_ranks(load_with_probe, 1, {"root": root, "wrapper": "plain",
-                                                   "config": {"load_only": ["model"]}}))[0]
+                                                   "config": {"load": {"only": ["model"]}}}))[0]
     state = loaded["state"]
     assert loaded["optim_state"] == 0 and loaded["scheduler_epoch"] == 0 and state.step == 0
     assert abs(state.probe_loss_loaded - manifest.probe_loss) <= 1e-6 * abs(manifest.probe_loss)

@@ -21,13 +21,14 @@ def draws():
 def rng_job(rank, world_size, opts):
     import logging
 
-    from distckpt import CheckpointConfig, CheckpointManager
+    from distckpt import CheckpointConfig, CheckpointManager, ElasticConfig
     from tests.distributed.trainer import Net
 
     torch.manual_seed(100 + rank)
     random.seed(200 + rank)
     np.random.seed(300 + rank)
-    manager = CheckpointManager(CheckpointConfig(root=opts["root"], seed=5), model=Net(), optimizer=None)
+    manager = CheckpointManager(CheckpointConfig(root=opts["root"],
+                                                 elastic=ElasticConfig(seed=5)), model=Net(), optimizer=None)
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())

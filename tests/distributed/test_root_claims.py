@@ -14,18 +14,18 @@ def root_job(rank: int, world_size: int, root: str) -> dict:
     from distckpt import ConfigError
 
     out: dict = {}
-    manager, *objs = make_manager(rank, world_size, {"root": root, "config": {"keep_last": None}})
+    manager, *objs = make_manager(rank, world_size, {"root": root, "config": {"retention": {"keep_last": None}}})
     for step in (3, 6, 9):
         train_steps(*objs, 1)
         manager.save(step)
     manager.close()
     try:
-        make_manager(rank, world_size, {"root": root, "config": {"load": False}})
+        make_manager(rank, world_size, {"root": root, "config": {"load": {"enabled": False}}})
         out["refused"] = None
     except ConfigError as e:
         out["refused"] = str(e)
     manager, *objs = make_manager(rank, world_size, {"root": root, "load_path": os.path.join(root, "step-000000003"),
-                                                     "config": {"keep_last": 2}})
+                                                     "config": {"retention": {"keep_last": 2}}})
     out["loaded"] = manager.load().step
     train_steps(*objs, 1)
     manager.save(6)  # rank 0 sets the old 6 and 9 aside before the commit
@@ -59,7 +59,7 @@ def fine_tune_restart_job(rank: int, world_size: int, opts: dict) -> dict:
     manager.save(3)
     manager.close()
     ft = {"root": opts["ft"], "load_path": os.path.join(opts["pre"], "step-000000003"), "wrapper": "ddp",
-          "config": {"load_only": ["model"], "keep_last": None}}
+          "config": {"load": {"only": ["model"]}, "retention": {"keep_last": None}}}
     manager, *objs = make_manager(rank, world_size, ft)
     out = {"first": manager.load().step}
     for step in (1, 2):

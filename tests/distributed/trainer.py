@@ -6,6 +6,7 @@ ReshardableSampler: everything whose state a resume must restore exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -14,7 +15,15 @@ import torch.distributed as dist
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from distckpt import CheckpointConfig, CheckpointManager, ReshardableSampler
+from distckpt import (
+    CheckpointConfig,
+    CheckpointManager,
+    LoadConfig,
+    ReshardableSampler,
+    RetentionConfig,
+    SaveConfig,
+    ScheduleConfig,
+)
 
 
 class Net(nn.Module):
@@ -110,13 +119,13 @@ def train(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     ``opts``: root, until, interval_steps, wrapper, compile, keep_last, plus ``build`` options.
     """
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
-    config = CheckpointConfig(root=opts["root"], interval_steps=opts.get("interval_steps", 3),
-                              keep_last=opts.get("keep_last", 3),
-                              keep_every_steps=opts.get("keep_every_steps"),
-                              state_dict_type=opts.get("state_dict_type", "sharded"),
-                              fast_load=opts.get("fast_load", CheckpointConfig.fast_load),
-                              fallback_to_older=opts.get("fallback_to_older", False),
-                              load_path=opts.get("load_path"))
+    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=opts.get("interval_steps", 3)),
+                              retention=RetentionConfig(keep_last=opts.get("keep_last", 3),
+                                                        keep_every_steps=opts.get("keep_every_steps")),
+                              save=SaveConfig(state_dict_type=opts.get("state_dict_type", "sharded")),
+                              load=LoadConfig(fast_reader=opts.get("fast_load", LoadConfig.fast_reader),
+                                              fallback_to_older=opts.get("fallback_to_older", False),
+                                              path=opts.get("load_path")))
     manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                 grad_scaler=scaler, dataloader=loader)
     state = manager.load()
@@ -169,13 +178,20 @@ def full_optim(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def with_sections(config: CheckpointConfig, sections: dict[str, dict[str, Any]]) -> CheckpointConfig:
+    """``config`` with the fields ``sections`` names (``{"retention": {"keep_last": 1}}``) replaced."""
+    return dataclasses.replace(config, **{name: dataclasses.replace(getattr(config, name), **fields)
+                                          for name, fields in sections.items()})
+
+
 def make_manager(rank: int, world_size: int, opts: dict[str, Any]):
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
-    config = CheckpointConfig(root=opts["root"], interval_steps=None,
-                              state_dict_type=opts.get("state_dict_type", "sharded"),
-                              fast_load=opts.get("fast_load", CheckpointConfig.fast_load),
-                              fallback_to_older=opts.get("fallback_to_older", False),
-                              load_path=opts.get("load_path"), **opts.get("config", {}))
+    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None),
+                              save=SaveConfig(state_dict_type=opts.get("state_dict_type", "sharded")),
+                              load=LoadConfig(fast_reader=opts.get("fast_load", LoadConfig.fast_reader),
+                                              fallback_to_older=opts.get("fallback_to_older", False),
+                                              path=opts.get("load_path")))
+    config = with_sections(config, opts.get("config", {}))
     manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                 grad_scaler=scaler, dataloader=loader if opts.get("with_loader", True) else None)
     return manager, model, optimizer, scheduler, scaler, loader

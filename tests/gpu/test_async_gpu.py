@@ -37,13 +37,13 @@ def save_behind_queued_kernels(rank, world_size, opts):
     """Queue a ~0.5 s spin kernel and then ``p += 1`` on every parameter, and save at once (no
     host sync, no GradScaler, whose state_dict would sync): the checkpoint must hold the
     parameters after the ``+ 1``, as program order says."""
-    from distckpt import CheckpointConfig, CheckpointManager
+    from distckpt import AsyncSaveConfig, CheckpointConfig, CheckpointManager, ScheduleConfig
     from tests.distributed.trainer import build, train_steps
 
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
     train_steps(model, optimizer, scheduler, scaler, loader, 2)
-    config = CheckpointConfig(root=opts["root"], interval_steps=None, async_mode="thread",
-                              background_staging=True)
+    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None),
+                              async_save=AsyncSaveConfig(mode="thread", background_staging=True))
     manager = CheckpointManager(config, model=model, optimizer=optimizer)
     manager.save(1)  # allocates the pinned buffers (an allocation may sync the device)
     manager.wait()
@@ -61,11 +61,11 @@ def save_behind_queued_kernels(rank, world_size, opts):
 
 def load_model_and_optimizer(rank, world_size, opts):
     """Load what :func:`save_behind_queued_kernels` saved (model + optimizer only)."""
-    from distckpt import CheckpointConfig, CheckpointManager
+    from distckpt import CheckpointConfig, CheckpointManager, ScheduleConfig
     from tests.distributed.trainer import build
 
     model, optimizer, *_ = build(rank, world_size, opts)
-    manager = CheckpointManager(CheckpointConfig(root=opts["root"], interval_steps=None),
+    manager = CheckpointManager(CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None)),
                                 model=model, optimizer=optimizer)
     state = manager.load()
     manager.close()

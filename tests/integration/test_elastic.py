@@ -28,7 +28,7 @@ def test_sigterm_to_torchrun_with_dataloader_workers_saves_and_resumes_exactly(t
     """SIGTERM to the torchrun agent reaches each worker's process group, DataLoader workers
     included: they must outlive it so the preemption save commits; the resume is exact."""
     steps = 30
-    overrides = [*SMALL, f"train.steps={steps}", "train.warmup_steps=3", "checkpoint.interval_steps=100",
+    overrides = [*SMALL, f"train.steps={steps}", "train.warmup_steps=3", "checkpoint.schedule.interval_steps=100",
                  "data.num_workers=2"]
     base = Run("base", 2, tmp_path / "base", tmp_path / "base" / "ckpt")
     launch(base, CONFIG, overrides, timeout_s=120)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from distckpt import CheckpointConfig, CheckpointManager
+from distckpt import CheckpointConfig, CheckpointManager, ScheduleConfig
 from distckpt.cli import main
 from distckpt.tools.export import export_checkpoint, import_weights
 from tests.distributed.harness import run_ranks, values
@@ -102,7 +102,8 @@ def train_two_steps(rank: int, world_size: int, opts: dict) -> dict:
     state = loader.load()
     loader.close()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    manager = CheckpointManager(CheckpointConfig(root=opts["trained"], interval_steps=None), model=model,
+    manager = CheckpointManager(CheckpointConfig(root=opts["trained"],
+                                                 schedule=ScheduleConfig(interval_steps=None)), model=model,
                                 optimizer=optimizer)
     losses = []
     for step in (1, 2):

@@ -1,7 +1,7 @@
 """The storage seam (issue 25 item 1): one discovery over ``CheckpointStore`` makes the same
 decisions with the same messages on a POSIX root and an S3 root (a real SeaweedFS server):
 refusal of a used root, archive, rollback, fallback from a corrupt newest checkpoint, a missing
-``load_step``, and the refusal to start fresh over checkpoints set aside as corrupt.
+``load.step``, and the refusal to start fresh over checkpoints set aside as corrupt.
 
 Messages are compared with the root and the checkpoint locations replaced by placeholders, so a
 difference in wording between the stores fails here.
@@ -32,7 +32,7 @@ def root(request, tmp_path) -> str:
 
 def manager_for(root: str, **kw):
     model, optimizer, scheduler, scaler, loader = build(0, 1, {})
-    cfg = CheckpointConfig(root=root, interval_steps=None, keep_last=None, **kw)
+    cfg = CheckpointConfig(root=root, schedule={"interval_steps": None}, retention={"keep_last": None}, **kw)
     return (CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
                               dataloader=loader), (model, optimizer, scheduler, scaler, loader))
 
@@ -71,18 +71,19 @@ def test_locations_are_strings_and_a_used_root_is_refused_with_one_message(root)
     locations, _ = saved_run(root, (2,))
     assert all(isinstance(loc, str) for loc in locations.values())
     with pytest.raises(ConfigError) as err:
-        manager_for(root, load=False)
+        manager_for(root, load={"enabled": False})
     assert generic(str(err.value), root, locations) == (
         "CheckpointConfig.root='<root>' already holds 1 checkpoint(s), newest step-000000002, and this run does "
-        "not resume from them (load: false; none was committed with this config's load options, which would make "
-        "this start a restart). Choose: resume them (load: true, with no load_path or one naming a checkpoint of "
-        "the root); on_existing: archive to set them aside as archived-step-N-<n> (nothing is deleted); or "
+        "not resume from them (load.enabled: false; none was committed with this config's load options, which would "
+        "make this start a restart). Choose: resume them (load.enabled: true, with no load.path or one naming a "
+        "checkpoint of the root); load.on_existing: archive to set them aside as archived-step-N-<n> (nothing is "
+        "deleted); or "
         "another root.")
 
 
 def test_archive_sets_them_aside_and_the_run_starts_fresh(root):
     saved_run(root, (2, 4))
-    manager, _ = manager_for(root, load=False, on_existing="archive")
+    manager, _ = manager_for(root, load={"enabled": False, "on_existing": "archive"})
     assert manager.load() is None
     manager.save(1)
     manager.close()
@@ -95,7 +96,7 @@ def test_archive_sets_them_aside_and_the_run_starts_fresh(root):
 
 def test_rollback_sets_aside_the_newer_checkpoints_at_the_first_save(root, caplog):
     locations, params = saved_run(root, (2, 4, 6))
-    manager, (model, *_) = manager_for(root, load_path=locations[2])
+    manager, (model, *_) = manager_for(root, load={"path": locations[2]})
     with caplog.at_level(logging.WARNING, logger="distckpt"):
         state = manager.load()
     assert state is not None and state.step == 2 and state.checkpoint_path == locations[2]
@@ -104,7 +105,7 @@ def test_rollback_sets_aside_the_newer_checkpoints_at_the_first_save(root, caplo
     assert [s for s, _ in store.existing()] == [2, 4, 6]  # nothing set aside by a load alone
     warned = [generic(r.getMessage(), root, locations) for r in caplog.records
               if r.name.startswith("distckpt") and r.levelno == logging.WARNING and "rollback" in r.getMessage()]
-    assert warned == ["rollback to load_path='<step 2>': the root's 2 newer checkpoint(s) (step-000000004, "
+    assert warned == ["rollback to load.path='<step 2>': the root's 2 newer checkpoint(s) (step-000000004, "
                       "step-000000006) will be renamed rolledback-step-M-<n> at this run's first save (kept, "
                       "never loaded or deleted)"]
     manager.save(3)
@@ -124,9 +125,9 @@ def test_a_corrupt_newest_is_refused_then_passed_over_with_fallback(root):
     manager.close()
     message = generic(str(err.value), root, locations)
     assert re.fullmatch(r"<step 4>/__0_\d\.distcp: .* -- the newest checkpoint <step 4> is not loadable\. Set "
-                        r"fallback_to_older: true to resume from the previous committed checkpoint, or remove "
+                        r"load.fallback_to_older: true to resume from the previous committed checkpoint, or remove "
                         r"<step 4>\.", message), message
-    manager, (model, *_) = manager_for(root, fallback_to_older=True)
+    manager, (model, *_) = manager_for(root, load={"fallback_to_older": True})
     state = manager.load()
     manager.close()
     assert state is not None and state.step == 2
@@ -139,7 +140,7 @@ def test_a_corrupt_newest_is_refused_then_passed_over_with_fallback(root):
 def test_only_corrupt_checkpoints_left_refuses_a_fresh_start(root):
     locations, _ = saved_run(root, (2,))
     break_newest(root, locations[2])
-    manager, _ = manager_for(root, fallback_to_older=True)
+    manager, _ = manager_for(root, load={"fallback_to_older": True})
     with pytest.raises(CheckpointCorruptError, match="no committed checkpoint in .* is loadable"):
         manager.load()
     manager.close()
@@ -150,15 +151,15 @@ def test_only_corrupt_checkpoints_left_refuses_a_fresh_start(root):
     assert generic(str(err.value), root, locations).replace("manifests/", "") == (
         "no committed checkpoint in <root>: it holds only checkpoints set aside as corrupt "
         "(corrupt-step-000000002-0). Restore one (rename it back to step-N after repairing its files), point "
-        "load_path at a good copy, or move the root away (or set load: false) to start fresh deliberately.")
+        "load.path at a good copy, or move the root away (or set load.enabled: false) to start fresh deliberately.")
 
 
 def test_a_missing_load_step_names_the_steps_there(root):
     saved_run(root, (2, 4))
-    manager, _ = manager_for(root, load_step=3)
+    manager, _ = manager_for(root, load={"step": 3})
     with pytest.raises(CheckpointNotFoundError) as err:
         manager.load()
     manager.close()
     assert generic(str(err.value), root, {}) == (
-        "CheckpointConfig.load_step=3: no step-000000003 in <root> (its checkpoints: steps [2, 4]; "
+        "CheckpointConfig.load.step=3: no step-000000003 in <root> (its checkpoints: steps [2, 4]; "
         "`distckpt ls <root>` lists them)")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from distckpt import RetentionConfig
 from distckpt.cli import main
 from distckpt.tools.reader import CheckpointReader
 from tests.distributed.trainer import full_params, train_steps
@@ -18,7 +19,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.tim
 
 
 def test_cli_ls_inspect_diff_export_prune_and_verify_on_s3(s3_server, s3_root, tmp_path, capsys):
-    manager, objs = manager_for(s3_root, keep_last=None)
+    manager, objs = manager_for(s3_root, retention=RetentionConfig(keep_last=None))
     locations = {}
     for step in (2, 4, 6):
         train_steps(*objs, 2)
@@ -75,14 +76,14 @@ def test_cli_ls_inspect_diff_export_prune_and_verify_on_s3(s3_server, s3_root, t
 
 def test_retention_leaves_no_pending_rows_and_ls_shows_metrics(s3_server, s3_root, caplog, capsys):
     # SeaweedFS keeps a data prefix after retention deletes its objects: not an unfinished save.
-    manager, objs = manager_for(s3_root, keep_last=1)
+    manager, objs = manager_for(s3_root, retention=RetentionConfig(keep_last=1))
     for step in (1, 2, 3):
         train_steps(*objs, 1)
         manager.save(step, loss=0.5, metrics={"acc": 0.25})
     manager.close()
     caplog.clear()
     with caplog.at_level("WARNING", logger="distckpt"):
-        manager, _ = manager_for(s3_root, keep_last=1)
+        manager, _ = manager_for(s3_root, retention=RetentionConfig(keep_last=1))
         assert manager.load().step == 3  # rank 0 removes leftovers here
         manager.close()
     assert not [r for r in caplog.records if "left by" in r.getMessage()]

@@ -48,7 +48,7 @@ def test_reshard_2_to_4_from_s3(s3_root):
 
 def save_twice_and_die(rank: int, world_size: int, opts: dict) -> str:
     """Save step 3, then step 6 (keep_last=1: retention deletes step 3); SIGKILL at opts['kill']."""
-    from distckpt import CheckpointConfig, CheckpointManager
+    from distckpt import CheckpointConfig, CheckpointManager, RetentionConfig, ScheduleConfig
     from distckpt.storage.s3_client import S3Objects
     from distckpt.storage.s3_dcp import S3Writer
     from tests.distributed.trainer import build
@@ -71,7 +71,8 @@ def save_twice_and_die(rank: int, world_size: int, opts: dict) -> str:
             S3Objects.delete = delete_then_die  # type: ignore[method-assign]
 
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, {"wrapper": "ddp"})
-    manager = CheckpointManager(CheckpointConfig(root=opts["root"], interval_steps=None, keep_last=1),
+    manager = CheckpointManager(CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None),
+                                                 retention=RetentionConfig(keep_last=1)),
                                 model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
                                 dataloader=loader, on_phase=on_phase)
     for step in (3, 6):

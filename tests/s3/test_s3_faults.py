@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from distckpt import CheckpointSaveError
+from distckpt import CheckpointSaveError, StorageConfig
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.trainer import full_params, load_report, make_manager, train_steps
 from tests.s3.faults import GETS, PUTS, Fault, uninstall_all
@@ -127,7 +127,7 @@ def test_server_gone_mid_save_fails_the_save_and_the_previous_checkpoint_loads(s
             if (phase, step) == ("write", 6):
                 server.kill()
 
-        manager, objs = manager_for(root, s3_endpoint_url=server.endpoint_url, on_phase=on_phase)
+        manager, objs = manager_for(root, storage=StorageConfig(s3_endpoint_url=server.endpoint_url), on_phase=on_phase)
         train_steps(*objs, 3)
         manager.save(3)
         expected = {k: v.clone() for k, v in full_params(objs[0]).items()}
@@ -139,7 +139,7 @@ def test_server_gone_mid_save_fails_the_save_and_the_previous_checkpoint_loads(s
         manager.lock.held = False  # its lock object is on the dead server
         manager.close()
         server.start()  # the server comes back with its data
-        fresh, (model, *_) = manager_for(root, s3_endpoint_url=server.endpoint_url)
+        fresh, (model, *_) = manager_for(root, storage=StorageConfig(s3_endpoint_url=server.endpoint_url))
         assert fresh.load().step == 3
         fresh.close()
         for k, v in full_params(model).items():

@@ -11,7 +11,18 @@ import re
 import pytest
 import torch
 
-from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager, CheckpointSaveError, ConfigError
+from distckpt import (
+    AsyncSaveConfig,
+    CheckpointConfig,
+    CheckpointCorruptError,
+    CheckpointManager,
+    CheckpointSaveError,
+    ConfigError,
+    CoordinationConfig,
+    LoadConfig,
+    RetentionConfig,
+    ScheduleConfig,
+)
 from distckpt.storage import open_store
 from tests.distributed.trainer import build, full_params, train_steps
 
@@ -21,7 +32,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.tim
 def manager_for(root: str, **kw):
     model, optimizer, scheduler, scaler, loader = build(0, 1, kw.pop("build", {}))
     on_phase = kw.pop("on_phase", None)
-    cfg = CheckpointConfig(root=root, interval_steps=None, **kw)
+    cfg = CheckpointConfig(root=root, schedule=ScheduleConfig(interval_steps=None), **kw)
     return (CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
                               dataloader=loader, on_phase=on_phase),
             (model, optimizer, scheduler, scaler, loader))
@@ -46,7 +57,7 @@ def put(server, root: str, rel: str, body: bytes) -> None:
 
 
 def test_save_commits_manifest_last_and_load_restores_bitwise(s3_server, s3_root):
-    manager, objs = manager_for(s3_root, keep_last=2)
+    manager, objs = manager_for(s3_root, retention=RetentionConfig(keep_last=2))
     for step in (3, 6, 9):
         train_steps(*objs, 3)
         location = manager.save(step)
@@ -96,7 +107,7 @@ def test_a_stale_writer_cannot_replace_a_newer_commit(s3_server, s3_root):
     committed = get(s3_server, s3_root, "manifests/step-000000003.json")
     manager.close()
     # A job that lost the root (no lock: it thinks it still owns it) saves the same step again.
-    stale, objs2 = manager_for(s3_root, lock=False, load=True)
+    stale, objs2 = manager_for(s3_root, coordination=CoordinationConfig(lock=False), load=LoadConfig(enabled=True))
     stale.load()
     train_steps(*objs2, 1)
     with pytest.raises(CheckpointSaveError, match="manifests/step-000000003.json already exists"):
@@ -144,7 +155,7 @@ def test_an_edited_s3_checkpoint_is_refused_by_ls_and_load_as_by_verify(s3_serve
     # Issue 24 item 5 on S3: verify's checks, not fewer, decide what ls lists and a load takes.
     from distckpt.cli import main
 
-    manager, objs = manager_for(s3_root, keep_last=None)
+    manager, objs = manager_for(s3_root, retention=RetentionConfig(keep_last=None))
     locations = {}
     for step in (3, 6):
         train_steps(*objs, 3)
@@ -165,10 +176,10 @@ def test_an_edited_s3_checkpoint_is_refused_by_ls_and_load_as_by_verify(s3_serve
     with pytest.raises(CheckpointCorruptError, match=re.escape(reason)):
         fresh.load()
     fresh.close()
-    expected, (model1, *_) = manager_for(s3_root, load_path=locations[3])
+    expected, (model1, *_) = manager_for(s3_root, load=LoadConfig(path=locations[3]))
     expected.load()
     expected.close()
-    fallback, (model2, *_) = manager_for(s3_root, fallback_to_older=True)
+    fallback, (model2, *_) = manager_for(s3_root, load=LoadConfig(fallback_to_older=True))
     with caplog.at_level("WARNING"):
         assert fallback.load().step == 3
     fallback.close()
@@ -207,7 +218,8 @@ def test_bad_credentials_are_a_config_error_naming_the_bucket_not_the_keys(s3_se
 
 def test_async_save_and_event_log_on_s3(s3_server, s3_root, tmp_path):
     log = tmp_path / "events.jsonl"
-    manager, objs = manager_for(s3_root, async_mode="thread", event_log=str(log))
+    manager, objs = manager_for(s3_root, async_save=AsyncSaveConfig(mode="thread"),
+                                coordination=CoordinationConfig(event_log=str(log)))
     train_steps(*objs, 3)
     location = manager.save(3)  # returns once staged; uploads and commits in the background
     expected = {k: v.clone() for k, v in full_params(objs[0]).items()}
@@ -224,8 +236,8 @@ def test_async_save_and_event_log_on_s3(s3_server, s3_root, tmp_path):
 
 
 def test_process_async_mode_is_refused_on_s3():
-    with pytest.raises(ConfigError, match="async_mode='process' is not supported on s3:// roots"):
-        CheckpointConfig(root="s3://bucket/run", async_mode="process")
+    with pytest.raises(ConfigError, match="async_save.mode='process' is not supported on s3:// roots"):
+        CheckpointConfig(root="s3://bucket/run", async_save=AsyncSaveConfig(mode="process"))
 
 
 def test_load_path_may_name_a_checkpoint_of_another_s3_root(s3_server, s3_root):
@@ -234,7 +246,7 @@ def test_load_path_may_name_a_checkpoint_of_another_s3_root(s3_server, s3_root):
     location = manager.save(3)
     expected = {k: v.clone() for k, v in full_params(objs[0]).items()}
     manager.close()
-    other, objs2 = manager_for(f"{s3_root}-other", load_path=location)
+    other, objs2 = manager_for(f"{s3_root}-other", load=LoadConfig(path=location))
     state = other.load()
     train_steps(*objs2, 1)
     other.save(4)  # commits into its own root; the source root is untouched
@@ -256,8 +268,8 @@ def test_a_fresh_run_in_a_used_s3_root_refuses_or_archives(s3_server, s3_root):
     manager.save(3)
     manager.close()
     with pytest.raises(ConfigError, match="already holds 1 checkpoint\\(s\\), newest step-000000003"):
-        manager_for(s3_root, load=False)
-    archived, _ = manager_for(s3_root, load=False, on_existing="archive")
+        manager_for(s3_root, load=LoadConfig(enabled=False))
+    archived, _ = manager_for(s3_root, load=LoadConfig(enabled=False, on_existing="archive"))
     archived.close()
     names = keys(s3_server, s3_root)
     assert "manifests/archived-step-000000003-0.json" in names and "manifests/step-000000003.json" not in names
@@ -275,7 +287,7 @@ def test_rollback_on_s3_sets_newer_checkpoints_aside_at_the_first_save(s3_server
         train_steps(*objs, 3)
         locations[step] = manager.save(step)
     manager.close()
-    rollback, objs2 = manager_for(s3_root, load_path=locations[3])
+    rollback, objs2 = manager_for(s3_root, load=LoadConfig(path=locations[3]))
     assert rollback.load().step == 3
     assert "manifests/step-000000006.json" in keys(s3_server, s3_root)  # only loading changes nothing
     train_steps(*objs2, 1)
@@ -292,7 +304,7 @@ def test_rollback_on_s3_sets_newer_checkpoints_aside_at_the_first_save(s3_server
     fresh.close()
     # Issue 24 item 6: restarted with its unchanged config, the rolled-back run resumes its own commit.
     with caplog.at_level("INFO", logger="distckpt"):
-        restarted, (model3, *_) = manager_for(s3_root, load_path=locations[3])
+        restarted, (model3, *_) = manager_for(s3_root, load=LoadConfig(path=locations[3]))
         assert restarted.load().step == 4  # used to roll back to step 3 again
     restarted.close()
     assert "restart:" in caplog.text and "step-000000004, committed by this run" in caplog.text
@@ -311,7 +323,7 @@ def test_a_read_only_manager_writes_no_object_to_an_s3_root(s3_server, s3_root):
     expected = full_params(objs[0])
     put(s3_server, s3_root, "data/step-000000009-abc123/__0_0.distcp", b"an interrupted save")
     before = {k: get(s3_server, s3_root, k) for k in keys(s3_server, s3_root)}
-    evaluation, (model, *_) = manager_for(s3_root, read_only=True, load_step=3)
+    evaluation, (model, *_) = manager_for(s3_root, load=LoadConfig(read_only=True, step=3))
     assert evaluation.load().step == 3 and evaluation.lock is None
     with pytest.raises(ConfigError, match="read_only=true"):
         evaluation.save(4)

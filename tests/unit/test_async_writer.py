@@ -70,5 +70,5 @@ def test_process_mode_without_torch_distributed_is_a_config_error_at_constructio
     from distckpt.errors import ConfigError
 
     assert not torch.distributed.is_initialized()
-    with pytest.raises(ConfigError, match="async_mode='process' needs torch.distributed initialised"):
+    with pytest.raises(ConfigError, match="async_save.mode='process' needs torch.distributed initialised"):
         AsyncWriter("process", background_staging=False, process_group=None, thread_count=1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from distckpt import CheckpointConfig, ConfigError, IncompatibleCheckpointError
+from distckpt import CheckpointConfig, ConfigError, ElasticConfig, IncompatibleCheckpointError
 from distckpt.data import ReshardableSampler, global_state_from_loader_state, make_stateful_dataloader
 from distckpt.data.reshard import DataLoaderState
 from distckpt.state.rebatch import apply_step_rule, move_scheduler
@@ -174,13 +174,13 @@ def test_keep_global_batch_refuses_a_changed_global_batch() -> None:
 
 def test_config_validates_policy_and_rule(tmp_path: Any) -> None:
     cfg = CheckpointConfig(root=str(tmp_path))
-    assert (cfg.batch_policy, cfg.step_rule) == ("keep_global_batch", "keep")
+    assert (cfg.elastic.batch_policy, cfg.elastic.step_rule) == ("keep_global_batch", "keep")
     with pytest.raises(ConfigError, match="batch_policy='keep_local'"):
-        CheckpointConfig(root=str(tmp_path), batch_policy="keep_local")
+        CheckpointConfig(root=str(tmp_path), elastic=ElasticConfig(batch_policy="keep_local"))
     with pytest.raises(ConfigError, match="step_rule='floor'"):
-        CheckpointConfig(root=str(tmp_path), batch_policy="keep_local_batch", step_rule="floor")
+        CheckpointConfig(root=str(tmp_path), elastic=ElasticConfig(batch_policy="keep_local_batch", step_rule="floor"))
     with pytest.raises(ConfigError, match="needs batch_policy='keep_local_batch'"):
-        CheckpointConfig(root=str(tmp_path), step_rule="rescale")
+        CheckpointConfig(root=str(tmp_path), elastic=ElasticConfig(step_rule="rescale"))
 
 
 def _lambda_scheduler(total: int = 100) -> torch.optim.lr_scheduler.LambdaLR:

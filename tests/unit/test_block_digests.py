@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from distckpt import CheckpointConfig, CheckpointManager
+from distckpt import CheckpointConfig, CheckpointManager, LoadConfig, ScheduleConfig
 from distckpt.engine.blocking import dcp_load, dcp_save
 from distckpt.engine.read import fast_reader
 from distckpt.engine.read.fast_reader import FastFileSystemReader
@@ -151,7 +151,7 @@ def test_manifest_keeps_blocks_and_reads_v3(tmp_path):
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 512)).sum().backward()
     opt.step()
-    cfg = CheckpointConfig(root=str(tmp_path), interval_steps=None)
+    cfg = CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None))
     with CheckpointManager(cfg, model=model, optimizer=opt) as m:
         m.save(1)
     path = tmp_path / "step-000000001" / "distckpt.json"
@@ -180,7 +180,8 @@ def test_manifest_keeps_blocks_and_reads_v3(tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(FastFileSystemReader, "read_data", spy)
         mod, o = fresh()
-        with CheckpointManager(CheckpointConfig(root=str(tmp_path), interval_steps=None, load_only=["model"]),
+        with CheckpointManager(CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None),
+                                                load=LoadConfig(only=["model"])),
                                model=mod, optimizer=o) as m2:
             m2.load()
     assert all(torch.equal(a, b) for a, b in zip(mod.state_dict().values(), model.state_dict().values()))
@@ -190,7 +191,8 @@ def test_manifest_keeps_blocks_and_reads_v3(tmp_path):
     old["files"] = [{k: v for k, v in f.items() if not k.startswith("block_")} for f in data["files"]]
     path.write_text(json.dumps(old))
     mod, o = fresh()
-    with CheckpointManager(CheckpointConfig(root=str(tmp_path), interval_steps=None), model=mod, optimizer=o) as m3:
+    with CheckpointManager(CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None)),
+                           model=mod, optimizer=o) as m3:
         assert m3.load().step == 1
     assert all(torch.equal(a, b) for a, b in zip(mod.state_dict().values(), model.state_dict().values()))
 
@@ -246,7 +248,8 @@ def test_verify_checks_block_digests_too(tmp_path, capsys):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))
     opt = torch.optim.AdamW(model.parameters())
-    with CheckpointManager(CheckpointConfig(root=str(tmp_path), interval_steps=None), model=model,
+    with CheckpointManager(CheckpointConfig(root=str(tmp_path),
+                                            schedule=ScheduleConfig(interval_steps=None)), model=model,
                            optimizer=opt) as m:
         m.save(1)
     ckpt = tmp_path / "step-000000001"

@@ -15,7 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from distckpt import CheckpointConfig, CheckpointManager, CheckpointNotFoundError, ConfigError
+from distckpt import (
+    CheckpointConfig,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    ConfigError,
+    RetentionConfig,
+    ScheduleConfig,
+)
 from distckpt.cli import main
 from distckpt.cli.main import COMMANDS
 from distckpt.ondisk.integrity import hash_file
@@ -35,7 +42,8 @@ def make_root(root, steps=(2, 4), width=16, extra=True, shift=0.0):
         for p in model.parameters():
             p.add_(shift)
     manager = CheckpointManager(
-        CheckpointConfig(root=str(root), interval_steps=None, keep_last=None), model=model,
+        CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=None),
+                         retention=RetentionConfig(keep_last=None)), model=model,
         optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader,
         extra_state={"note": {"run": "cli-test"}} if extra else None)
     done = 0

@@ -1,6 +1,8 @@
+import re
+
 import pytest
 
-from distckpt import CheckpointConfig, ConfigError
+from distckpt import CheckpointConfig, ConfigError, CoordinationConfig
 from distckpt.ondisk.layout import checkpoint_name, is_pending, parse_step, pending_name
 from distckpt.save.retention import steps_to_delete
 
@@ -10,31 +12,35 @@ def test_unknown_key_names_the_valid_ones(tmp_path):
     path.write_text("checkpoint:\n  root: /tmp/x\n  interval_step: 5\n")
     with pytest.raises(ConfigError) as err:
         CheckpointConfig.from_yaml(path)
-    assert "interval_step" in str(err.value) and "interval_steps" in str(err.value)
+    assert "interval_step" in str(err.value) and "did you mean schedule.interval_steps?" in str(err.value)
+    assert "valid keys: root, schedule, retention" in str(err.value)
 
 
 def test_from_yaml_reads_section(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("checkpoint:\n  root: /tmp/x\n  interval_steps: 5\n  keep_last: 2\nother: 1\n")
+    path.write_text("checkpoint:\n  root: /tmp/x\n  schedule: {interval_steps: 5}\n  retention:\n    keep_last: 2\n"
+                    "other: 1\n")
     cfg = CheckpointConfig.from_yaml(path)
-    assert (cfg.root, cfg.interval_steps, cfg.keep_last) == ("/tmp/x", 5, 2)
+    assert (cfg.root, cfg.schedule.interval_steps, cfg.retention.keep_last) == ("/tmp/x", 5, 2)
 
 
-@pytest.mark.parametrize("field,value", [("interval_steps", -1), ("interval_seconds", 0),
-                                         ("keep_last", 0), ("state_dict_type", "FULLISH"),
-                                         ("thread_count", 0), ("write_timeout_s", -1.0),
-                                         ("write_timeout_s", 600.0), ("interval_steps", 1.5),
-                                         ("thread_count", 2.5), ("timeout_s", float("nan")),
-                                         ("timeout_s", float("inf")), ("interval_seconds", float("nan")),
-                                         ("load_streams_per_node", 1.5), ("keep_last", True)])
-def test_bad_values_name_the_field(field, value):
-    with pytest.raises(ConfigError, match=field):
-        CheckpointConfig(root="/tmp/x", **{field: value})
+@pytest.mark.parametrize("key,value", [("schedule.interval_steps", -1), ("schedule.interval_seconds", 0),
+                                       ("retention.keep_last", 0), ("save.state_dict_type", "FULLISH"),
+                                       ("save.thread_count", 0), ("coordination.write_timeout_s", -1.0),
+                                       ("coordination.write_timeout_s", 600.0), ("schedule.interval_steps", 1.5),
+                                       ("save.thread_count", 2.5), ("coordination.timeout_s", float("nan")),
+                                       ("coordination.timeout_s", float("inf")),
+                                       ("schedule.interval_seconds", float("nan")),
+                                       ("load.streams_per_node", 1.5), ("retention.keep_last", True)])
+def test_bad_values_name_the_field(key, value):
+    section, name = key.split(".")
+    with pytest.raises(ConfigError, match=f"CheckpointConfig.{re.escape(key)}="):
+        CheckpointConfig(root="/tmp/x", **{section: {name: value}})
 
 
 def test_write_deadline_defaults_to_half_the_group_timeout():
-    assert CheckpointConfig(root="/tmp/x", timeout_s=60.0).effective_write_timeout_s == 30.0
-    assert CheckpointConfig(root="/tmp/x", timeout_s=60.0, write_timeout_s=50.0).effective_write_timeout_s == 50.0
+    assert CoordinationConfig(timeout_s=60.0).effective_write_timeout_s == 30.0
+    assert CoordinationConfig(timeout_s=60.0, write_timeout_s=50.0).effective_write_timeout_s == 50.0
 
 
 def test_config_is_kw_only():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager
+from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager, ScheduleConfig
 from distckpt.errors import CheckpointNotFoundError, ConfigError
 from distckpt.tools.compare import max_abs_diff
 from distckpt.tools.export import export_checkpoint, import_weights
@@ -25,7 +25,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def trained_checkpoint(root, steps=3, **opts):
     """A step-``steps`` checkpoint of the tiny trainer; returns (dir, model, optimizer)."""
     model, optimizer, scheduler, scaler, loader = build(0, 1, opts)
-    manager = CheckpointManager(CheckpointConfig(root=str(root), interval_steps=None), model=model,
+    manager = CheckpointManager(CheckpointConfig(root=str(root),
+                                                 schedule=ScheduleConfig(interval_steps=None)), model=model,
                                 optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
                                 dataloader=loader)
     train_steps(model, optimizer, scheduler, scaler, loader, steps)

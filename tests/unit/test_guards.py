@@ -7,7 +7,14 @@ import math
 
 import pytest
 
-from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager, ConfigError
+from distckpt import (
+    CheckpointConfig,
+    CheckpointCorruptError,
+    CheckpointManager,
+    ConfigError,
+    SaveConfig,
+    ScheduleConfig,
+)
 from distckpt.cli import main
 from distckpt.load.discovery import CheckpointDiscovery
 from distckpt.ondisk.manifest import Manifest
@@ -40,8 +47,8 @@ def test_supported_roots_still_accepted(tmp_path):
 
 
 def test_full_every_needs_incremental(tmp_path):
-    with pytest.raises(ConfigError, match="full_every=5 needs incremental: true"):
-        CheckpointConfig(root=str(tmp_path), full_every=5)
+    with pytest.raises(ConfigError, match="save.full_every=5 needs save.incremental: true"):
+        CheckpointConfig(root=str(tmp_path), save=SaveConfig(full_every=5))
 
 
 @pytest.mark.parametrize("run_id", [123, "", b"x"])
@@ -51,7 +58,8 @@ def test_run_id_of_wrong_type_is_a_config_error(tmp_path, run_id):
 
 
 def saved(root, **kw):
-    manager = CheckpointManager(CheckpointConfig(root=str(root), interval_steps=None), model=Net(), optimizer=None)
+    manager = CheckpointManager(CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=None)),
+                                model=Net(), optimizer=None)
     manager.save(1, **kw)
     manager.close()
     return root / "step-000000001"

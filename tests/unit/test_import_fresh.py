@@ -2,7 +2,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from distckpt import CheckpointConfig, CheckpointManager
+from distckpt import CheckpointConfig, CheckpointManager, ScheduleConfig
 from distckpt.tools.export import import_weights
 from tests.distributed.trainer import Net, build, train_steps
 
@@ -14,7 +14,8 @@ def test_import_into_full_training_state(tmp_path, caplog):
     save_file(weights, tmp_path / "w.safetensors")
     import_weights(tmp_path / "w.safetensors", tmp_path / "root")
     model, opt, sched, scaler, loader = build(0, 1, {})
-    m = CheckpointManager(CheckpointConfig(root=str(tmp_path / "root"), interval_steps=None), model=model,
+    m = CheckpointManager(CheckpointConfig(root=str(tmp_path / "root"),
+                                           schedule=ScheduleConfig(interval_steps=None)), model=model,
                           optimizer=opt, lr_scheduler=sched, grad_scaler=scaler, dataloader=loader,
                           extra_state={"x": 1})
     with caplog.at_level("WARNING"):

@@ -119,7 +119,8 @@ RULES: dict[str, set[str]] = {
     "storage": {"engine", "errors", "ondisk"},
     "engine": {"errors", "ondisk"},
     "ondisk": {"errors"},
-    "config": {"errors", "ondisk"},
+    "config": {"config_sections", "errors", "ondisk"},
+    "config_sections": {"errors"},
     "errors": set(),
     "_version": set(),
 }

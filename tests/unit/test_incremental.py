@@ -17,7 +17,16 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager, ConfigError
+from distckpt import (
+    CheckpointConfig,
+    CheckpointCorruptError,
+    CheckpointManager,
+    ConfigError,
+    LoadConfig,
+    RetentionConfig,
+    SaveConfig,
+    ScheduleConfig,
+)
 from distckpt.cli import main
 from distckpt.engine import read_dcp_metadata
 from distckpt.tools.export import export_checkpoint
@@ -46,7 +55,8 @@ def setup(root, seed=0, frozen=8, on_phase=None, **cfg):
     torch.manual_seed(seed)
     model = Frozen(frozen)
     optimizer = torch.optim.AdamW(model.head.parameters(), lr=0.01)
-    config = CheckpointConfig(root=str(root), interval_steps=None, **{"incremental": True, **cfg})
+    config = CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=None),
+                              **{"save": SaveConfig(incremental=True), **cfg})
     return CheckpointManager(config, model=model, optimizer=optimizer, on_phase=on_phase), model, optimizer
 
 
@@ -97,7 +107,7 @@ def test_incremental_save_loads_bitwise_and_plain_dcp_follows_references(tmp_pat
     manifest = json.loads((tmp_path / S2 / "distckpt.json").read_text())
     assert {f["path"] for f in manifest["files"] if f["path"].startswith("../")} == set(refs.values())
 
-    manager, model, optimizer = setup(tmp_path, seed=1, fast_load=fast_load)
+    manager, model, optimizer = setup(tmp_path, seed=1, load=LoadConfig(fast_reader=fast_load))
     state = manager.load()
     manager.close()
     assert state is not None and state.step == 2
@@ -118,13 +128,13 @@ def test_second_save_with_frozen_tensors_writes_little(tmp_path):
 
 
 def test_reference_points_at_the_original_file_never_a_chain(tmp_path):
-    run_saves(tmp_path, steps=(1, 2, 3), keep_last=None)
+    run_saves(tmp_path, steps=(1, 2, 3), retention=RetentionConfig(keep_last=None))
     refs = references(tmp_path / S3)
     assert refs and all(r.startswith(f"../{S1}/") for r in refs.values())  # not ../step-2/ -> step-1
 
 
 def test_ls_size_is_what_each_checkpoint_adds_and_refs_what_it_refers_to(tmp_path, capsys):
-    run_saves(tmp_path, steps=(1, 2, 3), keep_last=None)
+    run_saves(tmp_path, steps=(1, 2, 3), retention=RetentionConfig(keep_last=None))
     assert main(["ls", str(tmp_path), "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
     assert [rows[n]["size_bytes"] for n in (S1, S2, S3)] == [own_bytes(tmp_path / n) for n in (S1, S2, S3)]
@@ -144,7 +154,8 @@ def test_ls_size_is_what_each_checkpoint_adds_and_refs_what_it_refers_to(tmp_pat
 
 
 def test_full_every_writes_everything_again(tmp_path):
-    run_saves(tmp_path, steps=(1, 2, 3), keep_last=None, full_every=2)
+    run_saves(tmp_path, steps=(1, 2, 3), retention=RetentionConfig(keep_last=None),
+              save=SaveConfig(incremental=True, full_every=2))
     assert references(tmp_path / S2) and not references(tmp_path / S3)
 
 
@@ -166,7 +177,7 @@ def test_unchanged_bytes_decide_not_requires_grad(tmp_path):
 
 
 def test_retention_defers_a_referenced_checkpoint_then_deletes_it(tmp_path, capsys):
-    run_saves(tmp_path, steps=(1, 2), keep_last=1)
+    run_saves(tmp_path, steps=(1, 2), retention=RetentionConfig(keep_last=1))
     # step 1 is past retention, but step 2 refers to its file: deferred, not deleted.
     deferred = tmp_path / S1
     assert not (deferred / "distckpt.json").exists() and (deferred / "distckpt.deferred.json").exists()
@@ -181,14 +192,15 @@ def test_retention_defers_a_referenced_checkpoint_then_deletes_it(tmp_path, caps
     shutil.copytree(tmp_path, copy, ignore=shutil.ignore_patterns("copy", ".lock"))
     own = min(p for p in (copy / S2).glob("*.distcp"))
     own.write_bytes(own.read_bytes()[:-1])
-    manager, *_ = setup(copy, seed=1, fallback_to_older=True)
+    manager, *_ = setup(copy, seed=1, load=LoadConfig(fallback_to_older=True))
     with pytest.raises(CheckpointCorruptError, match="no committed checkpoint"):
         manager.load()
     manager.close()
     assert (copy / S1 / "distckpt.deferred.json").exists()
 
     # A full save: nobody refers to step 1 any more, and step 2 is past retention.
-    manager, model, optimizer = setup(tmp_path, seed=1, keep_last=1, full_every=1)
+    manager, model, optimizer = setup(tmp_path, seed=1, retention=RetentionConfig(keep_last=1),
+                                      save=SaveConfig(incremental=True, full_every=1))
     manager.load()
     train(model, optimizer)
     manager.save(3)
@@ -197,7 +209,7 @@ def test_retention_defers_a_referenced_checkpoint_then_deletes_it(tmp_path, caps
 
 
 def test_prune_defers_a_referenced_checkpoint(tmp_path, capsys):
-    run_saves(tmp_path, steps=(1, 2, 3), keep_last=None)
+    run_saves(tmp_path, steps=(1, 2, 3), retention=RetentionConfig(keep_last=None))
     assert main(["prune", str(tmp_path), "--keep-last", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["deleted"] == [S1, S2] and data["deferred"] == [S1] and data["kept"] == [S3]
@@ -222,7 +234,7 @@ def test_corrupt_referenced_file_names_both_checkpoints(tmp_path, fast_load, cap
     run_saves(tmp_path)
     path = corrupt_referenced_file(tmp_path)
     both = f"a file of checkpoint {S1}, which the incremental checkpoint {S2} being read refers to"
-    manager, *_ = setup(tmp_path, seed=1, fast_load=fast_load)
+    manager, *_ = setup(tmp_path, seed=1, load=LoadConfig(fast_reader=fast_load))
     with pytest.raises(CheckpointCorruptError) as err:
         manager.load()
     manager.close()
@@ -246,14 +258,14 @@ def test_export_follows_references(tmp_path):
 
 def test_incremental_needs_a_local_root(tmp_path):
     with pytest.raises(ConfigError, match="local"):
-        CheckpointConfig(root="s3://bucket/ckpt", incremental=True)
+        CheckpointConfig(root="s3://bucket/ckpt", save=SaveConfig(incremental=True))
     with pytest.raises(ConfigError, match="full_every"):
-        CheckpointConfig(root=str(tmp_path), incremental=True, full_every=0)
+        CheckpointConfig(root=str(tmp_path), save=SaveConfig(incremental=True, full_every=0))
     with pytest.raises(ConfigError, match="incremental"):
-        CheckpointConfig(root=str(tmp_path), incremental="yes")
+        CheckpointConfig(root=str(tmp_path), save=SaveConfig(incremental="yes"))
     CheckpointConfig(root="s3://bucket/ckpt")  # not incremental: not refused here
-    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "incremental": True, "full_every": 5})
-    assert cfg.incremental is True and cfg.full_every == 5
+    cfg = CheckpointConfig.from_dict({"root": str(tmp_path), "save": {"incremental": True, "full_every": 5}})
+    assert cfg.save.incremental is True and cfg.save.full_every == 5
 
 
 def save_and_die(rank, world_size, opts):
@@ -262,7 +274,7 @@ def save_and_die(rank, world_size, opts):
         if step == opts["die_step"] and phase == opts["phase"]:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    manager, model, optimizer = setup(opts["root"], on_phase=hook, keep_last=1)
+    manager, model, optimizer = setup(opts["root"], on_phase=hook, retention=RetentionConfig(keep_last=1))
     train(model, optimizer)
     manager.save(1)
     torch.save(model.state_dict(), opts["expected1"])

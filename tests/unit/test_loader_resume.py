@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from distckpt import CheckpointConfig, CheckpointManager, ConfigError, IncompatibleCheckpointError
+from distckpt import CheckpointConfig, CheckpointManager, ConfigError, IncompatibleCheckpointError, ScheduleConfig
 from distckpt.ondisk.manifest import Manifest
 from tests.distributed.trainer import Net, build, release_workers, train, train_steps
 
@@ -80,7 +80,8 @@ def _plain_loader_manager(root, num_workers):
     torch.manual_seed(0)
     model = Net()
     loader = StatefulDataLoader(_Points(), batch_size=4, num_workers=num_workers)
-    manager = CheckpointManager(CheckpointConfig(root=str(root), interval_steps=None), model=model,
+    manager = CheckpointManager(CheckpointConfig(root=str(root),
+                                                 schedule=ScheduleConfig(interval_steps=None)), model=model,
                                 optimizer=None, dataloader=loader)
     return manager, loader
 
@@ -119,7 +120,8 @@ class _Counting(IterableDataset):
 def _iterable_manager(root, num_workers):
     torch.manual_seed(0)
     loader = StatefulDataLoader(_Counting(), batch_size=2, num_workers=num_workers)
-    manager = CheckpointManager(CheckpointConfig(root=str(root), interval_steps=None), model=Net(),
+    manager = CheckpointManager(CheckpointConfig(root=str(root),
+                                                 schedule=ScheduleConfig(interval_steps=None)), model=Net(),
                                 optimizer=None, dataloader=loader)
     return manager, loader
 
@@ -129,7 +131,8 @@ def _iterable_manager(root, num_workers):
 def test_iterator_created_before_load_is_refused(tmp_path, num_workers, kind):
     if kind == "map":
         model, optimizer, scheduler, scaler, loader = build(0, 1, {"num_workers": num_workers})
-        manager = CheckpointManager(CheckpointConfig(root=str(tmp_path), interval_steps=None), model=model,
+        manager = CheckpointManager(CheckpointConfig(root=str(tmp_path),
+                                                     schedule=ScheduleConfig(interval_steps=None)), model=model,
                                     optimizer=optimizer, dataloader=loader)
         train_steps(model, optimizer, scheduler, scaler, loader, 5)
     else:
@@ -143,7 +146,8 @@ def test_iterator_created_before_load_is_refused(tmp_path, num_workers, kind):
 
     if kind == "map":
         model, optimizer, scheduler, scaler, loader = build(0, 1, {"num_workers": num_workers})
-        manager = CheckpointManager(CheckpointConfig(root=str(tmp_path), interval_steps=None), model=model,
+        manager = CheckpointManager(CheckpointConfig(root=str(tmp_path),
+                                                     schedule=ScheduleConfig(interval_steps=None)), model=model,
                                     optimizer=optimizer, dataloader=loader)
     else:
         manager, loader = _iterable_manager(tmp_path, num_workers)
@@ -187,7 +191,8 @@ def test_counters_are_derived_from_the_sampler(tmp_path):
 
 def test_counters_passed_by_the_caller_win(tmp_path):
     model, optimizer, scheduler, scaler, loader = build(0, 1, {})
-    manager = CheckpointManager(CheckpointConfig(root=str(tmp_path), interval_steps=None), model=model,
+    manager = CheckpointManager(CheckpointConfig(root=str(tmp_path),
+                                                 schedule=ScheduleConfig(interval_steps=None)), model=model,
                                 optimizer=optimizer, dataloader=loader)
     train_steps(model, optimizer, scheduler, scaler, loader, 12)  # one epoch
     train_steps(model, optimizer, scheduler, scaler, loader, 2)

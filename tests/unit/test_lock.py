@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from distckpt import CheckpointConfig, CheckpointLockedError, CheckpointManager
+from distckpt import CheckpointConfig, CheckpointLockedError, CheckpointManager, CoordinationConfig
 from distckpt.errors import CheckpointSaveError, StorageError
 from distckpt.storage.lock import LOCK_NAME, RootLock, job_id
 from tests.distributed.trainer import Net
@@ -86,7 +86,8 @@ def test_another_jobs_live_lease_is_refused(tmp_path, monkeypatch, renewed_ago, 
 
 
 def test_rank0_renews_the_lease_while_held(tmp_path):
-    manager = CheckpointManager(CheckpointConfig(root=str(tmp_path), lock_lease_s=0.3), model=Net(), optimizer=None)
+    manager = CheckpointManager(CheckpointConfig(root=str(tmp_path), coordination=CoordinationConfig(lock_lease_s=0.3)),
+                                model=Net(), optimizer=None)
     try:
         first = _holder(tmp_path)["renewed"]
         deadline = time.monotonic() + 10
@@ -103,8 +104,12 @@ def test_rank0_renews_the_lease_while_held(tmp_path):
 def test_manager_takes_over_an_expired_lease_of_another_host(tmp_path):
     _write(tmp_path, job="SLURM_JOB_ID=9", renewed_ago=1000.0, lease_s=60.0)
     with pytest.raises(CheckpointLockedError, match="lease renewed"):
-        CheckpointManager(CheckpointConfig(root=str(tmp_path), lock_lease_s=2000.0), model=Net(), optimizer=None)
-    manager = CheckpointManager(CheckpointConfig(root=str(tmp_path), lock_lease_s=60.0), model=Net(), optimizer=None)
+        CheckpointManager(CheckpointConfig(root=str(tmp_path),
+                                           coordination=CoordinationConfig(lock_lease_s=2000.0)),
+                          model=Net(), optimizer=None)
+    manager = CheckpointManager(CheckpointConfig(root=str(tmp_path),
+                                                 coordination=CoordinationConfig(lock_lease_s=60.0)),
+                                model=Net(), optimizer=None)
     assert _holder(tmp_path)["pid"] == os.getpid()
     manager.close()
 

@@ -9,12 +9,17 @@ import torch
 from torch import nn
 
 from distckpt import (
+    AsyncSaveConfig,
     CheckpointConfig,
     CheckpointCorruptError,
     CheckpointManager,
     CheckpointNotFoundError,
     ConfigError,
+    CoordinationConfig,
     IncompatibleCheckpointError,
+    LoadConfig,
+    RetentionConfig,
+    ScheduleConfig,
 )
 from tests.distributed.trainer import Net, build, train_steps
 
@@ -23,7 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 def manager_for(root, **kw):
     model, optimizer, scheduler, scaler, loader = build(0, 1, kw.pop("build", {}))
-    cfg = CheckpointConfig(root=str(root), interval_steps=kw.pop("interval_steps", None), **kw)
+    cfg = CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=kw.pop("interval_steps", None)), **kw)
     return CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                              grad_scaler=scaler, dataloader=loader), (model, optimizer, scheduler, scaler, loader)
 
@@ -77,7 +82,7 @@ def test_corrupt_newest_raises_or_falls_back(tmp_path, damage, caplog):
     with pytest.raises(CheckpointCorruptError) as err:
         manager.load()
     assert str(data) in str(err.value) and err.value.path == str(data)
-    manager, (model2, *_) = manager_for(tmp_path, fallback_to_older=True)
+    manager, (model2, *_) = manager_for(tmp_path, load=LoadConfig(fallback_to_older=True))
     with caplog.at_level("WARNING"):
         state = manager.load()
     assert state.step == 3
@@ -96,17 +101,18 @@ def _flip_a_byte(checkpoint):
 @pytest.mark.parametrize("fast_load", [False, True])
 def test_bit_flip_found_while_reading_falls_back_to_older(tmp_path, fast_load, caplog):
     trained_manager(tmp_path, steps=(3, 6))
-    expected_manager, (expected_model, *_) = manager_for(tmp_path, load_path=str(tmp_path / "step-000000003"))
+    expected_manager, (expected_model, *_) = manager_for(tmp_path,
+                                                         load=LoadConfig(path=str(tmp_path / "step-000000003")))
     expected_manager.load()
     expected = {k: v.clone() for k, v in expected_model.state_dict().items()}
     data = _flip_a_byte(tmp_path / "step-000000006")
 
-    manager, _ = manager_for(tmp_path, fast_load=fast_load)
+    manager, _ = manager_for(tmp_path, load=LoadConfig(fast_reader=fast_load))
     with pytest.raises(CheckpointCorruptError) as err:
         manager.load()
     assert err.value.path == str(data) and "does not match" in str(err.value)
 
-    manager, (model, *_) = manager_for(tmp_path, fast_load=fast_load, fallback_to_older=True)
+    manager, (model, *_) = manager_for(tmp_path, load=LoadConfig(fast_reader=fast_load, fallback_to_older=True))
     with caplog.at_level("WARNING"):
         state = manager.load()
     assert state.step == 3 and state.checkpoint_path.endswith("step-000000003")
@@ -119,7 +125,7 @@ def test_bit_flip_found_while_reading_falls_back_to_older(tmp_path, fast_load, c
 
     _flip_a_byte(tmp_path / "step-000000003")
     _flip_a_byte(tmp_path / "step-000000006")
-    manager, _ = manager_for(tmp_path, fast_load=fast_load, fallback_to_older=True)
+    manager, _ = manager_for(tmp_path, load=LoadConfig(fast_reader=fast_load, fallback_to_older=True))
     with pytest.raises(CheckpointCorruptError, match="no committed checkpoint in .* is loadable"):
         manager.load()  # never a silent fresh start over a run's checkpoints
 
@@ -169,16 +175,16 @@ def test_an_edited_checkpoint_is_refused_by_load_as_by_verify(tmp_path, edit, ca
     assert rows["step-000000006"]["status"] == "corrupt" and reason in rows["step-000000006"]["reason"]
     assert rows["step-000000003"]["status"] == "committed"
     for load_path in (None, str(ckpt)):
-        manager, _ = manager_for(tmp_path, load_path=load_path)
+        manager, _ = manager_for(tmp_path, load=LoadConfig(path=load_path))
         with pytest.raises(CheckpointCorruptError, match=reason) as err:
             manager.load()
         assert err.value.path == str(bad) and str(bad) in str(err.value)
         manager.close()
-    expected, (model1, *_) = manager_for(tmp_path, load_path=str(tmp_path / "step-000000003"))
+    expected, (model1, *_) = manager_for(tmp_path, load=LoadConfig(path=str(tmp_path / "step-000000003")))
     expected.load()
     want = {k: v.clone() for k, v in model1.state_dict().items()}
     expected.close()
-    manager, (model2, *_) = manager_for(tmp_path, fallback_to_older=True)
+    manager, (model2, *_) = manager_for(tmp_path, load=LoadConfig(fallback_to_older=True))
     with caplog.at_level("WARNING"):
         assert manager.load().step == 3
     assert reason in caplog.text and "falling back to" in caplog.text
@@ -193,7 +199,7 @@ def test_bad_manifest_and_load_path(tmp_path):
     manager, _ = manager_for(tmp_path)
     with pytest.raises(CheckpointCorruptError, match="unreadable manifest"):
         manager.load()
-    manager, _ = manager_for(tmp_path, load_path=str(tmp_path / "step-000000099"))
+    manager, _ = manager_for(tmp_path, load=LoadConfig(path=str(tmp_path / "step-000000099")))
     with pytest.raises(CheckpointNotFoundError, match="step-000000099"):
         manager.load()
 
@@ -236,7 +242,8 @@ def test_save_before_first_step_changes_nothing(tmp_path):
         assert torch.equal(a, b)
     assert [s["step"].item() for s in opt.state.values()] == [1.0] * len(opt.state)
     # ... and loading that step-0 checkpoint gives a stateless optimizer too.
-    manager2, (model2, opt2, *_rest) = manager_for(tmp_path / "a", load_path=str(tmp_path / "a" / "step-000000000"))
+    manager2, (model2, opt2, *_rest) = manager_for(tmp_path / "a",
+                                                   load=LoadConfig(path=str(tmp_path / "a" / "step-000000000")))
     assert manager2.load().step == 0
     assert not opt2.state
 
@@ -386,7 +393,8 @@ def test_a_read_only_manager_loads_a_read_only_root_and_writes_nothing(tmp_path,
             with pytest.raises(ConfigError, match="not a writable directory"):
                 manager_for(view)  # what an evaluation job got
         for load_step, want in ((None, at6), (3, at3)):  # step 3: no rollback, nothing set aside
-            evaluation, (model, *_) = manager_for(view, read_only=True, load_step=load_step, async_mode="thread")
+            evaluation, (model, *_) = manager_for(view, load=LoadConfig(read_only=True, step=load_step),
+                                                  async_save=AsyncSaveConfig(mode="thread"))
             assert signal.getsignal(signal.SIGTERM) is handler and evaluation.lock is None
             assert evaluation.load().step == (load_step or 6)
             assert all(torch.equal(model.state_dict()[k], want[k]) for k in want)
@@ -396,15 +404,16 @@ def test_a_read_only_manager_loads_a_read_only_root_and_writes_nothing(tmp_path,
                 evaluation.save(7)
             evaluation.close()
     assert _tree(root) == before  # no lock, token, probe file, leftover removal or latest repair
-    with pytest.raises(ConfigError, match="read_only=true only loads: it needs load: true"):
-        CheckpointConfig(root=str(root), read_only=True, load=False)
+    with pytest.raises(ConfigError, match="read_only=true only loads: it needs load.enabled: true"):
+        CheckpointConfig(root=str(root), load=LoadConfig(read_only=True, enabled=False))
 
 
 def test_unusable_event_log_fails_at_construction(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="event_log"):
-        CheckpointManager(CheckpointConfig(root=str(tmp_path / "root"), event_log=str(blocker / "events.jsonl")),
+        CheckpointManager(CheckpointConfig(root=str(tmp_path / "root"),
+                                           coordination=CoordinationConfig(event_log=str(blocker / "events.jsonl"))),
                           model=Net(), optimizer=None)
 
 
@@ -494,7 +503,8 @@ def test_failure_in_finish_aborts_cleanly_and_next_save_works(tmp_path, monkeypa
 
 def test_phase_events_are_logged_in_order(tmp_path):
     events = tmp_path / "events.jsonl"
-    manager, objs = manager_for(tmp_path / "root", event_log=str(events), keep_last=1)
+    manager, objs = manager_for(tmp_path / "root", coordination=CoordinationConfig(event_log=str(events)),
+                                retention=RetentionConfig(keep_last=1))
     train_steps(*objs, 1)
     manager.save(1)
     manager.save(2)
@@ -532,18 +542,18 @@ def test_restart_after_every_checkpoint_set_aside_as_corrupt_refuses(tmp_path):
     first.close()
     _truncate_data(tmp_path / "step-000000003")
     _truncate_data(tmp_path / "step-000000006")
-    manager, _ = manager_for(tmp_path, fallback_to_older=True)
+    manager, _ = manager_for(tmp_path, load=LoadConfig(fallback_to_older=True))
     with pytest.raises(CheckpointCorruptError, match="is loadable"):
         manager.load()
     manager.close()
     assert sorted(p.name for p in tmp_path.glob("corrupt-*")) == ["corrupt-step-000000003-0",
                                                                  "corrupt-step-000000006-0"]
-    for kw in ({"fallback_to_older": True}, {}):  # the restart (same config) and one without fallback
+    for kw in ({"load": LoadConfig(fallback_to_older=True)}, {}):  # the restart (same config) and one without fallback
         manager, _ = manager_for(tmp_path, **kw)
         with pytest.raises(CheckpointCorruptError, match="only checkpoints set aside as corrupt") as err:
             manager.load()  # never a fresh start into the run's root
         assert "corrupt-step-000000003-0, corrupt-step-000000006-0" in str(err.value)
-        assert "load_path" in str(err.value) and "load: false" in str(err.value)
+        assert "load.path" in str(err.value) and "load.enabled: false" in str(err.value)
         manager.close()
     assert not list(tmp_path.glob("step-*"))  # nothing trained or committed
 
@@ -569,8 +579,8 @@ def test_a_reader_bug_is_not_taken_for_corruption(tmp_path, monkeypatch):
         raise ReaderInvariantError(f"{self.path}: hashed out of order at {off} (simulated)")
 
     monkeypatch.setattr(read_verify.WholeFileCheck, "update", broken)
-    manager, _ = manager_for(tmp_path, fast_load=True, fallback_to_older=True)
-    with pytest.raises(ReaderInvariantError, match="fast_load: false"):
+    manager, _ = manager_for(tmp_path, load=LoadConfig(fast_reader=True, fallback_to_older=True))
+    with pytest.raises(ReaderInvariantError, match="load.fast_reader: false"):
         manager.load()
     manager.close()
     assert (tmp_path / "step-000000006").is_dir() and not list(tmp_path.glob("corrupt-*"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distckpt import CheckpointConfig, CheckpointManager, ConfigError
+from distckpt import CheckpointConfig, CheckpointManager, ConfigError, CoordinationConfig, ScheduleConfig
 from distckpt.cli import main
 from distckpt.tools.export import export_checkpoint
 from tests.distributed.trainer import Net
@@ -21,7 +21,7 @@ def test_torchrun_without_init_process_group_is_refused(tmp_path, monkeypatch):
     # What torchrun --nproc-per-node 2 sets; the script forgot init_process_group.
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    config = CheckpointConfig(root=str(tmp_path / "ckpt"), interval_steps=None)
+    config = CheckpointConfig(root=str(tmp_path / "ckpt"), schedule=ScheduleConfig(interval_steps=None))
     with pytest.raises(ConfigError, match="init_process_group") as err:
         CheckpointManager(config, model=Net(), optimizer=None)
     assert "WORLD_SIZE=2" in str(err.value) and "process_group=" in str(err.value)
@@ -35,7 +35,7 @@ def test_torchrun_without_init_process_group_is_refused(tmp_path, monkeypatch):
 
 def test_yaml_without_root_names_the_missing_field(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("checkpoint:\n  interval_steps: 5\n")
+    path.write_text("checkpoint:\n  schedule: {interval_steps: 5}\n")
     with pytest.raises(ConfigError, match=r"missing required key\(s\) \['root'\]") as err:
         CheckpointConfig.from_yaml(path)
     assert str(path) in str(err.value)
@@ -46,7 +46,7 @@ def test_yaml_without_root_names_the_missing_field(tmp_path):
 
 def _checkpoint(tmp_path):
     model = Net()
-    with CheckpointManager(CheckpointConfig(root=str(tmp_path / "ckpt"), interval_steps=None),
+    with CheckpointManager(CheckpointConfig(root=str(tmp_path / "ckpt"), schedule=ScheduleConfig(interval_steps=None)),
                            model=model, optimizer=None) as manager:
         return manager.save(1), model
 
@@ -79,8 +79,8 @@ def test_overwrite_error_names_only_the_option_of_its_context(tmp_path, capsys):
 
 
 def test_arrival_timeout_defaults_to_a_fifth_of_the_group_timeout_and_stays_below_it():
-    assert CheckpointConfig(root="/tmp/x", timeout_s=60.0).effective_arrival_timeout_s == 12.0
-    assert CheckpointConfig(root="/tmp/x", arrival_timeout_s=5.0).effective_arrival_timeout_s == 5.0
+    assert CoordinationConfig(timeout_s=60.0).effective_arrival_timeout_s == 12.0
+    assert CoordinationConfig(arrival_timeout_s=5.0).effective_arrival_timeout_s == 5.0
     for bad in (0, -1.0, 600.0, float("nan")):
         with pytest.raises(ConfigError, match="arrival_timeout_s"):
-            CheckpointConfig(root="/tmp/x", arrival_timeout_s=bad)
+            CheckpointConfig(root="/tmp/x", coordination=CoordinationConfig(arrival_timeout_s=bad))

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 import distckpt.save.purge as purge_mod
+from distckpt import RetentionConfig, SaveConfig
 from distckpt.coord.collective import Collective
 from distckpt.coord.events import EventLog
 from distckpt.ondisk.layout import is_deleting
 from distckpt.save.transaction import SaveContext, SaveTransaction
 from distckpt.state.training_state import TrainState
+from distckpt.storage import open_store
 from distckpt.storage.commit import validate
 from tests.unit.test_manager_single import manager_for, train_steps
 
@@ -47,7 +49,7 @@ def steps(root: Path) -> list[str]:
 def test_blocking_save_returns_before_the_removal_and_wait_or_close_joins_it(tmp_path, monkeypatch, join):
     blocked = BlockedRemoval()
     monkeypatch.setattr(purge_mod, "remove_tree", blocked)
-    manager, objs = manager_for(tmp_path, keep_last=1)
+    manager, objs = manager_for(tmp_path, retention=RetentionConfig(keep_last=1))
     train_steps(*objs, 1)
     manager.save(1)
     train_steps(*objs, 1)
@@ -89,9 +91,10 @@ def test_retention_joins_the_previous_removal_before_it_reads_the_root(tmp_path,
 
     root = tmp_path / "ckpt"
     root.mkdir()
-    ctx = SaveContext(root=root, rank=0, world_size=1, wrapper="plain", model_specs={}, events=EventLog(None, 0),
-                      on_phase=on_phase, keep_last=1, keep_every_steps=None, thread_count=1, write_timeout_s=60.0,
-                      purger=SpyPurger())
+    ctx = SaveContext(store=open_store(str(root)), rank=0, world_size=1, wrapper="plain", model_specs={},
+                      events=EventLog(None, 0), on_phase=on_phase, retention=RetentionConfig(keep_last=1),
+                      save=SaveConfig(thread_count=1),
+                      write_timeout_s=60.0, purger=SpyPurger())
     collective = Collective(None, timeout_s=30)
     try:
         for step in (1, 2, 3):
@@ -113,7 +116,7 @@ def test_a_failed_removal_is_a_warning_and_loses_nothing(tmp_path, monkeypatch, 
         raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr(purge_mod, "remove_tree", failing)
-    manager, objs = manager_for(tmp_path, keep_last=1)
+    manager, objs = manager_for(tmp_path, retention=RetentionConfig(keep_last=1))
     for step in (1, 2):
         train_steps(*objs, 1)
         manager.save(step)  # never raises for a failed removal

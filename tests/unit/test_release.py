@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from distckpt import CheckpointConfig, CheckpointManager
+from distckpt import CheckpointConfig, CheckpointManager, SaveConfig, ScheduleConfig
 from distckpt.cli import main
 from tests.distributed.trainer import build, optimizer_step
 
@@ -28,7 +28,8 @@ DATA = {"name": "Points", "samples": 96, "seed": 1234}
 def trained_root(root, steps=4):
     model, optimizer, scheduler, scaler, loader = build(0, 1, {})
     manager = CheckpointManager(
-        CheckpointConfig(root=str(root), interval_steps=None), model=model, optimizer=optimizer,
+        CheckpointConfig(root=str(root),
+                         schedule=ScheduleConfig(interval_steps=None)), model=model, optimizer=optimizer,
         lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader, run_id="run-42",
         extra_state={"hparams": HPARAMS, "data": DATA})
     it = iter(loader)
@@ -100,7 +101,8 @@ def release_peak_over_baseline(tmp_path, total_mib):
     """Peak RSS of a `distckpt release` process above its RSS just before the command runs,
     after its imports (VmHWM - VmRSS of /proc/self/status: the high-water mark of this process's
     own memory; ``ru_maxrss`` would start from the forking parent's)."""
-    CheckpointManager(CheckpointConfig(root=str(tmp_path / "ckpt"), interval_steps=None, thread_count=1),
+    CheckpointManager(CheckpointConfig(root=str(tmp_path / "ckpt"), schedule=ScheduleConfig(interval_steps=None),
+                                       save=SaveConfig(thread_count=1)),
                       model=Big(total_mib), optimizer=None).save(1)
     script = ("import sys; from distckpt.cli.main import main; import distckpt.tools.release\n"
               "def kib(field):\n"

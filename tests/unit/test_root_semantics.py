@@ -9,7 +9,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from distckpt import CheckpointConfig, CheckpointManager, CheckpointNotFoundError, ConfigError
+from distckpt import (
+    CheckpointConfig,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    ConfigError,
+    LoadConfig,
+    RetentionConfig,
+    ScheduleConfig,
+)
 from distckpt.cli import main
 from distckpt.ondisk.manifest import Manifest
 from distckpt.save.retention import steps_to_delete
@@ -23,14 +31,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def manager_for(root, **kw):
     objs = build(0, 1, kw.pop("build", {}))
     model, optimizer, scheduler, scaler, loader = objs
-    cfg = CheckpointConfig(root=str(root), interval_steps=None, **kw)
+    cfg = CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=None), **kw)
     return CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                              grad_scaler=scaler, dataloader=loader), objs
 
 
 def run_a(root, steps=(30, 35, 40)):
     """Another run's checkpoints in ``root`` (trained one step between saves)."""
-    manager, objs = manager_for(root, keep_last=None)
+    manager, objs = manager_for(root, retention=RetentionConfig(keep_last=None))
     for s in steps:
         train_steps(*objs, 1)
         manager.save(s)
@@ -69,17 +77,18 @@ def test_fresh_run_in_a_used_root_refuses_or_archives_and_never_loses_its_commit
     run_a(root)
     before = listing(root)
     with pytest.raises(ConfigError) as err:
-        manager_for(root, load=False)
+        manager_for(root, load=LoadConfig(enabled=False))
     assert "step-000000040" in str(err.value) and "on_existing: archive" in str(err.value)
-    assert "load: true" in str(err.value)
+    assert "load.enabled: true" in str(err.value)
     assert listing(root) == before and not (root / ".lock").exists()  # nothing touched, lock released
     with pytest.raises(ConfigError, match="would be archived"):
-        CheckpointConfig(root=str(root), on_existing="archive")  # load: true: it would be ignored
+        CheckpointConfig(root=str(root), load=LoadConfig(on_existing="archive"))  # load: true: it would be ignored
     with pytest.raises(ConfigError, match="on_existing='keep'"):
-        CheckpointConfig(root=str(root), load=False, on_existing="keep")
+        CheckpointConfig(root=str(root), load=LoadConfig(enabled=False, on_existing="keep"))
 
     with caplog.at_level("WARNING"):
-        manager, objs = manager_for(root, load=False, on_existing="archive", keep_last=2)
+        manager, objs = manager_for(root, load=LoadConfig(enabled=False, on_existing="archive"),
+                                    retention=RetentionConfig(keep_last=2))
     assert "on_existing=archive" in caplog.text
     for step in (30, 35, 40):  # renamed with every byte, not deleted
         assert listing(root)[f"archived-step-{step:09d}-0"] == before[f"step-{step:09d}"]
@@ -102,7 +111,7 @@ def test_retention_never_deletes_a_just_committed_checkpoint(tmp_path, caplog):
     root = tmp_path / "ckpt"
     run_a(root)
     before = listing(root)
-    manager, objs = manager_for(root, keep_last=2)  # load: true, but saves without loading
+    manager, objs = manager_for(root, retention=RetentionConfig(keep_last=2))  # load: true, but saves without loading
     train_steps(*objs, 1)
     with caplog.at_level("WARNING"):
         manager.save(5)
@@ -139,17 +148,18 @@ def test_import_into_a_root_with_checkpoints_refuses_unless_archive_existing(tmp
 # ------------------------------------------------------------------ item 2: rollback
 def test_rollback_with_load_path_sets_newer_checkpoints_aside_at_the_first_save(tmp_path, caplog, capsys):
     root = tmp_path / "ckpt"
-    manager, objs = manager_for(root, keep_last=None)
+    manager, objs = manager_for(root, retention=RetentionConfig(keep_last=None))
     train_saving(manager, objs, range(1, 10), save_at=(3, 6, 9))
     manager.close()
     before = listing(root)
 
-    evaluation, _ = manager_for(root, load_path=str(root / "step-000000003"))
+    evaluation, _ = manager_for(root, load=LoadConfig(path=str(root / "step-000000003")))
     assert evaluation.load().step == 3
     evaluation.close()
     assert listing(root) == before  # a manager that only loads changes nothing
 
-    manager, objs = manager_for(root, load_path=str(root / "step-000000003"), keep_last=2)
+    manager, objs = manager_for(root, load=LoadConfig(path=str(root / "step-000000003")),
+                                retention=RetentionConfig(keep_last=2))
     with caplog.at_level("WARNING"):
         assert manager.load().step == 3
         train_saving(manager, objs, range(4, 7), save_at=(6,))  # used to fail: step-000000006 already exists
@@ -194,7 +204,7 @@ def test_step_dir_without_manifest_is_never_deleted(tmp_path, caplog, capsys):
         assert manager.load().step == 3
     manager.close()
     assert f"ignoring {plain}" in caplog.text and listing(root)[plain.name] == files
-    manager, _ = manager_for(root, load_path=str(plain))
+    manager, _ = manager_for(root, load=LoadConfig(path=str(plain)))
     with pytest.raises(CheckpointNotFoundError, match="without a distckpt manifest.*distckpt import"):
         manager.load()
     manager.close()
@@ -270,8 +280,9 @@ def state_tensors(objs):
 def test_a_fine_tune_restarted_with_its_unchanged_config_resumes_its_own_checkpoints(tmp_path, caplog, on_existing):
     pre, ft = tmp_path / "pre" / "ckpt", tmp_path / "ft" / "ckpt"
     run_a(pre)
-    opts = dict(load_path=str(pre / "step-000000040"), load_only=["model"], on_existing=on_existing, keep_last=None)
-    recorded = {"load_path": opts["load_path"], "load_step": None, "load_only": ["model"], "exclude_from_loading": None}
+    opts = dict(load=LoadConfig(path=str(pre / "step-000000040"), only=["model"], on_existing=on_existing),
+                retention=RetentionConfig(keep_last=None))
+    recorded = {"load_path": opts["load"].path, "load_step": None, "load_only": ["model"], "exclude_from_loading": None}
     reference, ref_objs = manager_for(tmp_path / "ref", **opts)  # the same fine-tune, never interrupted
     reference.load()
     train_saving(reference, ref_objs, range(1, 7), save_at=())
@@ -300,10 +311,10 @@ def test_a_fine_tune_restarted_with_its_unchanged_config_resumes_its_own_checkpo
 
 def test_a_rollback_restarted_with_its_unchanged_config_rolls_back_once(tmp_path, caplog):
     root = tmp_path / "ckpt"
-    manager, objs = manager_for(root, keep_last=None)
+    manager, objs = manager_for(root, retention=RetentionConfig(keep_last=None))
     train_saving(manager, objs, range(1, 10), save_at=(3, 6, 9))
     manager.close()
-    opts = dict(load_step=3, keep_last=None)
+    opts = dict(load=LoadConfig(step=3), retention=RetentionConfig(keep_last=None))
     stopped, _ = manager_for(root, **opts)  # killed before the rolled-back run committed: nothing of it exists
     assert stopped.load().step == 3
     stopped.close()
@@ -325,6 +336,6 @@ def test_a_rollback_restarted_with_its_unchanged_config_rolls_back_once(tmp_path
     assert sorted(p.name for p in root.iterdir() if "step" in p.name) == [
         "rolledback-step-000000006-0", "rolledback-step-000000009-0", "step-000000003", "step-000000005",
         "step-000000007"]
-    again, _ = manager_for(root, load_path=str(root / "step-000000003"))  # changed options: a new rollback
+    again, _ = manager_for(root, load=LoadConfig(path=str(root / "step-000000003")))  # changed options: a new rollback
     assert again.load().step == 3
     again.close()

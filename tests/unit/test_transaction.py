@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import distckpt.save.transaction as tx_mod
-from distckpt import __version__
+from distckpt import RetentionConfig, SaveConfig, __version__
 from distckpt.coord.collective import Collective
 from distckpt.coord.events import EventLog
 from distckpt.errors import CheckpointSaveError
@@ -21,6 +21,7 @@ from distckpt.ondisk.layout import LATEST, MANIFEST, checkpoint_name
 from distckpt.ondisk.manifest import Manifest, TensorSpec, model_fingerprint
 from distckpt.save.transaction import PHASES, SaveContext, SaveTransaction
 from distckpt.state.training_state import TrainState
+from distckpt.storage import open_store
 from distckpt.storage.commit import validate
 
 SPECS = {"model.w": TensorSpec(shape=[4, 3], dtype="torch.float32")}
@@ -34,9 +35,10 @@ def _one_process(monkeypatch):
 
 def _ctx(root: Path, calls: list, keep_last: int | None = None) -> SaveContext:
     root.mkdir(parents=True, exist_ok=True)
-    return SaveContext(root=root, rank=0, world_size=1, wrapper="plain", model_specs=SPECS,
+    return SaveContext(store=open_store(str(root)), rank=0, world_size=1, wrapper="plain", model_specs=SPECS,
                        events=EventLog(None, 0), on_phase=lambda p, s, r: calls.append((p, s, r)),
-                       keep_last=keep_last, keep_every_steps=None, thread_count=1, write_timeout_s=60.0)
+                       retention=RetentionConfig(keep_last=keep_last), save=SaveConfig(thread_count=1),
+                       write_timeout_s=60.0)
 
 
 def _save(ctx: SaveContext, step: int, value: float = 1.0, **kw: Any) -> SaveTransaction:

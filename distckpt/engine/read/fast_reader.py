@@ -67,7 +67,7 @@ Integrity
       from the stream (overlapping or mispredicted ones) are read with their covering blocks
       and verified too (:mod:`~distckpt.engine.read.read_verify`).
     * Otherwise -- the rank needs (nearly) all of the file, or the manifest has no block
-      digests (older manifests, object storage, ``async_mode: process`` saves) -- the digest
+      digests (older manifests, object storage, ``async_save.mode: process`` saves) -- the digest
       covers the whole file, so the stream reads the bytes it does not need too, sequentially,
       into a bounded scratch buffer that is only hashed (reading the rest once, in order, is
       cheaper than ``check_file``'s separate pass followed by reads of the needed parts). A
@@ -143,7 +143,7 @@ class FastFileSystemReader(SafeFileSystemReader):
             ones split big files into regions. On a disk with a shallow queue a second stream
             gains little; on storage with deeper queues (NVMe) parallel streams matter more.
             ``thread_count`` is per rank: ``CheckpointManager`` divides
-            ``load_streams_per_node`` among a node's ranks.
+            ``load.streams_per_node`` among a node's ranks.
         chunk_bytes: arena size per stream for small items and read-through gaps (one request).
         direct_min_bytes: stored items larger than this are read into their destination
             directly; smaller ones are read whole (coalesced) and copied out of the arena.
