@@ -60,8 +60,9 @@ def _owner_alive(record: Path) -> bool | None:
 
 
 @contextlib.contextmanager
-def hold_page_reporting(enabled: bool = True, params: Path = _PARAMS,
-                        record: Path | None = None) -> Iterator[dict[str, object]]:
+def hold_page_reporting(
+    enabled: bool = True, params: Path = _PARAMS, record: Path | None = None
+) -> Iterator[dict[str, object]]:
     """Hold free page reporting for the ``with`` block; yields a dict recorded in the results.
 
     The dict holds ``state`` (``"held"``, ``"held (already, by another run)"``, ``"not held:
@@ -92,8 +93,9 @@ def hold_page_reporting(enabled: bool = True, params: Path = _PARAMS,
                     info["recovered_from_dead_run"] = True
                 else:
                     old = None
-                    info["state"] = ("held (already, by another run)" if alive
-                                     else "held (already; no record of the value before)")
+                    info["state"] = (
+                        "held (already, by another run)" if alive else "held (already; no record of the value before)"
+                    )
             if old is not None:
                 record.write_text(json.dumps({"pid": os.getpid(), "order": old}))
                 order_file.write_text(_HELD_ORDER + "\n")

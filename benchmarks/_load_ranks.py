@@ -173,14 +173,26 @@ def _save_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
     t0 = time.perf_counter()
     written = dcp_save(state, spec["dir"], process_group=None, thread_count=spec["save_thread_count"])
     dist.barrier()
-    blocks = {name: (list(w.blocks.ends), list(w.blocks.hashes))
-              for name, w in written.items() if getattr(w, "blocks", None) is not None}
-    return {"written": written, "blocks": blocks, "save_s": time.perf_counter() - t0,
-            "state_bytes": _local_bytes(model)[1]}
+    blocks = {
+        name: (list(w.blocks.ends), list(w.blocks.hashes))
+        for name, w in written.items()
+        if getattr(w, "blocks", None) is not None
+    }
+    return {
+        "written": written,
+        "blocks": blocks,
+        "save_s": time.perf_counter() - t0,
+        "state_bytes": _local_bytes(model)[1],
+    }
 
 
-def _make_reader(name: str, directory: str, expected: dict[str, tuple[int, str]], thread_count: int,
-                 blocks: dict[str, tuple[list[int], list[str]]] | None = None):
+def _make_reader(
+    name: str,
+    directory: str,
+    expected: dict[str, tuple[int, str]],
+    thread_count: int,
+    blocks: dict[str, tuple[list[int], list[str]]] | None = None,
+):
     from torch.distributed.checkpoint import FileSystemReader
 
     from distckpt.engine.read.fast_reader import FastFileSystemReader
@@ -195,8 +207,9 @@ def _make_reader(name: str, directory: str, expected: dict[str, tuple[int, str]]
         return FastFileSystemReader(directory, thread_count=thread_count)
     if name == "fast_verify":
         digests = {k: BlockDigests(tuple(e), tuple(h)) for k, (e, h) in (blocks or {}).items()}
-        return FastFileSystemReader(directory, expected_files=expected, thread_count=thread_count,
-                                    block_digests=digests)
+        return FastFileSystemReader(
+            directory, expected_files=expected, thread_count=thread_count, block_digests=digests
+        )
     raise ValueError(f"unknown reader {name!r}")
 
 
@@ -311,11 +324,22 @@ def _load_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
         dist.barrier()
         load_s = time.perf_counter() - t0
         bad = _check(model, extra)
-        loads.append({"cache": cache, "load_s": load_s, "read_data_s": timing.get("s"), "bad": bad,
-                      "cold_method": method,
-                      "cold_resident_frac": resident, "stats": dict(getattr(reader, "last_stats", {}) or {})})
-    return {"loads": loads, "peak_rss_bytes": _peak_rss_bytes(), "baseline_rss_bytes": baseline,
-            "rss_before_load_bytes": rss_before, "local_state_bytes": local_bytes,
-            "global_state_bytes": global_bytes}
-
-
+        loads.append(
+            {
+                "cache": cache,
+                "load_s": load_s,
+                "read_data_s": timing.get("s"),
+                "bad": bad,
+                "cold_method": method,
+                "cold_resident_frac": resident,
+                "stats": dict(getattr(reader, "last_stats", {}) or {}),
+            }
+        )
+    return {
+        "loads": loads,
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "baseline_rss_bytes": baseline,
+        "rss_before_load_bytes": rss_before,
+        "local_state_bytes": local_bytes,
+        "global_state_bytes": global_bytes,
+    }

@@ -30,8 +30,12 @@ def prepare_dirs(args: argparse.Namespace) -> tuple[Path, Path]:
 
 def machine_info(data_dir: Path) -> dict[str, Any]:
     """Platform, CPUs (count and model), memory (GiB) and the data directory's file system."""
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "cpu_count": os.cpu_count(), "processor": platform.processor()}
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor(),
+    }
     try:
         with open("/proc/meminfo") as f:
             info["mem_total_gib"] = int(f.readline().split()[1]) / (1 << 20)
@@ -64,15 +68,20 @@ def pyplot() -> Any:
     return plt
 
 
-def write_outputs(out: Path, results: dict[str, Any], render: Callable[[dict[str, Any]], str],
-                  plot: Callable[[dict[str, Any], Path], bool]) -> str:
+def write_outputs(
+    out: Path,
+    results: dict[str, Any],
+    render: Callable[[dict[str, Any]], str],
+    plot: Callable[[dict[str, Any], Path], bool],
+) -> str:
     """Write ``results.json``, ``plot.png`` (when matplotlib is installed; otherwise a note in
     ``results["meta"]["notes"]``) and ``results.md``; print and return the markdown."""
     if plot(results, out / "plot.png"):
         results["meta"]["plot"] = str(out / "plot.png")
     else:
         results["meta"].setdefault("notes", []).append(
-            "plot.png not written: matplotlib is not installed (pip install matplotlib).")
+            "plot.png not written: matplotlib is not installed (pip install matplotlib)."
+        )
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     md = render(results)
     (out / "results.md").write_text(md)

@@ -36,8 +36,7 @@ def _mp_context(preload: tuple[str, ...]):
     return _CONTEXTS[preload]
 
 
-def _rank_entry(fn_ref: str, rank: int, world_size: int, init_file: str, out_dir: str,
-                spec: dict[str, Any]) -> None:
+def _rank_entry(fn_ref: str, rank: int, world_size: int, init_file: str, out_dir: str, spec: dict[str, Any]) -> None:
     # This rank's (and DCP's checkpoint daemon's) stdout/stderr go to a log the parent reads
     # on failure: DCP's daemon logs every request at INFO.
     log_fd = os.open(os.path.join(out_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -51,12 +50,16 @@ def _rank_entry(fn_ref: str, rank: int, world_size: int, init_file: str, out_dir
     try:
         module, name = fn_ref.split(":")
         fn = getattr(importlib.import_module(module), name)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=spec["timeout_s"]))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=spec["timeout_s"]),
+        )
         result = {"ok": True, "value": fn(rank, world_size, spec)}
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        result = {"ok": False, "error": f"rank {rank}: {type(e).__name__}: {e}",
-                  "traceback": traceback.format_exc()}
+        result = {"ok": False, "error": f"rank {rank}: {type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     tmp = os.path.join(out_dir, f"rank{rank}.json.tmp")
     with open(tmp, "w") as f:
         json.dump(result, f)
@@ -97,8 +100,15 @@ def _tail(path: str, n_bytes: int = 3000) -> str:
         return "(no log)"
 
 
-def run_ranks(fn_ref: str, world_size: int, spec: dict[str, Any], *, timeout_s: float,
-              preload: tuple[str, ...] = ("torch", "torch.distributed"), label: str = "") -> list[Any]:
+def run_ranks(
+    fn_ref: str,
+    world_size: int,
+    spec: dict[str, Any],
+    *,
+    timeout_s: float,
+    preload: tuple[str, ...] = ("torch", "torch.distributed"),
+    label: str = "",
+) -> list[Any]:
     """Run ``fn(rank, world_size, spec)`` on ``world_size`` fresh gloo ranks.
 
     Args:
@@ -119,8 +129,10 @@ def run_ranks(fn_ref: str, world_size: int, spec: dict[str, Any], *, timeout_s: 
     with tempfile.TemporaryDirectory(prefix="bench-ranks-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         spec = dict(spec, timeout_s=timeout_s)
-        procs = [ctx.Process(target=_rank_entry, args=(fn_ref, r, world_size, init_file, tmp, spec))
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_rank_entry, args=(fn_ref, r, world_size, init_file, tmp, spec))
+            for r in range(world_size)
+        ]
         deadline = time.monotonic() + timeout_s
         timed_out = False
         reported_at = None
@@ -151,8 +163,10 @@ def run_ranks(fn_ref: str, world_size: int, spec: dict[str, Any], *, timeout_s: 
         for r, p in enumerate(procs):
             path = os.path.join(tmp, f"rank{r}.json")
             if not os.path.exists(path):
-                errors.append(f"rank {r} exited with {p.exitcode} before reporting; log tail:\n"
-                              + _tail(os.path.join(tmp, f"rank{r}.log")))
+                errors.append(
+                    f"rank {r} exited with {p.exitcode} before reporting; log tail:\n"
+                    + _tail(os.path.join(tmp, f"rank{r}.log"))
+                )
                 continue
             with open(path) as f:
                 result = json.load(f)

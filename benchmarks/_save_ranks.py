@@ -182,7 +182,8 @@ class _NaiveSaver:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         model_sd, optim_sd = get_state_dict(
-            self.model, [self.optimizer], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            self.model, [self.optimizer], options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         if self.rank == 0:
             final = self.root / f"step-{step:09d}.pt"
             tmp = final.with_name(final.name + ".tmp")
@@ -222,14 +223,21 @@ def _make_saver(mode: str, spec: dict[str, Any], model, optimizer, rank: int):
         ScheduleConfig,
     )
 
-    async_mode = {"blocking": "off", "async_thread": "thread", "async_process": "process",
-                  "async_thread_bgstage": "thread"}[mode]
-    config = CheckpointConfig(root=spec["root"], schedule=ScheduleConfig(interval_steps=None),
-                              retention=RetentionConfig(keep_last=2), load=LoadConfig(enabled=False),
-                              async_save=AsyncSaveConfig(mode=async_mode,
-                                                         background_staging=mode == "async_thread_bgstage"),
-                              save=SaveConfig(thread_count=spec["thread_count"]),
-                              coordination=CoordinationConfig(timeout_s=spec["timeout_s"]))
+    async_mode = {
+        "blocking": "off",
+        "async_thread": "thread",
+        "async_process": "process",
+        "async_thread_bgstage": "thread",
+    }[mode]
+    config = CheckpointConfig(
+        root=spec["root"],
+        schedule=ScheduleConfig(interval_steps=None),
+        retention=RetentionConfig(keep_last=2),
+        load=LoadConfig(enabled=False),
+        async_save=AsyncSaveConfig(mode=async_mode, background_staging=mode == "async_thread_bgstage"),
+        save=SaveConfig(thread_count=spec["thread_count"]),
+        coordination=CoordinationConfig(timeout_s=spec["timeout_s"]),
+    )
     return CheckpointManager(config, model=model, optimizer=optimizer, process_group=None)
 
 
@@ -239,8 +247,9 @@ def _save_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
 
     baseline_rss = _rss_bytes()
     t_build = time.perf_counter()
-    model, optimizer, local_bytes, global_bytes = _build_state(spec["size_bytes"], world_size,
-                                                               spec.get("device", "cpu"))
+    model, optimizer, local_bytes, global_bytes = _build_state(
+        spec["size_bytes"], world_size, spec.get("device", "cpu")
+    )
     t_build = time.perf_counter() - t_build
     saves = []
     with _ChildRssSampler() as children:
@@ -269,10 +278,16 @@ def _save_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
         if rank == 0 and manifest.exists():
             timings = json.loads(manifest.read_text()).get("timings_s", {})
         saver.close()
-    return {"saves": saves, "timings_s": timings, "peak_rss_bytes": _peak_rss_bytes(),
-            "baseline_rss_bytes": baseline_rss, "bg_peak_rss_bytes": children.peak_bytes,
-            "local_state_bytes": local_bytes, "global_state_bytes": global_bytes,
-            "build_s": t_build}
+    return {
+        "saves": saves,
+        "timings_s": timings,
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "baseline_rss_bytes": baseline_rss,
+        "bg_peak_rss_bytes": children.peak_bytes,
+        "local_state_bytes": local_bytes,
+        "global_state_bytes": global_bytes,
+        "build_s": t_build,
+    }
 
 
 def _copy_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -291,8 +306,9 @@ def _copy_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
     model, optimizer, local_bytes, _ = _build_state(spec["size_bytes"], world_size, spec.get("device", "cpu"))
     sources = [t.to_local() if isinstance(t, DTensor) else t for t in model.parameters()]
     for state in optimizer.state.values():
-        sources += [v.to_local() if isinstance(v, DTensor) else v for v in state.values()
-                    if isinstance(v, torch.Tensor)]
+        sources += [
+            v.to_local() if isinstance(v, DTensor) else v for v in state.values() if isinstance(v, torch.Tensor)
+        ]
     buffers = [torch.empty_like(t, device="cpu") for t in sources]
     times = []
     with torch.no_grad():
@@ -338,12 +354,15 @@ def _train_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str,
             ScheduleConfig,
         )
 
-        config = CheckpointConfig(root=spec["root"], schedule=ScheduleConfig(interval_steps=None),
-                                  retention=RetentionConfig(keep_last=2), load=LoadConfig(enabled=False),
-                                  async_save=AsyncSaveConfig(
-                                      mode=spec["async_mode"] if mode == "train_async" else "off"),
-                                  save=SaveConfig(thread_count=spec["thread_count"]),
-                                  coordination=CoordinationConfig(timeout_s=spec["timeout_s"]))
+        config = CheckpointConfig(
+            root=spec["root"],
+            schedule=ScheduleConfig(interval_steps=None),
+            retention=RetentionConfig(keep_last=2),
+            load=LoadConfig(enabled=False),
+            async_save=AsyncSaveConfig(mode=spec["async_mode"] if mode == "train_async" else "off"),
+            save=SaveConfig(thread_count=spec["thread_count"]),
+            coordination=CoordinationConfig(timeout_s=spec["timeout_s"]),
+        )
         manager = CheckpointManager(config, model=model, optimizer=optimizer, process_group=None)
     gen = torch.Generator().manual_seed(1000 + rank)
     batch, seq = spec["batch_per_rank"], cfg.seq_len
@@ -392,7 +411,12 @@ def _train_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str,
     elapsed = time.perf_counter() - t_start
     if manager is not None:
         manager.close()
-    return {"elapsed_s": elapsed, "steps": steps, "step_s": step_s, "stall_s": stalls,
-            "inflight_step_s": inflight_s, "saves": save_step - (1 if manager else 0),
-            "peak_rss_bytes": _peak_rss_bytes()}
-
+    return {
+        "elapsed_s": elapsed,
+        "steps": steps,
+        "step_s": step_s,
+        "stall_s": stalls,
+        "inflight_step_s": inflight_s,
+        "saves": save_step - (1 if manager else 0),
+        "peak_rss_bytes": _peak_rss_bytes(),
+    }

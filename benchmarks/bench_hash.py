@@ -35,8 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     state = {"model": {f"w{i}": torch.randn(n) for i in range(16)}}
     base = tempfile.mkdtemp(dir=args.dir)
     times: dict[str, list[float]] = {"stock": [], "hashing": []}
-    writers = {"stock": lambda d: FileSystemWriter(d, sync_files=True),
-               "hashing": lambda d: hashing_writer(d, thread_count=1)}
+    writers = {
+        "stock": lambda d: FileSystemWriter(d, sync_files=True),
+        "hashing": lambda d: hashing_writer(d, thread_count=1),
+    }
     for r in range(args.rounds):
         order = ["stock", "hashing"] if r % 2 == 0 else ["hashing", "stock"]
         for mode in order:
@@ -47,13 +49,20 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(d)
     shutil.rmtree(base, ignore_errors=True)
     stock, hashing = statistics.median(times["stock"]), statistics.median(times["hashing"])
-    result = {"size_bytes": args.size_mib * 2**20, "rounds": args.rounds, "stock_s": times["stock"],
-              "hashing_s": times["hashing"], "median_overhead": hashing / stock - 1}
+    result = {
+        "size_bytes": args.size_mib * 2**20,
+        "rounds": args.rounds,
+        "stock_s": times["stock"],
+        "hashing_s": times["hashing"],
+        "median_overhead": hashing / stock - 1,
+    }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "hash_cost.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"{args.size_mib} MiB: stock {stock:.3f} s, hashing {hashing:.3f} s, "
-          f"overhead {100 * result['median_overhead']:+.1f}% (median of {args.rounds} rotating rounds)")
+    print(
+        f"{args.size_mib} MiB: stock {stock:.3f} s, hashing {hashing:.3f} s, "
+        f"overhead {100 * result['median_overhead']:+.1f}% (median of {args.rounds} rotating rounds)"
+    )
     return 0
 
 

@@ -59,9 +59,13 @@ class _State(nn.Module):
 
 
 def _manager(root: Path, model: nn.Module, incremental: bool) -> CheckpointManager:
-    config = CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=None),
-                              retention=RetentionConfig(keep_last=None), save=SaveConfig(incremental=incremental),
-                              coordination=CoordinationConfig(lock=False))
+    config = CheckpointConfig(
+        root=str(root),
+        schedule=ScheduleConfig(interval_steps=None),
+        retention=RetentionConfig(keep_last=None),
+        save=SaveConfig(incremental=incremental),
+        coordination=CoordinationConfig(lock=False),
+    )
     return CheckpointManager(config, model=model, optimizer=None)
 
 
@@ -111,7 +115,7 @@ def run_cost(model: _State, data: Path, rounds: int) -> dict[str, Any]:
     """Nothing frozen: second-save time with incremental on vs off, alternating."""
     times: dict[str, list[float]] = {"on": [], "off": []}
     for r in range(rounds):
-        for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
+        for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
             root = data / f"cost-{mode}"
             shutil.rmtree(root, ignore_errors=True)
             manager = _manager(root, model, incremental=mode == "on")
@@ -130,10 +134,16 @@ def run_cost(model: _State, data: Path, rounds: int) -> dict[str, Any]:
         for p in model.w:
             tensor_digest(p)
         hash_s.append(time.perf_counter() - t0)
-    return {"on_s": times["on"], "off_s": times["off"], "per_round_ratio": per_round, "median_cost": cost,
-            "min_cost": min(times["on"]) / min(times["off"]) - 1, "hash_pass_s": statistics.median(hash_s),
-            "hash_pass_over_off_save": statistics.median(hash_s) / statistics.median(times["off"]),
-            "default_ok": max(cost, statistics.median(hash_s) / statistics.median(times["off"])) < GOAL_COST}
+    return {
+        "on_s": times["on"],
+        "off_s": times["off"],
+        "per_round_ratio": per_round,
+        "median_cost": cost,
+        "min_cost": min(times["on"]) / min(times["off"]) - 1,
+        "hash_pass_s": statistics.median(hash_s),
+        "hash_pass_over_off_save": statistics.median(hash_s) / statistics.median(times["off"]),
+        "default_ok": max(cost, statistics.median(hash_s) / statistics.median(times["off"])) < GOAL_COST,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,18 +166,28 @@ def main(argv: list[str] | None = None) -> int:
     for fraction in args.fractions:
         frozen = round(fraction * args.tensors)
         cells = [run_cell(model, data / "cell", frozen, check=r == 0) for r in range(args.rounds)]
-        rows.append({
-            "frozen_fraction": frozen / args.tensors, "size_bytes": args.size_mib * _MIB,
-            "bytes_written_ratio": statistics.median(c["bytes2"] / c["bytes1"] for c in cells),
-            "save_time_ratio": statistics.median(c["save2_s"] / c["save1_s"] for c in cells),
-            "save1_s": statistics.median(c["save1_s"] for c in cells),
-            "save2_s": statistics.median(c["save2_s"] for c in cells),
-            "bitwise_equal": cells[0]["bitwise_equal"], "plain_dcp_load_ok": cells[0]["plain_dcp_load_ok"],
-            "rounds": cells})
+        rows.append(
+            {
+                "frozen_fraction": frozen / args.tensors,
+                "size_bytes": args.size_mib * _MIB,
+                "bytes_written_ratio": statistics.median(c["bytes2"] / c["bytes1"] for c in cells),
+                "save_time_ratio": statistics.median(c["save2_s"] / c["save1_s"] for c in cells),
+                "save1_s": statistics.median(c["save1_s"] for c in cells),
+                "save2_s": statistics.median(c["save2_s"] for c in cells),
+                "bitwise_equal": cells[0]["bitwise_equal"],
+                "plain_dcp_load_ok": cells[0]["plain_dcp_load_ok"],
+                "rounds": cells,
+            }
+        )
     cost = run_cost(model, data, args.cost_rounds)
     shutil.rmtree(data, ignore_errors=True) if args.data_dir is None else None
-    meta = {"date": datetime.date.today().isoformat(), "args": vars(args), "machine": machine_info(out),
-            "loadavg_end": os.getloadavg(), "seconds": time.perf_counter() - started}
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "args": vars(args),
+        "machine": machine_info(out),
+        "loadavg_end": os.getloadavg(),
+        "seconds": time.perf_counter() - started,
+    }
     results = {"results": rows, "cost_nothing_frozen": cost, "meta": meta}
     write_outputs(out, results, render_markdown, plot)
     return 0 if all(r["bitwise_equal"] and r["plain_dcp_load_ok"] for r in rows) else 1
@@ -175,27 +195,34 @@ def main(argv: list[str] | None = None) -> int:
 
 def render_markdown(results: dict[str, Any]) -> str:
     meta, cost = results["meta"], results["cost_nothing_frozen"]
-    lines = [f"# Incremental checkpoints ({meta['date']}, {meta['args']['size_mib']} MiB state, "
-             f"{meta['args']['rounds']} rounds, {meta['seconds']:.0f} s, load average at the end "
-             f"{meta['loadavg_end'][0]:.1f})", "",
-             "| frozen | bytes 2nd/1st | time 2nd/1st | save 1 s | save 2 s | bitwise (distckpt) | plain dcp.load |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Incremental checkpoints ({meta['date']}, {meta['args']['size_mib']} MiB state, "
+        f"{meta['args']['rounds']} rounds, {meta['seconds']:.0f} s, load average at the end "
+        f"{meta['loadavg_end'][0]:.1f})",
+        "",
+        "| frozen | bytes 2nd/1st | time 2nd/1st | save 1 s | save 2 s | bitwise (distckpt) | plain dcp.load |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results["results"]:
-        lines.append(f"| {r['frozen_fraction']:.0%} | {r['bytes_written_ratio']:.3f} | {r['save_time_ratio']:.3f} | "
-                     f"{r['save1_s']:.3f} | {r['save2_s']:.3f} | {r['bitwise_equal']} | {r['plain_dcp_load_ok']} |")
+        lines.append(
+            f"| {r['frozen_fraction']:.0%} | {r['bytes_written_ratio']:.3f} | {r['save_time_ratio']:.3f} | "
+            f"{r['save1_s']:.3f} | {r['save2_s']:.3f} | {r['bitwise_equal']} | {r['plain_dcp_load_ok']} |"
+        )
     at90 = next((r for r in results["results"] if abs(r["frozen_fraction"] - 0.9) < 1e-9), None)
     lines.append("")
     if at90 is not None:
         for name, key, goal in (("bytes", "bytes_written_ratio", GOAL_BYTES), ("time", "save_time_ratio", GOAL_TIME)):
             v = at90[key]
             lines.append(f"- goal at 90% frozen, {name} <= {goal}: **{'met' if v <= goal else 'missed'}** ({v:.3f})")
-    lines += [f"- cost with nothing frozen (second save, incremental on / off, median of "
-              f"{len(cost['per_round_ratio'])} alternating rounds): {cost['median_cost']:+.1%} "
-              f"(per round: {', '.join(f'{x:.3f}' for x in cost['per_round_ratio'])}); "
-              f"fastest on / fastest off {cost['min_cost']:+.1%}; "
-              f"default if < 2%: **{'yes' if cost['default_ok'] else 'no, stays opt-in'}**",
-              f"- the extra work alone, one xxh3 pass over the state: {cost['hash_pass_s']:.3f} s = "
-              f"{cost['hash_pass_over_off_save']:.1%} of the median save with incremental off"]
+    lines += [
+        f"- cost with nothing frozen (second save, incremental on / off, median of "
+        f"{len(cost['per_round_ratio'])} alternating rounds): {cost['median_cost']:+.1%} "
+        f"(per round: {', '.join(f'{x:.3f}' for x in cost['per_round_ratio'])}); "
+        f"fastest on / fastest off {cost['min_cost']:+.1%}; "
+        f"default if < 2%: **{'yes' if cost['default_ok'] else 'no, stays opt-in'}**",
+        f"- the extra work alone, one xxh3 pass over the state: {cost['hash_pass_s']:.3f} s = "
+        f"{cost['hash_pass_over_off_save']:.1%} of the median save with incremental off",
+    ]
     return "\n".join(lines) + "\n"
 
 

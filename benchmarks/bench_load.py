@@ -109,14 +109,26 @@ _DISK = "disk"
 
 
 _TARGETS: dict[str, Callable[[int, int, dict[str, Any]], Any]] = {"save": _save_worker, "load": _load_worker}
-_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "distckpt",
-            "distckpt.engine.read.fast_reader")
+_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "distckpt",
+    "distckpt.engine.read.fast_reader",
+)
 
 
 def _run_ranks(target: str, world_size: int, spec: dict[str, Any], *, timeout_s: float) -> list[Any]:
     """Run ``_TARGETS[target]`` on ``world_size`` fresh ranks; their values, or ``BenchError``."""
-    return run_ranks(f"benchmarks._load_ranks:{_TARGETS[target].__name__}", world_size, spec, timeout_s=timeout_s,
-                     preload=_PRELOAD, label=f"{target} {spec.get('reader', spec.get('wrapper'))}")
+    return run_ranks(
+        f"benchmarks._load_ranks:{_TARGETS[target].__name__}",
+        world_size,
+        spec,
+        timeout_s=timeout_s,
+        preload=_PRELOAD,
+        label=f"{target} {spec.get('reader', spec.get('wrapper'))}",
+    )
 
 
 def _raw_read_seconds(paths: list[str], parallel: bool) -> float:
@@ -165,8 +177,12 @@ def _save_all(args, data_dir: Path, ckpts: dict[str, tuple[str, int]]) -> dict[s
     for name, (wrapper, ws) in ckpts.items():
         d = data_dir / name
         shutil.rmtree(d, ignore_errors=True)
-        spec = {"wrapper": wrapper, "dir": str(d), "size_bytes": int(args.size_mib * _MIB),
-                "save_thread_count": args.save_thread_count}
+        spec = {
+            "wrapper": wrapper,
+            "dir": str(d),
+            "size_bytes": int(args.size_mib * _MIB),
+            "save_thread_count": args.save_thread_count,
+        }
         values = _run_ranks("save", ws, spec, timeout_s=_timeout(args, ws))
         expected: dict[str, tuple[int, str]] = {}
         blocks: dict[str, tuple[list[int], list[str]]] = {}
@@ -175,27 +191,48 @@ def _save_all(args, data_dir: Path, ckpts: dict[str, tuple[str, int]]) -> dict[s
             blocks.update(v.get("blocks") or {})
         files = _data_files(str(d))
         data_bytes = sum(os.path.getsize(p) for p in files)
-        out[name] = {"dir": str(d), "expected": expected, "blocks": blocks, "files": files, "data_bytes": data_bytes,
-                     "save_s": max(v["save_s"] for v in values), "state_bytes": values[0]["state_bytes"],
-                     "wrapper": wrapper, "world_size": ws}
+        out[name] = {
+            "dir": str(d),
+            "expected": expected,
+            "blocks": blocks,
+            "files": files,
+            "data_bytes": data_bytes,
+            "save_s": max(v["save_s"] for v in values),
+            "state_bytes": values[0]["state_bytes"],
+            "wrapper": wrapper,
+            "world_size": ws,
+        }
         _log(f"saved {name}: {len(files)} files, {data_bytes / _MIB:.1f} MiB in {out[name]['save_s']:.2f} s")
     return out
 
 
 def _cells(args) -> list[dict[str, Any]]:
     cells = []
-    same = list(dict.fromkeys(list(args.world_sizes) + ([] if args.no_reshard else
-                                                         [args.reshard_from, *args.reshard_to])))
+    same = list(
+        dict.fromkeys(list(args.world_sizes) + ([] if args.no_reshard else [args.reshard_from, *args.reshard_to]))
+    )
     for ws in same:
         cells.append({"scenario": "same", "ckpt": f"fsdp2-ws{ws}", "saved_world_size": ws, "world_size": ws})
     if not args.no_reshard:
         for ws in args.reshard_to:
             if ws != args.reshard_from:
-                cells.append({"scenario": "reshard", "ckpt": f"fsdp2-ws{args.reshard_from}",
-                              "saved_world_size": args.reshard_from, "world_size": ws})
+                cells.append(
+                    {
+                        "scenario": "reshard",
+                        "ckpt": f"fsdp2-ws{args.reshard_from}",
+                        "saved_world_size": args.reshard_from,
+                        "world_size": ws,
+                    }
+                )
     if not args.no_ddp:
-        cells.append({"scenario": "ddp_to_fsdp2", "ckpt": f"ddp-ws{args.reshard_from}",
-                      "saved_world_size": args.reshard_from, "world_size": args.reshard_from})
+        cells.append(
+            {
+                "scenario": "ddp_to_fsdp2",
+                "ckpt": f"ddp-ws{args.reshard_from}",
+                "saved_world_size": args.reshard_from,
+                "world_size": args.reshard_from,
+            }
+        )
     return cells
 
 
@@ -207,7 +244,8 @@ def _run_loads(args, saved: dict[str, dict[str, Any]], cells: list[dict[str, Any
     ratios pair -- reshard vs same-world, reader vs stock -- are taken close together in time.
     """
     samples: dict[str, dict[str, list[dict[str, Any] | None]]] = {
-        _cell_key(c): {r: [] for r in args.readers} for c in cells}
+        _cell_key(c): {r: [] for r in args.readers} for c in cells
+    }
     disk: dict[str, list[tuple[float, float]]] = {name: [] for name in saved}
     errors: dict[str, str] = {}
     groups: dict[int, list[dict[str, Any]]] = {}
@@ -226,22 +264,32 @@ def _run_loads(args, saved: dict[str, dict[str, Any]], cells: list[dict[str, Any
                         par = _raw_read_seconds(ck["files"], parallel=True)
                         disk[ckpt].append((seq, par))
                         probed.add(ckpt)
-                        _log(f"disk {ckpt} round {r}: sequential {ck['data_bytes'] / seq / 1e9:.2f} GB/s, "
-                             f"parallel {ck['data_bytes'] / par / 1e9:.2f} GB/s")
+                        _log(
+                            f"disk {ckpt} round {r}: sequential {ck['data_bytes'] / seq / 1e9:.2f} GB/s, "
+                            f"parallel {ck['data_bytes'] / par / 1e9:.2f} GB/s"
+                        )
                     continue
-                for cell in (group if r % 2 == 0 else group[::-1]):
+                for cell in group if r % 2 == 0 else group[::-1]:
                     key = _cell_key(cell)
                     ck = saved[cell["ckpt"]]
-                    spec = {"dir": ck["dir"], "expected": ck["expected"], "blocks": ck["blocks"], "reader": item,
-                            "size_bytes": int(args.size_mib * _MIB), "thread_count": args.thread_count}
+                    spec = {
+                        "dir": ck["dir"],
+                        "expected": ck["expected"],
+                        "blocks": ck["blocks"],
+                        "reader": item,
+                        "size_bytes": int(args.size_mib * _MIB),
+                        "thread_count": args.thread_count,
+                    }
                     try:
                         values = _run_ranks("load", ws, spec, timeout_s=_timeout(args, ws))
                         sample = _load_sample(values)
                         samples[key][item].append(sample)
                         bad = sample["bad"]
-                        _log(f"{key:22s} {item:12s} round {r}: cold {sample['cold_s']:.3f} s "
-                             f"(read_data {sample['cold_read_data_s']:.3f}), warm {sample['warm_s']:.3f} s "
-                             f"(read_data {sample['warm_read_data_s']:.3f})" + (f"  MISMATCH {bad[:3]}" if bad else ""))
+                        _log(
+                            f"{key:22s} {item:12s} round {r}: cold {sample['cold_s']:.3f} s "
+                            f"(read_data {sample['cold_read_data_s']:.3f}), warm {sample['warm_s']:.3f} s "
+                            f"(read_data {sample['warm_read_data_s']:.3f})" + (f"  MISMATCH {bad[:3]}" if bad else "")
+                        )
                     except BenchError as e:
                         errors[f"{key}/{item}"] = str(e)
                         samples[key][item].append(None)
@@ -263,11 +311,13 @@ def _load_sample(values: list[dict[str, Any]]) -> dict[str, Any]:
         "cold_read_data_s": max(x["read_data_s"] or 0.0 for x in loads["cold"]),
         "warm_read_data_s": max(x["read_data_s"] or 0.0 for x in loads["warm"]),
         "bad": sorted({b for c in loads.values() for x in c for b in x["bad"]}),
-        "cold_method": cold0["cold_method"], "cold_resident_frac": cold0["cold_resident_frac"],
+        "cold_method": cold0["cold_method"],
+        "cold_resident_frac": cold0["cold_resident_frac"],
         "peak_rss_bytes": max(v["peak_rss_bytes"] for v in values),
         "rss_extra_bytes": max(v["peak_rss_bytes"] - v["rss_before_load_bytes"] for v in values),
-        "rss_extra_copies": max((v["peak_rss_bytes"] - v["rss_before_load_bytes"]) / max(v["local_state_bytes"], 1)
-                                for v in values),
+        "rss_extra_copies": max(
+            (v["peak_rss_bytes"] - v["rss_before_load_bytes"]) / max(v["local_state_bytes"], 1) for v in values
+        ),
         "local_state_bytes": max(v["local_state_bytes"] for v in values),
         "global_state_bytes": values[0]["global_state_bytes"],
         "stats": stats,
@@ -278,28 +328,45 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_load",
         description="Benchmark DCP's stock FileSystemReader vs distckpt's FastFileSystemReader (CPU/gloo ranks).",
-        epilog="example: python -m benchmarks.bench_load --size-mib 1024 --world-sizes 1 2 --out runs/bench_load")
+        epilog="example: python -m benchmarks.bench_load --size-mib 1024 --world-sizes 1 2 --out runs/bench_load",
+    )
     p.add_argument("--size-mib", type=float, default=1024, help="state of the whole job, MiB (default: 1024)")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2], help="same-world cells (default: 1 2)")
     p.add_argument("--reshard-from", type=int, default=2, help="world size of the resharded checkpoints (default: 2)")
-    p.add_argument("--reshard-to", type=int, nargs="+", default=[1, 3, 4],
-                   help="load world sizes of the reshard cells (default: 1 3 4)")
+    p.add_argument(
+        "--reshard-to",
+        type=int,
+        nargs="+",
+        default=[1, 3, 4],
+        help="load world sizes of the reshard cells (default: 1 3 4)",
+    )
     p.add_argument("--no-reshard", action="store_true", help="skip the reshard cells")
     p.add_argument("--no-ddp", action="store_true", help="skip the DDP -> FSDP2 cell")
     p.add_argument("--readers", nargs="+", default=list(READERS), choices=READERS)
     p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every reader once per cell (default: 3)")
-    p.add_argument("--thread-count", type=int, default=None,
-                   help="FastFileSystemReader thread_count per rank (default: as the manager, 2 streams per node "
-                        "divided among the ranks, at least 1)")
-    p.add_argument("--save-thread-count", type=int, default=SaveConfig.thread_count,
-                   help="writer threads (files) per rank of the checkpoints loaded (default: "
-                        f"{SaveConfig.thread_count}, CheckpointManager's; 1 = plain dcp.save's)")
+    p.add_argument(
+        "--thread-count",
+        type=int,
+        default=None,
+        help="FastFileSystemReader thread_count per rank (default: as the manager, 2 streams per node "
+        "divided among the ranks, at least 1)",
+    )
+    p.add_argument(
+        "--save-thread-count",
+        type=int,
+        default=SaveConfig.thread_count,
+        help="writer threads (files) per rank of the checkpoints loaded (default: "
+        f"{SaveConfig.thread_count}, CheckpointManager's; 1 = plain dcp.save's)",
+    )
     p.add_argument("--out", default="runs/bench_load", help="output directory")
     p.add_argument("--data-dir", default=None, help="checkpoints (default: OUT/data; removed at the end)")
     p.add_argument("--keep-data", action="store_true", help="keep the checkpoints")
     p.add_argument("--timeout-s", type=float, default=600.0, help="upper limit per rank set (seconds)")
-    p.add_argument("--leave-page-reporting", action="store_true",
-                   help="do not hold a VM's free page reporting during the run (see benchmarks/_guest_memory.py)")
+    p.add_argument(
+        "--leave-page-reporting",
+        action="store_true",
+        help="do not hold a VM's free page reporting during the run (see benchmarks/_guest_memory.py)",
+    )
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
@@ -350,16 +417,24 @@ def main(argv: list[str] | None = None) -> int:
         rc = 1
     cold = [r for r in rows if r.get("cache") == "cold" and "cold_method" in r]
     meta = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "argv": argv_list,
-        "size_mib": args.size_mib, "rounds": args.rounds, "readers": list(args.readers),
-        "thread_count": args.thread_count, "save_thread_count": args.save_thread_count,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "argv": argv_list,
+        "size_mib": args.size_mib,
+        "rounds": args.rounds,
+        "readers": list(args.readers),
+        "thread_count": args.thread_count,
+        "save_thread_count": args.save_thread_count,
         "machine": machine_info(data_dir.parent),
-        "torch_version": torch.__version__, "python": platform.python_version(),
-        "data_dir": str(data_dir), "loadavg_start": tuple(round(x, 2) for x in load_start),
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+        "data_dir": str(data_dir),
+        "loadavg_start": tuple(round(x, 2) for x in load_start),
         "loadavg_end": tuple(round(x, 2) for x in os.getloadavg()),
         "cold_method": cold[0]["cold_method"] if cold else None,
         "cold_resident_frac": _median([r.get("cold_resident_frac") for r in cold]) if cold else None,
-        "page_reporting": guest, "wall_s": time.perf_counter() - t_start, "notes": notes,
+        "page_reporting": guest,
+        "wall_s": time.perf_counter() - t_start,
+        "notes": notes,
     }
     meta["verdicts"] = _verdicts(rows, args)
     results = {"meta": meta, "results": rows}
@@ -369,4 +444,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

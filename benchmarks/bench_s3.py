@@ -79,29 +79,48 @@ def _round(rank: int, world_size: int, sd: dict, size_mib: int, rnd: int, thread
         dist.all_gather_object(gathered, files)
         if rank == 0:  # the commit: list, check sizes, PUT the manifest (conditional create)
             hashes = {k: v for f in gathered for k, v in f.items()}
-            m = Manifest(step=1, world_size=world_size, wrapper="plain", state_dict_type="sharded",
-                         torch_version=torch.__version__, distckpt_version="bench", model={},
-                         model_fingerprint="", files=store.list_files(location, hashes))
+            m = Manifest(
+                step=1,
+                world_size=world_size,
+                wrapper="plain",
+                state_dict_type="sharded",
+                torch_version=torch.__version__,
+                distckpt_version="bench",
+                model={},
+                model_fingerprint="",
+                files=store.list_files(location, hashes),
+            )
             store.commit(location, 1, m)
 
     def stock_load() -> None:
-        dcp.load({k: torch.empty_like(v) for k, v in sd.items()},
-                 storage_reader=FsspecReader(stock_url, endpoint_url=endpoint))
+        dcp.load(
+            {k: torch.empty_like(v) for k, v in sd.items()},
+            storage_reader=FsspecReader(stock_url, endpoint_url=endpoint),
+        )
 
     def distckpt_load() -> None:
         manifest = store.read_manifest(location)
         expected = {f.path: (f.size_bytes, f.hash) for f in manifest.files}
         target = {k: torch.empty_like(v) for k, v in sd.items()}
-        run_load(target, store.dcp_reader(location, expected_files=expected, fast=True, thread_count=2),
-                 process_group=None, directory=location)
+        run_load(
+            target,
+            store.dcp_reader(location, expected_files=expected, fast=True, thread_count=2),
+            process_group=None,
+            directory=location,
+        )
         assert all(torch.equal(target[k], sd[k]) for k in sd)
 
-    fns = {"stock_save": stock_save, "distckpt_save": distckpt_save, "stock_load": stock_load,
-           "distckpt_load": distckpt_load}
+    fns = {
+        "stock_save": stock_save,
+        "distckpt_save": distckpt_save,
+        "stock_load": stock_load,
+        "distckpt_load": distckpt_load,
+    }
     order = [("stock_save", "distckpt_save"), ("distckpt_save", "stock_save")][rnd % 2]
-    rows = [{"mode": mode, "size_mib": size_mib, "world_size": world_size, "round": rnd,
-             "seconds": _timed(fns[mode])}
-            for mode in (*order, *(m.replace("save", "load") for m in order))]
+    rows = [
+        {"mode": mode, "size_mib": size_mib, "world_size": world_size, "round": rnd, "seconds": _timed(fns[mode])}
+        for mode in (*order, *(m.replace("save", "load") for m in order))
+    ]
     dist.barrier()
     if rank == 0:  # free the server's space for the next round
         for prefix in (f"{tag}/", f"{tag}-stock/"):
@@ -133,8 +152,9 @@ def _run_world(world_size: int, args: dict) -> list[dict]:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.pt")
-        mp.start_processes(_rank, args=(world_size, os.path.join(tmp, "init"), args, out), nprocs=world_size,
-                           start_method="spawn")
+        mp.start_processes(
+            _rank, args=(world_size, os.path.join(tmp, "init"), args, out), nprocs=world_size, start_method="spawn"
+        )
         return torch.load(out)
 
 
@@ -143,23 +163,35 @@ def summarize(rows: list[dict]) -> list[dict]:
     groups: dict[tuple, list[float]] = {}
     for r in rows:
         groups.setdefault((r["mode"], r["size_mib"], r["world_size"]), []).append(r["seconds"])
-    return [{"mode": m, "size_mib": s, "world_size": w, "seconds": statistics.median(v),
-             "gbps": s * (1 << 20) / statistics.median(v) / 1e9, "rounds": len(v)}
-            for (m, s, w), v in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][1], MODES.index(kv[0][0])))]
+    return [
+        {
+            "mode": m,
+            "size_mib": s,
+            "world_size": w,
+            "seconds": statistics.median(v),
+            "gbps": s * (1 << 20) / statistics.median(v) / 1e9,
+            "rounds": len(v),
+        }
+        for (m, s, w), v in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][1], MODES.index(kv[0][0])))
+    ]
 
 
 def render(results: dict) -> str:
     by = {(r["mode"], r["size_mib"], r["world_size"]): r["seconds"] for r in results["summary"]}
-    lines = ["| size | ranks | stock save s | distckpt save s | save speed-up | stock load s | distckpt load s "
-             "| load speed-up |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| size | ranks | stock save s | distckpt save s | save speed-up | stock load s | distckpt load s "
+        "| load speed-up |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for size in results["meta"]["sizes_mib"]:
         for ws in results["meta"]["world_sizes"]:
             s0, s1 = by.get(("stock_save", size, ws)), by.get(("distckpt_save", size, ws))
             l0, l1 = by.get(("stock_load", size, ws)), by.get(("distckpt_load", size, ws))
             if None in (s0, s1, l0, l1):
                 continue
-            lines.append(f"| {size} MiB | {ws} | {s0:.2f} | {s1:.2f} | {s0 / s1:.2f}x | {l0:.2f} | {l1:.2f} "
-                         f"| {l0 / l1:.2f}x |")
+            lines.append(
+                f"| {size} MiB | {ws} | {s0:.2f} | {s1:.2f} | {s0 / s1:.2f}x | {l0:.2f} | {l1:.2f} | {l0 / l1:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -172,8 +204,9 @@ def plot(results: dict, path: Path) -> bool:
     cases = [(s, w) for s in results["meta"]["sizes_mib"] for w in results["meta"]["world_sizes"]]
     by = {(r["mode"], r["size_mib"], r["world_size"]): r["seconds"] for r in results["summary"]}
     for i, mode in enumerate(MODES):
-        ax.bar([j + i * width for j in range(len(cases))], [by.get((mode, s, w), 0) for s, w in cases], width,
-               label=mode)
+        ax.bar(
+            [j + i * width for j in range(len(cases))], [by.get((mode, s, w), 0) for s, w in cases], width, label=mode
+        )
     labels = [f"{s} MiB, ws {w}" for s, w in cases]
     ax.set_xticks([j + 1.5 * width for j in range(len(cases))], labels)
     ax.set_ylabel("seconds (median)")
@@ -202,16 +235,25 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(server.env())
         rows: list[dict] = []
         for ws in args.world_sizes:
-            rows += _run_world(ws, {"sizes_mib": args.sizes_mib, "repeats": args.repeats,
-                                    "thread_count": args.thread_count})
+            rows += _run_world(
+                ws, {"sizes_mib": args.sizes_mib, "repeats": args.repeats, "thread_count": args.thread_count}
+            )
             print(f"world size {ws}: done", flush=True)
     finally:
         server.stop()
-    results = {"meta": {"sizes_mib": args.sizes_mib, "world_sizes": args.world_sizes, "repeats": args.repeats,
-                        "distckpt_thread_count": args.thread_count,
-                        "server": "SeaweedFS (weed) on loopback", "machine": machine_info(out),
-                        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-               "summary": summarize(rows), "rows": rows}
+    results = {
+        "meta": {
+            "sizes_mib": args.sizes_mib,
+            "world_sizes": args.world_sizes,
+            "repeats": args.repeats,
+            "distckpt_thread_count": args.thread_count,
+            "server": "SeaweedFS (weed) on loopback",
+            "machine": machine_info(out),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+        "summary": summarize(rows),
+        "rows": rows,
+    }
     write_outputs(out, results, render, plot)
     return 0
 

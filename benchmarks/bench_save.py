@@ -104,14 +104,26 @@ _TARGETS: dict[str, Callable[[int, int, dict[str, Any]], Any]] = {
 }
 
 
-_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "distckpt",
-            "launch.model")
+_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "distckpt",
+    "launch.model",
+)
 
 
 def _run_ranks(target: str, world_size: int, spec: dict[str, Any], *, timeout_s: float) -> list[Any]:
     """Run ``_TARGETS[target]`` on ``world_size`` fresh ranks; their values, or ``BenchError``."""
-    return run_ranks(f"benchmarks._save_ranks:{_TARGETS[target].__name__}", world_size, spec, timeout_s=timeout_s,
-                     preload=_PRELOAD, label=f"{target} {spec.get('mode')}")
+    return run_ranks(
+        f"benchmarks._save_ranks:{_TARGETS[target].__name__}",
+        world_size,
+        spec,
+        timeout_s=timeout_s,
+        preload=_PRELOAD,
+        label=f"{target} {spec.get('mode')}",
+    )
 
 
 def _disk_source(size_bytes: int):
@@ -137,7 +149,7 @@ def _disk_write_seconds(directory: Path, source: memoryview, chunk_bytes: int = 
         try:
             offset = 0
             while offset < len(source):
-                offset += os.write(fd, source[offset: offset + chunk_bytes])
+                offset += os.write(fd, source[offset : offset + chunk_bytes])
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -169,8 +181,15 @@ def _save_timeout(args: argparse.Namespace, size_bytes: int, world_size: int) ->
     return min(args.timeout_s, 60.0 + world_size * 10.0 + 12.0 * saves * size_bytes / (1 << 30) * 3)
 
 
-def _run_save_block(args, size_mib: float, world_size: int, modes: list[str], thread_counts: dict[str, int],
-                    data_dir: Path, with_disk: bool) -> dict[str, Any]:
+def _run_save_block(
+    args,
+    size_mib: float,
+    world_size: int,
+    modes: list[str],
+    thread_counts: dict[str, int],
+    data_dir: Path,
+    with_disk: bool,
+) -> dict[str, Any]:
     """All rounds of one (size, world size) block: ``{mode: [per-round sample]}``."""
     size_bytes = int(size_mib * _MIB)
     samples: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
@@ -194,21 +213,35 @@ def _run_save_block(args, size_mib: float, world_size: int, modes: list[str], th
                     probes.append(_disk_write_seconds(root, source))
                     continue
                 if mode == COPY_LIMIT:
-                    copy.append(_copy_limit_s(_run_ranks("copy", world_size, {"size_bytes": size_bytes},
-                                                          timeout_s=_save_timeout(args, size_bytes, world_size))))
+                    copy.append(
+                        _copy_limit_s(
+                            _run_ranks(
+                                "copy",
+                                world_size,
+                                {"size_bytes": size_bytes},
+                                timeout_s=_save_timeout(args, size_bytes, world_size),
+                            )
+                        )
+                    )
                     _log(f"copy limit {size_mib:g} MiB ws={world_size} round {r}: {copy[-1]:.3f} s")
                     continue
                 t0 = time.perf_counter()
-                spec = {"mode": mode.split("@")[0], "size_bytes": size_bytes, "root": str(root),
-                        "saves_per_process": args.saves_per_process, "thread_count": thread_counts[mode],
-                        "step_compute_s": args.step_compute_s}
-                values = _run_ranks("save", world_size, spec,
-                                    timeout_s=_save_timeout(args, size_bytes, world_size))
+                spec = {
+                    "mode": mode.split("@")[0],
+                    "size_bytes": size_bytes,
+                    "root": str(root),
+                    "saves_per_process": args.saves_per_process,
+                    "thread_count": thread_counts[mode],
+                    "step_compute_s": args.step_compute_s,
+                }
+                values = _run_ranks("save", world_size, spec, timeout_s=_save_timeout(args, size_bytes, world_size))
                 samples[mode].append(_save_sample(values))
-                _log(f"{mode:22s} {size_mib:g} MiB ws={world_size} round {r}: "
-                     f"stall {samples[mode][-1]['stall_s']:.3f} s, e2e {samples[mode][-1]['end_to_end_s']:.3f} s "
-                     f"(rank set {time.perf_counter() - t0:.1f} s, "
-                     f"state built in {samples[mode][-1]['build_s']:.1f} s)")
+                _log(
+                    f"{mode:22s} {size_mib:g} MiB ws={world_size} round {r}: "
+                    f"stall {samples[mode][-1]['stall_s']:.3f} s, e2e {samples[mode][-1]['end_to_end_s']:.3f} s "
+                    f"(rank set {time.perf_counter() - t0:.1f} s, "
+                    f"state built in {samples[mode][-1]['build_s']:.1f} s)"
+                )
             except BenchError as e:
                 _log(f"FAILED {mode} {size_mib:g} MiB ws={world_size}: {e}")
                 if mode == COPY_LIMIT:  # keeps one entry per round; tried again next round
@@ -220,8 +253,11 @@ def _run_save_block(args, size_mib: float, world_size: int, modes: list[str], th
                 _clean(root)
         if probes:
             disk.append(_median(probes))
-            _log(f"disk probe {size_mib:g} MiB round {r}: "
-                 + ", ".join(f"{size_bytes / t / 1e9:.2f}" for t in probes) + " GB/s")
+            _log(
+                f"disk probe {size_mib:g} MiB round {r}: "
+                + ", ".join(f"{size_bytes / t / 1e9:.2f}" for t in probes)
+                + " GB/s"
+            )
     return {"size_bytes": size_bytes, "samples": samples, "disk_s": disk, "copy_s": copy, "errors": errors}
 
 
@@ -248,8 +284,9 @@ def _save_sample(values: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_rss_bytes": max(v["peak_rss_bytes"] for v in values),
         "bg_peak_rss_bytes": max(v["bg_peak_rss_bytes"] for v in values),
         "rss_budget_bytes": max(v["baseline_rss_bytes"] + 2 * v["local_state_bytes"] for v in values),
-        "rss_over_budget_bytes": max(v["peak_rss_bytes"] - v["baseline_rss_bytes"] - 2 * v["local_state_bytes"]
-                                     for v in values),
+        "rss_over_budget_bytes": max(
+            v["peak_rss_bytes"] - v["baseline_rss_bytes"] - 2 * v["local_state_bytes"] for v in values
+        ),
         "baseline_rss_bytes": max(v["baseline_rss_bytes"] for v in values),
         "local_state_bytes": max(v["local_state_bytes"] for v in values),
         "global_state_bytes": values[0]["global_state_bytes"],
@@ -280,10 +317,16 @@ def _save_rows(block: dict[str, Any], world_size: int, thread_counts: dict[str, 
     rows = []
     for mode, per_round in by_mode.items():
         samples = [s for s in per_round if s is not None]
-        row: dict[str, Any] = {"experiment": "save", "mode": mode, "size_bytes": size_bytes,
-                               "size_mib": size_bytes / _MIB, "world_size": world_size,
-                               "thread_count": thread_counts[mode], "repeats": len(samples),
-                               "disk_write_gbps": disk_gbps}
+        row: dict[str, Any] = {
+            "experiment": "save",
+            "mode": mode,
+            "size_bytes": size_bytes,
+            "size_mib": size_bytes / _MIB,
+            "world_size": world_size,
+            "thread_count": thread_counts[mode],
+            "repeats": len(samples),
+            "disk_write_gbps": disk_gbps,
+        }
         if not samples:
             row["error"] = block["errors"].get(mode, "no samples")
             rows.append(row)
@@ -291,23 +334,25 @@ def _save_rows(block: dict[str, Any], world_size: int, thread_counts: dict[str, 
         if mode in block["errors"]:
             row["warning"] = "failed in some rounds: " + block["errors"][mode].splitlines()[0][:300]
         e2e = _median([s["end_to_end_s"] for s in samples])
-        row.update({
-            "stall_s": _median([s["stall_s"] for s in samples]),
-            "end_to_end_s": e2e,
-            "write_gbps": size_bytes / e2e / 1e9,
-            "save_call_s": _median([s["call_s"] for s in samples]),
-            "first_save_s": _median([s["first_save_s"] for s in samples]),
-            "first_save_stall_s": _median([s["first_save_stall_s"] for s in samples]),
-            "peak_rss_bytes": max(s["peak_rss_bytes"] for s in samples),
-            "rss_budget_bytes": max(s["rss_budget_bytes"] for s in samples),
-            "rss_over_budget_bytes": max(s["rss_over_budget_bytes"] for s in samples),
-            "baseline_rss_bytes": max(s["baseline_rss_bytes"] for s in samples),
-            "bg_peak_rss_bytes": max(s["bg_peak_rss_bytes"] for s in samples),
-            "local_state_bytes": samples[0]["local_state_bytes"],
-            "state_bytes": samples[0]["global_state_bytes"],
-            "stall_s_samples": [s["stall_s"] for s in samples],
-            "end_to_end_s_samples": [s["end_to_end_s"] for s in samples],
-        })
+        row.update(
+            {
+                "stall_s": _median([s["stall_s"] for s in samples]),
+                "end_to_end_s": e2e,
+                "write_gbps": size_bytes / e2e / 1e9,
+                "save_call_s": _median([s["call_s"] for s in samples]),
+                "first_save_s": _median([s["first_save_s"] for s in samples]),
+                "first_save_stall_s": _median([s["first_save_stall_s"] for s in samples]),
+                "peak_rss_bytes": max(s["peak_rss_bytes"] for s in samples),
+                "rss_budget_bytes": max(s["rss_budget_bytes"] for s in samples),
+                "rss_over_budget_bytes": max(s["rss_over_budget_bytes"] for s in samples),
+                "baseline_rss_bytes": max(s["baseline_rss_bytes"] for s in samples),
+                "bg_peak_rss_bytes": max(s["bg_peak_rss_bytes"] for s in samples),
+                "local_state_bytes": samples[0]["local_state_bytes"],
+                "state_bytes": samples[0]["global_state_bytes"],
+                "stall_s_samples": [s["stall_s"] for s in samples],
+                "end_to_end_s_samples": [s["end_to_end_s"] for s in samples],
+            }
+        )
         timings = [s["timings_s"] for s in samples if s["timings_s"]]
         for key in ("stage", "write", "commit"):
             if timings:
@@ -315,15 +360,22 @@ def _save_rows(block: dict[str, Any], world_size: int, thread_counts: dict[str, 
         copies = block.get("copy_s", [])
         if mode in ASYNC_MODES and any(c is not None for c in copies):
             row["copy_limit_s"] = _median([c for c in copies if c is not None])
-            row["stall_over_copy_limit"] = _median([
-                s / c for r, c in enumerate(copies)
-                if c is not None and (s := round_value(mode, r, "stall_s")) is not None])
+            row["stall_over_copy_limit"] = _median(
+                [
+                    s / c
+                    for r, c in enumerate(copies)
+                    if c is not None and (s := round_value(mode, r, "stall_s")) is not None
+                ]
+            )
         if mode in ASYNC_MODES and "blocking" in by_mode:
             row["stall_over_blocking_e2e"] = _median(paired(mode, "blocking", "stall_s", "end_to_end_s"))
             row["e2e_over_blocking_e2e"] = _median(paired(mode, "blocking", "end_to_end_s", "end_to_end_s"))
         if block["disk_s"]:
-            ratios = [block["disk_s"][r] / e for r in range(len(block["disk_s"]))
-                      if (e := round_value(mode, r, "end_to_end_s")) is not None]
+            ratios = [
+                block["disk_s"][r] / e
+                for r in range(len(block["disk_s"]))
+                if (e := round_value(mode, r, "end_to_end_s")) is not None
+            ]
             row["write_over_disk"] = _median(ratios)  # == write_gbps / disk_gbps, per round
         rows.append(row)
     return rows
@@ -340,10 +392,17 @@ def _run_train(args, data_dir: Path) -> list[dict[str, Any]]:
                     continue
                 root = data_dir / f"{mode}-ws{world_size}-r{r}"
                 _clean(root)
-                spec = {"mode": mode, "root": str(root), "model": _TRAIN_MODEL,
-                        "batch_per_rank": max(1, args.train_global_batch // world_size),
-                        "warmup_steps": 3, "steps": args.train_steps, "every": args.train_every,
-                        "async_mode": args.train_async_mode, "thread_count": 1}
+                spec = {
+                    "mode": mode,
+                    "root": str(root),
+                    "model": _TRAIN_MODEL,
+                    "batch_per_rank": max(1, args.train_global_batch // world_size),
+                    "warmup_steps": 3,
+                    "steps": args.train_steps,
+                    "every": args.train_every,
+                    "async_mode": args.train_async_mode,
+                    "thread_count": 1,
+                }
                 try:
                     t0 = time.perf_counter()
                     values = _run_ranks("train", world_size, spec, timeout_s=min(args.timeout_s, 600.0))
@@ -351,13 +410,21 @@ def _run_train(args, data_dir: Path) -> list[dict[str, Any]]:
                     elapsed = max(v["elapsed_s"] for v in values)
                     compute = max(sum(v["step_s"]) - v["stall_s"] for v in values)
                     inflight = [dt for dt in values[0]["inflight_step_s"]]
-                    samples[mode].append({
-                        "steps_per_s": steps / elapsed, "compute_steps_per_s": steps / compute,
-                        "inflight_steps_per_s": (len(inflight) / sum(inflight)) if inflight else float("nan"),
-                        "inflight_steps": len(inflight), "stall_s": max(v["stall_s"] for v in values),
-                        "saves": values[0]["saves"], "peak_rss_bytes": max(v["peak_rss_bytes"] for v in values)})
-                    _log(f"{mode:14s} ws={world_size} round {r}: {steps / elapsed:.2f} steps/s, "
-                         f"{len(inflight)} steps with a save in flight ({time.perf_counter() - t0:.1f} s)")
+                    samples[mode].append(
+                        {
+                            "steps_per_s": steps / elapsed,
+                            "compute_steps_per_s": steps / compute,
+                            "inflight_steps_per_s": (len(inflight) / sum(inflight)) if inflight else float("nan"),
+                            "inflight_steps": len(inflight),
+                            "stall_s": max(v["stall_s"] for v in values),
+                            "saves": values[0]["saves"],
+                            "peak_rss_bytes": max(v["peak_rss_bytes"] for v in values),
+                        }
+                    )
+                    _log(
+                        f"{mode:14s} ws={world_size} round {r}: {steps / elapsed:.2f} steps/s, "
+                        f"{len(inflight)} steps with a save in flight ({time.perf_counter() - t0:.1f} s)"
+                    )
                 except BenchError as e:
                     errors[mode] = str(e)
                     _log(f"FAILED {mode} ws={world_size}: {e}")
@@ -366,27 +433,39 @@ def _run_train(args, data_dir: Path) -> list[dict[str, Any]]:
         base = samples["train_none"]
         for mode in TRAIN_MODES:
             s = samples[mode]
-            row: dict[str, Any] = {"experiment": "train", "mode": mode, "world_size": world_size,
-                                   "repeats": len(s), "save_every_steps": args.train_every,
-                                   "async_mode": args.train_async_mode if mode == "train_async" else
-                                   ("off" if mode == "train_blocking" else None),
-                                   "model": dict(_TRAIN_MODEL), "global_batch": args.train_global_batch}
+            row: dict[str, Any] = {
+                "experiment": "train",
+                "mode": mode,
+                "world_size": world_size,
+                "repeats": len(s),
+                "save_every_steps": args.train_every,
+                "async_mode": args.train_async_mode
+                if mode == "train_async"
+                else ("off" if mode == "train_blocking" else None),
+                "model": dict(_TRAIN_MODEL),
+                "global_batch": args.train_global_batch,
+            }
             if not s:
                 row["error"] = errors.get(mode, "no samples")
                 rows.append(row)
                 continue
-            row.update({"steps_per_s": _median([x["steps_per_s"] for x in s]),
-                        "stall_s": _median([x["stall_s"] for x in s]),
-                        "saves": s[0]["saves"],
-                        "inflight_steps": _median([x["inflight_steps"] for x in s]),
-                        "inflight_steps_per_s": _median([x["inflight_steps_per_s"] for x in s]),
-                        "peak_rss_bytes": max(x["peak_rss_bytes"] for x in s),
-                        "steps_per_s_samples": [x["steps_per_s"] for x in s]})
+            row.update(
+                {
+                    "steps_per_s": _median([x["steps_per_s"] for x in s]),
+                    "stall_s": _median([x["stall_s"] for x in s]),
+                    "saves": s[0]["saves"],
+                    "inflight_steps": _median([x["inflight_steps"] for x in s]),
+                    "inflight_steps_per_s": _median([x["inflight_steps_per_s"] for x in s]),
+                    "peak_rss_bytes": max(x["peak_rss_bytes"] for x in s),
+                    "steps_per_s_samples": [x["steps_per_s"] for x in s],
+                }
+            )
             paired = list(zip(s, base))
             row["throughput_ratio"] = _median([a["steps_per_s"] / b["steps_per_s"] for a, b in paired])
             if mode == "train_async":
                 row["inflight_throughput_ratio"] = _median(
-                    [a["inflight_steps_per_s"] / b["compute_steps_per_s"] for a, b in paired])
+                    [a["inflight_steps_per_s"] / b["compute_steps_per_s"] for a, b in paired]
+                )
             rows.append(row)
     return rows
 
@@ -397,35 +476,73 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m benchmarks.bench_save",
         description="Benchmark naive torch.save vs distckpt blocking/async saves on CPU/gloo ranks.",
         epilog="example: python -m benchmarks.bench_save --sizes-mib 64 --world-sizes 1 2 --repeats 2 "
-               "--no-train --out /tmp/bench")
-    p.add_argument("--sizes-mib", type=float, nargs="+", default=[256, 1024],
-                   help="model + AdamW state of the whole job, MiB (default: 256 1024)")
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2],
-                   help="ranks (default: 1 2; add 4 for an oversubscribed 2-core box, ~+50%% run time)")
+        "--no-train --out /tmp/bench",
+    )
+    p.add_argument(
+        "--sizes-mib",
+        type=float,
+        nargs="+",
+        default=[256, 1024],
+        help="model + AdamW state of the whole job, MiB (default: 256 1024)",
+    )
+    p.add_argument(
+        "--world-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="ranks (default: 1 2; add 4 for an oversubscribed 2-core box, ~+50%% run time)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="rounds; each runs every mode once (default: 3)")
-    p.add_argument("--saves-per-process", type=int, default=1,
-                   help="measured saves per rank set, after its warm-up save (default: 1)")
-    p.add_argument("--step-compute-s", type=float, default=0.25,
-                   help="async modes: seconds between save() and wait_staged() standing for the next "
-                        "step's forward/backward (a sleep: on a GPU node the CPU waits for kernels) "
-                        "(default: 0.25)")
-    p.add_argument("--disk-probes", type=int, default=2,
-                   help="plain sequential write + fsync probes per round, spread among the modes (default: 2)")
+    p.add_argument(
+        "--saves-per-process",
+        type=int,
+        default=1,
+        help="measured saves per rank set, after its warm-up save (default: 1)",
+    )
+    p.add_argument(
+        "--step-compute-s",
+        type=float,
+        default=0.25,
+        help="async modes: seconds between save() and wait_staged() standing for the next "
+        "step's forward/backward (a sleep: on a GPU node the CPU waits for kernels) "
+        "(default: 0.25)",
+    )
+    p.add_argument(
+        "--disk-probes",
+        type=int,
+        default=2,
+        help="plain sequential write + fsync probes per round, spread among the modes (default: 2)",
+    )
     p.add_argument("--modes", nargs="+", default=list(SAVE_MODES), choices=SAVE_MODES, help="save modes")
     p.add_argument("--out", default="runs/bench_save", help="output directory (results.json/.md, plot.png)")
-    p.add_argument("--data-dir", default=None,
-                   help="where checkpoints are written (default: OUT/data; removed after each rank set)")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="where checkpoints are written (default: OUT/data; removed after each rank set)",
+    )
     p.add_argument("--timeout-s", type=float, default=600.0, help="upper limit per rank set (seconds)")
-    p.add_argument("--leave-page-reporting", action="store_true",
-                   help="do not hold a VM's free page reporting during the run (see benchmarks/_guest_memory.py)")
-    p.add_argument("--no-thread-count", action="store_true",
-                   help="skip the blocking thread_count 1 vs 4 comparison at world size 1")
-    p.add_argument("--thread-counts", type=int, nargs="+", default=[1, 4],
-                   help="thread_count values compared (default: 1 4)")
-    p.add_argument("--thread-count-repeats", type=int, default=None,
-                   help="rounds of the thread_count comparison (default: --repeats)")
-    p.add_argument("--no-save", action="store_true",
-                   help="skip the save matrix (run only the thread_count and/or training parts)")
+    p.add_argument(
+        "--leave-page-reporting",
+        action="store_true",
+        help="do not hold a VM's free page reporting during the run (see benchmarks/_guest_memory.py)",
+    )
+    p.add_argument(
+        "--no-thread-count",
+        action="store_true",
+        help="skip the blocking thread_count 1 vs 4 comparison at world size 1",
+    )
+    p.add_argument(
+        "--thread-counts", type=int, nargs="+", default=[1, 4], help="thread_count values compared (default: 1 4)"
+    )
+    p.add_argument(
+        "--thread-count-repeats",
+        type=int,
+        default=None,
+        help="rounds of the thread_count comparison (default: --repeats)",
+    )
+    p.add_argument(
+        "--no-save", action="store_true", help="skip the save matrix (run only the thread_count and/or training parts)"
+    )
     p.add_argument("--no-train", action="store_true", help="skip the training-interference part")
     p.add_argument("--train-world-sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--train-steps", type=int, default=24, help="measured training steps per run (default: 24)")
@@ -463,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     default_tc = {m: 1 for m in SAVE_MODES}
     with hold_page_reporting(not args.leave_page_reporting) as guest:
         try:
-            for size_mib in ([] if args.no_save else args.sizes_mib):
+            for size_mib in [] if args.no_save else args.sizes_mib:
                 for ws in args.world_sizes:
                     block = _run_save_block(args, size_mib, ws, list(args.modes), default_tc, data_dir, with_disk=True)
                     rows += _save_rows(block, ws, default_tc)
@@ -481,8 +598,13 @@ def main(argv: list[str] | None = None) -> int:
                     row["mode"] = f"blocking_tc{row['thread_count']}"
                     own = block["samples"][f"blocking@tc{row['thread_count']}"]
                     base = block["samples"][base_mode]
-                    row["e2e_over_tc1"] = _median([a["end_to_end_s"] / b["end_to_end_s"] for a, b in zip(own, base)
-                                                   if a is not None and b is not None])
+                    row["e2e_over_tc1"] = _median(
+                        [
+                            a["end_to_end_s"] / b["end_to_end_s"]
+                            for a, b in zip(own, base)
+                            if a is not None and b is not None
+                        ]
+                    )
                 rows += tc_rows
                 ok = [r for r in tc_rows if "error" not in r]
                 base = block["samples"][base_mode]
@@ -491,28 +613,49 @@ def main(argv: list[str] | None = None) -> int:
                     parts = []
                     for r in ok[1:]:
                         own = block["samples"][f"blocking@tc{r['thread_count']}"]
-                        wins = sum(a is not None and b is not None and a["end_to_end_s"] < b["end_to_end_s"]
-                                   for a, b in zip(own, base))
-                        parts.append(f"thread_count={r['thread_count']} took x{r['e2e_over_tc1']:.2f} the time of "
-                                     f"thread_count={args.thread_counts[0]} (median of per-round ratios; faster in "
-                                     f"{wins}/{r['repeats']} rounds)")
-                    finding = (f"Blocking save, {size_mib:g} MiB, world size 1: " + "; ".join(parts)
-                               + f". Faster by the paired ratio: thread_count={best['thread_count']}.")
+                        wins = sum(
+                            a is not None and b is not None and a["end_to_end_s"] < b["end_to_end_s"]
+                            for a, b in zip(own, base)
+                        )
+                        parts.append(
+                            f"thread_count={r['thread_count']} took x{r['e2e_over_tc1']:.2f} the time of "
+                            f"thread_count={args.thread_counts[0]} (median of per-round ratios; faster in "
+                            f"{wins}/{r['repeats']} rounds)"
+                        )
+                    finding = (
+                        f"Blocking save, {size_mib:g} MiB, world size 1: "
+                        + "; ".join(parts)
+                        + f". Faster by the paired ratio: thread_count={best['thread_count']}."
+                    )
             if not args.no_train:
                 rows += _run_train(args, data_dir)
         finally:
             _clean(data_dir)
-    results: dict[str, Any] = {"results": rows, "meta": {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "argv": argv_list, "args": vars(args), "torch_version": torch.__version__,
-        "distckpt_version": distckpt.__version__, "machine": machine_info(out), "data_dir": str(data_dir),
-        "wall_s": time.perf_counter() - t_start, "thread_count_finding": finding, "notes": notes,
-        "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "page_reporting": guest}}
+    results: dict[str, Any] = {
+        "results": rows,
+        "meta": {
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "argv": argv_list,
+            "args": vars(args),
+            "torch_version": torch.__version__,
+            "distckpt_version": distckpt.__version__,
+            "machine": machine_info(out),
+            "data_dir": str(data_dir),
+            "wall_s": time.perf_counter() - t_start,
+            "thread_count_finding": finding,
+            "notes": notes,
+            "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg(),
+            "page_reporting": guest,
+        },
+    }
     busy = max(load_start[0], results["meta"]["loadavg_end"][0])
     if busy > (os.cpu_count() or 1):
-        notes.append(f"1-min load average reached {busy:.1f} on {os.cpu_count()} CPUs: other processes shared "
-                     "the cores during this run, so absolute times are inflated and no core was truly spare; "
-                     "ratios are paired within rounds to limit the damage.")
+        notes.append(
+            f"1-min load average reached {busy:.1f} on {os.cpu_count()} CPUs: other processes shared "
+            "the cores during this run, so absolute times are inflated and no core was truly spare; "
+            "ratios are paired within rounds to limit the damage."
+        )
     results["meta"]["verdicts"] = _verdicts(rows)
     write_outputs(out, results, render_markdown, _plot)
     failed = [r for r in rows if "error" in r]
@@ -524,4 +667,3 @@ if __name__ == "__main__":
     from benchmarks.bench_save import main as _main
 
     sys.exit(_main())
-

@@ -39,12 +39,29 @@ from .config_sections import (
 from .errors import ConfigError
 from .ondisk.layout import check_root_scheme, checkpoint_name
 
-__all__ = ["AsyncSaveConfig", "CheckpointConfig", "CoordinationConfig", "DEPRECATED_KEYS", "ElasticConfig",
-           "INITIAL_LOAD", "KeepBest", "LOADABLE", "LoadConfig", "PreemptionConfig", "READ_ONLY_SAVE",
-           "RetentionConfig", "SECTIONS", "SaveConfig", "ScheduleConfig", "StorageConfig"]
+__all__ = [
+    "AsyncSaveConfig",
+    "CheckpointConfig",
+    "CoordinationConfig",
+    "DEPRECATED_KEYS",
+    "ElasticConfig",
+    "INITIAL_LOAD",
+    "KeepBest",
+    "LOADABLE",
+    "LoadConfig",
+    "PreemptionConfig",
+    "READ_ONLY_SAVE",
+    "RetentionConfig",
+    "SECTIONS",
+    "SaveConfig",
+    "ScheduleConfig",
+    "StorageConfig",
+]
 
-READ_ONLY_SAVE = ("CheckpointConfig.load.read_only=true: this manager only loads and never writes to its root, so "
-                  "save() and maybe_save() are refused. Build the manager without read_only to train and save.")
+READ_ONLY_SAVE = (
+    "CheckpointConfig.load.read_only=true: this manager only loads and never writes to its root, so "
+    "save() and maybe_save() are refused. Build the manager without read_only to train and save."
+)
 """The ``ConfigError`` message of a save asked of a ``read_only`` manager."""
 
 INITIAL_LOAD = ("load_path", "load_step", "load_only", "exclude_from_loading")
@@ -54,34 +71,60 @@ only while the root holds no checkpoint the run committed (:mod:`distckpt.load.r
 docs/configuration.md "Initial-load options")."""
 
 SECTIONS: dict[str, type] = {
-    "schedule": ScheduleConfig, "retention": RetentionConfig, "save": SaveConfig, "async_save": AsyncSaveConfig,
-    "load": LoadConfig, "elastic": ElasticConfig, "preemption": PreemptionConfig,
-    "coordination": CoordinationConfig, "storage": StorageConfig,
+    "schedule": ScheduleConfig,
+    "retention": RetentionConfig,
+    "save": SaveConfig,
+    "async_save": AsyncSaveConfig,
+    "load": LoadConfig,
+    "elastic": ElasticConfig,
+    "preemption": PreemptionConfig,
+    "coordination": CoordinationConfig,
+    "storage": StorageConfig,
 }
 """``{section: its dataclass}``: the keys of :class:`CheckpointConfig` besides ``root``."""
 
 DEPRECATED_KEYS: dict[str, tuple[str, str]] = {
-    "interval_steps": ("schedule", "interval_steps"), "interval_seconds": ("schedule", "interval_seconds"),
-    "save_at_end": ("schedule", "save_at_end"), "full_at_end": ("schedule", "full_at_end"),
-    "keep_last": ("retention", "keep_last"), "keep_every_steps": ("retention", "keep_every_steps"),
+    "interval_steps": ("schedule", "interval_steps"),
+    "interval_seconds": ("schedule", "interval_seconds"),
+    "save_at_end": ("schedule", "save_at_end"),
+    "full_at_end": ("schedule", "full_at_end"),
+    "keep_last": ("retention", "keep_last"),
+    "keep_every_steps": ("retention", "keep_every_steps"),
     "keep_best": ("retention", "keep_best"),
-    "state_dict_type": ("save", "state_dict_type"), "thread_count": ("save", "thread_count"),
-    "incremental": ("save", "incremental"), "full_every": ("save", "full_every"),
+    "state_dict_type": ("save", "state_dict_type"),
+    "thread_count": ("save", "thread_count"),
+    "incremental": ("save", "incremental"),
+    "full_every": ("save", "full_every"),
     "loss_history_len": ("save", "loss_history_len"),
-    "async_mode": ("async_save", "mode"), "background_staging": ("async_save", "background_staging"),
-    "load": ("load", "enabled"), "load_path": ("load", "path"), "load_step": ("load", "step"),
-    "load_only": ("load", "only"), "exclude_from_loading": ("load", "exclude"),
-    "on_existing": ("load", "on_existing"), "fallback_to_older": ("load", "fallback_to_older"),
-    "read_only": ("load", "read_only"), "verify_on_load": ("load", "verify"), "fast_load": ("load", "fast_reader"),
-    "load_streams_per_node": ("load", "streams_per_node"), "probe_tolerance": ("load", "probe_tolerance"),
+    "async_mode": ("async_save", "mode"),
+    "background_staging": ("async_save", "background_staging"),
+    "load": ("load", "enabled"),
+    "load_path": ("load", "path"),
+    "load_step": ("load", "step"),
+    "load_only": ("load", "only"),
+    "exclude_from_loading": ("load", "exclude"),
+    "on_existing": ("load", "on_existing"),
+    "fallback_to_older": ("load", "fallback_to_older"),
+    "read_only": ("load", "read_only"),
+    "verify_on_load": ("load", "verify"),
+    "fast_load": ("load", "fast_reader"),
+    "load_streams_per_node": ("load", "streams_per_node"),
+    "probe_tolerance": ("load", "probe_tolerance"),
     "probe_on_mismatch": ("load", "probe_on_mismatch"),
-    "batch_policy": ("elastic", "batch_policy"), "step_rule": ("elastic", "step_rule"), "seed": ("elastic", "seed"),
-    "preemption": ("preemption", "enabled"), "exit_on_preemption": ("preemption", "exit"),
+    "batch_policy": ("elastic", "batch_policy"),
+    "step_rule": ("elastic", "step_rule"),
+    "seed": ("elastic", "seed"),
+    "preemption": ("preemption", "enabled"),
+    "exit_on_preemption": ("preemption", "exit"),
     "preemption_grace_s": ("preemption", "grace_s"),
-    "timeout_s": ("coordination", "timeout_s"), "write_timeout_s": ("coordination", "write_timeout_s"),
-    "arrival_timeout_s": ("coordination", "arrival_timeout_s"), "lock": ("coordination", "lock"),
-    "lock_lease_s": ("coordination", "lock_lease_s"), "event_log": ("coordination", "event_log"),
-    "s3_endpoint_url": ("storage", "s3_endpoint_url"), "s3_region": ("storage", "s3_region"),
+    "timeout_s": ("coordination", "timeout_s"),
+    "write_timeout_s": ("coordination", "write_timeout_s"),
+    "arrival_timeout_s": ("coordination", "arrival_timeout_s"),
+    "lock": ("coordination", "lock"),
+    "lock_lease_s": ("coordination", "lock_lease_s"),
+    "event_log": ("coordination", "event_log"),
+    "s3_endpoint_url": ("storage", "s3_endpoint_url"),
+    "s3_region": ("storage", "s3_region"),
 }
 """``{flat key of earlier versions: (section, field)}``. A flat key still works, as a keyword
 (``CheckpointConfig(keep_last=2)``) or a YAML/dict key (``keep_last: 2``), with one
@@ -128,17 +171,32 @@ class CheckpointConfig:
     coordination: CoordinationConfig = field(default_factory=CoordinationConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
 
-    def __init__(self, *, root: str | os.PathLike[str], schedule: ScheduleConfig | Mapping[str, Any] | None = None,
-                 retention: RetentionConfig | Mapping[str, Any] | None = None,
-                 save: SaveConfig | Mapping[str, Any] | None = None,
-                 async_save: AsyncSaveConfig | Mapping[str, Any] | None = None,
-                 load: LoadConfig | Mapping[str, Any] | bool | None = None,
-                 elastic: ElasticConfig | Mapping[str, Any] | None = None,
-                 preemption: PreemptionConfig | Mapping[str, Any] | bool | None = None,
-                 coordination: CoordinationConfig | Mapping[str, Any] | None = None,
-                 storage: StorageConfig | Mapping[str, Any] | None = None, **flat: Any) -> None:
-        given = dict(schedule=schedule, retention=retention, save=save, async_save=async_save, load=load,
-                     elastic=elastic, preemption=preemption, coordination=coordination, storage=storage)
+    def __init__(
+        self,
+        *,
+        root: str | os.PathLike[str],
+        schedule: ScheduleConfig | Mapping[str, Any] | None = None,
+        retention: RetentionConfig | Mapping[str, Any] | None = None,
+        save: SaveConfig | Mapping[str, Any] | None = None,
+        async_save: AsyncSaveConfig | Mapping[str, Any] | None = None,
+        load: LoadConfig | Mapping[str, Any] | bool | None = None,
+        elastic: ElasticConfig | Mapping[str, Any] | None = None,
+        preemption: PreemptionConfig | Mapping[str, Any] | bool | None = None,
+        coordination: CoordinationConfig | Mapping[str, Any] | None = None,
+        storage: StorageConfig | Mapping[str, Any] | None = None,
+        **flat: Any,
+    ) -> None:
+        given = dict(
+            schedule=schedule,
+            retention=retention,
+            save=save,
+            async_save=async_save,
+            load=load,
+            elastic=elastic,
+            preemption=preemption,
+            coordination=coordination,
+            storage=storage,
+        )
         sections = _regroup(given, flat, lambda key: f"CheckpointConfig({key}=...)")
         for name in SECTIONS:
             setattr(self, name, sections[name])
@@ -154,21 +212,26 @@ class CheckpointConfig:
         check_root_scheme(self.root, "CheckpointConfig.root")
         if self.root.startswith("s3://"):
             if len(self.root[5:].split("/", 1)[0]) < 3:
-                raise ConfigError(f"CheckpointConfig.root={self.root!r}: expected s3://bucket/prefix "
-                                  "(a bucket name of 3-63 characters)")
+                raise ConfigError(
+                    f"CheckpointConfig.root={self.root!r}: expected s3://bucket/prefix "
+                    "(a bucket name of 3-63 characters)"
+                )
             if self.async_save.mode == "process":
-                raise ConfigError("CheckpointConfig.async_save.mode='process' is not supported on s3:// roots "
-                                  "(use 'thread')")
+                raise ConfigError(
+                    "CheckpointConfig.async_save.mode='process' is not supported on s3:// roots (use 'thread')"
+                )
         keep_last, mode = self.retention.keep_last, self.async_save.mode
         if mode != "off" and keep_last is not None and keep_last < 2:
             raise ConfigError(
                 f"CheckpointConfig.retention.keep_last={keep_last} with async_save.mode={mode!r}: "
-                "keep at least 2 (the newest may still be in flight when retention runs)")
+                "keep at least 2 (the newest may still be in flight when retention runs)"
+            )
         if self.save.incremental and "://" in self.root:
             raise ConfigError(
                 f"CheckpointConfig.save.incremental=true with root={self.root!r}: incremental checkpoints refer "
                 "to earlier checkpoints' files by relative file-system paths, so they need a local (POSIX) root; "
-                "set save.incremental: false for this root")
+                "set save.incremental: false for this root"
+            )
 
     @property
     def load_selection(self) -> frozenset[str]:
@@ -181,9 +244,11 @@ class CheckpointConfig:
         lists), or ``None`` when none is set: what every checkpoint of this run records."""
         load = self.load
         values: dict[str, Any] = {
-            "load_path": None if load.path is None else os.fspath(load.path), "load_step": load.step,
+            "load_path": None if load.path is None else os.fspath(load.path),
+            "load_step": load.step,
             "load_only": None if load.only is None else list(load.only),
-            "exclude_from_loading": None if load.exclude is None else list(load.exclude)}
+            "exclude_from_loading": None if load.exclude is None else list(load.exclude),
+        }
         return values if any(v is not None for v in values.values()) else None
 
     def for_restart(self) -> "CheckpointConfig":
@@ -216,8 +281,10 @@ class CheckpointConfig:
         valid = ["root", *SECTIONS]
         unknown = sorted(set(values) - set(valid) - set(DEPRECATED_KEYS))
         if unknown:
-            raise ConfigError(f"unknown CheckpointConfig key(s) {unknown}{_suggest(unknown)}; valid keys: "
-                              f"{', '.join(valid)} (each section a mapping of its fields)")
+            raise ConfigError(
+                f"unknown CheckpointConfig key(s) {unknown}{_suggest(unknown)}; valid keys: "
+                f"{', '.join(valid)} (each section a mapping of its fields)"
+            )
         if "root" not in values:
             raise ConfigError("CheckpointConfig: missing required key(s) ['root'] (e.g. root: runs/my_run/ckpt)")
         given = {name: values.get(name) for name in SECTIONS}
@@ -265,16 +332,19 @@ def _regroup(given: dict[str, Any], flat: dict[str, Any], spelled: Callable[[str
             flat[name] = given.pop(name)
     unknown = sorted(set(flat) - set(DEPRECATED_KEYS))
     if unknown:
-        raise ConfigError(f"unknown CheckpointConfig key(s) {unknown}{_suggest(unknown)}; valid keys: root, "
-                          f"{', '.join(SECTIONS)} (each section a mapping or instance of its fields)")
+        raise ConfigError(
+            f"unknown CheckpointConfig key(s) {unknown}{_suggest(unknown)}; valid keys: root, "
+            f"{', '.join(SECTIONS)} (each section a mapping or instance of its fields)"
+        )
     updates: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     for key, value in flat.items():
         section, name = DEPRECATED_KEYS[key]
         updates[section][name] = value
     sections = {name: _section(name, given.get(name), updates[name]) for name in SECTIONS}
     for key in flat:  # once the values are known to be valid and free of conflicts
-        warnings.warn(f"{spelled(key)} is deprecated: use {'.'.join(DEPRECATED_KEYS[key])}", DeprecationWarning,
-                      stacklevel=3)  # the caller of CheckpointConfig(...) / from_dict
+        warnings.warn(
+            f"{spelled(key)} is deprecated: use {'.'.join(DEPRECATED_KEYS[key])}", DeprecationWarning, stacklevel=3
+        )  # the caller of CheckpointConfig(...) / from_dict
     return sections
 
 
@@ -287,8 +357,9 @@ def _section(name: str, value: Any, updates: dict[str, Any]) -> Any:
     if isinstance(value, Mapping):
         unknown = sorted(set(value) - set(fields))
         if unknown:
-            raise ConfigError(f"unknown CheckpointConfig.{name} key(s) {unknown}{_suggest(unknown)}; valid keys: "
-                              f"{', '.join(fields)}")
+            raise ConfigError(
+                f"unknown CheckpointConfig.{name} key(s) {unknown}{_suggest(unknown)}; valid keys: {', '.join(fields)}"
+            )
         nested = dict(value)
     elif isinstance(value, cls):  # a field left at its default may take the flat key's value
         nested = {k: v for k, f in fields.items() if (v := getattr(value, k)) != _default(f)}
@@ -297,8 +368,10 @@ def _section(name: str, value: Any, updates: dict[str, Any]) -> Any:
     for key, new in updates.items():
         if key in nested and nested[key] != new:
             old = next(k for k, v in DEPRECATED_KEYS.items() if v == (name, key))
-            raise ConfigError(f"CheckpointConfig: {old}={new!r} (deprecated) and {name}.{key}={nested[key]!r} "
-                              f"conflict; set only {name}.{key}")
+            raise ConfigError(
+                f"CheckpointConfig: {old}={new!r} (deprecated) and {name}.{key}={nested[key]!r} "
+                f"conflict; set only {name}.{key}"
+            )
     if isinstance(value, Mapping):
         return cls(**{**value, **updates})
     return cls(**{**{k: getattr(value, k) for k in fields}, **updates}) if updates else value

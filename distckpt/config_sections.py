@@ -14,8 +14,19 @@ from typing import Literal
 
 from .errors import ConfigError
 
-__all__ = ["AsyncSaveConfig", "CoordinationConfig", "ElasticConfig", "KeepBest", "LOADABLE", "LoadConfig",
-           "PreemptionConfig", "RetentionConfig", "SaveConfig", "ScheduleConfig", "StorageConfig"]
+__all__ = [
+    "AsyncSaveConfig",
+    "CoordinationConfig",
+    "ElasticConfig",
+    "KeepBest",
+    "LOADABLE",
+    "LoadConfig",
+    "PreemptionConfig",
+    "RetentionConfig",
+    "SaveConfig",
+    "ScheduleConfig",
+    "StorageConfig",
+]
 
 BATCH_POLICIES = ("keep_global_batch", "keep_local_batch")  # ElasticConfig.batch_policy
 STEP_RULES = ("keep", "rescale")  # ElasticConfig.step_rule
@@ -118,16 +129,19 @@ class SaveConfig:
 
     def __post_init__(self) -> None:
         if self.state_dict_type not in ("sharded", "full"):
-            raise ConfigError(f"CheckpointConfig.save.state_dict_type={self.state_dict_type!r}: "
-                              "expected 'sharded' or 'full'")
+            raise ConfigError(
+                f"CheckpointConfig.save.state_dict_type={self.state_dict_type!r}: expected 'sharded' or 'full'"
+            )
         check_positive("save.thread_count", self.thread_count, integer=True)
         check_positive("save.loss_history_len", self.loss_history_len, integer=True)
         if not isinstance(self.incremental, bool):
             raise ConfigError(f"CheckpointConfig.save.incremental={self.incremental!r}: must be true or false")
         check_positive("save.full_every", self.full_every, allow_none=True, integer=True)
         if self.full_every is not None and not self.incremental:
-            raise ConfigError(f"CheckpointConfig.save.full_every={self.full_every!r} needs save.incremental: true "
-                              "(every save of a non-incremental run is full); set incremental: true or drop it")
+            raise ConfigError(
+                f"CheckpointConfig.save.full_every={self.full_every!r} needs save.incremental: true "
+                "(every save of a non-incremental run is full); set incremental: true or drop it"
+            )
 
 
 @dataclass(kw_only=True)
@@ -147,8 +161,9 @@ class AsyncSaveConfig:
         if self.mode not in ("off", "thread", "process"):
             raise ConfigError(f"CheckpointConfig.async_save.mode={self.mode!r}: expected 'off', 'thread' or 'process'")
         if self.background_staging and self.mode == "off":
-            raise ConfigError("CheckpointConfig.async_save.background_staging=true needs async_save.mode "
-                              "'thread' or 'process'")
+            raise ConfigError(
+                "CheckpointConfig.async_save.background_staging=true needs async_save.mode 'thread' or 'process'"
+            )
 
 
 @dataclass(kw_only=True)
@@ -218,19 +233,24 @@ class LoadConfig:
             raise ConfigError(
                 "CheckpointConfig.load.on_existing='archive' with load.enabled: true and no load.path: this run "
                 "resumes from the root's checkpoints, so nothing would be archived. Set load.enabled: false "
-                "to start fresh and archive them, or drop on_existing")
+                "to start fresh and archive them, or drop on_existing"
+            )
         if not isinstance(self.read_only, bool):
             raise ConfigError(f"CheckpointConfig.load.read_only={self.read_only!r}: must be true or false")
         if self.read_only and (not self.enabled or self.on_existing == "archive"):
-            raise ConfigError("CheckpointConfig.load.read_only=true only loads: it needs load.enabled: true and no "
-                              f"on_existing: archive (enabled={self.enabled}, on_existing={self.on_existing!r})")
+            raise ConfigError(
+                "CheckpointConfig.load.read_only=true only loads: it needs load.enabled: true and no "
+                f"on_existing: archive (enabled={self.enabled}, on_existing={self.on_existing!r})"
+            )
         check_positive("load.streams_per_node", self.streams_per_node, integer=True)
         if self.step is not None:
             if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
                 raise ConfigError(f"CheckpointConfig.load.step={self.step!r}: must be a step number (>= 0)")
             if self.path is not None or not self.enabled:
-                raise ConfigError("CheckpointConfig.load.step needs load.enabled: true and no load.path "
-                                  f"(step={self.step}, enabled={self.enabled}, path={self.path!r})")
+                raise ConfigError(
+                    "CheckpointConfig.load.step needs load.enabled: true and no load.path "
+                    f"(step={self.step}, enabled={self.enabled}, path={self.path!r})"
+                )
         for name in ("only", "exclude"):
             parts = getattr(self, name)
             if parts is None:
@@ -246,11 +266,13 @@ class LoadConfig:
             raise ConfigError(
                 "CheckpointConfig: loading the lr_scheduler without its optimizer is refused (the "
                 "scheduler's state sets the optimizer's learning rates and counts its steps): load "
-                "both, or neither (add lr_scheduler to load.exclude / drop it from load.only)")
+                "both, or neither (add lr_scheduler to load.exclude / drop it from load.only)"
+            )
         check_positive("load.probe_tolerance", self.probe_tolerance)
         if self.probe_on_mismatch not in ("raise", "warn"):
-            raise ConfigError(f"CheckpointConfig.load.probe_on_mismatch={self.probe_on_mismatch!r}: "
-                              "expected 'raise' or 'warn'")
+            raise ConfigError(
+                f"CheckpointConfig.load.probe_on_mismatch={self.probe_on_mismatch!r}: expected 'raise' or 'warn'"
+            )
 
     @property
     def selection(self) -> frozenset[str]:
@@ -280,15 +302,19 @@ class ElasticConfig:
 
     def __post_init__(self) -> None:
         if self.batch_policy not in BATCH_POLICIES:
-            raise ConfigError(f"CheckpointConfig.elastic.batch_policy={self.batch_policy!r}: "
-                              f"expected one of {list(BATCH_POLICIES)}")
+            raise ConfigError(
+                f"CheckpointConfig.elastic.batch_policy={self.batch_policy!r}: expected one of {list(BATCH_POLICIES)}"
+            )
         if self.step_rule not in STEP_RULES:
-            raise ConfigError(f"CheckpointConfig.elastic.step_rule={self.step_rule!r}: "
-                              f"expected one of {list(STEP_RULES)}")
+            raise ConfigError(
+                f"CheckpointConfig.elastic.step_rule={self.step_rule!r}: expected one of {list(STEP_RULES)}"
+            )
         if self.step_rule == "rescale" and self.batch_policy != "keep_local_batch":
-            raise ConfigError("CheckpointConfig.elastic.step_rule='rescale' needs batch_policy='keep_local_batch': "
-                              f"with batch_policy={self.batch_policy!r} the global batch never changes, so there "
-                              "is nothing to rescale")
+            raise ConfigError(
+                "CheckpointConfig.elastic.step_rule='rescale' needs batch_policy='keep_local_batch': "
+                f"with batch_policy={self.batch_policy!r} the global batch never changes, so there "
+                "is nothing to rescale"
+            )
 
 
 @dataclass(kw_only=True)
@@ -349,13 +375,17 @@ class CoordinationConfig:
     def __post_init__(self) -> None:
         check_positive("coordination.timeout_s", self.timeout_s)
         check_positive("coordination.lock_lease_s", self.lock_lease_s)
-        for name, why in (("write_timeout_s", "the other ranks wait for a slow writer at most timeout_s"),
-                          ("arrival_timeout_s", "it exists to fail before the collectives time out")):
+        for name, why in (
+            ("write_timeout_s", "the other ranks wait for a slow writer at most timeout_s"),
+            ("arrival_timeout_s", "it exists to fail before the collectives time out"),
+        ):
             value = getattr(self, name)
             check_positive(f"coordination.{name}", value, allow_none=True)
             if value is not None and value >= self.timeout_s:
-                raise ConfigError(f"CheckpointConfig.coordination.{name}={value!r} must be below "
-                                  f"coordination.timeout_s={self.timeout_s!r}: {why}")
+                raise ConfigError(
+                    f"CheckpointConfig.coordination.{name}={value!r} must be below "
+                    f"coordination.timeout_s={self.timeout_s!r}: {why}"
+                )
 
     @property
     def effective_write_timeout_s(self) -> float:
@@ -393,6 +423,5 @@ def check_positive(key: str, value: float | None, *, allow_none: bool = False, i
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(f"CheckpointConfig.{key}={value!r}: must be a positive integer")
         return
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or value <= 0):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ConfigError(f"CheckpointConfig.{key}={value!r}: must be a positive, finite number")

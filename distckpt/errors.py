@@ -96,8 +96,14 @@ class CollectiveMismatchError(DistCkptError, RuntimeError):
         other_calls: ``{global rank: call}`` of ranks that made a different call instead.
     """
 
-    def __init__(self, message: str, *, call: str = "", missing_ranks: list[int] | None = None,
-                 other_calls: dict[int, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        call: str = "",
+        missing_ranks: list[int] | None = None,
+        other_calls: dict[int, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.call = call
         self.missing_ranks = missing_ranks or []
@@ -118,5 +124,7 @@ class ReaderInvariantError(DistCkptError, RuntimeError):
     load with DCP's own reader, and report the message."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(f"{message} (a distckpt reader bug, not a damaged checkpoint: set load.fast_reader: false "
-                         "to load with DCP's reader, and report this)")
+        super().__init__(
+            f"{message} (a distckpt reader bug, not a damaged checkpoint: set load.fast_reader: false "
+            "to load with DCP's reader, and report this)"
+        )

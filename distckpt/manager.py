@@ -32,7 +32,7 @@ from .errors import CheckpointLockedError, ConfigError
 from .load.discovery import CheckpointDiscovery
 from .load.loading import CheckpointLoader
 from .load.resume import ProbeFn, ResumeExtras
-from .save.grace import PreemptionPlan, SaveDurations, agree_preemption_plan
+from .save.grace import SaveDurations, agree_on_signal
 from .save.preemption import PreemptionWatcher
 from .save.schedule import SaveSchedule
 from .save.transaction import BackgroundSave, PhaseHook, SaveContext, SaveTransaction
@@ -89,7 +89,8 @@ class CheckpointManager:
         extra_state: dict[str, Any] | None = None,
         process_group: dist.ProcessGroup | None = None,
         on_phase: PhaseHook | None = None,
-        probe: ProbeFn | None = None, run_id: str | None = None,
+        probe: ProbeFn | None = None,
+        run_id: str | None = None,
     ) -> None:
         self.config = config
         self.store = open_config_store(config)  # a plain path: POSIX; s3://bucket/prefix: S3
@@ -97,8 +98,16 @@ class CheckpointManager:
         self.collective = Collective(process_group, timeout_s=config.coordination.timeout_s)
         self.rank, self.world_size = self.collective.rank, self.collective.world_size
         self.state = CheckpointState(
-            model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, grad_scaler=grad_scaler, rank=self.rank,
-            dataloader=dataloader, extra_state=extra_state, world_size=self.world_size, elastic=config.elastic)
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            grad_scaler=grad_scaler,
+            rank=self.rank,
+            dataloader=dataloader,
+            extra_state=extra_state,
+            world_size=self.world_size,
+            elastic=config.elastic,
+        )
         self.extras = ResumeExtras(probe=probe, run_id=run_id, model=model, collective=self.collective, config=config)
         self.train_state = TrainState(run_id=self.extras.run_id)
         self._explicit_counters: set[str] = set()  # passed by the caller: never derived
@@ -114,13 +123,17 @@ class CheckpointManager:
         self._closed = False
         self._inflight: BackgroundSave | None = None
         coord, read_only, mode = config.coordination, config.load.read_only, config.async_save.mode
-        # Background work gets its own gloo group so it never interleaves with the loop's.
-        self.background = (Collective(process_group, timeout_s=coord.timeout_s)
-                           if mode != "off" and not read_only else None)
-        self.async_writer = (AsyncWriter(mode, background_staging=config.async_save.background_staging,
-                                         process_group=self.background.group, thread_count=config.save.thread_count,
-                                         write_timeout_s=coord.effective_write_timeout_s)
-                             if self.background is not None and mode != "off" else None)
+        self.background: Collective | None = None  # its own gloo group: never interleaves with the loop's
+        self.async_writer: AsyncWriter | None = None
+        if mode != "off" and not read_only:
+            self.background = Collective(process_group, timeout_s=coord.timeout_s)
+            self.async_writer = AsyncWriter(
+                mode,
+                background_staging=config.async_save.background_staging,
+                process_group=self.background.group,
+                thread_count=config.save.thread_count,
+                write_timeout_s=coord.effective_write_timeout_s,
+            )
         self.discovery = CheckpointDiscovery(self.store, config, rank=self.rank, locked=coord.lock and not read_only)
         self.collective.agree(self.discovery.prepare_root, what="preparing the checkpoint root", error_type=ConfigError)
         check_shared_root(self.collective, self.store, write=not read_only)  # node-local: ConfigError
@@ -128,11 +141,19 @@ class CheckpointManager:
         self.collective.agree(self.events.check_appendable, what="opening the event log", error_type=ConfigError)
         self.lock = RootLock.of(self.store, lease_s=coord.lock_lease_s, renew=True) if self.discovery.locked else None
         if (lock := self.lock) is not None:
-            self.collective.agree(lambda: lock.acquire() if self.rank == 0 else None,
-                                  what="locking the checkpoint root", error_type=CheckpointLockedError)
+            self.collective.agree(
+                lambda: lock.acquire() if self.rank == 0 else None,
+                what="locking the checkpoint root",
+                error_type=CheckpointLockedError,
+            )
         try:  # a restart of this run loads without its initial-load options; its manifests record config's (restart.py)
-            self.config = self.discovery.config = self.extras.config = self.collective.broadcast(self.collective.agree(
-                self.discovery.check_existing, what="checking the root's existing checkpoints", error_type=ConfigError))
+            self.config = self.discovery.config = self.extras.config = self.collective.broadcast(
+                self.collective.agree(
+                    self.discovery.check_existing,
+                    what="checking the root's existing checkpoints",
+                    error_type=ConfigError,
+                )
+            )
         except Exception:
             if self.lock is not None and self.rank == 0:
                 self.lock.release()
@@ -144,16 +165,32 @@ class CheckpointManager:
         self._save_count = 0
         self._rollback_from: int | None = None  # rank 0: set aside newer checkpoints at the next commit
         self._save_ctx = SaveContext(
-            store=self.store, rank=self.rank, world_size=self.world_size, wrapper=self.wrapper, on_phase=on_phase,
-            model_specs=self.model_specs, events=self.events, before_commit=self._before_commit,
-            retention=config.retention, save=config.save, initial_load=config.initial_load,
-            write_timeout_s=coord.effective_write_timeout_s)
-        self.loader = CheckpointLoader(collective=self.collective, state=self.state, config=self.config,
-                                       events=self.events, model_specs=self.model_specs,
-                                       local_world_size=self.local_world_size, store=self.store)
+            store=self.store,
+            rank=self.rank,
+            world_size=self.world_size,
+            wrapper=self.wrapper,
+            on_phase=on_phase,
+            model_specs=self.model_specs,
+            events=self.events,
+            before_commit=self._before_commit,
+            retention=config.retention,
+            save=config.save,
+            initial_load=config.initial_load,
+            write_timeout_s=coord.effective_write_timeout_s,
+        )
+        self.loader = CheckpointLoader(
+            collective=self.collective,
+            state=self.state,
+            config=self.config,
+            events=self.events,
+            model_specs=self.model_specs,
+            local_world_size=self.local_world_size,
+            store=self.store,
+        )
 
     @property
     def extra_state(self) -> dict[str, Any]:
+        """The ``extra_state`` objects given at construction, by name (their state is saved and loaded)."""
         return self.state.extra_state
 
     # ------------------------------------------------------------------ load
@@ -198,8 +235,8 @@ class CheckpointManager:
         path, train_state, manifest = found
         rollback = self.discovery.rollback_step(loaded_step=manifest.step, resumed_step=train_state.step)
         if rollback is not None and self.collective.agree(
-                lambda: self.discovery.plan_rollback(rollback), what=f"rolling back to {path}",
-                error_type=ConfigError):
+            lambda: self.discovery.plan_rollback(rollback), what=f"rolling back to {path}", error_type=ConfigError
+        ):
             self._rollback_from = rollback  # rank 0 sets the newer ones aside at its first commit
         self.extras.after_load(train_state, manifest, path, wrapper=self.wrapper, seconds=time.perf_counter() - t0)
         self.train_state = train_state
@@ -209,8 +246,15 @@ class CheckpointManager:
         return dataclasses.replace(train_state, loss_history=list(train_state.loss_history))
 
     # ------------------------------------------------------------------ save
-    def maybe_save(self, step: int, *, loss: float | None = None, last_step: bool = False,
-                   metrics: dict[str, float] | None = None, **counters: int) -> bool:
+    def maybe_save(
+        self,
+        step: int,
+        *,
+        loss: float | None = None,
+        last_step: bool = False,
+        metrics: dict[str, float] | None = None,
+        **counters: int,
+    ) -> bool:
         """Record ``loss`` for ``step`` and save if the policy says so. Call once per step.
 
         Args:
@@ -244,7 +288,15 @@ class CheckpointManager:
 
     def _save_for_preemption(self, step: int) -> bool:
         t0 = time.perf_counter()
-        plan = self._plan_preemption(step)
+        assert self.preemption is not None  # only reached once the watcher agreed on a signal
+        plan = agree_on_signal(
+            self.collective,
+            self.preemption,
+            self.save_durations,
+            self._inflight,
+            grace_s=self.config.preemption.grace_s,
+            step_saved=self.last_saved_step == step,
+        )
         if self.rank == 0:
             logger.warning("preempted (SIGTERM) at step %d: %s", step, plan.reason)
         self.wait()  # the in-flight save completes and commits first
@@ -253,28 +305,17 @@ class CheckpointManager:
             self._save(step, blocking=True)
         self.preempted = True
         if self.rank == 0:
-            logger.warning("preempted (SIGTERM): %s in %.2f s; %s",
-                           f"saved step {step}" if saved else f"no save of step {step} (last saved: "
-                           f"{self.last_saved_step})", time.perf_counter() - t0,
-                           "exiting" if self.config.preemption.exit else "manager.preempted is set")
+            logger.warning(
+                "preempted (SIGTERM): %s in %.2f s; %s",
+                f"saved step {step}" if saved else f"no save of step {step} (last saved: {self.last_saved_step})",
+                time.perf_counter() - t0,
+                "exiting" if self.config.preemption.exit else "manager.preempted is set",
+            )
         if self.config.preemption.exit:
             self.close()
             self.collective.tear_down_for_exit()
             raise SystemExit(0)
         return saved
-
-    def _plan_preemption(self, step: int) -> PreemptionPlan:
-        """The grace-window decision (:mod:`distckpt.save.grace`), the same on every rank."""
-        assert self.preemption is not None  # only reached once the watcher agreed on a signal
-        inflight, predicted = self._inflight, self.save_durations.predict()
-        left = None
-        if inflight is not None:  # committed already when its thread is done
-            left = (max(0.0, (predicted or 0.0) - (time.perf_counter() - inflight.started))
-                    if inflight.running() else 0.0)
-        return agree_preemption_plan(
-            self.collective, grace_s=self.config.preemption.grace_s,
-            elapsed_s=self.preemption.seconds_since_signal(), predicted_s=predicted, inflight_left_s=left,
-            step_saved=self.last_saved_step == step)
 
     def _record(self, step: int, loss: float | None, counters: dict[str, int], metrics: dict | None = None) -> None:
         self.train_state.record(step, loss, counters, history_len=self.config.save.loss_history_len, metrics=metrics)
@@ -299,8 +340,16 @@ class CheckpointManager:
         """
         return self._save(step, loss=loss, counters=counters, metrics=metrics)
 
-    def _save(self, step: int, *, loss: float | None = None, counters: dict[str, int] | None = None,
-              blocking: bool = False, full: bool = False, metrics: dict[str, float] | None = None) -> str:
+    def _save(
+        self,
+        step: int,
+        *,
+        loss: float | None = None,
+        counters: dict[str, int] | None = None,
+        blocking: bool = False,
+        full: bool = False,
+        metrics: dict[str, float] | None = None,
+    ) -> str:
         self._check_open(save=True)
         self.collective.arrive(f"save(step={step})", timeout_s=self.config.coordination.effective_arrival_timeout_s)
         if loss is not None or counters or metrics or step != self.train_state.step:
@@ -312,8 +361,9 @@ class CheckpointManager:
         self.extras.before_save(self.train_state)  # run id, probe loss (a forward on every rank)
         snapshot = dataclasses.replace(self.train_state, loss_history=list(self.train_state.loss_history))
         full = full or self.config.save.state_dict_type == "full"
-        tx = SaveTransaction(self._save_ctx, step=step, save_id=f"{self._run_id}{self._save_count:04x}",
-                             train_state=snapshot, full=full)
+        tx = SaveTransaction(
+            self._save_ctx, step=step, save_id=f"{self._run_id}{self._save_count:04x}", train_state=snapshot, full=full
+        )
 
         def build() -> dict[str, Any]:
             return self.state.for_save(snapshot, full_state_dict=full)
@@ -328,8 +378,9 @@ class CheckpointManager:
         upload, started = tx.start(build, self.async_writer)
         tx.agree_started(self.collective, started)  # a failure to start is raised now, on every rank
         assert self.background is not None  # created with async_writer
-        self._inflight = tx.finish_in_background(self.background, upload, self.async_writer, started,
-                                                 on_committed=self.save_durations.record)
+        self._inflight = tx.finish_in_background(
+            self.background, upload, self.async_writer, started, on_committed=self.save_durations.record
+        )
         self.last_save_seconds = time.perf_counter() - tx.t0
         return tx.final
 
@@ -383,9 +434,8 @@ class CheckpointManager:
                 self.preemption.uninstall()
             if self.lock is not None and self.rank == 0:
                 self.lock.release()
-        for collective in (self.background, self.collective) if tear_down else ():
-            if collective is not None:
-                collective.close()
+        for collective in filter(None, (self.background, self.collective) if tear_down else ()):
+            collective.close()
 
     def _check_open(self, *, save: bool = False) -> None:
         if self._closed:

@@ -141,7 +141,10 @@ class JobConfig:
 
 
 _SECTIONS: dict[str, type] = {
-    "model": GPTConfig, "data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
+    "model": GPTConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
 }
 
 
@@ -156,8 +159,10 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     section, dot, name = key.strip().partition(".")
     depth = 1 if section == "checkpoint" else 0
     if not sep or not dot or not name or name.count(".") > depth or "" in name.split("."):
-        raise ConfigError(f"override {text!r}: expected section.key=value, e.g. train.steps=40 or "
-                          "checkpoint.schedule.interval_steps=10")
+        raise ConfigError(
+            f"override {text!r}: expected section.key=value, e.g. train.steps=40 or "
+            "checkpoint.schedule.interval_steps=10"
+        )
     return section, name, yaml.safe_load(raw) if raw.strip() else None
 
 
@@ -214,8 +219,10 @@ def _build(cls: type, section: str, values: dict[str, Any]) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ConfigError(f"unknown key(s) {[f'{section}.{k}' for k in unknown]}; "
-                          f"valid keys in {section}: {', '.join(sorted(fields))}")
+        raise ConfigError(
+            f"unknown key(s) {[f'{section}.{k}' for k in unknown]}; "
+            f"valid keys in {section}: {', '.join(sorted(fields))}"
+        )
     hints = typing.get_type_hints(cls)
     coerced = {k: _coerce(f"{section}.{k}", v, hints[k]) for k, v in values.items()}
     try:
@@ -233,8 +240,9 @@ def _build_checkpoint(values: dict[str, Any]) -> CheckpointConfig:
     for key, value in values.items():
         if key in SECTIONS and isinstance(value, dict):
             hints = typing.get_type_hints(SECTIONS[key])
-            coerced[key] = {k: _coerce(f"checkpoint.{key}.{k}", v, hints[k]) if k in hints else v
-                            for k, v in value.items()}
+            coerced[key] = {
+                k: _coerce(f"checkpoint.{key}.{k}", v, hints[k]) if k in hints else v for k, v in value.items()
+            }
         elif key in DEPRECATED_KEYS and not (key in SECTIONS and value is None):
             section, name = DEPRECATED_KEYS[key]
             coerced[key] = _coerce(f"checkpoint.{key}", value, typing.get_type_hints(SECTIONS[section])[name])

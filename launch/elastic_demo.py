@@ -57,8 +57,17 @@ from distckpt import ConfigError  # noqa: E402
 from launch.config import load_job_config  # noqa: E402
 from launch.jobs import Run, kill_job, launch, read_jsonl, sample_accounting  # noqa: E402
 
-__all__ = ["ELASTIC_ENV", "RDZV_CONF", "Agent", "agent_command", "free_port", "start_agent",
-           "Timeline", "analyze", "main"]
+__all__ = [
+    "ELASTIC_ENV",
+    "RDZV_CONF",
+    "Agent",
+    "agent_command",
+    "free_port",
+    "start_agent",
+    "Timeline",
+    "analyze",
+    "main",
+]
 
 # torch 2.13: with the agent's rendezvous TCP store shared with the workers (the default),
 # MASTER_ADDR/PORT are published only in an agent's first rendezvous round, so a scale-up
@@ -76,13 +85,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def agent_command(port: int, run_id: str, nproc: int, train_args: list[str], *, nnodes: str = "1:2",
-                  max_restarts: int = 3, rdzv_conf: str = RDZV_CONF) -> list[str]:
+def agent_command(
+    port: int,
+    run_id: str,
+    nproc: int,
+    train_args: list[str],
+    *,
+    nnodes: str = "1:2",
+    max_restarts: int = 3,
+    rdzv_conf: str = RDZV_CONF,
+) -> list[str]:
     """The torchrun command of one node of the elastic job (c10d rendezvous on 127.0.0.1:``port``)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}", f"--nnodes={nnodes}",
-            f"--nproc-per-node={nproc}", "--local-addr=127.0.0.1", f"--max-restarts={max_restarts}",
-            f"--rdzv-conf={rdzv_conf}", "-m", "launch.train", *train_args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={run_id}",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc}",
+        "--local-addr=127.0.0.1",
+        f"--max-restarts={max_restarts}",
+        f"--rdzv-conf={rdzv_conf}",
+        "-m",
+        "launch.train",
+        *train_args,
+    ]
 
 
 @dataclass
@@ -95,8 +124,17 @@ class Agent:
     started: float  # time.monotonic()
 
 
-def start_agent(name: str, out: Path, port: int, run_id: str, train_args: list[str], *, nproc: int = 2,
-                max_restarts: int = 3, env: dict[str, str] | None = None) -> Agent:
+def start_agent(
+    name: str,
+    out: Path,
+    port: int,
+    run_id: str,
+    train_args: list[str],
+    *,
+    nproc: int = 2,
+    max_restarts: int = 3,
+    env: dict[str, str] | None = None,
+) -> Agent:
     """Start one node's torchrun agent in its own session (so :func:`launch.jobs.kill_job`
     reaches it and its workers); its output goes to ``out/<name>.log``. The environment gets
     :data:`ELASTIC_ENV` and ``OMP_NUM_THREADS=1``, then ``env``."""
@@ -104,9 +142,14 @@ def start_agent(name: str, out: Path, port: int, run_id: str, train_args: list[s
     log_path = out / f"{name}.log"
     cmd = agent_command(port, run_id, nproc, train_args, max_restarts=max_restarts)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", **ELASTIC_ENV,
-                                                        **(env or {})),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=dict(os.environ, OMP_NUM_THREADS="1", **ELASTIC_ENV, **(env or {})),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     return Agent(name, proc, log_path, time.monotonic())
 
 
@@ -121,7 +164,7 @@ class Timeline:
     def poll(self) -> list[dict[str, Any]]:
         """Read records appended since the last call (a torn last line waits for the next call)."""
         rows = read_jsonl(self.path)
-        new = rows[len(self.records):]
+        new = rows[len(self.records) :]
         now = time.monotonic()
         self.records.extend(new)
         self.seen.extend([now] * len(new))
@@ -131,8 +174,11 @@ class Timeline:
         """``[start, end)`` index ranges of consecutive steps at one world size (one worker round)."""
         out, start = [], 0
         for i in range(1, len(self.records) + 1):
-            if (i == len(self.records) or self.records[i]["step"] != self.records[i - 1]["step"] + 1
-                    or self.records[i]["world_size"] != self.records[i - 1]["world_size"]):
+            if (
+                i == len(self.records)
+                or self.records[i]["step"] != self.records[i - 1]["step"] + 1
+                or self.records[i]["world_size"] != self.records[i - 1]["world_size"]
+            ):
                 out.append((start, i))
                 start = i
         return [s for s in out if s[1] > s[0]]
@@ -152,8 +198,9 @@ def kept_samples(out: Path, timeline: Timeline) -> dict[int, list[int]]:
     return history
 
 
-def analyze(out: Path, timeline: Timeline, triggers: list[tuple[str, float]], baseline: Run,
-            info: dict[str, Any], steps: int) -> dict[str, Any]:
+def analyze(
+    out: Path, timeline: Timeline, triggers: list[tuple[str, float]], baseline: Run, info: dict[str, Any], steps: int
+) -> dict[str, Any]:
     """The summary of the elastic run in ``out`` against ``baseline``.
 
     Args:
@@ -176,24 +223,36 @@ def analyze(out: Path, timeline: Timeline, triggers: list[tuple[str, float]], ba
         trig = [(name, t) for name, t in triggers if t <= t_first]
         name, t_trig = trig[-1] if trig else ("unknown", None)
         resumed_from = after["step"] - 1
-        rows.append({
-            "trigger": name, "world_size_before": before["world_size"], "world_size_after": after["world_size"],
-            "saved_on_sigterm": before["step"] in preempted and before["step"] == resumed_from,
-            "resumed_from_step": resumed_from, "steps_replayed": before["step"] - resumed_from,
-            "seconds_to_resume": round(t_first - t_trig, 2) if t_trig is not None else None,
-        })
+        rows.append(
+            {
+                "trigger": name,
+                "world_size_before": before["world_size"],
+                "world_size_after": after["world_size"],
+                "saved_on_sigterm": before["step"] in preempted and before["step"] == resumed_from,
+                "resumed_from_step": resumed_from,
+                "steps_replayed": before["step"] - resumed_from,
+                "seconds_to_resume": round(t_first - t_trig, 2) if t_trig is not None else None,
+            }
+        )
     history = kept_samples(out, timeline)
     final = max((r["step"] for r in timeline.records), default=0)
     dup, skip = sample_accounting(history, final, info)
-    diffs = [abs(r["loss"] - baseline.metrics[r["step"]]["loss"]) for r in timeline.records
-             if r["step"] in baseline.metrics]
-    return {"events": rows, "final_step": final,
-            "max_abs_loss_diff": max(diffs) if diffs else None, "compared_executions": len(diffs),
-            "duplicated_samples": dup, "skipped_samples": skip,
-            "samples_match_baseline": all(history.get(s) == baseline.samples.get(s) for s in range(1, steps + 1)),
-            "world_sizes": [timeline.records[a]["world_size"] for a, _ in segs],
-            "resumes": [{k: e.get(k) for k in ("step", "saved_world_size", "world_size", "checkpoint_path")}
-                        for e in resumed]}
+    diffs = [
+        abs(r["loss"] - baseline.metrics[r["step"]]["loss"]) for r in timeline.records if r["step"] in baseline.metrics
+    ]
+    return {
+        "events": rows,
+        "final_step": final,
+        "max_abs_loss_diff": max(diffs) if diffs else None,
+        "compared_executions": len(diffs),
+        "duplicated_samples": dup,
+        "skipped_samples": skip,
+        "samples_match_baseline": all(history.get(s) == baseline.samples.get(s) for s in range(1, steps + 1)),
+        "world_sizes": [timeline.records[a]["world_size"] for a, _ in segs],
+        "resumes": [
+            {k: e.get(k) for k in ("step", "saved_world_size", "world_size", "checkpoint_path")} for e in resumed
+        ],
+    }
 
 
 def check(summary: dict[str, Any], steps: int, tolerance: float, expect: list[str]) -> list[dict[str, Any]]:
@@ -208,22 +267,35 @@ def check(summary: dict[str, Any], steps: int, tolerance: float, expect: list[st
     want = {"node_join": (2, 4), "node_loss": (4, 2)}
     for e in ev:
         if e["trigger"] in want:
-            req(f"{e['trigger']}: world size {want[e['trigger']][0]} -> {want[e['trigger']][1]}",
+            req(
+                f"{e['trigger']}: world size {want[e['trigger']][0]} -> {want[e['trigger']][1]}",
                 (e["world_size_before"], e["world_size_after"]) == want[e["trigger"]],
-                [e["world_size_before"], e["world_size_after"]])
+                [e["world_size_before"], e["world_size_after"]],
+            )
         if e["trigger"] == "node_join":
-            req("node_join: resumed from the checkpoint saved on SIGTERM, no step replayed",
-                e["saved_on_sigterm"] and e["steps_replayed"] == 0, [e["saved_on_sigterm"], e["steps_replayed"]])
+            req(
+                "node_join: resumed from the checkpoint saved on SIGTERM, no step replayed",
+                e["saved_on_sigterm"] and e["steps_replayed"] == 0,
+                [e["saved_on_sigterm"], e["steps_replayed"]],
+            )
         if e["trigger"] == "node_loss":
-            ok = any(r["step"] == e["resumed_from_step"] and r["saved_world_size"] == 4 and r["world_size"] == 2
-                     for r in summary["resumes"])
+            ok = any(
+                r["step"] == e["resumed_from_step"] and r["saved_world_size"] == 4 and r["world_size"] == 2
+                for r in summary["resumes"]
+            )
             req("node_loss: resumed on 2 ranks from a checkpoint the 4 ranks committed", ok, e["resumed_from_step"])
-    req(f"reached step {steps}", summary["final_step"] == steps and summary["returncode"] == 0,
-        [summary["final_step"], summary["returncode"]])
+    req(
+        f"reached step {steps}",
+        summary["final_step"] == steps and summary["returncode"] == 0,
+        [summary["final_step"], summary["returncode"]],
+    )
     d = summary["max_abs_loss_diff"]
     req(f"|loss - baseline| <= {tolerance:g} at every step executed", d is not None and d <= tolerance, d)
-    req("no duplicated or skipped samples", summary["duplicated_samples"] == 0 and summary["skipped_samples"] == 0,
-        [summary["duplicated_samples"], summary["skipped_samples"]])
+    req(
+        "no duplicated or skipped samples",
+        summary["duplicated_samples"] == 0 and summary["skipped_samples"] == 0,
+        [summary["duplicated_samples"], summary["skipped_samples"]],
+    )
     return reqs
 
 
@@ -233,8 +305,9 @@ def _first_step_at(timeline: Timeline, world_size: int) -> int:
     return next(r["step"] for r in timeline.records if r["world_size"] == world_size)
 
 
-def run_elastic(out: Path, train_args: list[str], *, interval: int, steps: int, join_at: int,
-                lose_node: bool, timeout_s: float) -> tuple[Timeline, list[tuple[str, float]], int | None]:
+def run_elastic(
+    out: Path, train_args: list[str], *, interval: int, steps: int, join_at: int, lose_node: bool, timeout_s: float
+) -> tuple[Timeline, list[tuple[str, float]], int | None]:
     """Node A alone, node B joins once A reached ``join_at``; with ``lose_node``, B is SIGKILLed
     strictly between two checkpoints after one was committed at world size 4. Returns the
     timeline, the triggers and node A's agent's exit code (``None``: did not finish).
@@ -260,11 +333,20 @@ def run_elastic(out: Path, train_args: list[str], *, interval: int, steps: int, 
                 b = start_agent("node_b", out, port, run_id, train_args)
                 agents.append(b)
                 triggers.append(("node_join", b.started))
-            elif (lose_node and b is not None and len(triggers) == 1 and last is not None
-                  and last["world_size"] == 4 and last["step"] % interval == interval // 2
-                  and any(e["event"] == "checkpoint" and e["step"] % interval == 0
-                          and _first_step_at(timeline, 4) <= e["step"] < last["step"]
-                          for e in read_jsonl(out / "events.jsonl"))):
+            elif (
+                lose_node
+                and b is not None
+                and len(triggers) == 1
+                and last is not None
+                and last["world_size"] == 4
+                and last["step"] % interval == interval // 2
+                and any(
+                    e["event"] == "checkpoint"
+                    and e["step"] % interval == 0
+                    and _first_step_at(timeline, 4) <= e["step"] < last["step"]
+                    for e in read_jsonl(out / "events.jsonl")
+                )
+            ):
                 print(f"[elastic] step {last['step']}: SIGKILL node B (agent and workers)", flush=True)
                 triggers.append(("node_loss", time.monotonic()))
                 kill_job(b.proc)
@@ -284,8 +366,15 @@ def run_elastic(out: Path, train_args: list[str], *, interval: int, steps: int, 
 
 
 def print_table(summary: dict[str, Any]) -> None:
-    cols = ["trigger", "world_size_before", "world_size_after", "saved_on_sigterm", "resumed_from_step",
-            "steps_replayed", "seconds_to_resume"]
+    cols = [
+        "trigger",
+        "world_size_before",
+        "world_size_after",
+        "saved_on_sigterm",
+        "resumed_from_step",
+        "steps_replayed",
+        "seconds_to_resume",
+    ]
     heads = ["event", "before", "after", "saved on SIGTERM", "resumed", "replayed", "s to resume"]
     table = [heads] + [[str(e[c]) for c in cols] for e in summary["events"]]
     widths = [max(len(r[i]) for r in table) for i in range(len(cols))]
@@ -293,8 +382,10 @@ def print_table(summary: dict[str, Any]) -> None:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
         if n == 0:
             print("  ".join("-" * w for w in widths))
-    print(f"final step {summary['final_step']}, max|dloss| {summary['max_abs_loss_diff']}, "
-          f"duplicated {summary['duplicated_samples']}, skipped {summary['skipped_samples']}")
+    print(
+        f"final step {summary['final_step']}, max|dloss| {summary['max_abs_loss_diff']}, "
+        f"duplicated {summary['duplicated_samples']}, skipped {summary['skipped_samples']}"
+    )
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -303,13 +394,24 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default="launch/configs/ddp.yaml", help="job YAML")
     p.add_argument("--steps", type=int, default=120, help="steps the job reaches (default 120)")
     p.add_argument("--interval", type=int, default=10, help="checkpoint every this many steps (default 10)")
-    p.add_argument("--join-at", type=int, default=15,
-                   help="start node B's agent once node A completed this step (default 15)")
+    p.add_argument(
+        "--join-at", type=int, default=15, help="start node B's agent once node A completed this step (default 15)"
+    )
     p.add_argument("--no-node-loss", action="store_true", help="scale up only")
-    p.add_argument("--epoch-steps", type=int, default=50,
-                   help="cut the corpus to this many steps per epoch; 0 keeps the config's (default 50)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="section.key=value",
-                   help="extra override (repeatable), e.g. --set model.d_model=64")
+    p.add_argument(
+        "--epoch-steps",
+        type=int,
+        default=50,
+        help="cut the corpus to this many steps per epoch; 0 keeps the config's (default 50)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="section.key=value",
+        help="extra override (repeatable), e.g. --set model.d_model=64",
+    )
     p.add_argument("--tolerance", type=float, default=1e-4, help="max |loss diff| vs the baseline")
     p.add_argument("--timeout-s", type=float, default=300.0, help="timeout of each phase (seconds)")
     return p.parse_args(argv)
@@ -321,8 +423,13 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     out = Path(args.out).resolve()
     n, interval = args.steps, args.interval
-    overrides = [f"train.steps={n}", f"train.warmup_steps={max(1, n // 6)}",
-                 f"checkpoint.schedule.interval_steps={interval}", "train.log_every=10", *args.overrides]
+    overrides = [
+        f"train.steps={n}",
+        f"train.warmup_steps={max(1, n // 6)}",
+        f"checkpoint.schedule.interval_steps={interval}",
+        "train.log_every=10",
+        *args.overrides,
+    ]
     try:
         cfg = load_job_config(REPO / args.config, overrides)
     except (ConfigError, OSError) as e:
@@ -343,29 +450,54 @@ def main(argv: list[str] | None = None) -> int:
         if baseline.returncode != 0:
             print((baseline.out / "torchrun.log").read_text()[-4000:], file=sys.stderr)
             return 1
-        train_args = ["--config", config, *overrides, f"train.out={el_dir}",
-                      f"checkpoint.root={el_dir / 'checkpoints'}"]
+        train_args = [
+            "--config",
+            config,
+            *overrides,
+            f"train.out={el_dir}",
+            f"checkpoint.root={el_dir / 'checkpoints'}",
+        ]
         t_el = time.monotonic()
-        timeline, triggers, rc = run_elastic(el_dir, train_args, interval=interval, steps=n,
-                                             join_at=args.join_at, lose_node=not args.no_node_loss,
-                                             timeout_s=args.timeout_s)
+        timeline, triggers, rc = run_elastic(
+            el_dir,
+            train_args,
+            interval=interval,
+            steps=n,
+            join_at=args.join_at,
+            lose_node=not args.no_node_loss,
+            timeout_s=args.timeout_s,
+        )
         el_seconds = time.monotonic() - t_el
     except (TimeoutError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     start = baseline.event("start") or {}
-    info = {"global_batch_size": cfg.data.global_batch_size, "sampler_seed": cfg.data.seed,
-            "dataset_len": start.get("dataset_len", 0), "steps_per_epoch": start.get("steps_per_epoch", 1)}
+    info = {
+        "global_batch_size": cfg.data.global_batch_size,
+        "sampler_seed": cfg.data.seed,
+        "dataset_len": start.get("dataset_len", 0),
+        "steps_per_epoch": start.get("steps_per_epoch", 1),
+    }
     summary = analyze(el_dir, timeline, triggers, baseline, info, n)
     summary["returncode"] = rc
     expect = ["node_join"] + ([] if args.no_node_loss else ["node_loss"])
     reqs = check(summary, n, args.tolerance, expect)
     total = time.monotonic() - t_start
-    summary.update({"requirements": reqs, "steps": n, "interval_steps": interval,
-                    "global_batch_size": info["global_batch_size"], "steps_per_epoch": info["steps_per_epoch"],
-                    "baseline_seconds": round(baseline.wall_seconds, 1), "elastic_seconds": round(el_seconds, 1),
-                    "total_seconds": round(total, 1), "overrides": overrides, "elastic_env": ELASTIC_ENV,
-                    "rdzv_conf": RDZV_CONF})
+    summary.update(
+        {
+            "requirements": reqs,
+            "steps": n,
+            "interval_steps": interval,
+            "global_batch_size": info["global_batch_size"],
+            "steps_per_epoch": info["steps_per_epoch"],
+            "baseline_seconds": round(baseline.wall_seconds, 1),
+            "elastic_seconds": round(el_seconds, 1),
+            "total_seconds": round(total, 1),
+            "overrides": overrides,
+            "elastic_env": ELASTIC_ENV,
+            "rdzv_conf": RDZV_CONF,
+        }
+    )
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print()
     print_table(summary)

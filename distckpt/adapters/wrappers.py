@@ -81,9 +81,11 @@ def ddp_resume_not_bitwise(module: nn.Module, world_size: int) -> str | None:
     does not matter: ``a + b == b + a``."""
     if world_size < 3 or not ddp_rebuilds_buckets(module):
         return None
-    return (f"DDP on {world_size} ranks rebuilds its gradient buckets after each process's first step, "
-            "so a same-world resume matches the uninterrupted run to float rounding, not bitwise. For "
-            "bitwise resumes build DDP with find_unused_parameters=True (no rebuild; README: Exactness).")
+    return (
+        f"DDP on {world_size} ranks rebuilds its gradient buckets after each process's first step, "
+        "so a same-world resume matches the uninterrupted run to float rounding, not bitwise. For "
+        "bitwise resumes build DDP with find_unused_parameters=True (no rebuild; README: Exactness)."
+    )
 
 
 def _fsdp_kind(module: nn.Module) -> str:

@@ -29,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
     if not (source_tree / "benchmarks" / "__init__.py").exists():
         raise FileNotFoundError(
             f"{source_tree / 'benchmarks'}: the benchmarks ship with the source tree; run "
-            "`distckpt bench` from an editable install of a clone (pip install -e .)")
+            "`distckpt bench` from an editable install of a clone (pip install -e .)"
+        )
     if str(source_tree) not in sys.path:
         sys.path.insert(0, str(source_tree))
     module = importlib.import_module("benchmarks.bench_load" if args.load else "benchmarks.bench_save")

@@ -47,14 +47,26 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  {k}")
     if d.mismatched:
         print(f"\nshape/dtype differ ({len(d.mismatched)}):")
-        print_table(["KEY", "A", "B"], [[t.key, f"{_shape(t.shape_a)} {t.dtype_a or ''}".strip(),
-                                         f"{_shape(t.shape_b)} {t.dtype_b or ''}".strip()]
-                                        for t in d.mismatched], indent="  ")
+        print_table(
+            ["KEY", "A", "B"],
+            [
+                [
+                    t.key,
+                    f"{_shape(t.shape_a)} {t.dtype_a or ''}".strip(),
+                    f"{_shape(t.shape_b)} {t.dtype_b or ''}".strip(),
+                ]
+                for t in d.mismatched
+            ],
+            indent="  ",
+        )
     shown = [t for t in d.common if args.all or not t.equal]
     differing = sum(not t.equal for t in d.common)
     print(f"\n{len(d.common)} common items, {differing} differ")
     if shown:
-        print_table(["KEY", "EQUAL", "MAX ABS DIFF"],
-                    [[t.key, "yes" if t.equal else "no", fmt_float(t.max_abs_diff)] for t in shown], indent="  ")
+        print_table(
+            ["KEY", "EQUAL", "MAX ABS DIFF"],
+            [[t.key, "yes" if t.equal else "no", fmt_float(t.max_abs_diff)] for t in shown],
+            indent="  ",
+        )
     print("identical" if d.identical else "checkpoints differ")
     return code

@@ -25,8 +25,11 @@ examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_checkpoint_output(p, out_help="output file", force_help="replace OUT if it exists")
-    p.add_argument("--format", choices=("safetensors", "torch"),
-                   help="output format (default: from OUT's suffix: .safetensors, else torch)")
+    p.add_argument(
+        "--format",
+        choices=("safetensors", "torch"),
+        help="output format (default: from OUT's suffix: .safetensors, else torch)",
+    )
     p.add_argument("--model-only", action="store_true", help="only model tensors, keys without 'model.'")
 
 
@@ -36,14 +39,24 @@ def run(args: argparse.Namespace) -> int:
         raise FileExistsError(f"{args.out} exists; pass --force to replace it")
     ckpt = resolve_checkpoint(args.checkpoint)
     fmt: Literal["safetensors", "torch"] = args.format or (
-        "safetensors" if Path(args.out).suffix == ".safetensors" else "torch")
-    result = export_checkpoint(ckpt, args.out, format=fmt, dtype=args.dtype, model_only=args.model_only,
-                               overwrite=args.force, progress=not args.no_progress and not args.json)
+        "safetensors" if Path(args.out).suffix == ".safetensors" else "torch"
+    )
+    result = export_checkpoint(
+        ckpt,
+        args.out,
+        format=fmt,
+        dtype=args.dtype,
+        model_only=args.model_only,
+        overwrite=args.force,
+        progress=not args.no_progress and not args.json,
+    )
     if args.json:
         print_json({"checkpoint": str(ckpt), **result.as_dict()})
         return 0
-    print(f"wrote {result.path}: {result.num_tensors} tensors, {fmt_bytes(result.size_bytes)}, "
-          f"{result.format}, dtype {result.dtype or 'as saved'}, from {ckpt} in {result.seconds:.1f} s")
+    print(
+        f"wrote {result.path}: {result.num_tensors} tensors, {fmt_bytes(result.size_bytes)}, "
+        f"{result.format}, dtype {result.dtype or 'as saved'}, from {ckpt} in {result.seconds:.1f} s"
+    )
     if result.skipped:
         shown = ", ".join(result.skipped[:8]) + (", ..." if len(result.skipped) > 8 else "")
         print(f"skipped {len(result.skipped)} non-tensor item(s) safetensors cannot hold: {shown}")

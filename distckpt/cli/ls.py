@@ -23,8 +23,10 @@ from ..storage import open_location
 from ._common import fmt_bytes, fmt_float, fmt_time, print_json, print_table
 
 NAME = "ls"
-HELP = ("list the checkpoints of a root: step, time, size (own files; REFS: referenced files), world size, "
-        "wrapper, loss, metrics, status")
+HELP = (
+    "list the checkpoints of a root: step, time, size (own files; REFS: referenced files), world size, "
+    "wrapper, loss, metrics, status"
+)
 EPILOG = """examples:
   distckpt ls runs/demo/ckpt
   distckpt ls s3://bucket/run1                         (an S3 root: AWS_* environment)
@@ -41,10 +43,17 @@ def _manifest_columns(m: Manifest) -> dict[str, Any]:
     root); ``referenced_bytes``: the earlier checkpoints' files an incremental one refers to
     (``../step-N/...`` entries), counted with their owner, not here."""
     referenced = sum(f.size_bytes for f in m.files if f.path.startswith("../"))
-    return dict(time=fmt_time(m.wall_time), wall_time=m.wall_time,
-                size_bytes=sum(f.size_bytes for f in m.files) - referenced, referenced_bytes=referenced,
-                world_size=m.world_size, state_dict_type=m.state_dict_type, wrapper=m.wrapper, loss=m.loss,
-                metrics=m.metrics)
+    return dict(
+        time=fmt_time(m.wall_time),
+        wall_time=m.wall_time,
+        size_bytes=sum(f.size_bytes for f in m.files) - referenced,
+        referenced_bytes=referenced,
+        world_size=m.world_size,
+        state_dict_type=m.state_dict_type,
+        wrapper=m.wrapper,
+        loss=m.loss,
+        metrics=m.metrics,
+    )
 
 
 def list_root(root: str) -> list[dict]:
@@ -57,7 +66,8 @@ def list_root(root: str) -> list[dict]:
     store, location = open_location(root)
     if location is not None:
         raise CheckpointNotFoundError(
-            f"{root} is a checkpoint, not a root: run `distckpt inspect {root}` or `distckpt ls {store.root}`")
+            f"{root} is a checkpoint, not a root: run `distckpt inspect {root}` or `distckpt ls {store.root}`"
+        )
     store.check_tool_root()
     latest = store.read_latest()
     with_manifest = {loc for _, loc in store.existing()}
@@ -66,30 +76,44 @@ def list_root(root: str) -> list[dict]:
     for step, found, result in reversed(store.find_committed()):
         if isinstance(result, Manifest):
             result = with_metadata_checked(result, found, store.read_dcp_metadata)
-        row = {"name": found.rstrip("/").rsplit("/", 1)[-1], "step": step, "status": "committed",
-               "latest": checkpoint_name(step) == latest, "path": found}
+        row = {
+            "name": found.rstrip("/").rsplit("/", 1)[-1],
+            "step": step,
+            "status": "committed",
+            "latest": checkpoint_name(step) == latest,
+            "path": found,
+        }
         if isinstance(result, Manifest):
             row.update(_manifest_columns(result))
         elif found in unmanaged:
-            row.update(status="unmanaged", reason=f"no {MANIFEST}: not written by distckpt, ignored by the "
-                                                  f"manager; `distckpt import {found} NEW_ROOT` to use it")
+            row.update(
+                status="unmanaged",
+                reason=f"no {MANIFEST}: not written by distckpt, ignored by the "
+                f"manager; `distckpt import {found} NEW_ROOT` to use it",
+            )
         elif found not in with_manifest:
-            row.update(status="deferred", reason="retired; kept (never loaded) while incremental checkpoints "
-                                                 "refer to its files")
+            row.update(
+                status="deferred",
+                reason="retired; kept (never loaded) while incremental checkpoints refer to its files",
+            )
         else:
             row.update(status="corrupt", reason=str(result))
         rows.append(row)
     names = [rel.rsplit("/", 1)[-1] for rel in store.leftovers()]
-    rows += [{"name": n, "step": None, "status": "deleting" if is_deleting(n) else "pending", "latest": False}
-             for n in names]
-    rows += [{"name": n, "step": aside[1], "status": "set aside", "reason": aside[0], "latest": False}
-             for n in (name.rsplit("/", 1)[-1] for name in store.set_aside_names())
-             if (aside := parse_set_aside(n)) is not None]
+    rows += [
+        {"name": n, "step": None, "status": "deleting" if is_deleting(n) else "pending", "latest": False} for n in names
+    ]
+    rows += [
+        {"name": n, "step": aside[1], "status": "set aside", "reason": aside[0], "latest": False}
+        for n in (name.rsplit("/", 1)[-1] for name in store.set_aside_names())
+        if (aside := parse_set_aside(n)) is not None
+    ]
     return rows
 
 
-def with_metadata_checked(manifest: Manifest, location: str,
-                          read: Callable[[str], Any]) -> Manifest | CheckpointCorruptError:
+def with_metadata_checked(
+    manifest: Manifest, location: str, read: Callable[[str], Any]
+) -> Manifest | CheckpointCorruptError:
     """``manifest``, or the first problem of the checkpoint's ``.metadata`` (``read(location)``): unreadable,
     or not agreeing with the manifest (the checks resume discovery and ``load()`` apply)."""
     try:
@@ -110,11 +134,23 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print_table(
         ["NAME", "STEP", "TIME (UTC)", "SIZE", "REFS", "WORLD", "TYPE", "WRAPPER", "LOSS", "METRICS", "STATUS"],
-        [[r["name"] + (" *" if r["latest"] else ""), r["step"], r.get("time"), fmt_bytes(r.get("size_bytes")),
-          fmt_bytes(r.get("referenced_bytes") or None), r.get("world_size"), r.get("state_dict_type"),
-          r.get("wrapper"), fmt_float(r.get("loss")),
-          " ".join(f"{k}={fmt_float(v)}" for k, v in sorted((r.get("metrics") or {}).items())) or None,
-          r["status"]] for r in rows])
+        [
+            [
+                r["name"] + (" *" if r["latest"] else ""),
+                r["step"],
+                r.get("time"),
+                fmt_bytes(r.get("size_bytes")),
+                fmt_bytes(r.get("referenced_bytes") or None),
+                r.get("world_size"),
+                r.get("state_dict_type"),
+                r.get("wrapper"),
+                fmt_float(r.get("loss")),
+                " ".join(f"{k}={fmt_float(v)}" for k, v in sorted((r.get("metrics") or {}).items())) or None,
+                r["status"],
+            ]
+            for r in rows
+        ],
+    )
     for r in rows:
         if r["status"] in ("corrupt", "unmanaged"):
             print(f"{r['name']}: {r['reason']}")

@@ -23,13 +23,20 @@ COMMANDS = [ls, inspect_, verify, diff, export, release, import_, prune, bench]
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="distckpt", description="Inspect, verify, compare, export and prune distckpt checkpoints.",
-        epilog="example: distckpt ls runs/demo/ckpt    (run `distckpt COMMAND --help` for each command)")
+        prog="distckpt",
+        description="Inspect, verify, compare, export and prune distckpt checkpoints.",
+        epilog="example: distckpt ls runs/demo/ckpt    (run `distckpt COMMAND --help` for each command)",
+    )
     parser.add_argument("--debug", dest="debug_all", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS:
-        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP, epilog=module.EPILOG,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            module.NAME,
+            help=module.HELP,
+            description=module.HELP,
+            epilog=module.EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(p)
         add_common(p)
         p.set_defaults(run=module.run)
@@ -48,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return int(e.code or 0)
     debug = args.debug or args.debug_all
-    logging.basicConfig(level=logging.INFO if debug else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.run(args)
     except BrokenPipeError:  # `distckpt inspect ... | head`: the reader left; not an error

@@ -73,19 +73,35 @@ def run(args: argparse.Namespace) -> int:
     return report(args, store.root, committed, doomed, sorted(corrupt), deferred, where)
 
 
-def report(args: argparse.Namespace, root: str, committed: list[int], doomed: list[int],
-           corrupt: list[str], deferred: list[str] | None = None, where: dict[int, str] | None = None) -> int:
+def report(
+    args: argparse.Namespace,
+    root: str,
+    committed: list[int],
+    doomed: list[int],
+    corrupt: list[str],
+    deferred: list[str] | None = None,
+    where: dict[int, str] | None = None,
+) -> int:
     deferred = deferred or []
     kept = [s for s in committed if s not in doomed]
     if args.json:
-        print_json({"root": str(root), "dry_run": args.dry_run, "deleted": [checkpoint_name(s) for s in doomed],
-                    "kept": [checkpoint_name(s) for s in kept], "corrupt_untouched": corrupt,
-                    "deferred": deferred})
+        print_json(
+            {
+                "root": str(root),
+                "dry_run": args.dry_run,
+                "deleted": [checkpoint_name(s) for s in doomed],
+                "kept": [checkpoint_name(s) for s in kept],
+                "corrupt_untouched": corrupt,
+                "deferred": deferred,
+            }
+        )
         return 0
     verb = "would delete" if args.dry_run else "deleted"
     for s in doomed:
         note = "  (deferred: a kept incremental checkpoint refers to it)" if checkpoint_name(s) in deferred else ""
         print(f"{verb}  {(where or {}).get(s, f'{root}/{checkpoint_name(s)}')}{note}")
-    print(f"{verb} {len(doomed)}, kept {len(kept)} committed checkpoint(s)"
-          + (f"; {len(corrupt)} corrupt left untouched: {', '.join(corrupt)}" if corrupt else ""))
+    print(
+        f"{verb} {len(doomed)}, kept {len(kept)} committed checkpoint(s)"
+        + (f"; {len(corrupt)} corrupt left untouched: {', '.join(corrupt)}" if corrupt else "")
+    )
     return 0

@@ -24,20 +24,32 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_checkpoint_output(p, out_help="release directory (created; its parent must exist)",
-                          force_help="replace the release files if they exist")
-    p.add_argument("--name-with-step", action="store_true",
-                   help="write to OUT-step<N>-loss<L> (the checkpoint's step and loss)")
+    add_checkpoint_output(
+        p,
+        out_help="release directory (created; its parent must exist)",
+        force_help="replace the release files if they exist",
+    )
+    p.add_argument(
+        "--name-with-step", action="store_true", help="write to OUT-step<N>-loss<L> (the checkpoint's step and loss)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     refuse_url_output(args.out, "release directory")  # before resolving the checkpoint
     ckpt = resolve_checkpoint(args.checkpoint)
-    result = release_checkpoint(ckpt, args.out, dtype=args.dtype, name_with_step=args.name_with_step,
-                                overwrite=args.force, progress=not args.no_progress and not args.json)
+    result = release_checkpoint(
+        ckpt,
+        args.out,
+        dtype=args.dtype,
+        name_with_step=args.name_with_step,
+        overwrite=args.force,
+        progress=not args.no_progress and not args.json,
+    )
     if args.json:
         print_json({"checkpoint": str(ckpt), **result.as_dict()})
         return 0
-    print(f"wrote {result.path}: {', '.join(result.files)} ({result.model.num_tensors} tensors, "
-          f"{fmt_bytes(result.model.size_bytes)}, dtype {result.model.dtype or 'as saved'}) from {ckpt}")
+    print(
+        f"wrote {result.path}: {', '.join(result.files)} ({result.model.num_tensors} tensors, "
+        f"{fmt_bytes(result.model.size_bytes)}, dtype {result.model.dtype or 'as saved'}) from {ckpt}"
+    )
     return 0

@@ -41,8 +41,11 @@ def targets(path: str) -> tuple[CheckpointStore, list[tuple[str, CheckpointCorru
         return store, [(location, None)], []
     store.check_tool_root()
     listed = {loc for _, loc in store.existing()} | set(store.unmanaged())  # deferred: checked through referrers
-    found = [(loc, result if isinstance(result, CheckpointCorruptError) else None)
-             for _, loc, result in reversed(store.find_committed()) if loc in listed]
+    found = [
+        (loc, result if isinstance(result, CheckpointCorruptError) else None)
+        for _, loc, result in reversed(store.find_committed())
+        if loc in listed
+    ]
     if not found:
         raise CheckpointNotFoundError(f"{store.root}: not a checkpoint and holds no committed checkpoint to verify")
     return store, found, [n for n in store.leftovers() if not is_deleting(n.rsplit("/", 1)[-1])]
@@ -50,14 +53,29 @@ def targets(path: str) -> tuple[CheckpointStore, list[tuple[str, CheckpointCorru
 
 def run(args: argparse.Namespace) -> int:
     store, entries, pending = targets(args.path)
-    reports = [AuditReport(path=loc, manifest=None, problems=[result])  # the manifest did not parse
-               if result is not None and not store.exists(loc)
-               else audit_checkpoint(loc, store=store) for loc, result in entries]
+    reports = [
+        AuditReport(path=loc, manifest=None, problems=[result])  # the manifest did not parse
+        if result is not None and not store.exists(loc)
+        else audit_checkpoint(loc, store=store)
+        for loc, result in entries
+    ]
     bad = [r for r in reports if not r.ok]
     if args.json:
-        print_json({"ok": not bad, "skipped_pending": pending, "checkpoints": [
-            {"path": str(r.path), "ok": r.ok, "unhashed": r.unhashed,
-             "problems": [{"path": e.path, "message": str(e)} for e in r.problems]} for r in reports]})
+        print_json(
+            {
+                "ok": not bad,
+                "skipped_pending": pending,
+                "checkpoints": [
+                    {
+                        "path": str(r.path),
+                        "ok": r.ok,
+                        "unhashed": r.unhashed,
+                        "problems": [{"path": e.path, "message": str(e)} for e in r.problems],
+                    }
+                    for r in reports
+                ],
+            }
+        )
         return EXIT_FAILED if bad else EXIT_OK
     for r in reports:
         if r.ok:

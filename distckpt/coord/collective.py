@@ -32,7 +32,8 @@ def _check_single_process(process_group: dist.ProcessGroup | None) -> None:
     if process_group is not None:
         raise errors.ConfigError(
             "a process_group was passed but torch.distributed is not initialised: call "
-            "torch.distributed.init_process_group() before building the CheckpointManager")
+            "torch.distributed.init_process_group() before building the CheckpointManager"
+        )
     try:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
@@ -43,7 +44,8 @@ def _check_single_process(process_group: dist.ProcessGroup | None) -> None:
             "torchrun sets it) but torch.distributed is not initialised, so every rank would act as "
             "a separate one-process job writing its own checkpoints. Call "
             "torch.distributed.init_process_group() before building the CheckpointManager (or pass "
-            "process_group=...); unset WORLD_SIZE for a single-process run.")
+            "process_group=...); unset WORLD_SIZE for a single-process run."
+        )
 
 
 class Collective:
@@ -140,11 +142,15 @@ class Collective:
             parts.append("every rank arrived, but only after the others had given up")
         return errors.CollectiveMismatchError(
             f"rank {me} called CheckpointManager.{call}, but within arrival_timeout_s={timeout_s:g} s "
-            + ", ".join(parts) + ". Every rank must call the manager's collective methods (save, load, "
+            + ", ".join(parts)
+            + ". Every rank must call the manager's collective methods (save, load, "
             "maybe_save, wait, close) in the same order with the same step; a rank doing long work "
             "of its own before the call (evaluation on rank 0) needs a larger arrival_timeout_s. "
             "The ranks are now out of step: end the job.",
-            call=call, missing_ranks=missing, other_calls=others)
+            call=call,
+            missing_ranks=missing,
+            other_calls=others,
+        )
 
     def barrier(self) -> None:
         if self.enabled:
@@ -166,8 +172,9 @@ class Collective:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def agree(self, fn: Callable[[], T], *, what: str,
-              error_type: type[errors.DistCkptError] = errors.DistCkptError) -> T:
+    def agree(
+        self, fn: Callable[[], T], *, what: str, error_type: type[errors.DistCkptError] = errors.DistCkptError
+    ) -> T:
         """Run ``fn`` on every rank; if it raised anywhere, raise on every rank.
 
         A :class:`~distckpt.errors.DistCkptError` keeps its type on every rank; any other
@@ -209,8 +216,7 @@ class Collective:
             dist.barrier(group=group)
             dist.destroy_process_group(group)
         except Exception as e:  # noqa: BLE001 - closing; the caller goes on either way
-            logging.getLogger(__name__).warning("destroying distckpt's process group failed: %s",
-                                                describe_exception(e))
+            logging.getLogger(__name__).warning("destroying distckpt's process group failed: %s", describe_exception(e))
 
     def tear_down_for_exit(self) -> None:
         """Every rank is leaving together (a preemption exit): :meth:`close`, then destroy the
@@ -222,5 +228,6 @@ class Collective:
                 dist.barrier()
                 dist.destroy_process_group()
         except Exception as e:  # noqa: BLE001 - the checkpoint is committed; exiting anyway
-            logging.getLogger(__name__).warning("process group teardown before the preemption exit failed: %s",
-                                                describe_exception(e))
+            logging.getLogger(__name__).warning(
+                "process group teardown before the preemption exit failed: %s", describe_exception(e)
+            )

@@ -57,5 +57,7 @@ class EventLog:
             with open(self.path, "a", encoding="utf-8"):
                 pass
         except OSError as e:
-            raise ConfigError(f"CheckpointConfig.coordination.event_log={self.path!r} (or $DISTCKPT_EVENT_LOG) "
-                              f"cannot be appended to: {e}") from e
+            raise ConfigError(
+                f"CheckpointConfig.coordination.event_log={self.path!r} (or $DISTCKPT_EVENT_LOG) "
+                f"cannot be appended to: {e}"
+            ) from e

@@ -24,8 +24,14 @@ import torch
 from ..errors import ConfigError
 from .collective import Collective
 
-__all__ = ["PROBE_PREFIX", "local_world_size", "check_shared_root", "elastic_store_warning", "agent_nnodes",
-           "hardware_summary"]
+__all__ = [
+    "PROBE_PREFIX",
+    "local_world_size",
+    "check_shared_root",
+    "elastic_store_warning",
+    "agent_nnodes",
+    "hardware_summary",
+]
 
 PROBE_PREFIX = ".shared-probe-"
 
@@ -80,7 +86,8 @@ def check_shared_root(collective: Collective, store: Any, *, write: bool = True)
             + ", ".join(f"{r} (host {h})" for r, h in blind.items())
             + f" do not see the file {probe.name} that rank 0 (host {views[0][1]}) wrote there. Every rank "
             "writes its shards into the root and rank 0 commits them: use a shared file system (NFS, "
-            "Lustre, GPFS, a mounted bucket) at the same path on every node, not a node-local disk.")
+            "Lustre, GPFS, a mounted bucket) at the same path on every node, not a node-local disk."
+        )
 
 
 def agent_nnodes(env: Mapping[str, str] | None = None, agent_argv: list[str] | None = None) -> tuple[int, int] | None:
@@ -115,8 +122,7 @@ def agent_nnodes(env: Mapping[str, str] | None = None, agent_argv: list[str] | N
         return None
 
 
-def elastic_store_warning(env: Mapping[str, str] | None = None,
-                          agent_argv: list[str] | None = None) -> str | None:
+def elastic_store_warning(env: Mapping[str, str] | None = None, agent_argv: list[str] | None = None) -> str | None:
     """Why this elastic torchrun job will die when a node joins, with the fix, or ``None``.
 
     torch 2.13's c10d rendezvous shares the agent's TCP store with its workers
@@ -137,18 +143,28 @@ def elastic_store_warning(env: Mapping[str, str] | None = None,
     nodes = agent_nnodes(env, agent_argv)
     if nodes is None or nodes[0] >= nodes[1]:
         return None
-    return (f"torchrun runs this job elastically (--nnodes {nodes[0]}:{nodes[1]}) and its agents share their "
-            "rendezvous TCP store with the workers (TORCHELASTIC_USE_AGENT_STORE=True): with torch 2.13 the whole "
-            "job dies with DistStoreError (waiting for role_info) about a minute after a node joins. Export "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun on every node (README: Elastic training).")
+    return (
+        f"torchrun runs this job elastically (--nnodes {nodes[0]}:{nodes[1]}) and its agents share their "
+        "rendezvous TCP store with the workers (TORCHELASTIC_USE_AGENT_STORE=True): with torch 2.13 the whole "
+        "job dies with DistStoreError (waiting for role_info) about a minute after a node joins. Export "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun on every node (README: Elastic training)."
+    )
 
 
 def hardware_summary() -> dict[str, Any]:
     """This machine, for the manifest and a release's model card: platform, CPU count and
     accelerators (CUDA device name and count when available)."""
-    info: dict[str, Any] = {"platform": platform.platform(), "machine": platform.machine(),
-                            "cpu_count": os.cpu_count(), "accelerator": "cpu", "accelerator_count": 0}
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "accelerator": "cpu",
+        "accelerator_count": 0,
+    }
     if torch.cuda.is_available():
-        info.update(accelerator=torch.cuda.get_device_name(0), accelerator_count=torch.cuda.device_count(),
-                    cuda=torch.version.cuda)
+        info.update(
+            accelerator=torch.cuda.get_device_name(0),
+            accelerator_count=torch.cuda.device_count(),
+            cuda=torch.version.cuda,
+        )
     return info

@@ -51,7 +51,8 @@ class DataLoaderState:
             if not callable(getattr(dataloader, name, None)):
                 raise TypeError(
                     f"dataloader of type {type(dataloader).__name__} has no {name}(); use "
-                    "torchdata.stateful_dataloader.StatefulDataLoader")
+                    "torchdata.stateful_dataloader.StatefulDataLoader"
+                )
         self.dataloader = dataloader
         protect_workers(dataloader, rank=rank)
         if (sampler := self.sampler()) is not None:
@@ -59,8 +60,10 @@ class DataLoaderState:
 
     def sampler(self) -> ReshardableSampler | None:
         """The loader's :class:`ReshardableSampler`, if it uses one."""
-        for candidate in (getattr(self.dataloader, "sampler", None),
-                          getattr(getattr(self.dataloader, "batch_sampler", None), "sampler", None)):
+        for candidate in (
+            getattr(self.dataloader, "sampler", None),
+            getattr(getattr(self.dataloader, "batch_sampler", None), "sampler", None),
+        ):
             if isinstance(candidate, ReshardableSampler):
                 return candidate
         return None
@@ -81,19 +84,30 @@ class DataLoaderState:
             ConfigError: such an iterator exists.
         """
         it = getattr(self.dataloader, "_iterator", None)  # torchdata 0.11 StatefulDataLoader
-        if (it is None or getattr(self.dataloader, "_initial_iter_for_state_dict", False)
-                or getattr(it, "_finished", False)):
+        if (
+            it is None
+            or getattr(self.dataloader, "_initial_iter_for_state_dict", False)
+            or getattr(it, "_finished", False)
+        ):
             return
         raise ConfigError(
             f"rank {rank}: an iterator of the dataloader was created (iter(loader), next(iter(loader)) "
             "or a `for` loop over it) before CheckpointManager.load() and has not finished: it would "
             "not see the restored position and would yield from where it stood (epoch 0, batch 0 in "
             "a fresh process). Create iterators after load(): call manager.load() first, then "
-            "iterate over the loader.")
+            "iterate over the loader."
+        )
 
-    def restore(self, local: dict[str, Any] | None, global_: dict[str, Any] | None, *,
-                rank: int, world_size: int, saved_world_size: int,
-                batch_policy: str = "keep_global_batch") -> tuple[int, int] | None:
+    def restore(
+        self,
+        local: dict[str, Any] | None,
+        global_: dict[str, Any] | None,
+        *,
+        rank: int,
+        world_size: int,
+        saved_world_size: int,
+        batch_policy: str = "keep_global_batch",
+    ) -> tuple[int, int] | None:
         """Position the loader from a checkpoint, before the RNG is restored.
 
         Args:
@@ -120,7 +134,8 @@ class DataLoaderState:
                     f"ranks) and this run's ReshardableSampler has global batch {after} ({world_size} ranks). "
                     "Set batch_policy: keep_local_batch to carry the data position over in samples (and "
                     f"step_rule: keep | rescale for the step counter), or build the sampler with "
-                    f"global_batch_size={before}")
+                    f"global_batch_size={before}"
+                )
             self.load_global_state(global_, rank=rank, world_size=world_size, batch_policy=batch_policy)
             return before, after
         if local is not None:
@@ -135,14 +150,23 @@ class DataLoaderState:
                     f"this loader has num_workers={workers}; torchdata's StatefulDataLoader cannot load "
                     f"it. Resume with num_workers={saved_workers}, or build the loader on "
                     "distckpt.data.ReshardableSampler in the saving and the resuming run (the position "
-                    "is then rebuilt exactly), or pass dataloader=None and reposition it yourself")
+                    "is then rebuilt exactly), or pass dataloader=None and reposition it yourself"
+                )
             self.load_global_state(global_, rank=rank, world_size=world_size)
-            logger.info("rank %d: num_workers %d -> %d: dataloader position rebuilt from the global "
-                        "sampler state", rank, saved_workers, workers)
+            logger.info(
+                "rank %d: num_workers %d -> %d: dataloader position rebuilt from the global sampler state",
+                rank,
+                saved_workers,
+                workers,
+            )
             return None
         self.load_global_state(global_, rank=rank, world_size=world_size)
-        logger.info("rank %d: world size %d -> %d: dataloader position rebuilt from the global "
-                    "sampler state", rank, saved_world_size, world_size)
+        logger.info(
+            "rank %d: world size %d -> %d: dataloader position rebuilt from the global sampler state",
+            rank,
+            saved_world_size,
+            world_size,
+        )
         return None
 
     def load_local_state(self, state: dict[str, Any]) -> None:
@@ -192,11 +216,15 @@ class DataLoaderState:
         if state is None:
             return None
         g = state["global_batch_size"]
-        return {"epoch": state["epoch"], "batch_in_epoch": state["samples_consumed"] // g,
-                "global_samples_seen": state["samples_before_epoch"] + state["samples_consumed"]}
+        return {
+            "epoch": state["epoch"],
+            "batch_in_epoch": state["samples_consumed"] // g,
+            "global_samples_seen": state["samples_before_epoch"] + state["samples_consumed"],
+        }
 
-    def load_global_state(self, state: dict[str, Any] | None, *, rank: int, world_size: int,
-                          batch_policy: str = "keep_global_batch") -> None:
+    def load_global_state(
+        self, state: dict[str, Any] | None, *, rank: int, world_size: int, batch_policy: str = "keep_global_batch"
+    ) -> None:
         """Position this rank's loader from the global state (world size, ``num_workers`` or,
         with ``batch_policy="keep_local_batch"``, global batch size changed).
 
@@ -209,7 +237,8 @@ class DataLoaderState:
             raise IncompatibleCheckpointError(
                 f"rank {rank}: the world size changed but the dataloader position cannot be "
                 "resharded: build the loader on distckpt.data.ReshardableSampler (in the saving "
-                "and in the resuming run), or pass dataloader=None and reposition it yourself")
+                "and in the resuming run), or pass dataloader=None and reposition it yourself"
+            )
         self._shut_down_iterator()
         self.dataloader.load_state_dict({})  # drop any iterator made at the old position
         sampler.load_state_dict(state, batch_policy=batch_policy)

@@ -81,9 +81,7 @@ def check_world_size(global_batch_size: int, world_size: int) -> int:
             ``global_batch_size``; the message lists the world sizes that do.
     """
     if global_batch_size <= 0 or world_size <= 0:
-        raise ValueError(
-            f"global_batch_size ({global_batch_size}) and world_size ({world_size}) must be positive"
-        )
+        raise ValueError(f"global_batch_size ({global_batch_size}) and world_size ({world_size}) must be positive")
     if global_batch_size % world_size:
         ok = [w for w in range(1, global_batch_size + 1) if global_batch_size % w == 0]
         raise ValueError(
@@ -108,14 +106,15 @@ class ReshardableSampler(Sampler[int]):
             ``dataset_len < global_batch_size`` (an epoch would be empty).
     """
 
-    def __init__(self, dataset_len: int, *, global_batch_size: int, rank: int,
-                 world_size: int, seed: int = 0) -> None:
+    def __init__(self, dataset_len: int, *, global_batch_size: int, rank: int, world_size: int, seed: int = 0) -> None:
         self.local_batch_size = check_world_size(global_batch_size, world_size)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
         if dataset_len < global_batch_size:
-            raise ValueError(f"dataset_len={dataset_len} < global_batch_size={global_batch_size}: "
-                             "an epoch would hold no global batch")
+            raise ValueError(
+                f"dataset_len={dataset_len} < global_batch_size={global_batch_size}: "
+                "an epoch would hold no global batch"
+            )
         self.dataset_len, self.global_batch_size = dataset_len, global_batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.num_global_batches = dataset_len // global_batch_size
@@ -125,10 +124,13 @@ class ReshardableSampler(Sampler[int]):
         self._loader: Optional[weakref.ReferenceType] = None  # attach_loader(): a new iterator rewinds to it
 
     epoch = property(lambda self: self._epoch, doc="Current epoch.")
-    samples_consumed = property(lambda self: self._consumed,
-                                doc="Global samples of whole global batches handed out this epoch.")
-    samples_seen = property(lambda self: self._before + self._consumed,
-                            doc="Global samples handed out since epoch 0 (all epochs, whatever their G).")
+    samples_consumed = property(
+        lambda self: self._consumed, doc="Global samples of whole global batches handed out this epoch."
+    )
+    samples_seen = property(
+        lambda self: self._before + self._consumed,
+        doc="Global samples handed out since epoch 0 (all epochs, whatever their G).",
+    )
 
     def permutation(self, epoch: int) -> torch.Tensor:
         """Global order of ``epoch``: int64 tensor of shape ``(dataset_len,)``."""
@@ -145,8 +147,8 @@ class ReshardableSampler(Sampler[int]):
         ``epoch`` that fit in it (``start`` in samples, any value in ``[0, dataset_len]``)."""
         g, b = self.global_batch_size, self.local_batch_size
         n = (self.dataset_len - start) // g
-        grid = self.permutation(epoch)[start: start + n * g].reshape(n, g)
-        return grid[:, self.rank * b:(self.rank + 1) * b].reshape(-1).tolist()
+        grid = self.permutation(epoch)[start : start + n * g].reshape(n, g)
+        return grid[:, self.rank * b : (self.rank + 1) * b].reshape(-1).tolist()
 
     def __iter__(self) -> Iterator[int]:
         """Yield this rank's indices from the current position to the end of the epoch.
@@ -169,8 +171,12 @@ class ReshardableSampler(Sampler[int]):
         loader = self._loader() if self._loader is not None else None
         old = getattr(loader, "_iterator", None)  # torchdata 0.11: the loader's last iterator
         # _live is None after set_epoch / load_state_dict: the position was set explicitly, keep it.
-        if old is None or self._live is None or getattr(old, "_finished", True) or not callable(
-                getattr(old, "state_dict", None)):
+        if (
+            old is None
+            or self._live is None
+            or getattr(old, "_finished", True)
+            or not callable(getattr(old, "state_dict", None))
+        ):
             return
         try:
             delivered = global_state_from_loader_state(old.state_dict())
@@ -195,9 +201,15 @@ class ReshardableSampler(Sampler[int]):
 
     def state_dict(self) -> Dict[str, Any]:
         """Global position; identical on every rank. See the module docstring for keys."""
-        return {"seed": self.seed, "epoch": self._epoch, "samples_consumed": self._consumed,
-                "global_batch_size": self.global_batch_size, "dataset_len": self.dataset_len,
-                "batch_offset": self._offset, "samples_before_epoch": self._before}
+        return {
+            "seed": self.seed,
+            "epoch": self._epoch,
+            "samples_consumed": self._consumed,
+            "global_batch_size": self.global_batch_size,
+            "dataset_len": self.dataset_len,
+            "batch_offset": self._offset,
+            "samples_before_epoch": self._before,
+        }
 
     def global_state(self) -> Dict[str, Any]:
         """Same as :meth:`state_dict`: what was handed out, which is what was consumed
@@ -222,22 +234,35 @@ class ReshardableSampler(Sampler[int]):
         """
         if any(k not in state_dict for k in _KEYS):
             raise ValueError(f"sampler state {sorted(state_dict)} is missing keys of {list(_KEYS)}")
-        keys = ("dataset_len", "seed") if batch_policy == "keep_local_batch" else (
-            "global_batch_size", "dataset_len", "seed")
+        keys = (
+            ("dataset_len", "seed")
+            if batch_policy == "keep_local_batch"
+            else ("global_batch_size", "dataset_len", "seed")
+        )
         for key in keys:
             if state_dict[key] != getattr(self, key):
-                hint = (" (batch_policy='keep_local_batch' carries the position over to another global batch)"
-                        if key == "global_batch_size" else "")
-                raise ValueError(f"cannot load sampler state: saved {key}={state_dict[key]}, "
-                                 f"this sampler has {key}={getattr(self, key)}{hint}")
+                hint = (
+                    " (batch_policy='keep_local_batch' carries the position over to another global batch)"
+                    if key == "global_batch_size"
+                    else ""
+                )
+                raise ValueError(
+                    f"cannot load sampler state: saved {key}={state_dict[key]}, "
+                    f"this sampler has {key}={getattr(self, key)}{hint}"
+                )
         saved_g, consumed, epoch = state_dict["global_batch_size"], state_dict["samples_consumed"], state_dict["epoch"]
         offset = state_dict.get("batch_offset", 0)
-        if (not 0 <= offset < saved_g or (consumed - offset) % saved_g or not 0 <= consumed <= self.dataset_len
-                or epoch < 0):
+        if (
+            not 0 <= offset < saved_g
+            or (consumed - offset) % saved_g
+            or not 0 <= consumed <= self.dataset_len
+            or epoch < 0
+        ):
             raise ValueError(
                 f"samples_consumed={consumed} (epoch={epoch}, batch_offset={offset}) is not a whole number "
                 f"of global batches of {saved_g} in [0, {self.dataset_len}], so it cannot be split into "
-                f"per-rank batches of {self.local_batch_size} for world_size={self.world_size}")
+                f"per-rank batches of {self.local_batch_size} for world_size={self.world_size}"
+            )
         before = state_dict.get("samples_before_epoch", epoch * (self.dataset_len // saved_g) * saved_g)
         if consumed + self.global_batch_size > self.dataset_len:  # no whole batch left: the epoch's end
             epoch, before, consumed = epoch + 1, before + consumed, 0
@@ -301,8 +326,10 @@ def global_state_from_loader_state(loader_state: Dict[str, Any]) -> Dict[str, An
         main, steps = loader_state, 0
     sd = (main.get("_sampler_iter_state") or {}).get("sampler_state")
     if not isinstance(sd, dict) or any(k not in sd for k in _KEYS):
-        raise ValueError("loader state holds no ReshardableSampler state; build the loader with "
-                         "sampler=ReshardableSampler(...) and batch_size=G // W")
+        raise ValueError(
+            "loader state holds no ReshardableSampler state; build the loader with "
+            "sampler=ReshardableSampler(...) and batch_size=G // W"
+        )
     sd = dict(sd)
     g, n = sd["global_batch_size"], sd["dataset_len"]
     sd.setdefault("batch_offset", 0)
@@ -315,8 +342,9 @@ def global_state_from_loader_state(loader_state: Dict[str, Any]) -> Dict[str, An
     return sd
 
 
-def make_stateful_dataloader(dataset: Dataset, sampler: ReshardableSampler,
-                             num_workers: int = 0, **kwargs: Any) -> StatefulDataLoader:
+def make_stateful_dataloader(
+    dataset: Dataset, sampler: ReshardableSampler, num_workers: int = 0, **kwargs: Any
+) -> StatefulDataLoader:
     """``StatefulDataLoader`` with ``batch_size = G // W`` for ``sampler``; ``kwargs`` pass through.
 
     With ``num_workers > 0`` the workers ignore SIGTERM (``SigtermSafeWorkerInit`` wraps any
@@ -326,7 +354,8 @@ def make_stateful_dataloader(dataset: Dataset, sampler: ReshardableSampler,
     """
     if num_workers > 0:
         kwargs["worker_init_fn"] = SigtermSafeWorkerInit(kwargs.get("worker_init_fn"))
-    loader = StatefulDataLoader(dataset, batch_size=sampler.local_batch_size, sampler=sampler,
-                                num_workers=num_workers, **kwargs)
+    loader = StatefulDataLoader(
+        dataset, batch_size=sampler.local_batch_size, sampler=sampler, num_workers=num_workers, **kwargs
+    )
     sampler.attach_loader(loader)
     return loader

@@ -119,11 +119,15 @@ def protect_workers(dataloader: Any, *, rank: int) -> None:
         dataloader.worker_init_fn = SigtermSafeWorkerInit(user_fn)
     it = getattr(dataloader, "_iterator", None)  # torchdata 0.11: the iterator iter(loader) returns next
     workers = getattr(it, "_workers", None) or []
-    if (not getattr(it, "_shutdown", True) and any(w.is_alive() for w in workers)
-            and not isinstance(getattr(it, "_worker_init_fn", None), SigtermSafeWorkerInit)):
+    if (
+        not getattr(it, "_shutdown", True)
+        and any(w.is_alive() for w in workers)
+        and not isinstance(getattr(it, "_worker_init_fn", None), SigtermSafeWorkerInit)
+    ):
         raise ConfigError(
             f"rank {rank}: the dataloader already started {len(workers)} worker process(es) (iter(loader) or "
             "loader.state_dict() before CheckpointManager(...)); a SIGTERM to the process group (torchrun, "
             "SLURM) would kill them before the preemption save. Build the CheckpointManager before the "
             "loader's first iterator, or build the loader with distckpt.data.make_stateful_dataloader(...) "
-            "or StatefulDataLoader(..., worker_init_fn=distckpt.data.SigtermSafeWorkerInit(your_fn))")
+            "or StatefulDataLoader(..., worker_init_fn=distckpt.data.SigtermSafeWorkerInit(your_fn))"
+        )

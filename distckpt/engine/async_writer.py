@@ -50,31 +50,46 @@ class AsyncWriter:
         ConfigError: ``mode="process"`` without an initialised ``torch.distributed``.
     """
 
-    def __init__(self, mode: AsyncMode, *, background_staging: bool,
-                 process_group: dist.ProcessGroup | None, thread_count: int,
-                 write_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        mode: AsyncMode,
+        *,
+        background_staging: bool,
+        process_group: dist.ProcessGroup | None,
+        thread_count: int,
+        write_timeout_s: float | None = None,
+    ) -> None:
         if mode == "process" and not dist.is_initialized():
             # DCP's process executor builds its daemon's group from the default one.
-            raise ConfigError("async_save.mode='process' needs torch.distributed initialised (init_process_group, "
-                              "also for a single process); without it use async_save.mode='thread'")
+            raise ConfigError(
+                "async_save.mode='process' needs torch.distributed initialised (init_process_group, "
+                "also for a single process); without it use async_save.mode='thread'"
+            )
         self.cuda = torch.cuda.is_available()
         # On CPU every CUDA-only option must be off: DefaultStager raises otherwise.
         self.options = StagingOptions(
-            use_pinned_memory=self.cuda, use_shared_memory=mode == "process",
-            use_async_staging=background_staging, use_non_blocking_copy=self.cuda)
+            use_pinned_memory=self.cuda,
+            use_shared_memory=mode == "process",
+            use_async_staging=background_staging,
+            use_non_blocking_copy=self.cuda,
+        )
         self.background_staging = background_staging
         # Built at the first save, on the device of the state's tensors (see start()).
         self.stager: ReusingStager | None = None
         self._stager_device: torch.device | None = None
-        self.checkpointer_type = (AsyncCheckpointerType.PROCESS if mode == "process"
-                                  else AsyncCheckpointerType.THREAD)
+        self.checkpointer_type = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
         self.process_group = process_group
         self.thread_count = thread_count
         self.write_timeout_s = write_timeout_s
         self._staged: Future | None = None
 
-    def start(self, state_dict: dict[str, Any], directory: str | os.PathLike,
-              reuse: ReuseIndex | Callable[[], ReuseIndex] | None = None, writer: Any = None) -> Future:
+    def start(
+        self,
+        state_dict: dict[str, Any],
+        directory: str | os.PathLike,
+        reuse: ReuseIndex | Callable[[], ReuseIndex] | None = None,
+        writer: Any = None,
+    ) -> Future:
         """Stage ``state_dict`` and start writing it into ``directory`` (incrementally
         against ``reuse`` when given: the staged copy is hashed in the background write; through
         ``writer``, an object store's, when given: thread mode only, never incremental).
@@ -83,8 +98,9 @@ class AsyncWriter:
             The upload future: done when this rank's files are written (or failed).
         """
         if writer is None:
-            writer = hashing_writer(directory, thread_count=self.thread_count,
-                                    write_timeout_s=self.write_timeout_s, reuse=reuse)
+            writer = hashing_writer(
+                directory, thread_count=self.thread_count, write_timeout_s=self.write_timeout_s, reuse=reuse
+            )
         self._writer = writer
         device = cuda_device_of(state_dict) if self.cuda else None
         # DefaultStager syncs only the current device after its non-blocking copies and makes
@@ -106,9 +122,13 @@ class AsyncWriter:
             if pause:
                 GC_PAUSE.acquire()
             try:
-                response = dcp.async_save(state_dict, storage_writer=writer, process_group=self.process_group,
-                                          async_checkpointer_type=self.checkpointer_type,
-                                          async_stager=self.stager)
+                response = dcp.async_save(
+                    state_dict,
+                    storage_writer=writer,
+                    process_group=self.process_group,
+                    async_checkpointer_type=self.checkpointer_type,
+                    async_stager=self.stager,
+                )
             except BaseException:
                 if pause:
                     GC_PAUSE.release()

@@ -17,8 +17,16 @@ from .incremental_writer import IncrementalFileSystemWriter, ReuseIndex
 from .safe_io import SafeFileSystemReader, SafeLoadPlanner
 from .writer import CheckedFileSystemWriter
 
-__all__ = ["dcp_save", "dcp_load", "describe_exception", "GC_PAUSE", "gc_paused", "hashing_writer", "raise_as_corrupt",
-           "run_load"]
+__all__ = [
+    "dcp_save",
+    "dcp_load",
+    "describe_exception",
+    "GC_PAUSE",
+    "gc_paused",
+    "hashing_writer",
+    "raise_as_corrupt",
+    "run_load",
+]
 
 
 def _single_rank(process_group: dist.ProcessGroup | None) -> bool:
@@ -32,8 +40,9 @@ def _no_single_process_warning(action: str) -> Iterator[None]:
     intent is to ``action`` in a single process" warning around a ``no_dist`` call distckpt
     makes on purpose (one process, or each rank planning alone); nothing else is filtered."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=f".*assuming the intent is to {action} in a single process",
-                                category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message=f".*assuming the intent is to {action} in a single process", category=UserWarning
+        )
         yield
 
 
@@ -115,22 +124,26 @@ _NOT_CORRUPTION = (KeyboardInterrupt, SystemExit, MemoryError, StorageError, Rea
 
 def _inner_failures(exc: BaseException) -> list[BaseException]:
     """``exc`` and, for DCP's ``CheckpointException``, each rank's original exception."""
-    inner = [pair[0] if isinstance(pair, tuple) else pair
-             for pair in (getattr(exc, "failures", None) or {}).values()]
+    inner = [pair[0] if isinstance(pair, tuple) else pair for pair in (getattr(exc, "failures", None) or {}).values()]
     return [exc] + [e for e in inner if isinstance(e, BaseException)]
 
 
-def hashing_writer(directory: str | os.PathLike, *, thread_count: int,
-                   write_timeout_s: float | None = None,
-                   reuse: ReuseIndex | Callable[[], ReuseIndex] | None = None) -> CheckedFileSystemWriter:
+def hashing_writer(
+    directory: str | os.PathLike,
+    *,
+    thread_count: int,
+    write_timeout_s: float | None = None,
+    reuse: ReuseIndex | Callable[[], ReuseIndex] | None = None,
+) -> CheckedFileSystemWriter:
     """``FileSystemWriter`` with per-file fsync whose ``fs.written`` records each written file's
     ``(size_bytes, xxh3_128)``, hashed from the bytes as they are written; any writer thread's
     failure, or a write phase longer than ``write_timeout_s`` seconds, fails ``write_data``
     (see :mod:`distckpt.engine.writer`). With ``reuse``, an incremental save
     (:mod:`distckpt.engine.incremental_writer`)."""
     if reuse is not None:
-        return IncrementalFileSystemWriter(directory, thread_count=thread_count, write_timeout_s=write_timeout_s,
-                                           reuse=reuse)
+        return IncrementalFileSystemWriter(
+            directory, thread_count=thread_count, write_timeout_s=write_timeout_s, reuse=reuse
+        )
     return CheckedFileSystemWriter(directory, thread_count=thread_count, write_timeout_s=write_timeout_s)
 
 
@@ -166,8 +179,7 @@ def dcp_save(
     if writer is None:
         writer = hashing_writer(directory, thread_count=thread_count, write_timeout_s=write_timeout_s, reuse=reuse)
     with gc_paused(), _no_single_process_warning("save"):
-        dcp.save(state_dict, storage_writer=writer, process_group=process_group,
-                 no_dist=_single_rank(process_group))
+        dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=_single_rank(process_group))
     return dict(writer.fs.written)
 
 
@@ -198,15 +210,15 @@ def dcp_load(
     if fast:
         from .read.fast_reader import FastFileSystemReader
 
-        reader = FastFileSystemReader(os.fspath(directory), expected_files=expected_files,
-                                      thread_count=thread_count)
+        reader = FastFileSystemReader(os.fspath(directory), expected_files=expected_files, thread_count=thread_count)
     else:
         reader = SafeFileSystemReader(os.fspath(directory), expected_files=expected_files)
     run_load(state_dict, reader, process_group=process_group, directory=directory)
 
 
-def run_load(state_dict: dict[str, Any], reader: Any, *, process_group: dist.ProcessGroup | None,
-             directory: str | os.PathLike) -> None:
+def run_load(
+    state_dict: dict[str, Any], reader: Any, *, process_group: dist.ProcessGroup | None, directory: str | os.PathLike
+) -> None:
     """``dcp.load`` through ``reader`` the way distckpt runs it: with :class:`SafeLoadPlanner`,
     the cyclic GC paused (:func:`gc_paused`), each rank planning and reading on its own, and one
     agreement on the outcome at the end.
@@ -234,8 +246,7 @@ def run_load(state_dict: dict[str, Any], reader: Any, *, process_group: dist.Pro
         rank = dist.get_rank(process_group)
         if isinstance(local, CheckpointCorruptError):
             local = CheckpointCorruptError(f"rank {rank}: {local}", path=local.path)
-        mine = None if local is None else (type(local).__name__, _safe_str(local)[:4000],
-                                           getattr(local, "path", None))
+        mine = None if local is None else (type(local).__name__, _safe_str(local)[:4000], getattr(local, "path", None))
         outcomes: list[Any] = [None] * dist.get_world_size(process_group)
         dist.all_gather_object(outcomes, mine, group=process_group)
         failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
@@ -243,8 +254,10 @@ def run_load(state_dict: dict[str, Any], reader: Any, *, process_group: dist.Pro
             r, (kind, message, path) = failed[0]
             if kind == CheckpointCorruptError.__name__:
                 raise CheckpointCorruptError(message, path=path)
-            raise DistCkptError(f"loading {directory} failed on rank {r}, not because of the checkpoint "
-                                f"({kind}: {message[:500]}); this rank stopped too")
+            raise DistCkptError(
+                f"loading {directory} failed on rank {r}, not because of the checkpoint "
+                f"({kind}: {message[:500]}); this rank stopped too"
+            )
     if local is not None:
         raise local
 
@@ -275,5 +288,6 @@ def raise_as_corrupt(exc: BaseException, directory: str | os.PathLike, what: str
     for inner in _inner_failures(exc)[1:]:
         if isinstance(inner, CheckpointCorruptError):
             raise CheckpointCorruptError(_safe_str(inner), path=inner.path) from exc
-    raise CheckpointCorruptError(f"{directory}: {what} ({describe_exception(exc, dcp_ranks=dcp_ranks)})",
-                                 path=os.fspath(directory)) from exc
+    raise CheckpointCorruptError(
+        f"{directory}: {what} ({describe_exception(exc, dcp_ranks=dcp_ranks)})", path=os.fspath(directory)
+    ) from exc

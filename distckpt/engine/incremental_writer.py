@@ -29,8 +29,15 @@ from ..ondisk.integrity import new_hasher
 from .torch_internals import StorageInfo
 from .writer import CheckedFileSystemWriter
 
-__all__ = ["ITEMS_SUFFIX", "ItemRecord", "ReuseIndex", "IncrementalFileSystemWriter", "item_key",
-           "tensor_digest", "read_item_records"]
+__all__ = [
+    "ITEMS_SUFFIX",
+    "ItemRecord",
+    "ReuseIndex",
+    "IncrementalFileSystemWriter",
+    "item_key",
+    "tensor_digest",
+    "read_item_records",
+]
 
 ITEMS_SUFFIX = "items.json"
 """Per rank ``__<rank>_items.json``: the item records of an incremental checkpoint."""
@@ -82,8 +89,7 @@ def item_key(item: WriteItem) -> str | None:
     if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
         return None
     chunk = item.tensor_data.chunk
-    return (f"{item.index.fqn}|{list(chunk.offsets)}|{list(chunk.sizes)}|"
-            f"{item.tensor_data.properties.dtype}")
+    return f"{item.index.fqn}|{list(chunk.offsets)}|{list(chunk.sizes)}|{item.tensor_data.properties.dtype}"
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -114,8 +120,7 @@ def read_item_records(checkpoint_dir: str | os.PathLike) -> tuple[dict[str, Item
         data = json.loads(path.read_text(encoding="utf-8"))
         since_full = max(since_full, int(data["since_full"]))
         for key, r in data["items"].items():
-            records[key] = ItemRecord(hash=r["hash"], file=r["file"], offset=int(r["offset"]),
-                                      length=int(r["length"]))
+            records[key] = ItemRecord(hash=r["hash"], file=r["file"], offset=int(r["offset"]), length=int(r["length"]))
     return records, since_full
 
 
@@ -137,8 +142,14 @@ class IncrementalFileSystemWriter(CheckedFileSystemWriter):
         As :class:`CheckedFileSystemWriter`.
     """
 
-    def __init__(self, path: str | os.PathLike, *, thread_count: int,
-                 reuse: ReuseIndex | Callable[[], ReuseIndex], write_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        thread_count: int,
+        reuse: ReuseIndex | Callable[[], ReuseIndex],
+        write_timeout_s: float | None = None,
+    ) -> None:
         super().__init__(path, thread_count=thread_count, write_timeout_s=write_timeout_s)
         self._source = reuse
         self.reused_bytes = 0
@@ -162,8 +173,13 @@ class IncrementalFileSystemWriter(CheckedFileSystemWriter):
             prev = reuse.records.get(key) if reuse.base is not None else None
             if prev is not None and prev.hash == digest:
                 ref = reuse.reference(prev)
-                reused.append(WriteResult(index=item.index, size_in_bytes=prev.length,
-                                          storage_data=StorageInfo(ref, prev.offset, prev.length)))
+                reused.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=prev.length,
+                        storage_data=StorageInfo(ref, prev.offset, prev.length),
+                    )
+                )
                 records[key] = ItemRecord(digest, ref, prev.offset, prev.length)
                 self.reused_bytes += prev.length
             else:
@@ -182,9 +198,13 @@ class IncrementalFileSystemWriter(CheckedFileSystemWriter):
 
     def _write_records(self, plan: SavePlan, reuse: ReuseIndex, records: dict[str, ItemRecord]) -> None:
         prefix = plan.storage_data.prefix  # "__<rank>_" (FileSystemWriter's _StoragePrefix)
-        payload = {"version": 1, "hash_algorithm": "xxh3_128", "since_full": reuse.since_full,
-                   "base": reuse.base,
-                   "items": {k: dataclasses.asdict(r) for k, r in sorted(records.items())}}
+        payload = {
+            "version": 1,
+            "hash_algorithm": "xxh3_128",
+            "since_full": reuse.since_full,
+            "base": reuse.base,
+            "items": {k: dataclasses.asdict(r) for k, r in sorted(records.items())},
+        }
         path = self.fs.concat_path(self.path, f"{prefix}{ITEMS_SUFFIX}")
         with self.fs.create_stream(path, "wb") as stream:
             stream.write(json.dumps(payload, indent=0).encode())

@@ -103,8 +103,9 @@ class SafeFileSystemReader(FileSystemReader):
         expected_files: ``{relative path: (size_bytes, digest or None)}``; ``None`` skips checks.
     """
 
-    def __init__(self, path: str | os.PathLike,
-                 expected_files: dict[str, tuple[int, str | None]] | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike, expected_files: dict[str, tuple[int, str | None]] | None = None
+    ) -> None:
         super().__init__(path)
         self.expected_files = expected_files
         self._checked: set[str] = set()
@@ -117,8 +118,9 @@ class SafeFileSystemReader(FileSystemReader):
                     continue
                 if name not in self.expected_files:
                     raise CheckpointCorruptError(
-                        f"{Path(self.path) / name}: DCP metadata refers to a file the manifest does "
-                        "not list", path=str(Path(self.path) / name))
+                        f"{Path(self.path) / name}: DCP metadata refers to a file the manifest does not list",
+                        path=str(Path(self.path) / name),
+                    )
                 size, digest = self.expected_files[name]
                 check_file(Path(self.path) / name, size_bytes=size, digest=digest)
                 self._checked.add(name)

@@ -78,8 +78,11 @@ class ReusingStager(AsyncStager):
         self._inner = DefaultStager(options)
         self._staged: Any = None  # the last staged state_dict, reused by the next save
         self._targets: dict[_Path, _Target] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distckpt-stage") \
-            if options.use_async_staging else None
+        self._executor = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="distckpt-stage")
+            if options.use_async_staging
+            else None
+        )
         # Made on the caller's thread (as DefaultStager does): a background copy must not run
         # on the training thread's current stream.
         self._stream = torch.Stream() if options.use_async_staging and options.use_non_blocking_copy else None

@@ -71,7 +71,7 @@ class _DeadlineStream:
         try:
             for start in range(0, max(len(view), 1), _CHUNK):
                 self._fs.check(self._path)
-                self._raw.write(view[start:start + _CHUNK])
+                self._raw.write(view[start : start + _CHUNK])
         except BaseException as e:
             # Record it here: torch.save's zip writer masks it with "unexpected pos" on exit.
             self._fs.record(e)
@@ -112,7 +112,8 @@ class GuardedFileSystem(HashingFileSystem):
                 f"{path}: still writing {elapsed:.1f} s after this rank's write started, past "
                 f"write_timeout_s={self.timeout_s:g} (storage too slow); giving up on this save. "
                 "Raise CheckpointConfig.coordination.write_timeout_s (and timeout_s) if the storage is "
-                "known to be this slow")
+                "known to be this slow"
+            )
 
     def record(self, error: BaseException) -> None:
         """Keep ``error`` (the first recorded one is raised); cancellations are not errors."""
@@ -168,8 +169,7 @@ class CheckedFileSystemWriter(FileSystemWriter):
 
     fs: GuardedFileSystem  # FileSystemWriter declares the plain FileSystem it creates
 
-    def __init__(self, path: str | os.PathLike, *, thread_count: int,
-                 write_timeout_s: float | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, *, thread_count: int, write_timeout_s: float | None = None) -> None:
         super().__init__(os.fspath(path), sync_files=True, thread_count=thread_count)
         self.fs = GuardedFileSystem()
         self.write_timeout_s = write_timeout_s
@@ -184,4 +184,3 @@ class CheckedFileSystemWriter(FileSystemWriter):
             raise
         self.fs.raise_first_error()
         return future
-

@@ -83,7 +83,8 @@ class CheckpointDiscovery:
         if self.config.load.step not in steps:
             raise CheckpointNotFoundError(
                 f"CheckpointConfig.load.step={self.config.load.step}: no {checkpoint_name(self.config.load.step)} "
-                f"in {self.root} (its checkpoints: steps {steps or 'none'}; `distckpt ls {self.root}` lists them)")
+                f"in {self.root} (its checkpoints: steps {steps or 'none'}; `distckpt ls {self.root}` lists them)"
+            )
         return self.store.location_of(self.config.load.step)
 
     def check_existing(self) -> CheckpointConfig:
@@ -101,17 +102,22 @@ class CheckpointDiscovery:
         if self.config.initial_load is not None and is_restart(self.config, self.root, self._manifests()):
             return self.config.for_restart()
         fresh = not self.config.load.enabled
-        if not fresh and (self.config.load.step is not None or self.load_location() is None
-                          or self.rollback_step() is not None):
+        if not fresh and (
+            self.config.load.step is not None or self.load_location() is None or self.rollback_step() is not None
+        ):
             return self.config  # resumes from the root (load.step: a step of the root; load() checks it)
-        why = ("load.enabled: false" if fresh
-               else f"load.path={self.config.load.path!r} is not a checkpoint of this root")
+        why = (
+            "load.enabled: false" if fresh else f"load.path={self.config.load.path!r} is not a checkpoint of this root"
+        )
         refuse_or_archive(
-            self.store, on_existing=self.config.load.on_existing, locked=self.locked,
+            self.store,
+            on_existing=self.config.load.on_existing,
+            locked=self.locked,
             subject=f"CheckpointConfig.root={self.root!r}",
             why=f"this run does not resume from them ({why}; none was committed with this config's load "
-                "options, which would make this start a restart)",
-            choices="resume them (load.enabled: true, with no load.path or one naming a checkpoint of the root)")
+            "options, which would make this start a restart)",
+            choices="resume them (load.enabled: true, with no load.path or one naming a checkpoint of the root)",
+        )
         return self.config
 
     def rollback_step(self, *, loaded_step: int | None = None, resumed_step: int | None = None) -> int | None:
@@ -138,28 +144,50 @@ class CheckpointDiscovery:
         if not newer:
             return False
         location = self.load_location()
-        what = (f"load.path={location!r}" if location is not None
-                else f"step_rule='rescale' (step {step})" if self.config.elastic.step_rule == "rescale"
-                else f"the resumed step {step} (the load selection left out counters)")
+        what = (
+            f"load.path={location!r}"
+            if location is not None
+            else f"step_rule='rescale' (step {step})"
+            if self.config.elastic.step_rule == "rescale"
+            else f"the resumed step {step} (the load selection left out counters)"
+        )
         if not self.locked:
-            raise ConfigError(f"{what} rolls back {self.root}, whose newer "
-                              "checkpoints must be set aside before this run saves: that needs coordination.lock: true")
-        logger.warning("rollback to %s: the root's %d newer checkpoint(s) (%s) will be renamed "
-                       "rolledback-step-M-<n> at this run's first save (kept, never loaded or deleted)",
-                       what, len(newer), ", ".join(newer))
+            raise ConfigError(
+                f"{what} rolls back {self.root}, whose newer "
+                "checkpoints must be set aside before this run saves: that needs coordination.lock: true"
+            )
+        logger.warning(
+            "rollback to %s: the root's %d newer checkpoint(s) (%s) will be renamed "
+            "rolledback-step-M-<n> at this run's first save (kept, never loaded or deleted)",
+            what,
+            len(newer),
+            ", ".join(newer),
+        )
         return True
 
     def set_aside_newer(self, step: int) -> None:
         """Rank 0, before the first commit after a rollback to ``step``: set the root's newer
         checkpoints aside as ``rolledback-step-M-<n>`` so this run's steps and ``latest`` are its own."""
-        moved = [f"{checkpoint_name(s)} -> {self.store.set_aside(s, 'rolledback')}"
-                 for s, _ in self.store.existing() if s > step]
+        moved = [
+            f"{checkpoint_name(s)} -> {self.store.set_aside(s, 'rolledback')}"
+            for s, _ in self.store.existing()
+            if s > step
+        ]
         self.store.repair_latest()
         if moved:
-            again = ("This run's checkpoints record load.path/load.step: a restart with the same config resumes "
-                     "them, not the rollback." if self.load_location() is not None else "")
-            logger.warning("rollback to %s: set aside %d newer checkpoint(s), kept: %s. %s",
-                           checkpoint_name(step), len(moved), ", ".join(moved), again)
+            again = (
+                "This run's checkpoints record load.path/load.step: a restart with the same config resumes "
+                "them, not the rollback."
+                if self.load_location() is not None
+                else ""
+            )
+            logger.warning(
+                "rollback to %s: set aside %d newer checkpoint(s), kept: %s. %s",
+                checkpoint_name(step),
+                len(moved),
+                ", ".join(moved),
+                again,
+            )
 
     def _check_load_location(self, location: str) -> None:
         """``load.path`` / ``load.step`` names a loadable committed checkpoint.
@@ -176,7 +204,8 @@ class CheckpointDiscovery:
                 f"CheckpointConfig.load.path={location!r} is a DCP directory without a distckpt "
                 "manifest, not a distckpt checkpoint. Import its model weights: "
                 f"`distckpt import {location} NEW_ROOT [--step N]`, then set root: NEW_ROOT (or "
-                "load.path: a checkpoint of NEW_ROOT)")
+                "load.path: a checkpoint of NEW_ROOT)"
+            )
         store.validate(location)
 
     def choose(self, rejected: list[str]) -> str | None:
@@ -199,15 +228,23 @@ class CheckpointDiscovery:
                 logger.warning("removed %s/%s left by an interrupted save or delete", self.root, name)
             self.store.repair_latest()
         for ignored in self.store.unmanaged():
-            logger.warning("ignoring %s: it has no distckpt manifest (not written by distckpt, e.g. a plain "
-                           "dcp.save); distckpt never loads or deletes it, and a save of its step fails while "
-                           "it is there. To use it: `distckpt import %s NEW_ROOT`", ignored, ignored)
+            logger.warning(
+                "ignoring %s: it has no distckpt manifest (not written by distckpt, e.g. a plain "
+                "dcp.save); distckpt never loads or deletes it, and a save of its step fails while "
+                "it is there. To use it: `distckpt import %s NEW_ROOT`",
+                ignored,
+                ignored,
+            )
         location = self.load_location()
         if location is not None:
             if self.config.load.step is not None:
                 newest = max((s for s, _ in self.store.existing()), default=None)
-                logger.info("load.step=%d: loading %s (the root's newest is step %s)", self.config.load.step,
-                            location, "-" if newest is None else newest)
+                logger.info(
+                    "load.step=%d: loading %s (the root's newest is step %s)",
+                    self.config.load.step,
+                    location,
+                    "-" if newest is None else newest,
+                )
             self._check_load_location(location)
             return location
         newest_error: CheckpointCorruptError | None = None
@@ -219,15 +256,20 @@ class CheckpointDiscovery:
                 result = CheckpointCorruptError(f"{found}: failed to load", path=found)
             elif isinstance(result, Manifest):
                 if newest_error is not None:
-                    logger.warning("newest checkpoint is corrupt (%s); falling back to %s "
-                                   "(load.fallback_to_older=true)", newest_error, found)
+                    logger.warning(
+                        "newest checkpoint is corrupt (%s); falling back to %s (load.fallback_to_older=true)",
+                        newest_error,
+                        found,
+                    )
                 self._warn_if_latest_differs(checkpoint_name(step), newest_error)
                 return found
             if not self.config.load.fallback_to_older:
                 raise CheckpointCorruptError(
                     f"{result} -- the newest checkpoint {found} is not loadable. Set "
                     "load.fallback_to_older: true to resume from the previous committed checkpoint, "
-                    f"or remove {found}.", path=result.path)
+                    f"or remove {found}.",
+                    path=result.path,
+                )
             newest_error = newest_error or result
             if self.locked:  # the run will save this step again: move it out of the way
                 logger.warning("set aside corrupt checkpoint %s as %s", found, self.store.set_aside(step))
@@ -236,7 +278,9 @@ class CheckpointDiscovery:
             raise CheckpointCorruptError(
                 f"no committed checkpoint in {self.root} is loadable (newest problem: {newest_error}). "
                 "Restore the files, point load.path at a good copy, or move the root away to start "
-                "fresh.", path=newest_error.path)
+                "fresh.",
+                path=newest_error.path,
+            )
         refuse_corrupt_only(self.root, self.store.set_aside_names())
         return None
 
@@ -245,9 +289,14 @@ class CheckpointDiscovery:
         without a load. Resuming the newest is right; the log says so."""
         last = self.store.read_latest() or name
         if newest_error is None and last != name and last in {checkpoint_name(s) for s, _ in self.store.existing()}:
-            logger.warning("resuming from %s, the newest checkpoint in %s, although the last "
-                           "commit was %s (named by latest): the newer one is another run's or "
-                           "was saved without a load", name, self.root, last)
+            logger.warning(
+                "resuming from %s, the newest checkpoint in %s, although the last "
+                "commit was %s (named by latest): the newer one is another run's or "
+                "was saved without a load",
+                name,
+                self.root,
+                last,
+            )
 
 
 def refuse_corrupt_only(root: str, names: list[str]) -> None:
@@ -268,4 +317,6 @@ def refuse_corrupt_only(root: str, names: list[str]) -> None:
             f"no committed checkpoint in {root}: it holds only checkpoints set aside as corrupt "
             f"({', '.join(corrupt)}). Restore one (rename it back to step-N after repairing its files), "
             "point load.path at a good copy, or move the root away (or set load.enabled: false) to start "
-            "fresh deliberately.", path=root)
+            "fresh deliberately.",
+            path=root,
+        )

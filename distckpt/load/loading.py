@@ -44,9 +44,17 @@ class CheckpointLoader:
         store: the root's storage; every read goes through it.
     """
 
-    def __init__(self, *, collective: Collective, state: CheckpointState, config: CheckpointConfig,
-                 events: EventLog, model_specs: dict[str, TensorSpec], local_world_size: int,
-                 store: CheckpointStore) -> None:
+    def __init__(
+        self,
+        *,
+        collective: Collective,
+        state: CheckpointState,
+        config: CheckpointConfig,
+        events: EventLog,
+        model_specs: dict[str, TensorSpec],
+        local_world_size: int,
+        store: CheckpointStore,
+    ) -> None:
         self.collective, self.state, self.config = collective, state, config
         self.events, self.model_specs, self.local_world_size = events, model_specs, local_world_size
         self.store = store
@@ -64,11 +72,17 @@ class CheckpointLoader:
         rejected: list[str] = []
         selected = self.config.load.selection
         if selected != frozenset(LOADABLE) and self.collective.rank == 0:
-            how = (f"load.only={self.config.load.only}" if self.config.load.only is not None
-                   else f"load.exclude={self.config.load.exclude}")
-            logger.info("selective load (%s): loading %s; not loading (live state kept): %s", how,
-                        ", ".join(p for p in LOADABLE if p in selected) or "nothing",
-                        ", ".join(p for p in LOADABLE if p not in selected))
+            how = (
+                f"load.only={self.config.load.only}"
+                if self.config.load.only is not None
+                else f"load.exclude={self.config.load.exclude}"
+            )
+            logger.info(
+                "selective load (%s): loading %s; not loading (live state kept): %s",
+                how,
+                ", ".join(p for p in LOADABLE if p in selected) or "nothing",
+                ", ".join(p for p in LOADABLE if p not in selected),
+            )
         while True:
             path = self.collective.agree(lambda: discovery.choose(rejected), what="finding a checkpoint")
             path = self.collective.broadcast(path)
@@ -88,10 +102,12 @@ class CheckpointLoader:
                         "true to resume from the previous committed checkpoint, or restore the file; "
                         f"`distckpt verify {self.config.root}` lists every bad file. The live model and "
                         "optimizer may be partly overwritten: load again before training.",
-                        path=e.path) from e
+                        path=e.path,
+                    ) from e
                 if self.collective.rank == 0:
-                    logger.warning("%s -- falling back to the previous committed checkpoint "
-                                   "(load.fallback_to_older=true)", e)
+                    logger.warning(
+                        "%s -- falling back to the previous committed checkpoint (load.fallback_to_older=true)", e
+                    )
                 rejected.append(path)
 
     def read(self, path: str) -> tuple[TrainState, Manifest]:
@@ -114,25 +130,33 @@ class CheckpointLoader:
 
         # Every rank reads these files itself (one node may see an I/O error the others do
         # not): agree, so all ranks raise together, and fall back together.
-        manifest, metadata = self.collective.agree(read_plan_inputs, what=f"reading {path}",
-                                                   error_type=CheckpointCorruptError)
+        manifest, metadata = self.collective.agree(
+            read_plan_inputs, what=f"reading {path}", error_type=CheckpointCorruptError
+        )
         keys = set(metadata.state_dict_metadata)
         with self.state.model_optim.load_context():
             select = self.config.load.selection
             target = self.collective.agree(
                 lambda: self.state.for_load(keys, manifest.world_size, select, metadata=metadata),
-                what=f"planning the load of {path}")
-            expected = ({f.path: (f.size_bytes, f.hash) for f in manifest.files}
-                        if self.config.load.verify else None)
+                what=f"planning the load of {path}",
+            )
+            expected = {f.path: (f.size_bytes, f.hash) for f in manifest.files} if self.config.load.verify else None
             blocks = {f.path: b for f in manifest.files if (b := f.blocks()) is not None} if expected else None
             self.events.emit("load", manifest.step, path=str(path))
             streams = max(1, self.config.load.streams_per_node // self.local_world_size)
-            reader = store.dcp_reader(path, expected_files=expected, fast=self.config.load.fast_reader,
-                                      thread_count=streams, block_digests=blocks)
+            reader = store.dcp_reader(
+                path,
+                expected_files=expected,
+                fast=self.config.load.fast_reader,
+                thread_count=streams,
+                block_digests=blocks,
+            )
             run_load(target, reader, process_group=self.collective.group, directory=path)
             train_state = self.collective.agree(
                 lambda: self.state.restore(target, saved_world_size=manifest.world_size),
-                what=f"restoring {path}", error_type=IncompatibleCheckpointError)
+                what=f"restoring {path}",
+                error_type=IncompatibleCheckpointError,
+            )
         return train_state, manifest
 
 
@@ -145,8 +169,12 @@ def checked_metadata(store: CheckpointStore, path: str, manifest: Manifest) -> A
         CheckpointCorruptError: the first problem (naming its file).
     """
     metadata = store.read_dcp_metadata(path)
-    problem = first_problem(structure_problems(
-        manifest, location=path, dir_step=parse_step(os.path.basename(path.rstrip("/"))), metadata=metadata), path)
+    problem = first_problem(
+        structure_problems(
+            manifest, location=path, dir_step=parse_step(os.path.basename(path.rstrip("/"))), metadata=metadata
+        ),
+        path,
+    )
     if problem is not None:
         raise problem
     return metadata

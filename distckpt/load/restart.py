@@ -52,11 +52,19 @@ def is_restart(config: CheckpointConfig, root: str, checkpoints: Iterable[tuple[
     given = ", ".join(f"{k}={v!r}" for k, v in options.items() if v is not None)
     for name, manifest in checkpoints:
         if manifest is not None and manifest.initial_load == options:
-            logger.info("restart: %s holds %s, committed by this run (started with %s): those options applied "
-                        "at its first start only; resuming the root's newest checkpoint, all of it", root, name,
-                        given)
+            logger.info(
+                "restart: %s holds %s, committed by this run (started with %s): those options applied "
+                "at its first start only; resuming the root's newest checkpoint, all of it",
+                root,
+                name,
+                given,
+            )
             return True
-    logger.info("%s apply: %s holds no checkpoint committed with them, so this is the run's first start. "
-                "Every checkpoint it commits records them: a restart with the same config resumes those "
-                "instead", given, root)
+    logger.info(
+        "%s apply: %s holds no checkpoint committed with them, so this is the run's first start. "
+        "Every checkpoint it commits records them: a restart with the same config resumes those "
+        "instead",
+        given,
+        root,
+    )
     return False

@@ -40,11 +40,20 @@ class ResumeExtras:
         config: ``load.probe_tolerance``, ``load.probe_on_mismatch``.
     """
 
-    def __init__(self, *, probe: ProbeFn | None, run_id: str | None, model: nn.Module,
-                 collective: Collective, config: CheckpointConfig) -> None:
+    def __init__(
+        self,
+        *,
+        probe: ProbeFn | None,
+        run_id: str | None,
+        model: nn.Module,
+        collective: Collective,
+        config: CheckpointConfig,
+    ) -> None:
         if run_id is not None and (not isinstance(run_id, str) or not run_id):
-            raise ConfigError(f"CheckpointManager(run_id={run_id!r}): expected a non-empty string "
-                              "(the experiment tracker's run id) or None")
+            raise ConfigError(
+                f"CheckpointManager(run_id={run_id!r}): expected a non-empty string "
+                "(the experiment tracker's run id) or None"
+            )
         self.probe, self.model, self.collective, self.config = probe, model, collective, config
         self.explicit_run_id = run_id is not None
         self.run_id: str = collective.broadcast(run_id or uuid.uuid4().hex[:16])
@@ -60,8 +69,9 @@ class ResumeExtras:
         train_state.run_id = self.run_id
         train_state.probe_loss = self.measure()
 
-    def after_load(self, train_state: TrainState, manifest: Manifest, path: str, *, wrapper: str,
-                   seconds: float) -> None:
+    def after_load(
+        self, train_state: TrainState, manifest: Manifest, path: str, *, wrapper: str, seconds: float
+    ) -> None:
         """Set the loaded state's path, saved world size and run id, log the load (rank 0, with
         the live ``wrapper`` and the load's ``seconds``), and compare the probe with the value
         recorded at save.
@@ -76,11 +86,24 @@ class ResumeExtras:
             self.run_id = saved_id
         train_state.run_id = self.run_id
         if self.collective.rank == 0:
-            logger.info("loaded %s (step %d, saved by %d ranks as %s, now %d ranks as %s) in %.2f s; run_id %s (%s)",
-                        path, train_state.step, manifest.world_size, manifest.wrapper, self.collective.world_size,
-                        wrapper, seconds, self.run_id, "the checkpoint's" if saved_id == self.run_id else
-                        f"passed; the checkpoint's was {saved_id}" if self.explicit_run_id and saved_id
-                        else "passed" if self.explicit_run_id else "new: the checkpoint has none")
+            logger.info(
+                "loaded %s (step %d, saved by %d ranks as %s, now %d ranks as %s) in %.2f s; run_id %s (%s)",
+                path,
+                train_state.step,
+                manifest.world_size,
+                manifest.wrapper,
+                self.collective.world_size,
+                wrapper,
+                seconds,
+                self.run_id,
+                "the checkpoint's"
+                if saved_id == self.run_id
+                else f"passed; the checkpoint's was {saved_id}"
+                if self.explicit_run_id and saved_id
+                else "passed"
+                if self.explicit_run_id
+                else "new: the checkpoint has none",
+            )
         if self.probe is None:
             return
         loaded = self.measure()
@@ -89,25 +112,40 @@ class ResumeExtras:
         saved = manifest.probe_loss
         if "model" not in self.config.load.selection:  # fresh weights on purpose: nothing to compare
             if self.collective.rank == 0:
-                logger.info("probe loss after loading %s: %.6g; the model was not loaded (load selection), "
-                            "so it is not compared with the save's %s", path, loaded, saved)
+                logger.info(
+                    "probe loss after loading %s: %.6g; the model was not loaded (load selection), "
+                    "so it is not compared with the save's %s",
+                    path,
+                    loaded,
+                    saved,
+                )
             return
         if saved is None:
             if self.collective.rank == 0:
-                logger.info("probe loss after loading %s: %.6g; none recorded at its save, nothing to compare",
-                            path, loaded)
+                logger.info(
+                    "probe loss after loading %s: %.6g; none recorded at its save, nothing to compare", path, loaded
+                )
             return
         diff, tol = relative_difference(saved, loaded), self.config.load.probe_tolerance
         if diff <= tol:
             if self.collective.rank == 0:
-                logger.info("probe loss after loading %s: %.6g, at save %.6g (relative difference %.2e "
-                            "<= load.probe_tolerance %g): restored", path, loaded, saved, diff, tol)
+                logger.info(
+                    "probe loss after loading %s: %.6g, at save %.6g (relative difference %.2e "
+                    "<= load.probe_tolerance %g): restored",
+                    path,
+                    loaded,
+                    saved,
+                    diff,
+                    tol,
+                )
             return
-        message = (f"probe loss after loading {path}: {loaded:.6g}, at save {saved:.6g} (relative difference "
-                   f"{diff:.3g} > load.probe_tolerance {tol:g}): the model does not compute what it computed at the "
-                   "save, so something it depends on was not restored (weights not loaded or changed after "
-                   "the load, a non-persistent buffer, a different probe batch or model code). Check the "
-                   "load selection and the model")
+        message = (
+            f"probe loss after loading {path}: {loaded:.6g}, at save {saved:.6g} (relative difference "
+            f"{diff:.3g} > load.probe_tolerance {tol:g}): the model does not compute what it computed at the "
+            "save, so something it depends on was not restored (weights not loaded or changed after "
+            "the load, a non-persistent buffer, a different probe batch or model code). Check the "
+            "load selection and the model"
+        )
         if self.config.load.probe_on_mismatch == "raise":
             raise IncompatibleCheckpointError(message + ", or set load.probe_on_mismatch: warn to continue anyway.")
         if self.collective.rank == 0:

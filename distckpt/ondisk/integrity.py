@@ -23,8 +23,20 @@ from typing_extensions import override
 
 from ..errors import CheckpointCorruptError
 
-__all__ = ["HASH_ALGORITHM", "MAX_BLOCK_BYTES", "MIN_BLOCK_BYTES", "BlockDigests", "BlockHasher", "WrittenFile",
-           "new_hasher", "hash_file", "hash_blocks", "HashingFileSystem", "check_file", "describe_path"]
+__all__ = [
+    "HASH_ALGORITHM",
+    "MAX_BLOCK_BYTES",
+    "MIN_BLOCK_BYTES",
+    "BlockDigests",
+    "BlockHasher",
+    "WrittenFile",
+    "new_hasher",
+    "hash_file",
+    "hash_blocks",
+    "HashingFileSystem",
+    "check_file",
+    "describe_path",
+]
 
 HASH_ALGORITHM = "xxh3_128"
 _CHUNK = 8 << 20
@@ -54,10 +66,13 @@ class BlockDigests:
     def valid_for(self, size_bytes: int) -> bool:
         """Whether these blocks tile a file of ``size_bytes`` exactly, with one xxh3-128 hex
         digest per block (integer ends, 32-hex-digit strings)."""
-        return (len(self.ends) == len(self.hashes) > 0 and self.ends[-1] == size_bytes
-                and all(type(e) is int for e in self.ends)
-                and all(isinstance(h, str) and _HEX128.fullmatch(h) for h in self.hashes)
-                and all(b > a for a, b in zip((0,) + self.ends, self.ends)))
+        return (
+            len(self.ends) == len(self.hashes) > 0
+            and self.ends[-1] == size_bytes
+            and all(type(e) is int for e in self.ends)
+            and all(isinstance(h, str) and _HEX128.fullmatch(h) for h in self.hashes)
+            and all(b > a for a, b in zip((0,) + self.ends, self.ends))
+        )
 
 
 class BlockHasher:
@@ -89,7 +104,7 @@ class BlockHasher:
         i = 0
         while i < n:
             k = min(n - i, block - (self._pos - self._start))
-            self._hasher.update(data[i:i + k])
+            self._hasher.update(data[i : i + k])
             self._pos += k
             i += k
             if self._pos - self._start >= block:
@@ -139,8 +154,10 @@ def describe_path(path: str | os.PathLike) -> str:
     if ".." not in parts or parts.index("..") == 0:
         return str(path)
     owner = Path(os.path.normpath(path))
-    return (f"{owner} (a file of checkpoint {owner.parent.name}, which the incremental checkpoint "
-            f"{parts[parts.index('..') - 1]} being read refers to)")
+    return (
+        f"{owner} (a file of checkpoint {owner.parent.name}, which the incremental checkpoint "
+        f"{parts[parts.index('..') - 1]} being read refers to)"
+    )
 
 
 def hash_blocks(path: str | os.PathLike, blocks: BlockDigests) -> tuple[str, int | None]:
@@ -154,7 +171,7 @@ def hash_blocks(path: str | os.PathLike, blocks: BlockDigests) -> tuple[str, int
         for i, end in enumerate(blocks.ends):
             block = new_hasher()
             while start < end:
-                n = f.readinto(memoryview(buf)[:min(_CHUNK, end - start)])
+                n = f.readinto(memoryview(buf)[: min(_CHUNK, end - start)])
                 if not n:
                     return whole.hexdigest(), i if bad is None else bad  # shorter than its blocks
                 whole.update(memoryview(buf)[:n])
@@ -165,8 +182,9 @@ def hash_blocks(path: str | os.PathLike, blocks: BlockDigests) -> tuple[str, int
     return whole.hexdigest(), bad
 
 
-def check_file(path: str | os.PathLike, *, size_bytes: int, digest: str | None,
-               blocks: BlockDigests | None = None) -> None:
+def check_file(
+    path: str | os.PathLike, *, size_bytes: int, digest: str | None, blocks: BlockDigests | None = None
+) -> None:
     """Compare a file with its manifest entry: size, then (when ``digest`` is given) the
     whole-file digest and, with ``blocks``, every block digest in the same pass.
 
@@ -179,25 +197,31 @@ def check_file(path: str | os.PathLike, *, size_bytes: int, digest: str | None,
     try:
         actual_size = path.stat().st_size
     except FileNotFoundError:
-        raise CheckpointCorruptError(f"{describe_path(path)}: file listed in the manifest is missing",
-                                     path=str(path)) from None
+        raise CheckpointCorruptError(
+            f"{describe_path(path)}: file listed in the manifest is missing", path=str(path)
+        ) from None
     if actual_size != size_bytes:
         raise CheckpointCorruptError(
             f"{describe_path(path)}: size {actual_size} bytes, manifest expects {size_bytes} bytes (truncated?)",
-            path=str(path))
+            path=str(path),
+        )
     if digest is None:
         return
     actual, bad = hash_blocks(path, blocks) if blocks is not None else (hash_file(path)[1], None)
     if actual != digest:
         raise CheckpointCorruptError(
             f"{describe_path(path)}: {HASH_ALGORITHM} {actual} does not match the manifest's {digest} "
-            "(bytes changed after the commit)", path=str(path))
+            "(bytes changed after the commit)",
+            path=str(path),
+        )
     if bad is not None and blocks is not None:
         lo, hi = (blocks.ends[bad - 1] if bad else 0), blocks.ends[bad]
         raise CheckpointCorruptError(
             f"{describe_path(path)}: bytes [{lo}, {hi}) (block {bad} of {len(blocks.ends)}) do not match the "
             "manifest's block digest although the whole file does: the manifest's block list is wrong, and a "
-            "load that reads part of this file would refuse it", path=str(path))
+            "load that reads part of this file would refuse it",
+            path=str(path),
+        )
 
 
 class _HashingStream:
@@ -243,8 +267,9 @@ class HashingFileSystem(FileSystem):
             hashing = _HashingStream(raw)
             yield hashing
         blocks = hashing.blocks.finish()
-        entry = WrittenFile(hashing.size, hashing.hasher.hexdigest(),
-                            blocks if hashing.size > MIN_BLOCK_BYTES else None)
+        entry = WrittenFile(
+            hashing.size, hashing.hasher.hexdigest(), blocks if hashing.size > MIN_BLOCK_BYTES else None
+        )
         with self._lock:
             self.written[Path(path).name] = entry
 

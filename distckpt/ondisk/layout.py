@@ -122,10 +122,11 @@ def check_root_scheme(root: str, what: str = "root") -> None:
     if not _URL_RE.match(root) or root.startswith(("s3://", "file://")):
         return
     scheme = root.split(":", 1)[0]
-    hint = (f" Did you mean s3://{root.split(':', 1)[1].lstrip('/')}?"
-            if scheme.lower() in ("s3", "s3a", "s3n") else "")
-    raise ConfigError(f"{what}={root!r}: unsupported URL scheme {scheme + ':'!r}; supported roots are "
-                      f"s3://bucket/prefix, file:///path or a plain directory path.{hint}")
+    hint = f" Did you mean s3://{root.split(':', 1)[1].lstrip('/')}?" if scheme.lower() in ("s3", "s3a", "s3n") else ""
+    raise ConfigError(
+        f"{what}={root!r}: unsupported URL scheme {scheme + ':'!r}; supported roots are "
+        f"s3://bucket/prefix, file:///path or a plain directory path.{hint}"
+    )
 
 
 def refuse_output_in_checkpoint(out: str | os.PathLike, what: str = "output") -> None:
@@ -139,8 +140,10 @@ def refuse_output_in_checkpoint(out: str | os.PathLike, what: str = "output") ->
     path = Path(out).resolve()
     for d in (path, *path.parents):
         if (d / MANIFEST).is_file() or (d / DEFERRED_MANIFEST).is_file():
-            raise ConfigError(f"{what} {str(out)!r} is inside the checkpoint {d}: distckpt never writes into a "
-                              "checkpoint (it would damage it); choose a path outside it")
+            raise ConfigError(
+                f"{what} {str(out)!r} is inside the checkpoint {d}: distckpt never writes into a "
+                "checkpoint (it would damage it); choose a path outside it"
+            )
 
 
 def refuse_url_output(out: str | os.PathLike, what: str = "output") -> None:
@@ -153,6 +156,8 @@ def refuse_url_output(out: str | os.PathLike, what: str = "output") -> None:
     """
     text = os.fspath(out)
     if _URL_RE.match(text):
-        raise ConfigError(f"{what} {text!r} is a URL: export and release write local files only (S3 and "
-                          "other object-storage outputs are not supported). Write to a local path, then upload "
-                          "it (e.g. `aws s3 cp --recursive DIR s3://bucket/prefix/`)")
+        raise ConfigError(
+            f"{what} {text!r} is a URL: export and release write local files only (S3 and "
+            "other object-storage outputs are not supported). Write to a local path, then upload "
+            "it (e.g. `aws s3 cp --recursive DIR s3://bucket/prefix/`)"
+        )

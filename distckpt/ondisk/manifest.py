@@ -19,8 +19,17 @@ from ..errors import CheckpointCorruptError, IncompatibleCheckpointError
 from .integrity import BlockDigests
 from .layout import MANIFEST
 
-__all__ = ["SCHEMA_VERSION", "Manifest", "FileEntry", "TensorSpec", "model_fingerprint", "migrate",
-           "check_model_fits", "structure_problems", "first_problem"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "Manifest",
+    "FileEntry",
+    "TensorSpec",
+    "model_fingerprint",
+    "migrate",
+    "check_model_fits",
+    "structure_problems",
+    "first_problem",
+]
 
 SCHEMA_VERSION = 5
 # v1 -> v2: files gained "hash" (xxh3_128 hex), the manifest gained "hash_algorithm".
@@ -126,8 +135,9 @@ class Manifest:
             if f["block_ends"] is None and f["block_hashes"] is None:
                 del f["block_ends"], f["block_hashes"]
         if data["schema_version"] == SCHEMA_VERSION:  # the oldest schema that holds it, which older distckpt reads
-            data["schema_version"] = (5 if "initial_load" in data
-                                      else 4 if any("block_ends" in f for f in data["files"]) else 3)
+            data["schema_version"] = (
+                5 if "initial_load" in data else 4 if any("block_ends" in f for f in data["files"]) else 3
+            )
         return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod
@@ -156,11 +166,11 @@ class Manifest:
         except (KeyError, TypeError) as e:
             raise CheckpointCorruptError(f"{path}: malformed manifest ({e})", path=path) from e
         for f in manifest.files:
-            if (f.block_ends is None) != (f.block_hashes is None) or (
-                    f.block_ends is not None and not _blocks_ok(f)):
+            if (f.block_ends is None) != (f.block_hashes is None) or (f.block_ends is not None and not _blocks_ok(f)):
                 raise CheckpointCorruptError(
                     f"{path}: malformed manifest (block digests of {f.path} do not tile its {f.size_bytes} bytes)",
-                    path=path)
+                    path=path,
+                )
         return manifest
 
     @classmethod
@@ -212,8 +222,7 @@ def model_fingerprint(specs: dict[str, TensorSpec]) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
-def check_model_fits(manifest: Manifest, path: str, live: dict[str, TensorSpec],
-                     ties: dict[str, list[str]]) -> None:
+def check_model_fits(manifest: Manifest, path: str, live: dict[str, TensorSpec], ties: dict[str, list[str]]) -> None:
     """Compare a checkpoint's model (its manifest) with the live model before touching anything.
 
     Args:
@@ -229,8 +238,7 @@ def check_model_fits(manifest: Manifest, path: str, live: dict[str, TensorSpec],
     if manifest.model_fingerprint == model_fingerprint(live):
         return
     saved = manifest.model
-    missing = sorted(k for k in set(live) - set(saved)
-                     if not any(saved.get(t) == live[k] for t in ties.get(k, [])))
+    missing = sorted(k for k in set(live) - set(saved) if not any(saved.get(t) == live[k] for t in ties.get(k, [])))
     unexpected = sorted(set(saved) - set(live))
     mismatched = []
     for key in sorted(set(saved) & set(live)):
@@ -244,15 +252,22 @@ def check_model_fits(manifest: Manifest, path: str, live: dict[str, TensorSpec],
     lines += [f"  missing in checkpoint: {k}" for k in missing]
     lines += [f"  unexpected (in checkpoint, not in model): {k}" for k in unexpected]
     lines += [f"  {what} mismatch for {k}: checkpoint {a}, model {b}" for k, what, a, b in mismatched]
-    lines.append("Load into the same architecture (a renamed layer or changed size/dtype needs "
-                 "an explicit conversion; distckpt never casts or drops weights silently).")
-    raise IncompatibleCheckpointError("\n".join(lines), missing=missing, unexpected=unexpected,
-                                      mismatched=mismatched)
+    lines.append(
+        "Load into the same architecture (a renamed layer or changed size/dtype needs "
+        "an explicit conversion; distckpt never casts or drops weights silently)."
+    )
+    raise IncompatibleCheckpointError("\n".join(lines), missing=missing, unexpected=unexpected, mismatched=mismatched)
 
 
-def structure_problems(manifest: Manifest, *, location: str, manifest_path: str | None = None,
-                       dir_step: int | None = None, present: Iterable[str] | None = None,
-                       metadata: Any = None) -> list[CheckpointCorruptError]:
+def structure_problems(
+    manifest: Manifest,
+    *,
+    location: str,
+    manifest_path: str | None = None,
+    dir_step: int | None = None,
+    present: Iterable[str] | None = None,
+    metadata: Any = None,
+) -> list[CheckpointCorruptError]:
     """What a committed checkpoint must agree with beyond its files' sizes and hashes: the one
     set of checks ``distckpt verify``, ``distckpt ls``, resume discovery and ``load()`` apply,
     so a checkpoint ``verify`` calls corrupt is never listed as committed nor loaded.
@@ -274,36 +289,55 @@ def structure_problems(manifest: Manifest, *, location: str, manifest_path: str 
     where = manifest_path or f"the manifest of {location}"
     problems = []
     if dir_step is not None and dir_step != manifest.step:
-        problems.append(CheckpointCorruptError(
-            f"{where}: manifest says step {manifest.step}, directory is step {dir_step}", path=where))
+        problems.append(
+            CheckpointCorruptError(
+                f"{where}: manifest says step {manifest.step}, directory is step {dir_step}", path=where
+            )
+        )
     listed = {f.path: f.size_bytes for f in manifest.files}
     for name in sorted(set(present or ()) - set(listed) - {MANIFEST}):
-        problems.append(CheckpointCorruptError(
-            f"{location}/{name}: file not listed in the manifest (added or renamed after the commit)",
-            path=f"{location}/{name}"))
+        problems.append(
+            CheckpointCorruptError(
+                f"{location}/{name}: file not listed in the manifest (added or renamed after the commit)",
+                path=f"{location}/{name}",
+            )
+        )
     if metadata is None:
         return problems
     meta_path = f"{location}/.metadata"
     for index, info in (metadata.storage_data or {}).items():
         size = listed.get(info.relative_path)
         if size is None:
-            problems.append(CheckpointCorruptError(
-                f"{meta_path}: item {index.fqn!r} is stored in {info.relative_path!r}, which the "
-                "manifest does not list", path=meta_path))
+            problems.append(
+                CheckpointCorruptError(
+                    f"{meta_path}: item {index.fqn!r} is stored in {info.relative_path!r}, which the "
+                    "manifest does not list",
+                    path=meta_path,
+                )
+            )
         elif info.offset + info.length > size:
-            problems.append(CheckpointCorruptError(
-                f"{location}/{info.relative_path}: item {index.fqn!r} at bytes {info.offset}.."
-                f"{info.offset + info.length} lies past the end ({size} bytes)",
-                path=f"{location}/{info.relative_path}"))
-    saved = {k[len("model."):]: (list(v.size), str(v.properties.dtype))
-             for k, v in metadata.state_dict_metadata.items()
-             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+            problems.append(
+                CheckpointCorruptError(
+                    f"{location}/{info.relative_path}: item {index.fqn!r} at bytes {info.offset}.."
+                    f"{info.offset + info.length} lies past the end ({size} bytes)",
+                    path=f"{location}/{info.relative_path}",
+                )
+            )
+    saved = {
+        k[len("model.") :]: (list(v.size), str(v.properties.dtype))
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
+    }
     recorded = {k: (list(v.shape), v.dtype) for k, v in manifest.model.items()}
     if saved != recorded:
         diff = sorted(k for k in set(saved) | set(recorded) if saved.get(k) != recorded.get(k))
-        problems.append(CheckpointCorruptError(
-            f"{where}: the manifest's model fingerprint does not match the tensors in "
-            f".metadata (first differences: {', '.join(diff[:5])})", path=where))
+        problems.append(
+            CheckpointCorruptError(
+                f"{where}: the manifest's model fingerprint does not match the tensors in "
+                f".metadata (first differences: {', '.join(diff[:5])})",
+                path=where,
+            )
+        )
     return problems
 
 
@@ -313,5 +347,6 @@ def first_problem(problems: list[CheckpointCorruptError], location: str) -> Chec
     if len(problems) <= 1:
         return problems[0] if problems else None
     first = problems[0]
-    return CheckpointCorruptError(f"{first} (and {len(problems) - 1} more problem(s): `distckpt verify "
-                                  f"{location}` lists them)", path=first.path)
+    return CheckpointCorruptError(
+        f"{first} (and {len(problems) - 1} more problem(s): `distckpt verify {location}` lists them)", path=first.path
+    )

@@ -19,8 +19,10 @@ import torch
 
 __all__ = ["load_value", "check_loadable"]
 
-_HINT = ("use containers, primitives, tensors and numpy scalars or arrays (convert the value, e.g. "
-         "float(x) or x.tolist(), or keep it in an object whose state_dict() holds such values)")
+_HINT = (
+    "use containers, primitives, tensors and numpy scalars or arrays (convert the value, e.g. "
+    "float(x) or x.tolist(), or keep it in an object whose state_dict() holds such values)"
+)
 
 
 def _numpy_globals() -> list[Any]:
@@ -65,8 +67,10 @@ def check_loadable(value: Any, what: str) -> None:
         return
     path, culprit = _find_unloadable(skeleton, "")
     kind = f"{type(culprit).__module__}.{type(culprit).__qualname__}"
-    raise TypeError(f"{what}{path}: a {kind} cannot be saved: load() reads plain values with "
-                    f"torch.load(weights_only=True), which refuses it; {_HINT}")
+    raise TypeError(
+        f"{what}{path}: a {kind} cannot be saved: load() reads plain values with "
+        f"torch.load(weights_only=True), which refuses it; {_HINT}"
+    )
 
 
 def _without_tensors(value: Any) -> Any:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Literal
+import time
+from typing import Any, Literal
 
 from ..coord.collective import Collective
 
@@ -57,8 +58,9 @@ class PreemptionPlan:
     reason: str
 
 
-def plan_preemption(*, grace_s: float, elapsed_s: float, predicted_s: float | None,
-                    inflight_left_s: float | None, step_saved: bool) -> PreemptionPlan:
+def plan_preemption(
+    *, grace_s: float, elapsed_s: float, predicted_s: float | None, inflight_left_s: float | None, step_saved: bool
+) -> PreemptionPlan:
     """Decide the preemption save. Every rank must pass the same values (agree on them first).
 
     Args:
@@ -70,32 +72,83 @@ def plan_preemption(*, grace_s: float, elapsed_s: float, predicted_s: float | No
     """
     left = grace_s - elapsed_s
     new = predicted_s or 0.0
-    fig = (f"predicted save {'?' if predicted_s is None else f'{predicted_s:.2f} s'}, "
-           f"{left:.2f} s left of the {grace_s:g} s grace window")
+    fig = (
+        f"predicted save {'?' if predicted_s is None else f'{predicted_s:.2f} s'}, "
+        f"{left:.2f} s left of the {grace_s:g} s grace window"
+    )
     if step_saved:
-        return PreemptionPlan("none", "this step is already saved" + (
-            f" (in flight, {inflight_left_s:.2f} s to go)" if inflight_left_s is not None else ""))
+        return PreemptionPlan(
+            "none",
+            "this step is already saved"
+            + (f" (in flight, {inflight_left_s:.2f} s to go)" if inflight_left_s is not None else ""),
+        )
     if inflight_left_s is None:
         if new <= left:
             return PreemptionPlan("save", f"saving this step: {fig}")
         return PreemptionPlan("skip", f"NOT saving: {fig}; the job resumes from the last committed checkpoint")
     if inflight_left_s + new <= left:
-        return PreemptionPlan("save", f"finishing the in-flight save ({inflight_left_s:.2f} s to go), then "
-                                      f"saving this step: {fig}")
-    return PreemptionPlan("finish_inflight", f"finishing the in-flight save ({inflight_left_s:.2f} s to go) "
-                                             f"instead of a new one: {fig}; the job resumes from the in-flight "
-                                             "save's step")
+        return PreemptionPlan(
+            "save", f"finishing the in-flight save ({inflight_left_s:.2f} s to go), then saving this step: {fig}"
+        )
+    return PreemptionPlan(
+        "finish_inflight",
+        f"finishing the in-flight save ({inflight_left_s:.2f} s to go) "
+        f"instead of a new one: {fig}; the job resumes from the in-flight "
+        "save's step",
+    )
 
 
-def agree_preemption_plan(collective: Collective, *, grace_s: float, elapsed_s: float,
-                          predicted_s: float | None, inflight_left_s: float | None,
-                          step_saved: bool) -> PreemptionPlan:
+def agree_preemption_plan(
+    collective: Collective,
+    *,
+    grace_s: float,
+    elapsed_s: float,
+    predicted_s: float | None,
+    inflight_left_s: float | None,
+    step_saved: bool,
+) -> PreemptionPlan:
     """:func:`plan_preemption` on the worst case of every rank's figures (gathered over
     ``collective``), so all ranks take the same decision. Arguments are this rank's, in
     seconds, as :func:`plan_preemption` takes them."""
     every = collective.all_gather((elapsed_s, predicted_s, inflight_left_s))
     known = [p for _, p, _ in every if p is not None]
     lefts = [x for _, _, x in every if x is not None]
-    return plan_preemption(grace_s=grace_s, elapsed_s=max(e for e, _, _ in every),
-                           predicted_s=max(known) if known else None,
-                           inflight_left_s=max(lefts) if lefts else None, step_saved=step_saved)
+    return plan_preemption(
+        grace_s=grace_s,
+        elapsed_s=max(e for e, _, _ in every),
+        predicted_s=max(known) if known else None,
+        inflight_left_s=max(lefts) if lefts else None,
+        step_saved=step_saved,
+    )
+
+
+def agree_on_signal(
+    collective: Collective,
+    watcher: Any,
+    durations: SaveDurations,
+    inflight: Any,
+    *,
+    grace_s: float,
+    step_saved: bool,
+) -> PreemptionPlan:
+    """The grace-window decision at the first step boundary after SIGTERM, the same on every
+    rank (:func:`agree_preemption_plan`). Collective.
+
+    Args:
+        watcher: the ``PreemptionWatcher`` that agreed on the signal (time since it, seconds).
+        durations: this manager's recent save durations (the prediction of the next save).
+        inflight: the async save in flight (``BackgroundSave``: ``started``, ``running()``), or ``None``.
+        grace_s: seconds between SIGTERM and the launcher's SIGKILL.
+        step_saved: this step is already saved (or being saved).
+    """
+    predicted, left = durations.predict(), None
+    if inflight is not None:  # committed already when its thread is done
+        left = max(0.0, (predicted or 0.0) - (time.perf_counter() - inflight.started)) if inflight.running() else 0.0
+    return agree_preemption_plan(
+        collective,
+        grace_s=grace_s,
+        elapsed_s=watcher.seconds_since_signal(),
+        predicted_s=predicted,
+        inflight_left_s=left,
+        step_saved=step_saved,
+    )

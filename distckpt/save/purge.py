@@ -100,6 +100,10 @@ class Purger:
         with self._lock:
             failures, self._failures = self._failures, []
         for path, e in failures:
-            logger.warning("retention: could not remove all of %s (%s); it is no longer a checkpoint, "
-                           "and the next start removes what is left", path, e)
+            logger.warning(
+                "retention: could not remove all of %s (%s); it is no longer a checkpoint, "
+                "and the next start removes what is left",
+                path,
+                e,
+            )
         return failures

@@ -10,8 +10,12 @@ __all__ = ["steps_to_delete", "best_steps"]
 
 
 def steps_to_delete(
-    committed_steps: list[int], *, keep_last: int | None, keep_every_steps: int | None,
-    just_committed: int | None = None, also_keep: Iterable[int] = (),
+    committed_steps: list[int],
+    *,
+    keep_last: int | None,
+    keep_every_steps: int | None,
+    just_committed: int | None = None,
+    also_keep: Iterable[int] = (),
 ) -> list[int]:
     """Steps of committed checkpoints that retention removes.
 
@@ -50,6 +54,5 @@ def best_steps(metrics: dict[int, dict[str, float]], keep_best: KeepBest) -> lis
         a NaN, never counts.
     """
     sign = 1.0 if keep_best.mode == "min" else -1.0
-    ranked = sorted((sign * v, s) for s, m in metrics.items()
-                    if (v := m.get(keep_best.metric)) is not None and v == v)
-    return [s for _, s in ranked[:keep_best.k]]
+    ranked = sorted((sign * v, s) for s, m in metrics.items() if (v := m.get(keep_best.metric)) is not None and v == v)
+    return [s for _, s in ranked[: keep_best.k]]

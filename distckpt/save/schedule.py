@@ -26,8 +26,9 @@ class SaveSchedule:
         clock: monotonic seconds; injectable for tests.
     """
 
-    def __init__(self, schedule: ScheduleConfig, *, collective: Collective,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, schedule: ScheduleConfig, *, collective: Collective, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.interval_steps = schedule.interval_steps
         self.interval_seconds = schedule.interval_seconds
         self.collective = collective

@@ -124,8 +124,7 @@ class SaveTransaction:
         full: FULL model/optimizer state dict instead of SHARDED (recorded in the manifest).
     """
 
-    def __init__(self, ctx: SaveContext, *, step: int, save_id: str, train_state: TrainState,
-                 full: bool) -> None:
+    def __init__(self, ctx: SaveContext, *, step: int, save_id: str, train_state: TrainState, full: bool) -> None:
         self.ctx, self.step, self.train_state, self.full = ctx, step, train_state, full
         self.store = ctx.store
         self.pending = self.store.pending_location(step, save_id)  # a location: a path or a URL
@@ -150,8 +149,14 @@ class SaveTransaction:
             self.phase("write", pending=self.pending, blocking=True)
             self.store.begin_write(self.pending)
             t_stage = time.perf_counter() - self.t0
-            files = dcp_save(sd, self.pending, process_group=collective.group, thread_count=self.ctx.save.thread_count,
-                             write_timeout_s=self.ctx.write_timeout_s, writer=self._writer())
+            files = dcp_save(
+                sd,
+                self.pending,
+                process_group=collective.group,
+                thread_count=self.ctx.save.thread_count,
+                write_timeout_s=self.ctx.write_timeout_s,
+                writer=self._writer(),
+            )
             return RankOutcome(None, t_stage, time.perf_counter() - self.t0 - t_stage, files)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -185,8 +190,12 @@ class SaveTransaction:
 
     def _writer(self) -> Any:
         """The store's DCP writer for this save (incremental when configured)."""
-        return self.store.dcp_writer(self.pending, thread_count=self.ctx.save.thread_count,
-                                     write_timeout_s=self.ctx.write_timeout_s, reuse=self._reuse())
+        return self.store.dcp_writer(
+            self.pending,
+            thread_count=self.ctx.save.thread_count,
+            write_timeout_s=self.ctx.write_timeout_s,
+            reuse=self._reuse(),
+        )
 
     def agree_started(self, collective: Collective, outcome: RankOutcome) -> None:
         """All ranks agree that the background write started everywhere (training thread).
@@ -200,24 +209,30 @@ class SaveTransaction:
             self._abort(collective)
             raise self.error(failures)
 
-    def finish_in_background(self, collective: Collective, upload: Any, async_writer: Any,
-                             started: RankOutcome,
-                             on_committed: Callable[[float], None] | None = None) -> "BackgroundSave":
+    def finish_in_background(
+        self,
+        collective: Collective,
+        upload: Any,
+        async_writer: Any,
+        started: RankOutcome,
+        on_committed: Callable[[float], None] | None = None,
+    ) -> "BackgroundSave":
         """Wait for the upload and :meth:`finish` over ``collective`` on a daemon thread;
         ``on_committed(seconds from the save call)`` runs there after the commit."""
-        return BackgroundSave(self, lambda: self.finish(collective, self.upload_outcome(upload, async_writer, started)),
-                              on_committed)
+        return BackgroundSave(
+            self, lambda: self.finish(collective, self.upload_outcome(upload, async_writer, started)), on_committed
+        )
 
     def upload_outcome(self, upload: Any, async_writer: Any, started: RankOutcome) -> RankOutcome:
         """Wait for the background write (background thread); never raises."""
         try:
             upload.result()
             files = async_writer.written_files(self.pending, self.ctx.rank)
-            return dataclasses.replace(started, write_s=time.perf_counter() - self.t0 - started.stage_s,
-                                       files=files)
+            return dataclasses.replace(started, write_s=time.perf_counter() - self.t0 - started.stage_s, files=files)
         except BaseException as e:  # noqa: BLE001 - DCP raises BaseException subclasses
-            return dataclasses.replace(started, error=describe_exception(e),
-                                       write_s=time.perf_counter() - self.t0 - started.stage_s)
+            return dataclasses.replace(
+                started, error=describe_exception(e), write_s=time.perf_counter() - self.t0 - started.stage_s
+            )
 
     # ------------------------------------------------------------------ commit
     def finish(self, collective: Collective, outcome: RankOutcome) -> None:
@@ -243,8 +258,13 @@ class SaveTransaction:
         collective.barrier()
         self.phase("committed", seconds=time.perf_counter() - self.t0)
         if self.ctx.rank == 0:
-            logger.info("committed %s: %.3f s after the save call (stage %.3f s, write %.3f s)",
-                        self.final, time.perf_counter() - self.t0, timings["stage"], timings["write"])
+            logger.info(
+                "committed %s: %.3f s after the save call (stage %.3f s, write %.3f s)",
+                self.final,
+                time.perf_counter() - self.t0,
+                timings["stage"],
+                timings["write"],
+            )
 
     def error(self, failures: dict[int, str]) -> CheckpointSaveError:
         """The error every rank raises when ``failures`` (``{rank: why}``) is not empty."""
@@ -252,21 +272,34 @@ class SaveTransaction:
             f"save of step {self.step} failed on rank(s) {sorted(failures)}: "
             + "; ".join(f"rank {r}: {m}" for r, m in failures.items())
             + f". Nothing was committed; previous checkpoints in {self.store.root} are intact.",
-            failures=failures)
+            failures=failures,
+        )
 
     def _manifest(self, timings: dict[str, float], files: dict[str, tuple[int, str]]) -> Manifest:
         ts, ctx = self.train_state, self.ctx
         manifest = Manifest(
-            step=self.step, epoch=ts.epoch, global_samples_seen=ts.global_samples_seen,
-            wall_time=time.time(), world_size=ctx.world_size, wrapper=ctx.wrapper,
-            state_dict_type="full" if self.full else "sharded", torch_version=torch.__version__,
-            distckpt_version=__version__, model=ctx.model_specs,
+            step=self.step,
+            epoch=ts.epoch,
+            global_samples_seen=ts.global_samples_seen,
+            wall_time=time.time(),
+            world_size=ctx.world_size,
+            wrapper=ctx.wrapper,
+            state_dict_type="full" if self.full else "sharded",
+            torch_version=torch.__version__,
+            distckpt_version=__version__,
+            model=ctx.model_specs,
             model_fingerprint=model_fingerprint(ctx.model_specs),
             loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == self.step else None,
-            timings_s=timings, files=self.store.list_files(self.pending, files)
-            + (self.store.reference_entries(self.pending) if ctx.save.incremental else []), run_id=ts.run_id,
-            metrics=dict(ts.metrics), probe_loss=ts.probe_loss, hardware=hardware_summary(),
-            batch_change=ts.batch_change, initial_load=ctx.initial_load)
+            timings_s=timings,
+            files=self.store.list_files(self.pending, files)
+            + (self.store.reference_entries(self.pending) if ctx.save.incremental else []),
+            run_id=ts.run_id,
+            metrics=dict(ts.metrics),
+            probe_loss=ts.probe_loss,
+            hardware=hardware_summary(),
+            batch_change=ts.batch_change,
+            initial_load=ctx.initial_load,
+        )
         return manifest
 
     def _commit(self, timings: dict[str, float], files: dict[str, tuple[int, str]]) -> str | None:
@@ -293,21 +326,36 @@ class SaveTransaction:
         committed = list(manifests)
         best, kb = [], self.ctx.retention.keep_best
         if kb is not None and (best := best_steps({s: m.metrics for s, m in manifests.items() if s <= self.step}, kb)):
-            logger.info("retention: keeps the best %d by %s (%s): %s", kb.k, kb.metric, kb.mode,
-                        ", ".join(f"step {s} ({manifests[s].metrics[kb.metric]:.6g})" for s in best))
+            logger.info(
+                "retention: keeps the best %d by %s (%s): %s",
+                kb.k,
+                kb.metric,
+                kb.mode,
+                ", ".join(f"step {s} ({manifests[s].metrics[kb.metric]:.6g})" for s in best),
+            )
         newer = [s for s in committed if s > self.step]
         if newer:  # not this run's (a save without a load in a used root): never deleted
-            logger.warning("%s holds checkpoints newer than the step-%d just committed (steps %s); "
-                           "retention leaves them, and a later load.enabled: true resumes from step %d",
-                           root, self.step, newer, max(newer))
+            logger.warning(
+                "%s holds checkpoints newer than the step-%d just committed (steps %s); "
+                "retention leaves them, and a later load.enabled: true resumes from step %d",
+                root,
+                self.step,
+                newer,
+                max(newer),
+            )
         self.ctx.purger.join()  # the previous save's removals: References reads every directory
         # POSIX: a checkpoint an incremental one refers to is deferred, not deleted. The rename
         # to .deleting- happens here; the removal of its files runs on the purger's thread.
-        steps = steps_to_delete(committed, keep_last=self.ctx.retention.keep_last,
-                                keep_every_steps=self.ctx.retention.keep_every_steps,
-                                just_committed=self.step, also_keep=best)
-        for line in self.store.delete_checkpoints(steps, before=lambda step: self.phase("retention", step),
-                                                  remove=self.ctx.purger.submit):
+        steps = steps_to_delete(
+            committed,
+            keep_last=self.ctx.retention.keep_last,
+            keep_every_steps=self.ctx.retention.keep_every_steps,
+            just_committed=self.step,
+            also_keep=best,
+        )
+        for line in self.store.delete_checkpoints(
+            steps, before=lambda step: self.phase("retention", step), remove=self.ctx.purger.submit
+        ):
             logger.info("retention: %s", line)
 
     def _abort(self, collective: Collective) -> None:
@@ -326,8 +374,9 @@ class BackgroundSave:
         seconds: save call to commit (seconds), once committed.
     """
 
-    def __init__(self, tx: SaveTransaction, finish: Callable[[], None],
-                 on_committed: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self, tx: SaveTransaction, finish: Callable[[], None], on_committed: Callable[[float], None] | None = None
+    ) -> None:
         self.step, self.started = tx.step, tx.t0
         self.seconds: float | None = None
         self._error: Exception | None = None

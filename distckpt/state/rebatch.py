@@ -31,8 +31,16 @@ __all__ = ["apply_step_rule", "move_scheduler"]
 logger = logging.getLogger(__name__)
 
 
-def apply_step_rule(train_state: Any, scheduler: Any, *, global_batch: tuple[int, int], world_size: tuple[int, int],
-                    batch_policy: str, step_rule: str, rank: int) -> dict[str, Any]:
+def apply_step_rule(
+    train_state: Any,
+    scheduler: Any,
+    *,
+    global_batch: tuple[int, int],
+    world_size: tuple[int, int],
+    batch_policy: str,
+    step_rule: str,
+    rank: int,
+) -> dict[str, Any]:
     """Apply ``step_rule`` after the data position was carried over to another global batch.
 
     Args:
@@ -57,19 +65,43 @@ def apply_step_rule(train_state: Any, scheduler: Any, *, global_batch: tuple[int
     if after != before and scheduler is not None:
         move_scheduler(scheduler, after - before)
     train_state.step = after
-    record = {"batch_policy": batch_policy, "step_rule": step_rule, "global_batch_before": global_batch[0],
-              "global_batch_after": global_batch[1], "world_size_before": world_size[0],
-              "world_size_after": world_size[1], "step_before": before, "step_after": after,
-              "global_samples_seen": train_state.global_samples_seen}
+    record = {
+        "batch_policy": batch_policy,
+        "step_rule": step_rule,
+        "global_batch_before": global_batch[0],
+        "global_batch_after": global_batch[1],
+        "world_size_before": world_size[0],
+        "world_size_after": world_size[1],
+        "step_before": before,
+        "step_after": after,
+        "global_samples_seen": train_state.global_samples_seen,
+    }
     if rank == 0:
-        how = (f"floor({train_state.global_samples_seen} samples / {global_batch[1]})" if step_rule == "rescale"
-               else "kept")
-        lr = (f", LR scheduler moved {after - before:+d} steps (lr {scheduler.get_last_lr()[0]:.6g})"
-              if after != before and scheduler is not None and hasattr(scheduler, "get_last_lr") else "")
-        logger.info("batch_policy=%s: global batch %d -> %d (world size %d -> %d), data position carried over "
-                    "in samples (%d seen); step_rule=%s: step %d -> %d (%s)%s", batch_policy, global_batch[0],
-                    global_batch[1], world_size[0], world_size[1], train_state.global_samples_seen, step_rule,
-                    before, after, how, lr)
+        how = (
+            f"floor({train_state.global_samples_seen} samples / {global_batch[1]})"
+            if step_rule == "rescale"
+            else "kept"
+        )
+        lr = (
+            f", LR scheduler moved {after - before:+d} steps (lr {scheduler.get_last_lr()[0]:.6g})"
+            if after != before and scheduler is not None and hasattr(scheduler, "get_last_lr")
+            else ""
+        )
+        logger.info(
+            "batch_policy=%s: global batch %d -> %d (world size %d -> %d), data position carried over "
+            "in samples (%d seen); step_rule=%s: step %d -> %d (%s)%s",
+            batch_policy,
+            global_batch[0],
+            global_batch[1],
+            world_size[0],
+            world_size[1],
+            train_state.global_samples_seen,
+            step_rule,
+            before,
+            after,
+            how,
+            lr,
+        )
     return record
 
 
@@ -96,13 +128,17 @@ def move_scheduler(scheduler: Any, delta: int) -> None:
                 scheduler.step()
             return
         target = getattr(scheduler, "last_epoch", -1) + delta
-        if (not isinstance(scheduler, lrs.LRScheduler) or target < 0
-                or isinstance(scheduler, (lrs.ReduceLROnPlateau, lrs.SequentialLR, lrs.ChainedScheduler))):
+        if (
+            not isinstance(scheduler, lrs.LRScheduler)
+            or target < 0
+            or isinstance(scheduler, (lrs.ReduceLROnPlateau, lrs.SequentialLR, lrs.ChainedScheduler))
+        ):
             raise IncompatibleCheckpointError(
                 f"step_rule='rescale' moves the step counter back by {-delta} steps, but the LR scheduler "
                 f"{type(scheduler).__name__} (last_epoch={getattr(scheduler, 'last_epoch', None)}) cannot be "
                 "replayed to that step. Use step_rule: keep, or a torch LRScheduler other than "
-                "ReduceLROnPlateau, SequentialLR and ChainedScheduler")
+                "ReduceLROnPlateau, SequentialLR and ChainedScheduler"
+            )
         for group in scheduler.optimizer.param_groups:
             group["lr"] = group["initial_lr"]
         scheduler.last_epoch = -1

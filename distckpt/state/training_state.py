@@ -104,13 +104,29 @@ class TrainState:
     probe_loss_loaded: float | None = None
     batch_change: dict[str, Any] | None = None
 
-    _SAVED = ("step", "epoch", "batch_in_epoch", "global_samples_seen", "global_tokens_seen", "loss_history",
-              "run_id", "metrics", "probe_loss")
+    _SAVED = (
+        "step",
+        "epoch",
+        "batch_in_epoch",
+        "global_samples_seen",
+        "global_tokens_seen",
+        "loss_history",
+        "run_id",
+        "metrics",
+        "probe_loss",
+    )
 
     COUNTERS = ("epoch", "batch_in_epoch", "global_samples_seen", "global_tokens_seen")
 
-    def record(self, step: int, loss: float | None, counters: dict[str, int], *, history_len: int,
-               metrics: dict[str, float] | None = None) -> None:
+    def record(
+        self,
+        step: int,
+        loss: float | None,
+        counters: dict[str, int],
+        *,
+        history_len: int,
+        metrics: dict[str, float] | None = None,
+    ) -> None:
         """Set ``step`` and the given counters; append ``(step, loss)`` to the bounded history.
         ``metrics`` belong to ``step``: a new step starts without any.
 
@@ -239,8 +255,14 @@ class CheckpointState:
                 setattr(train_state, name, value)
 
     # ------------------------------------------------------------------ load
-    def for_load(self, checkpoint_keys: set[str], saved_world_size: int,
-                 select: frozenset[str] = frozenset(LOADABLE), *, metadata: Any = None) -> dict[str, Any]:
+    def for_load(
+        self,
+        checkpoint_keys: set[str],
+        saved_world_size: int,
+        select: frozenset[str] = frozenset(LOADABLE),
+        *,
+        metadata: Any = None,
+    ) -> dict[str, Any]:
         """Target state_dict for ``dcp.load``; call inside ``self.model_optim.load_context()``.
 
         Args:
@@ -271,8 +293,9 @@ class CheckpointState:
             self.data.check_no_live_iterator(self.rank)
         load_optim = self.model_optim.optimizer is not None and "optimizer" in select
         # Without the optimizer, DCP's get_state_dict would give it state (a dummy step): skip it.
-        model_sd, optim_sd = (self.model_optim.target_for_load() if load_optim
-                              else (self.model_optim.model_target_for_load(), {}))
+        model_sd, optim_sd = (
+            self.model_optim.target_for_load() if load_optim else (self.model_optim.model_target_for_load(), {})
+        )
         sd = {}
         if "model" in select:
             self._read_tied_from_twins(model_sd, checkpoint_keys)
@@ -285,8 +308,7 @@ class CheckpointState:
         sd.update(self._global_parts(for_load=True, select=select))
         stateful = [name for name, obj in self.extra_state.items() if isinstance(obj, Stateful) and "extra" in sd]
         for name in stateful if metadata is not None else ():  # also the keys its fresh state_dict() lacks
-            sd["extra"][name] = with_saved_keys(sd["extra"][name], ("extra", name), metadata,
-                                                self.model_optim.device())
+            sd["extra"][name] = with_saved_keys(sd["extra"][name], ("extra", name), metadata, self.model_optim.device())
         if "counters" in select:
             sd["train_state"] = b""
         same_world = saved_world_size == self.world_size
@@ -314,8 +336,10 @@ class CheckpointState:
                 del model_sd[key]
                 self.tied_from[key] = twin
         if self.tied_from and self.rank == 0:
-            logger.info("tied weights absent from the checkpoint, read from their twin: %s",
-                        ", ".join(f"{k} <- {t}" for k, t in self.tied_from.items()))
+            logger.info(
+                "tied weights absent from the checkpoint, read from their twin: %s",
+                ", ".join(f"{k} <- {t}" for k, t in self.tied_from.items()),
+            )
 
     def restore(self, sd: dict[str, Any], *, saved_world_size: int) -> TrainState:
         """Apply a loaded state_dict to the live objects; call inside ``load_context()``."""
@@ -345,8 +369,14 @@ class CheckpointState:
         if self.data is not None and "dataloader" in self.select:
             local = unpack(own["dataloader"]) if own is not None and "dataloader" in own else None
             global_ = unpack(sd["data"]) if "data" in sd else None
-            batch_change = self.data.restore(local, global_, rank=self.rank, world_size=self.world_size,
-                                             saved_world_size=saved_world_size, batch_policy=self.batch_policy)
+            batch_change = self.data.restore(
+                local,
+                global_,
+                rank=self.rank,
+                world_size=self.world_size,
+                saved_world_size=saved_world_size,
+                batch_policy=self.batch_policy,
+            )
         # RNG last: nothing above may consume random numbers after it.
         if "rng" not in self.select:
             pass  # the live RNG stays (the selection is logged by the loader)
@@ -356,13 +386,24 @@ class CheckpointState:
             derived = derive_rng(self.seed, self.rank, train_state.step)
             logger.warning(
                 "rank %d did not exist at save (saved world size %d): RNG derived from "
-                "(seed=%d, rank=%d, step=%d) -> %d", self.rank, saved_world_size, self.seed,
-                self.rank, train_state.step, derived)
+                "(seed=%d, rank=%d, step=%d) -> %d",
+                self.rank,
+                saved_world_size,
+                self.seed,
+                self.rank,
+                train_state.step,
+                derived,
+            )
         if batch_change is not None:  # after the RNG: moving the scheduler draws no random numbers
             train_state.batch_change = apply_step_rule(
-                train_state, self.lr_scheduler, global_batch=batch_change,
-                world_size=(saved_world_size, self.world_size), batch_policy=self.batch_policy,
-                step_rule=self.step_rule, rank=self.rank)
+                train_state,
+                self.lr_scheduler,
+                global_batch=batch_change,
+                world_size=(saved_world_size, self.world_size),
+                batch_policy=self.batch_policy,
+                step_rule=self.step_rule,
+                rank=self.rank,
+            )
         return train_state
 
     def _restore_weights_only(self, sd: dict[str, Any]) -> TrainState:
@@ -370,13 +411,24 @@ class CheckpointState:
         train_state = TrainState(**unpack(sd["train_state"]))
         train_state.loss_history = [(step, loss) for step, loss in train_state.loss_history]  # lists once saved
         derived = derive_rng(self.seed, self.rank, train_state.step)
-        parts = (("optimizer", self.model_optim.optimizer), ("lr_scheduler", self.lr_scheduler),
-                 ("grad_scaler", self.grad_scaler), ("dataloader", self.data))
+        parts = (
+            ("optimizer", self.model_optim.optimizer),
+            ("lr_scheduler", self.lr_scheduler),
+            ("grad_scaler", self.grad_scaler),
+            ("dataloader", self.data),
+        )
         fresh = [name for name, obj in parts if obj is not None]
         fresh += [f"extra_state[{name!r}]" for name in self.extra_state]
-        logger.warning("rank %d: checkpoint holds model weights only (made by `distckpt import`): %s start "
-                       "fresh; RNG derived from (seed=%d, rank=%d, step=%d) -> %d", self.rank,
-                       ", ".join(fresh) or "nothing else", self.seed, self.rank, train_state.step, derived)
+        logger.warning(
+            "rank %d: checkpoint holds model weights only (made by `distckpt import`): %s start "
+            "fresh; RNG derived from (seed=%d, rank=%d, step=%d) -> %d",
+            self.rank,
+            ", ".join(fresh) or "nothing else",
+            self.seed,
+            self.rank,
+            train_state.step,
+            derived,
+        )
         return train_state
 
 
@@ -389,21 +441,25 @@ def _prune_uninitialised_optim_state(optim_sd: dict[str, Any], checkpoint_keys: 
             del state[fqn]
 
 
-def _check_keys(target: dict[str, Any], checkpoint_keys: set[str], *, rank: int,
-                stateful: tuple[str, ...] = ()) -> None:
+def _check_keys(
+    target: dict[str, Any], checkpoint_keys: set[str], *, rank: int, stateful: tuple[str, ...] = ()
+) -> None:
     flat, _ = flatten_state_dict(target)
     missing = sorted(k for k in flat if k not in checkpoint_keys)
     unexpected = sorted(
-        k for k in checkpoint_keys
-        if k.startswith("optim.state.") and k not in flat and "optim" in target
+        k for k in checkpoint_keys if k.startswith("optim.state.") and k not in flat and "optim" in target
     )
     unread = sorted(k for k in checkpoint_keys if k.startswith(stateful) and k not in flat)
     if missing or unexpected or unread:
         lines = [f"checkpoint does not match the live training state (rank {rank}):"]
         lines += [f"  missing in checkpoint: {k}" for k in missing[:50]]
-        lines += [f"  in checkpoint, not in the live optimizer (parameter frozen or not optimized?): {k}"
-                  for k in unexpected[:50]]
+        lines += [
+            f"  in checkpoint, not in the live optimizer (parameter frozen or not optimized?): {k}"
+            for k in unexpected[:50]
+        ]
         lines += [f"  in checkpoint, not in the extra_state object's state_dict(): {k}" for k in unread[:50]]
-        lines.append("Pass the same components (optimizer, lr_scheduler, grad_scaler, dataloader, "
-                     "extra_state) as the run that saved, or start from a fresh root.")
+        lines.append(
+            "Pass the same components (optimizer, lr_scheduler, grad_scaler, dataloader, "
+            "extra_state) as the run that saved, or start from a fresh root."
+        )
         raise IncompatibleCheckpointError("\n".join(lines), missing=missing, unexpected=unexpected + unread)

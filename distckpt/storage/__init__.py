@@ -16,12 +16,19 @@ from ..ondisk.layout import check_root_scheme
 from .base import CheckpointStore, is_s3_url, split_location
 
 __all__ = [
-    "CheckpointStore", "is_s3_url", "open_store", "open_config_store", "open_location", "split_location", "store_of",
+    "CheckpointStore",
+    "is_s3_url",
+    "open_store",
+    "open_config_store",
+    "open_location",
+    "split_location",
+    "store_of",
 ]
 
 
-def open_store(root: str | os.PathLike, *, endpoint_url: str | None = None,
-               region: str | None = None) -> CheckpointStore:
+def open_store(
+    root: str | os.PathLike, *, endpoint_url: str | None = None, region: str | None = None
+) -> CheckpointStore:
     """The store of checkpoint root ``root``.
 
     Args:
@@ -40,7 +47,7 @@ def open_store(root: str | os.PathLike, *, endpoint_url: str | None = None,
         return S3Store(text, endpoint_url=endpoint_url, region=region)
     from .posix import PosixStore
 
-    return PosixStore(text[len("file://"):] if text.startswith("file://") else text)
+    return PosixStore(text[len("file://") :] if text.startswith("file://") else text)
 
 
 def open_config_store(config: Any) -> CheckpointStore:
@@ -48,8 +55,9 @@ def open_config_store(config: Any) -> CheckpointStore:
     return open_store(config.root, endpoint_url=config.storage.s3_endpoint_url, region=config.storage.s3_region)
 
 
-def open_location(path: str | os.PathLike, *, endpoint_url: str | None = None,
-                  region: str | None = None) -> tuple[CheckpointStore, str | None]:
+def open_location(
+    path: str | os.PathLike, *, endpoint_url: str | None = None, region: str | None = None
+) -> tuple[CheckpointStore, str | None]:
     """``(store, checkpoint location or None)`` of a path an operator gave a tool: one checkpoint
     (a directory holding a manifest or ``.metadata`` or named ``step-N``; an S3 data prefix
     ``<root>/data/step-N-<id>``), whose store is its root's, or else a root.
@@ -63,7 +71,7 @@ def open_location(path: str | os.PathLike, *, endpoint_url: str | None = None,
         return open_store(text if location is None else root, endpoint_url=endpoint_url, region=region), location
     from .posix import PosixStore
 
-    local = text[len("file://"):] if text.startswith("file://") else text
+    local = text[len("file://") :] if text.startswith("file://") else text
     if PosixStore.is_checkpoint_dir(local):
         return open_store(os.path.dirname(os.path.abspath(local))), os.path.abspath(local)
     return open_store(local), None

@@ -86,15 +86,21 @@ class CheckpointStore(Protocol):
         """Every rank, before DCP writes into ``pending`` (creates the directory on POSIX)."""
         ...
 
-    def dcp_writer(self, location: str, *, thread_count: int, write_timeout_s: float | None,
-                   reuse: Any = None) -> Any:
+    def dcp_writer(self, location: str, *, thread_count: int, write_timeout_s: float | None, reuse: Any = None) -> Any:
         """A DCP ``StorageWriter`` whose ``fs.written`` maps each file it wrote to ``(size, xxh3_128)``;
         with ``reuse`` (an ``engine.incremental_writer.ReuseIndex`` or a callable giving one), an
         incremental save (POSIX only: ``ValueError`` elsewhere)."""
         ...
 
-    def dcp_reader(self, location: str, *, expected_files: dict[str, tuple[int, str | None]] | None,
-                   fast: bool, thread_count: int, block_digests: dict[str, BlockDigests] | None = None) -> Any:
+    def dcp_reader(
+        self,
+        location: str,
+        *,
+        expected_files: dict[str, tuple[int, str | None]] | None,
+        fast: bool,
+        thread_count: int,
+        block_digests: dict[str, BlockDigests] | None = None,
+    ) -> Any:
         """A DCP ``StorageReader`` that verifies each file it reads against ``expected_files``
         (and, where the store reads ranges, the blocks it reads against ``block_digests``)."""
         ...
@@ -124,8 +130,7 @@ class CheckpointStore(Protocol):
         """Every file of a written save with sizes and the writers' hashes (rank 0)."""
         ...
 
-    def commit(self, pending: str, step: int, manifest: Manifest,
-               on_phase: Callable[[str], None] | None = None) -> str:
+    def commit(self, pending: str, step: int, manifest: Manifest, on_phase: Callable[[str], None] | None = None) -> str:
         """Make a fully written save a committed checkpoint (rank 0); returns its location.
         Raises ``FileExistsError`` when ``step`` is already committed."""
         ...
@@ -190,8 +195,13 @@ class CheckpointStore(Protocol):
         """Retention: delete the committed checkpoint of ``step`` (crash-safe order)."""
         ...
 
-    def delete_checkpoints(self, steps: list[int], *, before: Callable[[int], None] | None = None,
-                           remove: Callable[[Any], None] | None = None) -> list[str]:
+    def delete_checkpoints(
+        self,
+        steps: list[int],
+        *,
+        before: Callable[[int], None] | None = None,
+        remove: Callable[[Any], None] | None = None,
+    ) -> list[str]:
         """Retention (rank 0 or ``distckpt prune``, holding the lock): delete the checkpoints of
         ``steps``, oldest first, calling ``before(step)`` before each; on POSIX one an incremental
         checkpoint refers to is deferred, not deleted, and ``remove`` (the purger's ``submit``) removes the renamed

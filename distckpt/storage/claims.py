@@ -16,8 +16,15 @@ __all__ = ["refuse_or_archive"]
 logger = logging.getLogger(__name__)
 
 
-def refuse_or_archive(store: CheckpointStore, *, on_existing: Literal["refuse", "archive"], locked: bool,
-                      subject: str, why: str, choices: str) -> list[str]:
+def refuse_or_archive(
+    store: CheckpointStore,
+    *,
+    on_existing: Literal["refuse", "archive"],
+    locked: bool,
+    subject: str,
+    why: str,
+    choices: str,
+) -> list[str]:
     """Refuse a root that holds checkpoints, or set them all aside as ``archived-step-N-<n>``.
 
     Args:
@@ -43,12 +50,20 @@ def refuse_or_archive(store: CheckpointStore, *, on_existing: Literal["refuse", 
         raise ConfigError(
             f"{subject} already holds {len(existing)} checkpoint(s), newest {checkpoint_name(existing[-1][0])}, "
             f"and {why}. Choose: {choices}; load.on_existing: archive to set them aside as archived-step-N-<n> "
-            "(nothing is deleted); or another root.")
+            "(nothing is deleted); or another root."
+        )
     if not locked:
-        raise ConfigError(f"load.on_existing='archive' for {subject} needs coordination.lock: true: it renames "
-                          "checkpoints that another job could be writing")
+        raise ConfigError(
+            f"load.on_existing='archive' for {subject} needs coordination.lock: true: it renames "
+            "checkpoints that another job could be writing"
+        )
     moved = [f"{checkpoint_name(step)} -> {store.set_aside(step, 'archived')}" for step, _ in existing]
     store.repair_latest()
-    logger.warning("on_existing=archive (%s): set aside the %d checkpoint(s) in %s, nothing deleted: %s",
-                   why, len(moved), store.root, ", ".join(moved))
+    logger.warning(
+        "on_existing=archive (%s): set aside the %d checkpoint(s) in %s, nothing deleted: %s",
+        why,
+        len(moved),
+        store.root,
+        ", ".join(moved),
+    )
     return moved

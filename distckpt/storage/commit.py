@@ -54,8 +54,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def list_files(checkpoint_dir: str | os.PathLike,
-               hashes: dict[str, tuple[int, str]] | None = None) -> list[FileEntry]:
+def list_files(checkpoint_dir: str | os.PathLike, hashes: dict[str, tuple[int, str]] | None = None) -> list[FileEntry]:
     """Every regular file under ``checkpoint_dir`` except the manifest, sorted, with sizes and
     the hashes the writing ranks reported (``{relative path: (size_bytes, digest)}``).
 
@@ -71,14 +70,17 @@ def list_files(checkpoint_dir: str | os.PathLike,
             size = p.stat().st_size
             reported = hashes.get(rel)
             if reported is not None and reported[0] != size:
-                raise CheckpointCorruptError(
-                    f"{p}: {size} bytes on disk, its writer wrote {reported[0]}", path=str(p))
+                raise CheckpointCorruptError(f"{p}: {size} bytes on disk, its writer wrote {reported[0]}", path=str(p))
             entries.append(FileEntry(path=rel, size_bytes=size, hash=reported[1] if reported else None))
     return entries
 
 
-def commit(pending_dir: str | os.PathLike, final_dir: str | os.PathLike, manifest: Manifest,
-           on_phase: Callable[[str], None] | None = None) -> None:
+def commit(
+    pending_dir: str | os.PathLike,
+    final_dir: str | os.PathLike,
+    manifest: Manifest,
+    on_phase: Callable[[str], None] | None = None,
+) -> None:
     """Make a fully written pending directory a committed checkpoint. Rank 0 only.
 
     ``manifest.files`` must already list the pending directory's files. ``on_phase`` is
@@ -91,12 +93,16 @@ def commit(pending_dir: str | os.PathLike, final_dir: str | os.PathLike, manifes
     pending_dir, final_dir = Path(pending_dir), Path(final_dir)
     if final_dir.exists():
         if is_deferred(final_dir):
-            raise FileExistsError(f"{final_dir} is a deferred checkpoint (retired by retention, {DEFERRED_MANIFEST}) "
-                                  "whose files later incremental checkpoints still refer to: it cannot be replaced "
-                                  "until they are gone; save another step, or use another root")
+            raise FileExistsError(
+                f"{final_dir} is a deferred checkpoint (retired by retention, {DEFERRED_MANIFEST}) "
+                "whose files later incremental checkpoints still refer to: it cannot be replaced "
+                "until they are gone; save another step, or use another root"
+            )
         if not (final_dir / MANIFEST).exists():
-            raise FileExistsError(f"{final_dir} exists and is not a distckpt checkpoint (no {MANIFEST}); "
-                                  "distckpt never overwrites or deletes it: move it out of the root")
+            raise FileExistsError(
+                f"{final_dir} exists and is not a distckpt checkpoint (no {MANIFEST}); "
+                "distckpt never overwrites or deletes it: move it out of the root"
+            )
         raise FileExistsError(f"{final_dir} already exists; refusing to overwrite a committed checkpoint")
     phase = on_phase or (lambda name: None)
     phase("manifest")
@@ -123,11 +129,22 @@ def validate(checkpoint_dir: str | os.PathLike, *, check_hashes: bool = False) -
     checkpoint_dir = Path(checkpoint_dir)
     manifest = Manifest.read(checkpoint_dir)
     for entry in manifest.files:
-        check_file(checkpoint_dir / entry.path, size_bytes=entry.size_bytes,
-                   digest=entry.hash if check_hashes else None, blocks=entry.blocks())
-    problem = first_problem(structure_problems(
-        manifest, location=str(checkpoint_dir), manifest_path=str(checkpoint_dir / MANIFEST),
-        dir_step=parse_step(checkpoint_dir.name), present=own_files(checkpoint_dir)), str(checkpoint_dir))
+        check_file(
+            checkpoint_dir / entry.path,
+            size_bytes=entry.size_bytes,
+            digest=entry.hash if check_hashes else None,
+            blocks=entry.blocks(),
+        )
+    problem = first_problem(
+        structure_problems(
+            manifest,
+            location=str(checkpoint_dir),
+            manifest_path=str(checkpoint_dir / MANIFEST),
+            dir_step=parse_step(checkpoint_dir.name),
+            present=own_files(checkpoint_dir),
+        ),
+        str(checkpoint_dir),
+    )
     if problem is not None:
         raise problem
     return manifest
@@ -149,8 +166,9 @@ def verify(checkpoint_dir: str | os.PathLike) -> list[CheckpointCorruptError]:
     problems = []
     for entry in manifest.files:
         try:
-            check_file(checkpoint_dir / entry.path, size_bytes=entry.size_bytes, digest=entry.hash,
-                       blocks=entry.blocks())
+            check_file(
+                checkpoint_dir / entry.path, size_bytes=entry.size_bytes, digest=entry.hash, blocks=entry.blocks()
+            )
         except CheckpointCorruptError as e:
             problems.append(e)
     return problems
@@ -190,8 +208,7 @@ def remove_leftovers(root: str | os.PathLike) -> list[str]:
     except OSError:
         latest = None
     for entry in os.scandir(root):
-        no_manifest = parse_step(entry.name) is not None and not os.path.exists(
-            os.path.join(entry.path, MANIFEST))
+        no_manifest = parse_step(entry.name) is not None and not os.path.exists(os.path.join(entry.path, MANIFEST))
         if entry.is_dir() and no_manifest and entry.name == latest:
             removed.append(f"{entry.name} (set aside as {set_aside(entry.path).name}: no manifest)")
         elif entry.is_dir() and (is_pending(entry.name) or is_deleting(entry.name)):
@@ -268,8 +285,7 @@ def set_aside(checkpoint_dir: str | os.PathLike, reason: str = "corrupt") -> Pat
     return dst
 
 
-def delete_checkpoint(checkpoint_dir: str | os.PathLike,
-                      remove: Callable[[Path], None] | None = None) -> None:
+def delete_checkpoint(checkpoint_dir: str | os.PathLike, remove: Callable[[Path], None] | None = None) -> None:
     """Delete a committed checkpoint: first rename it to ``.deleting-<name>-<id>`` (durable),
     so a crash mid-delete leaves a directory that is provably distckpt's deletion (removed at
     the next start) and never a ``step-*`` directory that lacks files.

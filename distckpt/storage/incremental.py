@@ -55,8 +55,9 @@ def reuse_for(root: str | os.PathLike, step: int, *, full_every: int | None) -> 
             validate(path)
             found = read_item_records(path)
         except (CheckpointCorruptError, OSError, ValueError, KeyError, TypeError) as e:
-            logger.warning("incremental save of step %d: %s is not usable as its base (%s); writing "
-                           "every tensor", step, path, e)
+            logger.warning(
+                "incremental save of step %d: %s is not usable as its base (%s); writing every tensor", step, path, e
+            )
             return full
         if found is None:
             return full  # not written incrementally: nothing recorded to compare with
@@ -86,8 +87,9 @@ def reference_entries(checkpoint_dir: str | os.PathLike) -> list[FileEntry]:
     """
     checkpoint_dir = Path(checkpoint_dir)
     metadata = read_dcp_metadata(checkpoint_dir)
-    refs = sorted({info.relative_path for info in (metadata.storage_data or {}).values()
-                   if info.relative_path.startswith("../")})
+    refs = sorted(
+        {info.relative_path for info in (metadata.storage_data or {}).values() if info.relative_path.startswith("../")}
+    )
     owners: dict[str, dict[str, FileEntry]] = {}
     entries = []
     for rel in refs:
@@ -99,9 +101,18 @@ def reference_entries(checkpoint_dir: str | os.PathLike) -> list[FileEntry]:
         if entry is None or not path.is_file() or path.stat().st_size != entry.size_bytes:
             raise CheckpointCorruptError(
                 f"{checkpoint_dir.parent / owner / name}: file of {owner} that the new checkpoint refers to is "
-                "missing, or differs from what its manifest records", path=str(path))
-        entries.append(FileEntry(path=rel, size_bytes=entry.size_bytes, hash=entry.hash,
-                                 block_ends=entry.block_ends, block_hashes=entry.block_hashes))
+                "missing, or differs from what its manifest records",
+                path=str(path),
+            )
+        entries.append(
+            FileEntry(
+                path=rel,
+                size_bytes=entry.size_bytes,
+                hash=entry.hash,
+                block_ends=entry.block_ends,
+                block_hashes=entry.block_hashes,
+            )
+        )
     return entries
 
 
@@ -190,8 +201,13 @@ class References:
                 p.unlink()
 
 
-def delete_or_defer(root: str | os.PathLike, steps: list[int], *, before: Callable[[int], None] | None = None,
-                    remove: Callable[[Path], None] | None = None) -> list[str]:
+def delete_or_defer(
+    root: str | os.PathLike,
+    steps: list[int],
+    *,
+    before: Callable[[int], None] | None = None,
+    remove: Callable[[Path], None] | None = None,
+) -> list[str]:
     """Retention on a POSIX root: delete each checkpoint of ``steps`` (oldest first), or defer
     it while a kept checkpoint refers to its files; then delete the deferred ones nobody refers
     to any more. Rank 0, holding the root's lock.

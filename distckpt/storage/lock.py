@@ -117,15 +117,22 @@ class RootLock:
             ``<root>/.lock``.
     """
 
-    def __init__(self, root: str | os.PathLike, *, lease_s: float = 300.0, renew: bool = False,
-                 lock_file: Any = None) -> None:
+    def __init__(
+        self, root: str | os.PathLike, *, lease_s: float = 300.0, renew: bool = False, lock_file: Any = None
+    ) -> None:
         self.file = lock_file if lock_file is not None else PosixLockFile(Path(root) / LOCK_NAME)
         self.root = str(root)
         self.path = self.file.where
         now = time.time()
         self.lease_s = float(lease_s)
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job_id": job_id(),
-                   "since": now, "renewed": now, "lease_s": self.lease_s}
+        self.me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "job_id": job_id(),
+            "since": now,
+            "renewed": now,
+            "lease_s": self.lease_s,
+        }
         self.held = False
         self._renew = renew
         self._stop = threading.Event()
@@ -156,15 +163,20 @@ class RootLock:
                         "Two jobs must not write one root: use another CheckpointConfig.root, stop the "
                         f"other job, wait for its lease to expire, or, if that job is gone, delete {self.path}."
                     )
-                logger.warning("taking over checkpoint lock %s of pid %s on %s (job %s): %s", self.path,
-                               holder.get("pid"), holder.get("host"), holder.get("job_id") or "-", why)
+                logger.warning(
+                    "taking over checkpoint lock %s of pid %s on %s (job %s): %s",
+                    self.path,
+                    holder.get("pid"),
+                    holder.get("host"),
+                    holder.get("job_id") or "-",
+                    why,
+                )
                 self.file.remove()
                 continue
             self.held = True
             if self._renew:
                 self._stop.clear()
-                self._renewer = threading.Thread(target=self._renew_loop, name="distckpt-lock-lease",
-                                                 daemon=True)
+                self._renewer = threading.Thread(target=self._renew_loop, name="distckpt-lock-lease", daemon=True)
                 self._renewer.start()
             return
         raise CheckpointLockedError(f"{self.path}: could not acquire the checkpoint lock (contended)")
@@ -212,8 +224,9 @@ class RootLock:
         """
         holder = self._holder()
         if holder is None or holder.get("pid") != self.me["pid"] or holder.get("host") != self.me["host"]:
-            logger.error("checkpoint lock %s is no longer held by this process (now: %s); not renewing",
-                         self.path, holder)
+            logger.error(
+                "checkpoint lock %s is no longer held by this process (now: %s); not renewing", self.path, holder
+            )
             return False
         self.me["renewed"] = time.time()
         try:
@@ -252,8 +265,13 @@ class RootLock:
         except OSError as e:
             if propagating is None:
                 raise
-            logger.warning("could not release the checkpoint lock of root %s (%s) after %s; it is taken over "
-                           "once this process is gone or its lease (%g s) expired", self.root,
-                           type(e).__name__, type(propagating).__name__, self.lease_s)
+            logger.warning(
+                "could not release the checkpoint lock of root %s (%s) after %s; it is taken over "
+                "once this process is gone or its lease (%g s) expired",
+                self.root,
+                type(e).__name__,
+                type(propagating).__name__,
+                self.lease_s,
+            )
         finally:
             self.held = False

@@ -91,18 +91,25 @@ class PosixStore(CheckpointStore):
         Path(pending).mkdir(parents=True, exist_ok=True)
 
     @override
-    def dcp_writer(self, location: str, *, thread_count: int, write_timeout_s: float | None,
-                   reuse: Any = None) -> Any:
+    def dcp_writer(self, location: str, *, thread_count: int, write_timeout_s: float | None, reuse: Any = None) -> Any:
         return hashing_writer(location, thread_count=thread_count, write_timeout_s=write_timeout_s, reuse=reuse)
 
     @override
-    def dcp_reader(self, location: str, *, expected_files: dict[str, tuple[int, str | None]] | None,
-                   fast: bool, thread_count: int, block_digests: dict[str, BlockDigests] | None = None) -> Any:
+    def dcp_reader(
+        self,
+        location: str,
+        *,
+        expected_files: dict[str, tuple[int, str | None]] | None,
+        fast: bool,
+        thread_count: int,
+        block_digests: dict[str, BlockDigests] | None = None,
+    ) -> Any:
         if fast:
             from ..engine.read.fast_reader import FastFileSystemReader
 
-            return FastFileSystemReader(location, expected_files=expected_files, thread_count=thread_count,
-                                        block_digests=block_digests)
+            return FastFileSystemReader(
+                location, expected_files=expected_files, thread_count=thread_count, block_digests=block_digests
+            )
         return SafeFileSystemReader(location, expected_files=expected_files)
 
     @override
@@ -139,8 +146,7 @@ class PosixStore(CheckpointStore):
         return entries
 
     @override
-    def commit(self, pending: str, step: int, manifest: Manifest,
-               on_phase: Callable[[str], None] | None = None) -> str:
+    def commit(self, pending: str, step: int, manifest: Manifest, on_phase: Callable[[str], None] | None = None) -> str:
         final = self.final_location(step, pending)
         _commit.commit(pending, final, manifest, on_phase=on_phase)
         return final
@@ -204,8 +210,13 @@ class PosixStore(CheckpointStore):
     def delete_checkpoint(self, step: int) -> None:
         _commit.delete_checkpoint(self.path / checkpoint_name(step))
 
-    def delete_checkpoints(self, steps: list[int], *, before: Callable[[int], None] | None = None,
-                           remove: Callable[[Path], None] | None = None) -> list[str]:
+    def delete_checkpoints(
+        self,
+        steps: list[int],
+        *,
+        before: Callable[[int], None] | None = None,
+        remove: Callable[[Path], None] | None = None,
+    ) -> list[str]:
         """Deletes, or defers while an incremental checkpoint refers to its files
         (:func:`~distckpt.storage.incremental.delete_or_defer`)."""
         return delete_or_defer(self.path, steps, before=before, remove=remove)

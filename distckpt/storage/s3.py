@@ -104,7 +104,7 @@ class S3Store(CheckpointStore):
         base = self.key("")
         if bucket != self.bucket or not key.startswith(base):
             raise CheckpointCorruptError(f"{location}: not a checkpoint of {self.root}", path=location)
-        return key[len(base):]
+        return key[len(base) :]
 
     def location(self, data_prefix: str) -> str:
         return self.objects.url(self.key(data_prefix))
@@ -127,29 +127,40 @@ class S3Store(CheckpointStore):
         pass
 
     @override
-    def dcp_writer(self, location: str, *, thread_count: int, write_timeout_s: float | None,
-                   reuse: Any = None) -> Any:
+    def dcp_writer(self, location: str, *, thread_count: int, write_timeout_s: float | None, reuse: Any = None) -> Any:
         if reuse is not None:  # CheckpointConfig refuses incremental on object storage
             raise ValueError("incremental saves need a POSIX root")
-        return S3Writer(location, thread_count=thread_count, write_timeout_s=write_timeout_s,
-                        endpoint_url=self.endpoint_url, region=self.region)
+        return S3Writer(
+            location,
+            thread_count=thread_count,
+            write_timeout_s=write_timeout_s,
+            endpoint_url=self.endpoint_url,
+            region=self.region,
+        )
 
     @override
-    def dcp_reader(self, location: str, *, expected_files: dict[str, tuple[int, str | None]] | None,
-                   fast: bool, thread_count: int, block_digests: dict[str, BlockDigests] | None = None) -> Any:
+    def dcp_reader(
+        self,
+        location: str,
+        *,
+        expected_files: dict[str, tuple[int, str | None]] | None,
+        fast: bool,
+        thread_count: int,
+        block_digests: dict[str, BlockDigests] | None = None,
+    ) -> Any:
         # Whole objects: each object a rank needs is downloaded and verified once (block_digests unused).
-        return S3Reader(location, expected_files=expected_files, endpoint_url=self.endpoint_url,
-                        region=self.region)
+        return S3Reader(location, expected_files=expected_files, endpoint_url=self.endpoint_url, region=self.region)
 
     @override
     def read_dcp_metadata(self, location: str) -> Any:
-        return S3Reader(location, expected_files=None, endpoint_url=self.endpoint_url,
-                        region=self.region).read_metadata()
+        return S3Reader(
+            location, expected_files=None, endpoint_url=self.endpoint_url, region=self.region
+        ).read_metadata()
 
     def object_sizes(self, location: str) -> dict[str, int]:
         """``{file name: size}`` of every object under a checkpoint's data prefix."""
         base = self.key(self._rel(location)) + "/"
-        return {k[len(base):]: size for k, size in self.objects.list_objects(base).items()}
+        return {k[len(base) :]: size for k, size in self.objects.list_objects(base).items()}
 
     @override
     def manifest_path(self, location: str) -> str | None:
@@ -165,13 +176,13 @@ class S3Store(CheckpointStore):
         for name, size in sorted(self.object_sizes(pending).items()):
             reported = hashes.get(name)
             if reported is not None and reported[0] != size:
-                raise CheckpointCorruptError(f"{pending}/{name}: {size} bytes stored, its writer wrote "
-                                             f"{reported[0]}", path=f"{pending}/{name}")
+                raise CheckpointCorruptError(
+                    f"{pending}/{name}: {size} bytes stored, its writer wrote {reported[0]}", path=f"{pending}/{name}"
+                )
             entries.append(FileEntry(path=name, size_bytes=size, hash=reported[1] if reported else None))
         return entries
 
-    def commit(self, pending: str, step: int, manifest: Manifest,
-               on_phase: Callable[[str], None] | None = None) -> str:
+    def commit(self, pending: str, step: int, manifest: Manifest, on_phase: Callable[[str], None] | None = None) -> str:
         """PUT the manifest (conditional create), then ``latest``. ``on_phase`` gets ``"manifest"``
         and ``"latest"`` before each.
 
@@ -185,9 +196,11 @@ class S3Store(CheckpointStore):
         try:
             self.objects.put(self._manifest_key(step), manifest.to_json().encode(), if_absent=True)
         except FileExistsError as e:
-            raise FileExistsError(f"{self.objects.url(self._manifest_key(step))} already exists: "
-                                  f"{checkpoint_name(step)} is committed (by this or another job); "
-                                  "refusing to replace a commit") from e
+            raise FileExistsError(
+                f"{self.objects.url(self._manifest_key(step))} already exists: "
+                f"{checkpoint_name(step)} is committed (by this or another job); "
+                "refusing to replace a commit"
+            ) from e
         phase("latest")
         self.objects.put(self.key(LATEST), (checkpoint_name(step) + "\n").encode())
         return pending
@@ -210,53 +223,72 @@ class S3Store(CheckpointStore):
         if not isinstance(obj, dict):
             raise CheckpointCorruptError(f"{url}: manifest is not a JSON object", path=url)
         manifest = Manifest.from_dict(obj, path=url)
-        if manifest.step != step or not manifest.data_prefix or not _DATA_RE.match(
-                manifest.data_prefix[len(DATA):] if manifest.data_prefix.startswith(DATA) else ""):
-            raise CheckpointCorruptError(f"{url}: manifest does not describe {checkpoint_name(step)} "
-                                         f"(step {manifest.step}, data {manifest.data_prefix!r})", path=url)
+        if (
+            manifest.step != step
+            or not manifest.data_prefix
+            or not _DATA_RE.match(manifest.data_prefix[len(DATA) :] if manifest.data_prefix.startswith(DATA) else "")
+        ):
+            raise CheckpointCorruptError(
+                f"{url}: manifest does not describe {checkpoint_name(step)} "
+                f"(step {manifest.step}, data {manifest.data_prefix!r})",
+                path=url,
+            )
         return manifest
 
     @override
     def read_manifest(self, location: str) -> Manifest:
         rel = self._rel(location)
-        m = _DATA_RE.match(rel[len(DATA):]) if rel.startswith(DATA) else None
+        m = _DATA_RE.match(rel[len(DATA) :]) if rel.startswith(DATA) else None
         step = parse_step(m.group(1)) if m else None
         if step is None:
-            raise CheckpointCorruptError(f"{location}: not a checkpoint data prefix of {self.root} "
-                                         f"(expected {self.root}/{DATA}step-N-<id>)", path=location)
+            raise CheckpointCorruptError(
+                f"{location}: not a checkpoint data prefix of {self.root} (expected {self.root}/{DATA}step-N-<id>)",
+                path=location,
+            )
         url = self.objects.url(self._manifest_key(step))
         manifest = self._parse_manifest(step, self.objects.get(self._manifest_key(step)), url)
         if manifest.data_prefix != rel:
-            raise CheckpointCorruptError(f"{location}: not committed ({url} commits {manifest.data_prefix})",
-                                         path=location)
+            raise CheckpointCorruptError(
+                f"{location}: not committed ({url} commits {manifest.data_prefix})", path=location
+            )
         return manifest
 
     @override
-    def check_file(self, location: str, name: str, *, size_bytes: int, digest: str | None,
-                   sizes: dict[str, int] | None = None) -> None:
+    def check_file(
+        self, location: str, name: str, *, size_bytes: int, digest: str | None, sizes: dict[str, int] | None = None
+    ) -> None:
         url = f"{location}/{name}"
         actual = (self.object_sizes(location) if sizes is None else sizes).get(name)
         if actual is None:
             raise CheckpointCorruptError(f"{url}: object listed in the manifest is missing", path=url)
         if actual != size_bytes:
-            raise CheckpointCorruptError(f"{url}: size {actual} bytes, manifest expects {size_bytes} bytes "
-                                         "(truncated?)", path=url)
+            raise CheckpointCorruptError(
+                f"{url}: size {actual} bytes, manifest expects {size_bytes} bytes (truncated?)", path=url
+            )
         if digest is None:
             return
         data = self.objects.get(self.key(self._rel(location)) + "/" + name) or b""
         hasher = new_hasher()
         hasher.update(data)
         if hasher.hexdigest() != digest:
-            raise CheckpointCorruptError(f"{url}: {HASH_ALGORITHM} {hasher.hexdigest()} does not match the "
-                                         f"manifest's {digest} (bytes changed after the commit)", path=url)
+            raise CheckpointCorruptError(
+                f"{url}: {HASH_ALGORITHM} {hasher.hexdigest()} does not match the "
+                f"manifest's {digest} (bytes changed after the commit)",
+                path=url,
+            )
 
     @override
     def validate(self, location: str, *, check_hashes: bool = False) -> Manifest:
         manifest = self.read_manifest(location)
         sizes = self.object_sizes(location)
         for entry in manifest.files:
-            self.check_file(location, entry.path, size_bytes=entry.size_bytes,
-                            digest=entry.hash if check_hashes else None, sizes=sizes)
+            self.check_file(
+                location,
+                entry.path,
+                size_bytes=entry.size_bytes,
+                digest=entry.hash if check_hashes else None,
+                sizes=sizes,
+            )
         problem = first_problem(structure_problems(manifest, location=location, present=sizes), location)
         if problem is not None:  # the checks `distckpt verify` makes, but the hashes
             raise problem
@@ -344,8 +376,13 @@ class S3Store(CheckpointStore):
         self.objects.delete([key])
         self.objects.delete_prefix(self.key(manifest.data_prefix or "") + "/")
 
-    def delete_checkpoints(self, steps: list[int], *, before: Callable[[int], None] | None = None,
-                           remove: Callable[[Any], None] | None = None) -> list[str]:
+    def delete_checkpoints(
+        self,
+        steps: list[int],
+        *,
+        before: Callable[[int], None] | None = None,
+        remove: Callable[[Any], None] | None = None,
+    ) -> list[str]:
         """Retention: :meth:`delete_checkpoint` each (no incremental references on S3)."""
         done = []
         for step in steps:
@@ -401,8 +438,11 @@ class S3Store(CheckpointStore):
         # From the objects, not the "directories": some servers (SeaweedFS) keep a prefix
         # after its last object is deleted, which is no save at all.
         base = self.key(DATA)
-        names = {rest.split("/", 1)[0] for k in self.objects.list_objects(base)
-                 if "/" in (rest := k[len(base):]) and not rest.endswith("/")}
+        names = {
+            rest.split("/", 1)[0]
+            for k in self.objects.list_objects(base)
+            if "/" in (rest := k[len(base) :]) and not rest.endswith("/")
+        }
         loose = []
         for name in sorted(names):
             m = _DATA_RE.match(name)
@@ -438,8 +478,9 @@ class S3Store(CheckpointStore):
     def set_aside_names(self) -> list[str]:
         """Names (``manifests/<reason>-step-N-<n>``) of the set-aside manifests."""
         names = [k.rsplit("/", 1)[-1] for k in self.objects.list_objects(self.key(MANIFESTS))]
-        return sorted(MANIFESTS + n[: -len(".json")] for n in names
-                      if n.endswith(".json") and not _MANIFEST_RE.match(n))
+        return sorted(
+            MANIFESTS + n[: -len(".json")] for n in names if n.endswith(".json") and not _MANIFEST_RE.match(n)
+        )
 
     def set_aside(self, step: int, reason: str = "corrupt") -> str:
         """Rename the manifest of ``step`` to ``manifests/<reason>-step-N-<n>.json`` (copy, then

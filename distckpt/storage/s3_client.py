@@ -63,7 +63,7 @@ def split_url(url: str) -> tuple[str, str]:
         raise ConfigError("'s3://': no bucket (expected s3://bucket/prefix)")
     if not url.startswith("s3://"):
         raise ConfigError(f"{url!r} is not an s3:// URL")
-    bucket, _, key = url[len("s3://"):].partition("/")
+    bucket, _, key = url[len("s3://") :].partition("/")
     if not bucket:
         raise ConfigError(f"{url!r}: no bucket (expected s3://bucket/prefix)")
     # botocore's own check (a bucket name or an access-point / outpost ARN) raises a bare regex message.
@@ -71,7 +71,8 @@ def split_url(url: str) -> tuple[str, str]:
         raise ConfigError(
             f"{url!r}: {bucket!r} is not a valid bucket name (letters, digits, '.', '-' and '_', at most 255 "
             "characters; AWS itself allows only 3-63 lowercase letters, digits, '.' and '-') nor an S3 "
-            "access-point ARN: fix the URL")
+            "access-point ARN: fix the URL"
+        )
     return bucket, key.strip("/")
 
 
@@ -81,7 +82,9 @@ class _RedactKeys(logging.Filter):
     _FIELDS = re.compile(
         r"""('(?:Authorization|X-Amz-Security-Token)': b?['"])[^'"]*"""
         r"""|((?:X-Amz-)?Credential=|(?:X-Amz-)?Signature=|X-Amz-Security-Token=|x-amz-security-token:)"""
-        r"""[^\s,&'"]+""", re.IGNORECASE)
+        r"""[^\s,&'"]+""",
+        re.IGNORECASE,
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -137,9 +140,13 @@ def get_client(endpoint_url: str | None = None, region: str | None = None) -> An
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
-            config = Config(retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"}, connect_timeout=5,
-                            read_timeout=60, max_pool_connections=32,
-                            s3={"addressing_style": "path"} if endpoint_url else None)
+            config = Config(
+                retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"},
+                connect_timeout=5,
+                read_timeout=60,
+                max_pool_connections=32,
+                s3={"addressing_style": "path"} if endpoint_url else None,
+            )
             session = boto3.session.Session()
             client = session.client("s3", endpoint_url=endpoint_url, region_name=region, config=config)
             _protect_logs(session)
@@ -195,8 +202,9 @@ class S3Objects:
         attempts = MAX_ATTEMPTS if retries is None else int(retries) + 1
         hint = ""
         if error_code(e) in _AUTH_CODES:
-            hint = ("; check the credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (not shown) "
-                    "and the bucket policy")
+            hint = (
+                "; check the credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (not shown) and the bucket policy"
+            )
         return StorageError(f"S3 {what} {self.url(key)} failed after {attempts} attempt(s): {describe(e)}{hint}")
 
     def put(self, key: str, body: bytes, *, if_absent: bool = False) -> None:
@@ -237,8 +245,9 @@ class S3Objects:
     def upload_part(self, key: str, upload_id: str, number: int, body: bytes | bytearray) -> dict[str, Any]:
         """Upload part ``number`` (1-based); returns ``{"PartNumber", "ETag"}``. Raises ``StorageError``."""
         try:
-            etag = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
-                                           Body=body)["ETag"]
+            etag = self.client.upload_part(
+                Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
+            )["ETag"]
         except (ClientError, BotoCoreError) as e:
             raise self._fail(f"PUT (part {number})", key, e) from e
         return {"PartNumber": number, "ETag": etag}
@@ -246,8 +255,9 @@ class S3Objects:
     def complete_multipart(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> None:
         """Make the uploaded parts the object. Raises ``StorageError``."""
         try:
-            self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
-                                                  MultipartUpload={"Parts": parts})
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+            )
         except (ClientError, BotoCoreError) as e:
             raise self._fail("PUT (multipart complete)", key, e) from e
 
@@ -284,10 +294,11 @@ class S3Objects:
     def delete(self, keys: list[str]) -> None:
         """Delete objects (absent ones are fine). Raises ``StorageError``."""
         for start in range(0, len(keys), 1000):
-            batch = keys[start:start + 1000]
+            batch = keys[start : start + 1000]
             try:
-                self.client.delete_objects(Bucket=self.bucket,
-                                           Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+                self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+                )
             except (ClientError, BotoCoreError) as e:
                 raise self._fail("DELETE", batch[0], e) from e
 
@@ -314,17 +325,21 @@ class S3Objects:
         except ClientError as e:
             code = error_code(e)
             if code in ("404", "NoSuchBucket", "NotFound"):
-                raise ConfigError(f"CheckpointConfig.root={root!r}: bucket {self.bucket!r} does not exist "
-                                  f"at {self._endpoint()}; create it first") from None
+                raise ConfigError(
+                    f"CheckpointConfig.root={root!r}: bucket {self.bucket!r} does not exist "
+                    f"at {self._endpoint()}; create it first"
+                ) from None
             if code in _AUTH_CODES:
-                raise ConfigError(f"CheckpointConfig.root={root!r}: access to bucket {self.bucket!r} at "
-                                  f"{self._endpoint()} was denied ({code}): check the credentials in "
-                                  "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (not shown)") from None
+                raise ConfigError(
+                    f"CheckpointConfig.root={root!r}: access to bucket {self.bucket!r} at "
+                    f"{self._endpoint()} was denied ({code}): check the credentials in "
+                    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (not shown)"
+                ) from None
             raise ConfigError(f"CheckpointConfig.root={root!r}: bucket {self.bucket!r}: {describe(e)}") from None
         except BotoCoreError as e:
-            raise ConfigError(f"CheckpointConfig.root={root!r}: cannot reach S3 for bucket {self.bucket!r} "
-                              f"({type(e).__name__}: {e})") from None
+            raise ConfigError(
+                f"CheckpointConfig.root={root!r}: cannot reach S3 for bucket {self.bucket!r} ({type(e).__name__}: {e})"
+            ) from None
 
     def _endpoint(self) -> str:
         return str(self.client.meta.endpoint_url)
-

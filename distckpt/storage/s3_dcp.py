@@ -55,7 +55,7 @@ class _StreamingUpload:
         start = 0
         while start < len(view):  # parts of exactly PART_BYTES (the last one of the file: less)
             take = min(len(view) - start, PART_BYTES - self._buffered)
-            self._part[self._buffered:self._buffered + take] = view[start:start + take]
+            self._part[self._buffered : self._buffered + take] = view[start : start + take]
             self._buffered += take
             start += take
             if self._buffered == PART_BYTES:
@@ -64,7 +64,7 @@ class _StreamingUpload:
         return len(view)
 
     def _send_part(self) -> None:
-        body = self._part if self._buffered == PART_BYTES else self._part[:self._buffered]
+        body = self._part if self._buffered == PART_BYTES else self._part[: self._buffered]
         self._part, self._buffered = bytearray(PART_BYTES), 0
         if self._upload_id is None:
             self._upload_id = self.objects.create_multipart(self.key)
@@ -75,8 +75,9 @@ class _StreamingUpload:
         for f in self._parts:
             if f.done() and f.exception() is not None:
                 raise f.exception()  # type: ignore[misc]
-        self._parts.append(self._pool.submit(self.objects.upload_part, self.key, self._upload_id,
-                                             len(self._parts) + 1, body))
+        self._parts.append(
+            self._pool.submit(self.objects.upload_part, self.key, self._upload_id, len(self._parts) + 1, body)
+        )
 
     def tell(self) -> int:
         return self._pos
@@ -94,7 +95,7 @@ class _StreamingUpload:
         """Upload what is buffered and complete the object. Raises ``StorageError``."""
         try:
             if self._upload_id is None:
-                self.objects.put(self.key, bytes(self._part[:self._buffered]))
+                self.objects.put(self.key, bytes(self._part[: self._buffered]))
                 return
             if self._buffered or not self._parts:
                 self._send_part()
@@ -126,8 +127,9 @@ class S3ObjectFileSystem(FileSystem):
         expected: ``{file name: (size_bytes, digest)}`` to verify reads against (``None``: no check).
     """
 
-    def configure(self, endpoint_url: str | None, region: str | None,
-                  expected: dict[str, tuple[int, str | None]] | None = None) -> None:
+    def configure(
+        self, endpoint_url: str | None, region: str | None, expected: dict[str, tuple[int, str | None]] | None = None
+    ) -> None:
         self.endpoint_url, self.region, self.expected = endpoint_url, region, expected
 
     def _objects(self, path: str | os.PathLike) -> tuple[S3Objects, str]:
@@ -158,19 +160,23 @@ class S3ObjectFileSystem(FileSystem):
             return
         name = url.rsplit("/", 1)[-1]
         if name not in self.expected:
-            raise CheckpointCorruptError(f"{url}: DCP metadata refers to an object the manifest does not list",
-                                         path=url)
+            raise CheckpointCorruptError(
+                f"{url}: DCP metadata refers to an object the manifest does not list", path=url
+            )
         size, digest = self.expected[name]
         if len(data) != size:
-            raise CheckpointCorruptError(f"{url}: size {len(data)} bytes, manifest expects {size} bytes "
-                                         "(truncated?)", path=url)
+            raise CheckpointCorruptError(
+                f"{url}: size {len(data)} bytes, manifest expects {size} bytes (truncated?)", path=url
+            )
         if digest is not None:
             hasher = new_hasher()
             hasher.update(data)
             if hasher.hexdigest() != digest:
                 raise CheckpointCorruptError(
                     f"{url}: {HASH_ALGORITHM} {hasher.hexdigest()} does not match the manifest's {digest} "
-                    "(bytes changed after the commit)", path=url)
+                    "(bytes changed after the commit)",
+                    path=url,
+                )
 
     @override
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
@@ -234,8 +240,15 @@ class S3Writer(CheckedFileSystemWriter):
         endpoint_url, region: S3 client settings.
     """
 
-    def __init__(self, url: str, *, thread_count: int, write_timeout_s: float | None,
-                 endpoint_url: str | None, region: str | None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        thread_count: int,
+        write_timeout_s: float | None,
+        endpoint_url: str | None,
+        region: str | None,
+    ) -> None:
         super().__init__(url, thread_count=thread_count, write_timeout_s=write_timeout_s)
         fs = _S3GuardedFileSystem()
         fs.configure(endpoint_url, region)
@@ -254,8 +267,14 @@ class S3Reader(SafeFileSystemReader):
         endpoint_url, region: S3 client settings.
     """
 
-    def __init__(self, url: str, *, expected_files: dict[str, tuple[int, str | None]] | None,
-                 endpoint_url: str | None, region: str | None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        expected_files: dict[str, tuple[int, str | None]] | None,
+        endpoint_url: str | None,
+        region: str | None,
+    ) -> None:
         super().__init__(url, expected_files=expected_files)
         fs = S3ObjectFileSystem()
         fs.configure(endpoint_url, region, expected_files)

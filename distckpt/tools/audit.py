@@ -61,16 +61,25 @@ def audit_checkpoint(location: str | os.PathLike, *, store: CheckpointStore | No
         manifest = store.read_manifest(location)
     except CheckpointCorruptError:
         return AuditReport(path=location, manifest=None, problems=problems)
-    report = AuditReport(path=location, manifest=manifest, problems=problems,
-                         unhashed=[f.path for f in manifest.files if f.hash is None])
+    report = AuditReport(
+        path=location, manifest=manifest, problems=problems, unhashed=[f.path for f in manifest.files if f.hash is None]
+    )
     metadata = None
     try:
         metadata = store.read_dcp_metadata(location)
     except (CheckpointCorruptError, OSError) as e:  # a missing listed .metadata is reported by verify
         if ".metadata" in {f.path for f in manifest.files} and not any(".metadata" in str(p) for p in problems):
-            problems.append(e if isinstance(e, CheckpointCorruptError)
-                            else CheckpointCorruptError(str(e), path=f"{location}/.metadata"))
-    problems += structure_problems(manifest, location=location, manifest_path=store.manifest_path(location),
-                                   dir_step=store.named_step(location), present=store.object_sizes(location),
-                                   metadata=metadata)
+            problems.append(
+                e
+                if isinstance(e, CheckpointCorruptError)
+                else CheckpointCorruptError(str(e), path=f"{location}/.metadata")
+            )
+    problems += structure_problems(
+        manifest,
+        location=location,
+        manifest_path=store.manifest_path(location),
+        dir_step=store.named_step(location),
+        present=store.object_sizes(location),
+        metadata=metadata,
+    )
     return report

@@ -56,9 +56,13 @@ class CheckpointDiff:
         return not self.only_a and not self.only_b and all(d.equal for d in self.common)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"identical": self.identical, "only_a": self.only_a, "only_b": self.only_b,
-                "mismatched": [d.key for d in self.mismatched],
-                "common": [asdict(d) for d in self.common]}
+        return {
+            "identical": self.identical,
+            "only_a": self.only_a,
+            "only_b": self.only_b,
+            "mismatched": [d.key for d in self.mismatched],
+            "common": [asdict(d) for d in self.common],
+        }
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -72,7 +76,7 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     x, y = a.reshape(-1), b.reshape(-1)
     worst = 0.0
     for start in range(0, x.numel(), _CHUNK):
-        xs, ys = x[start:start + _CHUNK].double(), y[start:start + _CHUNK].double()
+        xs, ys = x[start : start + _CHUNK].double(), y[start : start + _CHUNK].double()
         same = (xs == ys) | (xs.isnan() & ys.isnan())
         d = torch.where(same, torch.zeros((), dtype=torch.float64), (xs - ys).abs())
         d = torch.nan_to_num(d, nan=math.inf)
@@ -87,8 +91,9 @@ def _equal_objects(a: Any, b: Any) -> bool:
         return False
 
 
-def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, group: str | None = None,
-                     check_files: bool = True) -> CheckpointDiff:
+def diff_checkpoints(
+    a: str | os.PathLike, b: str | os.PathLike, *, group: str | None = None, check_files: bool = True
+) -> CheckpointDiff:
     """Keys only in ``a`` / only in ``b``, and for each common key shape, dtype and values.
 
     Args:
@@ -108,8 +113,17 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, group: str |
     for key in common:
         ia, ib = ra.items[key], rb.items[key]
         if ia.kind != ib.kind or ia.shape != ib.shape:
-            result.common.append(TensorDiff(key=key, shape_a=ia.shape, shape_b=ib.shape, dtype_a=ia.dtype,
-                                            dtype_b=ib.dtype, max_abs_diff=None, equal=False))
+            result.common.append(
+                TensorDiff(
+                    key=key,
+                    shape_a=ia.shape,
+                    shape_b=ib.shape,
+                    dtype_a=ia.dtype,
+                    dtype_b=ib.dtype,
+                    max_abs_diff=None,
+                    equal=False,
+                )
+            )
         else:
             readable.append(key)
     for (key, va), (_, vb) in zip(ra.iter_read(readable), rb.iter_read(readable)):
@@ -119,8 +133,17 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, group: str |
             equal = worst == 0.0 and va.dtype == vb.dtype
         else:
             worst, equal = None, _equal_objects(va, vb)
-        result.common.append(TensorDiff(key=key, shape_a=ia.shape, shape_b=ib.shape, dtype_a=ia.dtype,
-                                        dtype_b=ib.dtype, max_abs_diff=worst, equal=equal))
+        result.common.append(
+            TensorDiff(
+                key=key,
+                shape_a=ia.shape,
+                shape_b=ib.shape,
+                dtype_a=ia.dtype,
+                dtype_b=ib.dtype,
+                max_abs_diff=worst,
+                equal=equal,
+            )
+        )
         del va, vb
     result.common.sort(key=lambda d: d.key)
     return result

@@ -31,8 +31,15 @@ from ..storage.claims import refuse_or_archive
 from .reader import CheckpointReader
 from .single_file import SafetensorsWriter, TorchZipWriter
 
-__all__ = ["ExportFormat", "ExportDtype", "ExportResult", "export_checkpoint", "import_weights",
-           "import_into", "load_weights"]
+__all__ = [
+    "ExportFormat",
+    "ExportDtype",
+    "ExportResult",
+    "export_checkpoint",
+    "import_weights",
+    "import_into",
+    "load_weights",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +98,12 @@ class _Progress:
             pct = 100 * self.done // max(self.total, 1)
             if pct != self._last:
                 self._last = pct
-                print(f"\r{self.desc}: {pct:3d}% {self.done / 2**20:.0f}/{self.total / 2**20:.0f} MiB",
-                      end="", file=sys.stderr, flush=True)
+                print(
+                    f"\r{self.desc}: {pct:3d}% {self.done / 2**20:.0f}/{self.total / 2**20:.0f} MiB",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -159,7 +170,7 @@ def export_checkpoint(
     cast = DTYPES[dtype] if dtype else None
 
     def out_name(key: str) -> str:
-        return key[len("model."):] if model_only else key
+        return key[len("model.") :] if model_only else key
 
     def out_dtype(key: str) -> torch.dtype:
         stored = reader.items[key].torch_dtype
@@ -204,11 +215,18 @@ def export_checkpoint(
     finally:
         bar.close()
     if skipped:
-        logger.info("export: %d non-tensor item(s) not stored in safetensors: %s", len(skipped),
-                    ", ".join(skipped[:10]))
-    return ExportResult(path=str(out_path), format=format, dtype=dtype, num_tensors=len(entries),
-                        size_bytes=out_path.stat().st_size, skipped=skipped,
-                        seconds=time.perf_counter() - t0)
+        logger.info(
+            "export: %d non-tensor item(s) not stored in safetensors: %s", len(skipped), ", ".join(skipped[:10])
+        )
+    return ExportResult(
+        path=str(out_path),
+        format=format,
+        dtype=dtype,
+        num_tensors=len(entries),
+        size_bytes=out_path.stat().st_size,
+        skipped=skipped,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def _object_values(reader: CheckpointReader, keys: list[str], out_name) -> dict[str, Any]:
@@ -264,13 +282,15 @@ def load_weights(weights_path: str | os.PathLike) -> dict[str, torch.Tensor]:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=head[:2] == b"PK")
         except Exception as e:  # pickle/zip errors of many types
-            raise ValueError(f"{path}: not a safetensors file nor a torch.save state dict readable "
-                             f"with weights_only=True ({type(e).__name__}: {e})") from e
+            raise ValueError(
+                f"{path}: not a safetensors file nor a torch.save state dict readable "
+                f"with weights_only=True ({type(e).__name__}: {e})"
+            ) from e
     if not isinstance(obj, Mapping):
         raise ValueError(f"{path}: expected a {{name: tensor}} mapping, got {type(obj).__name__}")
     for key, value in obj.items():
         if not isinstance(key, str) or not isinstance(value, torch.Tensor):
-            hint = (" (a nested state dict: save that inner dict instead)" if isinstance(value, Mapping) else "")
+            hint = " (a nested state dict: save that inner dict instead)" if isinstance(value, Mapping) else ""
             raise ValueError(f"{path}: entry {key!r} is a {type(value).__name__}, not a tensor{hint}")
     if not obj:
         raise ValueError(f"{path}: holds no tensors")
@@ -298,27 +318,39 @@ def load_dcp_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     reader = CheckpointReader(path)
     model_keys = [k for k in reader.keys("model") if reader.items[k].kind == "tensor"]
     if model_keys:
-        names = {k: k[len("model."):] for k in model_keys}
+        names = {k: k[len("model.") :] for k in model_keys}
         ignored = [k for k in reader.keys() if k not in names]
         if ignored:
-            logger.info("import %s: takes the %d model.* tensors; ignores %d other item(s): %s", path,
-                        len(names), len(ignored), ", ".join(ignored[:10]) + (" ..." if len(ignored) > 10 else ""))
+            logger.info(
+                "import %s: takes the %d model.* tensors; ignores %d other item(s): %s",
+                path,
+                len(names),
+                len(ignored),
+                ", ".join(ignored[:10]) + (" ..." if len(ignored) > 10 else ""),
+            )
     else:
         objects = [k for k in reader.keys() if reader.items[k].kind != "tensor"]
         if objects:
             raise ValueError(
                 f"{path}: no model.* items, and not a bare model state_dict: {len(objects)} item(s) are not "
                 f"tensors ({', '.join(objects[:5])}). distckpt imports the model.* tensors of a DCP "
-                "checkpoint, or a DCP directory holding only a model's tensors")
+                "checkpoint, or a DCP directory holding only a model's tensors"
+            )
         names = {k: k for k in reader.keys()}
     if not names:
         raise ValueError(f"{path}: holds no tensors")
     return {names[k]: v for k, v in reader.iter_read(list(names))}
 
 
-def import_weights(weights_path: str | os.PathLike, root: str | os.PathLike, *, step: int = 0,
-                   on_existing: Literal["refuse", "archive"] = "refuse", endpoint_url: str | None = None,
-                   region: str | None = None) -> str:
+def import_weights(
+    weights_path: str | os.PathLike,
+    root: str | os.PathLike,
+    *,
+    step: int = 0,
+    on_existing: Literal["refuse", "archive"] = "refuse",
+    endpoint_url: str | None = None,
+    region: str | None = None,
+) -> str:
     """Commit a weights file as checkpoint ``<root>/step-<step>`` that ``CheckpointManager``
     loads into the same architecture under any wrapper at any world size.
 
@@ -359,18 +391,25 @@ def import_weights(weights_path: str | os.PathLike, root: str | os.PathLike, *, 
     store = open_store(root, endpoint_url=endpoint_url, region=region)
 
     def refuse_or_archive_existing() -> None:  # under the root's lock
-        refuse_or_archive(store, on_existing=on_existing, locked=True, subject=store.root,
-                          why="a load.enabled: true run would resume those, not the import",
-                          choices="import into another root; pass on_existing='archive' (CLI: --archive-existing)")
+        refuse_or_archive(
+            store,
+            on_existing=on_existing,
+            locked=True,
+            subject=store.root,
+            why="a load.enabled: true run would resume those, not the import",
+            choices="import into another root; pass on_existing='archive' (CLI: --archive-existing)",
+        )
         if store.exists(store.location_of(step)):
-            raise FileExistsError(f"{store.location_of(step)} already exists; import into another root or pick "
-                                  "another step")
+            raise FileExistsError(
+                f"{store.location_of(step)} already exists; import into another root or pick another step"
+            )
 
     return import_into(store, weights_path, step=step, before_write=refuse_or_archive_existing)
 
 
-def import_into(store: CheckpointStore, weights_path: str | os.PathLike, *, step: int,
-                before_write: Callable[[], None]) -> str:
+def import_into(
+    store: CheckpointStore, weights_path: str | os.PathLike, *, step: int, before_write: Callable[[], None]
+) -> str:
     """:func:`import_weights` into any store's root,
     written in this process (``dcp.save``, no process group); returns the committed checkpoint's
     location. ``before_write`` runs holding the root's lock, before anything is written: the
@@ -400,8 +439,13 @@ def import_into(store: CheckpointStore, weights_path: str | os.PathLike, *, step
             "model": weights,
             "train_state": pack(TrainState(step=step).to_saved()),
             "rank_state": {"rank0": {"rng": pack(_derived_rng_state(step))}},
-            WEIGHTS_ONLY_KEY: pack({"source": str(Path(weights_path).resolve()),
-                                    "size_bytes": Path(weights_path).stat().st_size, "time": time.time()}),
+            WEIGHTS_ONLY_KEY: pack(
+                {
+                    "source": str(Path(weights_path).resolve()),
+                    "size_bytes": Path(weights_path).stat().st_size,
+                    "time": time.time(),
+                }
+            ),
         }
         store.begin_write(pending)
         writer = store.dcp_writer(pending, thread_count=1, write_timeout_s=None)
@@ -413,19 +457,27 @@ def import_into(store: CheckpointStore, weights_path: str | os.PathLike, *, step
         specs = {k: TensorSpec(shape=list(v.shape), dtype=str(v.dtype)) for k, v in sorted(weights.items())}
         files = store.list_files(pending, dict(writer.fs.written))
         manifest = Manifest(
-            step=step, wall_time=time.time(), world_size=1, wrapper="plain", state_dict_type="full",
-            torch_version=torch.__version__, distckpt_version=__version__, model=specs,
+            step=step,
+            wall_time=time.time(),
+            world_size=1,
+            wrapper="plain",
+            state_dict_type="full",
+            torch_version=torch.__version__,
+            distckpt_version=__version__,
+            model=specs,
             model_fingerprint=model_fingerprint(specs),
             timings_s={"stage": 0.0, "write": t_write, "commit": time.perf_counter() - t0 - t_write},
-            files=files)
+            files=files,
+        )
         location = store.commit(pending, step, manifest)
     except BaseException:
         store.abort(pending)
         raise
     finally:
         lock.release()
-    logger.info("imported %s as %s (%d tensors) in %.2f s", weights_path, location, len(weights),
-                time.perf_counter() - t0)
+    logger.info(
+        "imported %s as %s (%d tensors) in %.2f s", weights_path, location, len(weights), time.perf_counter() - t0
+    )
     return location
 
 

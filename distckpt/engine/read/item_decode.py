@@ -47,8 +47,9 @@ class ItemDecoder:
             request's copy, one request at a time (DCP's per-item contract).
     """
 
-    def __init__(self, transforms: Any, header_cache: HeaderCache, results: ReadResults,
-                 planner: LoadPlanner | None = None) -> None:
+    def __init__(
+        self, transforms: Any, header_cache: HeaderCache, results: ReadResults, planner: LoadPlanner | None = None
+    ) -> None:
         self.transforms = transforms
         self.header_cache = header_cache
         self.results = results
@@ -79,11 +80,11 @@ class ItemDecoder:
         if direct_ok(src, req.tensor):
             a = base_data_off + src.storage_offset() * isz
             n = src.numel() * isz
-            writable_view(req.tensor)[:] = writable_view(base)[a:a + n]
+            writable_view(req.tensor)[:] = writable_view(base)[a : a + n]
             self.results.count(copied_bytes=n)
             return
         lo, hi = covering_range(src)
-        u8 = base[base_data_off + lo * isz:base_data_off + hi * isz]
+        u8 = base[base_data_off + lo * isz : base_data_off + hi * isz]
         view = strided_view(typed_view(u8, src.dtype), src, lo)
         req.tensor.copy_(view)
         self.results.count(copied_bytes=(hi - lo) * isz)

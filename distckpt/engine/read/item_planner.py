@@ -90,8 +90,14 @@ class ItemPlanner:
         results: the current ``read_data``'s results (items to re-decode, counters).
     """
 
-    def __init__(self, decoder: ItemDecoder, chunks: ChunkIndex, header_cache: HeaderCache, direct_min_bytes: int,
-                 results: ReadResults) -> None:
+    def __init__(
+        self,
+        decoder: ItemDecoder,
+        chunks: ChunkIndex,
+        header_cache: HeaderCache,
+        direct_min_bytes: int,
+        results: ReadResults,
+    ) -> None:
         self.decoder = decoder
         self.chunks = chunks
         self.header_cache = header_cache
@@ -132,6 +138,7 @@ class ItemPlanner:
         results = self.results
         # A per-item planner resolves each target only after the item's bytes are in memory.
         if st.is_bytes or st.descriptors or st.length <= self.direct_min_bytes or self.decoder.planner is not None:
+
             def whole_item(t, mv, st=st) -> None:
                 self.decoder.decode_whole(st, mv, t)
 
@@ -206,8 +213,7 @@ class ItemPlanner:
                 for req in st.reqs:
                     self.decoder.copy_from(layout, buf, 0, req)
 
-            self._add_range(stream, data_abs, data_abs + layout.nbytes, buf, peek, st.offset, peek_end,
-                            cb=all_reqs)
+            self._add_range(stream, data_abs, data_abs + layout.nbytes, buf, peek, st.offset, peek_end, cb=all_reqs)
         for a, b, req, want_buf, src in wants:
             if want_buf is None:
                 dst = writable_view(req.tensor)
@@ -225,6 +231,7 @@ class ItemPlanner:
         data_end = data_abs + layout.nbytes
         trailer = st.end - data_end
         if 0 < trailer <= TRAILER_MAX:
+
             def check(_t, mv, st=st, layout=layout) -> None:
                 if not check_trailer(mv, layout):
                     with results.lock:
@@ -233,18 +240,27 @@ class ItemPlanner:
             if data_end >= peek_end:
                 stream.add_scratch(data_end, trailer, check)
             else:  # tiny item fully inside the peek (only when PEEK_BYTES >= item)
-                check(None, memoryview(peek)[data_end - st.offset:])
+                check(None, memoryview(peek)[data_end - st.offset :])
 
-    def _add_range(self, stream: ReadStream, a: int, b: int, keep: torch.Tensor, peek: bytes, peek_off: int,
-                   peek_end: int, view: memoryview | None = None,
-                   cb: Callable[[torch.Tensor | None, memoryview], None] | None = None) -> None:
+    def _add_range(
+        self,
+        stream: ReadStream,
+        a: int,
+        b: int,
+        keep: torch.Tensor,
+        peek: bytes,
+        peek_off: int,
+        peek_end: int,
+        view: memoryview | None = None,
+        cb: Callable[[torch.Tensor | None, memoryview], None] | None = None,
+    ) -> None:
         """Fill ``[a, b)`` of the file into ``view`` (default: all of ``keep``): the part already
         in the peek is copied, the rest is added to the stream."""
         if view is None:
             view = writable_view(keep)
         head = max(min(b, peek_end) - a, 0)
         if head:
-            view[:head] = memoryview(peek)[a - peek_off:a - peek_off + head]
+            view[:head] = memoryview(peek)[a - peek_off : a - peek_off + head]
         if b - a > head:
             stream.add_view(a + head, view[head:], keep=keep, cb=cb)
         elif cb is not None:
@@ -256,8 +272,10 @@ def resolves_in_place(planner: LoadPlanner) -> bool:
     ``lookup_tensor`` and ``transform_tensor``: views of its state dict) and ``commit_tensor`` (a
     no-op), so resolving every request up front cannot be told from DCP's per-item order."""
     cls = type(planner)
-    return all(getattr(cls, name, None) is getattr(DefaultLoadPlanner, name)
-               for name in ("resolve_tensor", "lookup_tensor", "transform_tensor", "commit_tensor"))
+    return all(
+        getattr(cls, name, None) is getattr(DefaultLoadPlanner, name)
+        for name in ("resolve_tensor", "lookup_tensor", "transform_tensor", "commit_tensor")
+    )
 
 
 def needed_bytes(st: StoredItem, chunks: ChunkIndex) -> int:

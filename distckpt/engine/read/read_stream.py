@@ -21,9 +21,23 @@ from ...errors import CheckpointCorruptError, ReaderInvariantError
 from ..torch_internals import narrow_tensor_by_index
 from .torch_save_format import TensorLayout
 
-__all__ = ["WARM_GAP_BYTES", "ReadRequest", "ReadResults", "ReadStream", "StoredItem", "check_sizes",
-           "covering_range", "direct_ok", "fstat_size", "page_cached", "read_item", "src_view", "strided_view",
-           "typed_view", "writable_view"]
+__all__ = [
+    "WARM_GAP_BYTES",
+    "ReadRequest",
+    "ReadResults",
+    "ReadStream",
+    "StoredItem",
+    "check_sizes",
+    "covering_range",
+    "direct_ok",
+    "fstat_size",
+    "page_cached",
+    "read_item",
+    "src_view",
+    "strided_view",
+    "typed_view",
+    "writable_view",
+]
 
 
 def fstat_size(fd: int) -> int:
@@ -104,9 +118,17 @@ def covering_range(src: torch.Tensor) -> tuple[int, int]:
 def direct_ok(src: torch.Tensor, target: torch.Tensor) -> bool:
     """Whether the bytes of ``src`` can be read straight into ``target``: both contiguous, same
     dtype, and ``target`` a plain CPU tensor."""
-    return (src.is_contiguous() and target.device.type == "cpu" and target.dtype == src.dtype
-            and target.is_contiguous() and not target.is_quantized and not target.is_conj()
-            and not target.is_neg() and target.layout == torch.strided and type(target) is torch.Tensor)
+    return (
+        src.is_contiguous()
+        and target.device.type == "cpu"
+        and target.dtype == src.dtype
+        and target.is_contiguous()
+        and not target.is_quantized
+        and not target.is_conj()
+        and not target.is_neg()
+        and target.layout == torch.strided
+        and type(target) is torch.Tensor
+    )
 
 
 def check_sizes(req: ReadItem, target: torch.Tensor, src_size: Sequence[int]) -> None:
@@ -133,8 +155,8 @@ def read_item(fd: int, path: str, st: StoredItem) -> tuple[torch.Tensor, memoryv
         n = os.preadv(fd, [mv[done:]], st.offset + done)
         if n <= 0:
             raise CheckpointCorruptError(
-                f"{path}: truncated: short read at byte {st.offset + done} (item needs bytes up to "
-                f"{st.end})", path=path)
+                f"{path}: truncated: short read at byte {st.offset + done} (item needs bytes up to {st.end})", path=path
+            )
         done += n
     return buf, mv
 
@@ -190,8 +212,16 @@ class ReadResults:
         self.lock = threading.Lock()
         self.bytes_items: list[tuple[ReadItem, bytes]] = []
         self.redo: list[StoredItem] = []
-        self.stats = {"direct_bytes": 0, "copied_bytes": 0, "fallback_items": 0, "read_bytes": 0,
-                      "syscalls": 0, "needed_bytes": 0, "ranged_files": 0, "verified_blocks": 0}
+        self.stats = {
+            "direct_bytes": 0,
+            "copied_bytes": 0,
+            "fallback_items": 0,
+            "read_bytes": 0,
+            "syscalls": 0,
+            "needed_bytes": 0,
+            "ranged_files": 0,
+            "verified_blocks": 0,
+        }
 
     def add_bytes(self, req: ReadItem, data: bytes) -> None:
         with self.lock:
@@ -223,8 +253,19 @@ class ReadStream:
             names (:class:`~distckpt.engine.read.fast_reader.FastFileSystemReader`).
     """
 
-    def __init__(self, path: str, fd: int, file_size: int, hasher: Any, results: ReadResults, start: int, *,
-                 chunk_bytes: int, max_request_bytes: int, gap_read_bytes: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        fd: int,
+        file_size: int,
+        hasher: Any,
+        results: ReadResults,
+        start: int,
+        *,
+        chunk_bytes: int,
+        max_request_bytes: int,
+        gap_read_bytes: int,
+    ) -> None:
         self.path, self.fd, self.file_size = path, fd, file_size
         self.hasher, self.results = hasher, results
         self.chunk_bytes, self.max_request_bytes = chunk_bytes, max_request_bytes
@@ -255,14 +296,19 @@ class ReadStream:
         if self.pending_scratch >= self.chunk_bytes or self.pending_total >= self.max_request_bytes:
             self.flush()
 
-    def add_view(self, off: int, view: memoryview, keep: Any = None,
-                 cb: Callable[[torch.Tensor | None, memoryview], None] | None = None) -> None:
+    def add_view(
+        self,
+        off: int,
+        view: memoryview,
+        keep: Any = None,
+        cb: Callable[[torch.Tensor | None, memoryview], None] | None = None,
+    ) -> None:
         # Big destinations are split so hashing and callbacks interleave with the reads.
         step = self.max_request_bytes
         n = len(view)
         for s in range(0, n, step):
             last = s + step >= n
-            self.add(_Seg(off + s, min(step, n - s), view[s:s + step], cb if last else None, keep))
+            self.add(_Seg(off + s, min(step, n - s), view[s : s + step], cb if last else None, keep))
 
     def add_scratch(self, off: int, length: int, cb: Callable[[torch.Tensor | None, memoryview], None] | None) -> None:
         self.add(_Seg(off, length, None, cb))
@@ -283,7 +329,9 @@ class ReadStream:
     def _truncated(self, at: int) -> CheckpointCorruptError:
         return CheckpointCorruptError(
             f"{self.path}: truncated: the file ends at byte {self.file_size_now()}, but the "
-            f"checkpoint's items need bytes up to {at} (short read)", path=self.path)
+            f"checkpoint's items need bytes up to {at} (short read)",
+            path=self.path,
+        )
 
     def file_size_now(self) -> int:
         try:
@@ -297,7 +345,7 @@ class ReadStream:
         done = 0
         i = 0
         while i < len(views):
-            n = os.preadv(self.fd, views[i:i + _IOV_MAX], off + done)
+            n = os.preadv(self.fd, views[i : i + _IOV_MAX], off + done)
             self.results.count(syscalls=1)
             if n <= 0:
                 raise self._truncated(off + total)
@@ -343,7 +391,7 @@ class ReadStream:
         def scratch(n: int) -> tuple[torch.Tensor, memoryview]:
             nonlocal a
             assert arena is not None and arena_mv is not None  # arena_need counted every scratch request
-            t, mv = arena[a:a + n], arena_mv[a:a + n]
+            t, mv = arena[a : a + n], arena_mv[a : a + n]
             a += n
             return t, mv
 
@@ -401,5 +449,3 @@ class ReadStream:
         if self.hasher is not None and end > self.pos:
             self._read_gap(self.pos, end)
             self.pos = end
-
-

@@ -56,7 +56,7 @@ class WholeFileCheck:
 
     def finish(self) -> None:
         """Raises:
-            CheckpointCorruptError: the digest differs from the manifest's.
+        CheckpointCorruptError: the digest differs from the manifest's.
         """
         if self._pos != self.file_size:
             raise ReaderInvariantError(f"{self.path}: hashed {self._pos} of {self.file_size} bytes")
@@ -64,7 +64,9 @@ class WholeFileCheck:
         if actual != self.digest:
             raise CheckpointCorruptError(
                 f"{describe_path(self.path)}: {HASH_ALGORITHM} {actual} does not match the manifest's {self.digest} "
-                "(bytes changed after the commit)", path=self.path)
+                "(bytes changed after the commit)",
+                path=self.path,
+            )
 
 
 class BlockCheck:
@@ -109,7 +111,7 @@ class BlockCheck:
             if off + i != self._pos:
                 raise ReaderInvariantError(f"{self.path}: hashed out of order at {off + i} (expected {self._pos})")
             k = min(n - i, self._ends[b] - self._pos)
-            self._hasher.update(data[i:i + k])
+            self._hasher.update(data[i : i + k])
             self._pos += k
             i += k
             if self._pos == self._ends[b]:
@@ -123,7 +125,9 @@ class BlockCheck:
                 f"{describe_path(self.path)}: bytes [{start}, {end}) (block {b} of {len(self._ends)}): "
                 f"{HASH_ALGORITHM} {actual} does not match the manifest's {self.blocks.hashes[b]} (bytes changed "
                 "after the commit); load an older checkpoint (fallback_to_older) and run `distckpt verify` on "
-                "this one", path=self.path)
+                "this one",
+                path=self.path,
+            )
         self.verified += 1
         self.verified_bytes += end - start
 
@@ -165,9 +169,10 @@ class BlockCheck:
         while done < len(buf):
             n = os.preadv(fd, [view[done:]], lo + done)
             if n <= 0:
-                raise CheckpointCorruptError(f"{describe_path(self.path)}: truncated: short read at byte {lo + done}",
-                                             path=self.path)
+                raise CheckpointCorruptError(
+                    f"{describe_path(self.path)}: truncated: short read at byte {lo + done}", path=self.path
+                )
             done += n
         check = BlockCheck(self.path, self.blocks)
         check.update(lo, view)
-        return buf[offset - lo:offset - lo + length]
+        return buf[offset - lo : offset - lo + length]

@@ -25,8 +25,17 @@ import torch
 
 from ..torch_internals import weights_only_unpickler
 
-__all__ = ["CACHE_ENTRIES", "TRAILER_MAX", "HeaderCache", "LruCache", "NeedMoreBytes", "TensorLayout",
-           "UnsupportedLayout", "check_trailer", "parse_torch_save_header"]
+__all__ = [
+    "CACHE_ENTRIES",
+    "TRAILER_MAX",
+    "HeaderCache",
+    "LruCache",
+    "NeedMoreBytes",
+    "TensorLayout",
+    "UnsupportedLayout",
+    "check_trailer",
+    "parse_torch_save_header",
+]
 
 _MIB = 1 << 20
 # Trailers (and predicted trailers) longer than this are not torch.save's (~900 bytes).
@@ -154,7 +163,7 @@ class HeaderCache:
                 if layout is not None:
                     return layout
         layout = parse_torch_save_header(buf, self)
-        self.layouts.put(bytes(buf[:layout.data_offset]), layout)
+        self.layouts.put(bytes(buf[: layout.data_offset]), layout)
         with self._lock:
             self._lengths.pop(layout.data_offset, None)
             self._lengths[layout.data_offset] = None
@@ -173,8 +182,9 @@ class HeaderCache:
             except (NeedMoreBytes, UnsupportedLayout):
                 got = None
             self.heads.put(key, got)
-        return got == (len(head), predicted.nbytes, predicted.flags, predicted.sig) \
-            and predicted.data_offset == len(head)
+        return got == (len(head), predicted.nbytes, predicted.flags, predicted.sig) and predicted.data_offset == len(
+            head
+        )
 
     def predicted_meta(self, sig: tuple) -> torch.Tensor:
         """A meta tensor for ``sig`` = ``(dtype, size, contiguous stride, 0)``, shared by the
@@ -227,8 +237,12 @@ def _meta_from_pickle(pkl: bytes, cache: HeaderCache | None) -> tuple[torch.Tens
     if any(s < 0 for s in obj.stride()):
         raise UnsupportedLayout("negative stride")
     meta = obj.detach()
-    out = (meta, storages[0][0], storages[0][1],
-           (meta.dtype, tuple(meta.size()), tuple(meta.stride()), meta.storage_offset()))
+    out = (
+        meta,
+        storages[0][0],
+        storages[0][1],
+        (meta.dtype, tuple(meta.size()), tuple(meta.stride()), meta.storage_offset()),
+    )
     if cache is not None:
         cache.pickles.put(pkl, out)
     return out
@@ -256,7 +270,7 @@ def _record_size_by_descriptor(buf: memoryview, start: int, limit: int) -> int:
 
 def _descriptor_len(buf: memoryview, pos: int, size: int) -> int:
     """Length of the data descriptor at ``pos`` for a record of ``size`` bytes (0: none fits)."""
-    if pos + 4 <= len(buf) and buf[pos:pos + 4] == _DD_SIG:
+    if pos + 4 <= len(buf) and buf[pos : pos + 4] == _DD_SIG:
         pos_sizes, sig = pos + 8, 4
     else:
         pos_sizes, sig = pos + 4, 0
@@ -314,11 +328,11 @@ def parse_torch_save_header(buf: bytes | bytearray | memoryview, cache: HeaderCa
         data_at = pos + _LFH.size + nlen + elen
         if data_at > len(buf):
             raise NeedMoreBytes()
-        name = bytes(buf[pos + _LFH.size:pos + _LFH.size + nlen]).decode("utf-8", "replace")
+        name = bytes(buf[pos + _LFH.size : pos + _LFH.size + nlen]).decode("utf-8", "replace")
         record = name.split("/", 1)[1] if "/" in name else name
         size: int | None = None
         if csize == 0xFFFFFFFF or usize == 0xFFFFFFFF:
-            z64 = _zip64_sizes(buf[pos + _LFH.size + nlen:data_at])
+            z64 = _zip64_sizes(buf[pos + _LFH.size + nlen : data_at])
             if z64 is None:
                 raise UnsupportedLayout("zip64 sizes missing")
             size = z64[1] if z64[1] else None
@@ -333,7 +347,7 @@ def parse_torch_save_header(buf: bytes | bytearray | memoryview, cache: HeaderCa
                 size = _record_size_by_descriptor(buf, data_at, _PICKLE_MAX)
             if data_at + size > len(buf):
                 raise NeedMoreBytes()
-            meta, key, nbytes, sig = _meta_from_pickle(bytes(buf[data_at:data_at + size]), cache)
+            meta, key, nbytes, sig = _meta_from_pickle(bytes(buf[data_at : data_at + size]), cache)
         elif record.startswith("data/") and "/" not in record[5:]:
             if meta is None or record[5:] != key:
                 raise UnsupportedLayout(f"unexpected storage record {record!r}")
@@ -354,7 +368,7 @@ def parse_torch_save_header(buf: bytes | bytearray | memoryview, cache: HeaderCa
             if data_at + size > len(buf):
                 raise NeedMoreBytes()
             if record == "byteorder":
-                byteorder = bytes(buf[data_at:data_at + size]).decode("ascii", "replace")
+                byteorder = bytes(buf[data_at : data_at + size]).decode("ascii", "replace")
         pos = data_at + size
         if flags & 0x8:
             dlen = _descriptor_len(buf, pos, size)
@@ -371,4 +385,3 @@ def check_trailer(buf: memoryview, layout: TensorLayout) -> bool:
         return _descriptor_len(buf, 0, layout.nbytes) > 0
     except NeedMoreBytes:
         return False
-
