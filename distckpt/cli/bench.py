@@ -20,11 +20,17 @@ EPILOG = """examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command line of ``distckpt bench``."""
     p.add_argument("--load", action="store_true", help="run benchmarks/bench_load.py instead of bench_save.py")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (after --)")
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``distckpt bench``; returns the benchmark's exit code (0 ok).
+
+    Raises:
+        FileNotFoundError: no ``benchmarks/`` next to the package (not an editable install of a clone).
+    """
     source_tree = Path(__file__).resolve().parents[2]
     if not (source_tree / "benchmarks" / "__init__.py").exists():
         raise FileNotFoundError(

@@ -22,6 +22,7 @@ EPILOG = """examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command line of ``distckpt diff``."""
     p.add_argument("a", help="checkpoint directory or root")
     p.add_argument("b", help="checkpoint directory or root")
     p.add_argument("--group", choices=GROUPS, help="compare only this group")
@@ -33,6 +34,7 @@ def _shape(s):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``distckpt diff``; returns the exit code (0 identical, 1 the checkpoints differ)."""
     a, b = resolve_checkpoint(args.a), resolve_checkpoint(args.b)
     d = diff_checkpoints(a, b, group=args.group)
     code = EXIT_OK if d.identical else EXIT_FAILED

@@ -24,6 +24,7 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command line of ``distckpt export``."""
     add_checkpoint_output(p, out_help="output file", force_help="replace OUT if it exists")
     p.add_argument(
         "--format",
@@ -34,6 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``distckpt export``; returns the exit code (0 ok).
+
+    Raises:
+        FileExistsError: ``OUT`` exists and ``--force`` was not given.
+    """
     refuse_url_output(args.out)
     if Path(args.out).exists() and not args.force:
         raise FileExistsError(f"{args.out} exists; pass --force to replace it")

@@ -31,6 +31,7 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command line of ``distckpt import``."""
     p.add_argument("weights", help="safetensors file, torch.save {name: tensor} file or DCP directory")
     p.add_argument("root", help="checkpoint root (created if absent)")
     p.add_argument("--step", type=int, default=0, help="step to record (default 0)")
@@ -42,6 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``distckpt import``; returns the exit code (0 ok).
+
+    Raises:
+        ValueError: ``--step`` is negative.
+    """
     if args.step < 0:
         raise ValueError(f"--step {args.step}: must be >= 0")
     location = import_weights(
@@ -51,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def report(args: argparse.Namespace, path: object, m: Manifest) -> int:
+    """Print the checkpoint committed at ``path`` (``m``: its manifest), as JSON with ``--json``; returns 0."""
     size = sum(f.size_bytes for f in m.files)
     if args.json:
         print_json(

@@ -22,11 +22,15 @@ EPILOG = """examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command line of ``distckpt inspect``."""
     p.add_argument("checkpoint", help="checkpoint directory, or a root (its newest committed checkpoint)")
     p.add_argument("--group", choices=GROUPS, help="list only this group's items")
 
 
 def summary(reader: CheckpointReader) -> dict | None:
+    """The manifest's summary of ``reader``'s checkpoint (``size_bytes``: of the files it lists;
+    ``wall_time``: seconds since the epoch, ``time`` the same as UTC text; ``timings_s``: seconds),
+    or ``None`` when it has no readable manifest."""
     m = reader.manifest
     if m is None:
         return None
@@ -53,6 +57,7 @@ def summary(reader: CheckpointReader) -> dict | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``distckpt inspect``; returns the exit code (0 ok)."""
     path = resolve_checkpoint(args.checkpoint)
     reader = CheckpointReader(path, check_files=False)
     groups: dict[str, dict[str, Any]] = {}

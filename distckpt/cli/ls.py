@@ -35,6 +35,7 @@ EPILOG = """examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command line of ``distckpt ls``."""
     p.add_argument("root", help="checkpoint root (the directory holding step-* directories)")
 
 
@@ -124,6 +125,7 @@ def with_metadata_checked(
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``distckpt ls``; returns the exit code (0 ok, an empty root too)."""
     root = args.root
     rows = list_root(root)
     if args.json:

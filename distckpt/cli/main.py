@@ -22,6 +22,8 @@ COMMANDS = [ls, inspect_, verify, diff, export, release, import_, prune, bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``distckpt`` argument parser: one subcommand per module of :data:`COMMANDS`, each also
+    taking ``--json`` and ``--debug``."""
     parser = argparse.ArgumentParser(
         prog="distckpt",
         description="Inspect, verify, compare, export and prune distckpt checkpoints.",

@@ -31,6 +31,7 @@ EPILOG = """examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command line of ``distckpt prune``."""
     p.add_argument("root", help="checkpoint root")
     p.add_argument("--keep-last", type=int, required=True, metavar="K", help="committed checkpoints to keep (>= 1)")
     p.add_argument("--keep-every", type=int, metavar="N", help="also keep steps that are multiples of N")
@@ -38,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``distckpt prune``; returns the exit code (0 ok, ``--dry-run`` too).
+
+    Raises:
+        ValueError: ``--keep-last`` or ``--keep-every`` is below 1.
+        CheckpointLockedError: another job holds the root's write lock (not with ``--dry-run``).
+    """
     if args.keep_last < 1:
         raise ValueError(f"--keep-last {args.keep_last}: must be >= 1 (the newest checkpoint is always kept)")
     if args.keep_every is not None and args.keep_every < 1:
@@ -82,6 +89,18 @@ def report(
     deferred: list[str] | None = None,
     where: dict[int, str] | None = None,
 ) -> int:
+    """Print what :func:`run` deleted (or, ``--dry-run``, would delete), kept and left untouched, as
+    JSON with ``--json``; returns 0.
+
+    Args:
+        args: the parsed command line.
+        root: the root (messages).
+        committed: steps of the committed checkpoints that load.
+        doomed: steps deleted (or deferred).
+        corrupt: names of the checkpoints left untouched as corrupt.
+        deferred: names among ``doomed`` deferred because a kept incremental checkpoint refers to them.
+        where: ``{step: location}``, to name each deleted checkpoint (default: ``root/step-N``).
+    """
     deferred = deferred or []
     kept = [s for s in committed if s not in doomed]
     if args.json:

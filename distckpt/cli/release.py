@@ -24,6 +24,7 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command line of ``distckpt release``."""
     add_checkpoint_output(
         p,
         out_help="release directory (created; its parent must exist)",
@@ -35,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``distckpt release``; returns the exit code (0 ok)."""
     refuse_url_output(args.out, "release directory")  # before resolving the checkpoint
     ckpt = resolve_checkpoint(args.checkpoint)
     result = release_checkpoint(

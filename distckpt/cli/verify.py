@@ -25,6 +25,7 @@ EPILOG = """examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command line of ``distckpt verify``."""
     p.add_argument("path", help="a checkpoint root or one checkpoint directory")
 
 
@@ -52,6 +53,11 @@ def targets(path: str) -> tuple[CheckpointStore, list[tuple[str, CheckpointCorru
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``distckpt verify``; returns the exit code (0 every checkpoint intact, 1 a problem found).
+
+    Raises:
+        CheckpointNotFoundError: nothing to verify at ``path`` (exit 2).
+    """
     store, entries, pending = targets(args.path)
     reports = [
         AuditReport(path=loc, manifest=None, problems=[result])  # the manifest did not parse

@@ -153,6 +153,7 @@ class Collective:
         )
 
     def barrier(self) -> None:
+        """Return once every rank of the group has called it (no-op on one process)."""
         if self.enabled:
             dist.barrier(group=self.group)
 
@@ -166,6 +167,7 @@ class Collective:
         return box[0]
 
     def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in the group's rank order (``[obj]`` on one process)."""
         if not self.enabled:
             return [obj]
         out: list[Any] = [None] * self.world_size

@@ -36,6 +36,9 @@ class EventLog:
         self._lock = threading.Lock()
 
     def emit(self, phase: str, step: int | None = None, **fields: Any) -> None:
+        """Record event ``phase`` of ``step`` (``None``: of no step) with ``fields``: logged at DEBUG and,
+        with a log file, appended as one JSON line (with ``rank`` and ``t``, unix seconds) and flushed
+        before it returns."""
         record = {"phase": phase, "rank": self.rank, "step": step, "t": time.time(), **fields}
         logger.debug("%s", record)
         if self.path is None:

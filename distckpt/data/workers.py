@@ -84,6 +84,10 @@ class SigtermSafeWorkerInit:
         util.register_after_fork(self, SigtermSafeWorkerInit._add_own_exit_flag)
 
     def __call__(self, worker_id: int) -> None:
+        """Worker ``worker_id``'s init: from now on a SIGTERM ends the worker (exit code 0) only when the
+        process that built this is exiting, and is ignored otherwise (a launcher's SIGTERM to the
+        process group: the main process saves, then ends its workers); then the caller's own
+        ``worker_init_fn``."""
         flags = self.exit_flags
 
         def on_sigterm(signum: int, frame: Any) -> None:

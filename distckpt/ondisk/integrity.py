@@ -51,6 +51,7 @@ BLOCK_SPLIT = 8  # blocks per large write, within the bounds above
 
 
 def new_hasher() -> Any:
+    """A fresh incremental hasher of :data:`HASH_ALGORITHM` (``update(bytes)``, ``hexdigest()``)."""
     return xxhash.xxh3_128()
 
 
@@ -127,6 +128,7 @@ class WrittenFile(tuple[int, str]):
     blocks: BlockDigests | None
 
     def __new__(cls, size_bytes: int, digest: str, blocks: BlockDigests | None = None) -> "WrittenFile":
+        """The pair ``(size_bytes, digest)`` with ``blocks`` attached."""
         self = super().__new__(cls, (size_bytes, digest))
         self.blocks = blocks
         return self

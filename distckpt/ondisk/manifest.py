@@ -127,6 +127,9 @@ class Manifest:
     initial_load: dict[str, Any] | None = None
 
     def to_json(self) -> str:
+        """The manifest as JSON text (sorted keys). Unset ``data_prefix`` / ``initial_load`` and a file's
+        unset block digests are left out, and ``schema_version`` is the oldest schema that holds what is
+        set: a manifest using no newer field stays readable by an older distckpt."""
         data = asdict(self)
         for name in ("data_prefix", "initial_load"):  # unset: the manifest stays byte-for-byte as before
             if data[name] is None:

@@ -58,6 +58,7 @@ class PreemptionWatcher:
         return bool(flag.item())
 
     def uninstall(self) -> None:
+        """Put back the SIGTERM handler found at construction (no-op when it installed none, or when called again)."""
         if self.installed:
             signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
             self.installed = False

@@ -36,6 +36,7 @@ class SaveSchedule:
         self.last_save_time = clock()
 
     def mark_saved(self) -> None:
+        """Restart the ``interval_seconds`` clock (a save was just made)."""
         self.last_save_time = self.clock()
 
     def is_due(self, step: int) -> bool:

@@ -53,7 +53,9 @@ PHASES = ("stage", "write", "manifest", "rename", "latest", "retention", "commit
 class PhaseHook(Protocol):
     """``on_phase(phase, step, rank)``, called before each phase of a save acts."""
 
-    def __call__(self, phase: str, step: int, rank: int) -> None: ...
+    def __call__(self, phase: str, step: int, rank: int) -> None:
+        """Called on ``rank`` before ``phase`` (one of :data:`PHASES`) of the save of ``step`` acts."""
+        ...
 
 
 @dataclasses.dataclass

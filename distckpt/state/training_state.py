@@ -150,6 +150,8 @@ class TrainState:
             del self.loss_history[:-history_len]
 
     def to_saved(self) -> dict[str, Any]:
+        """The fields a checkpoint holds (``_SAVED``: counters, loss history, run id, metrics, probe loss);
+        the fields set at load time are not saved."""
         d = asdict(self)
         return {k: d[k] for k in self._SAVED}
 

@@ -107,6 +107,7 @@ class S3Store(CheckpointStore):
         return key[len(base) :]
 
     def location(self, data_prefix: str) -> str:
+        """The location URL of ``data_prefix`` (``data/step-N-<id>``, relative to the root)."""
         return self.objects.url(self.key(data_prefix))
 
     # ------------------------------------------------------------------ write

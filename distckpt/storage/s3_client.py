@@ -191,9 +191,11 @@ class S3Objects:
 
     @property
     def client(self) -> Any:
+        """This process's boto3 client for the endpoint and region (:func:`get_client`)."""
         return get_client(self.endpoint_url, self.region)
 
     def url(self, key: str) -> str:
+        """``s3://bucket/key`` of ``key``."""
         return f"s3://{self.bucket}/{key}"
 
     def _fail(self, what: str, key: str, e: BaseException) -> StorageError:
@@ -309,6 +311,11 @@ class S3Objects:
         return keys
 
     def copy(self, src: str, dst: str) -> None:
+        """Copy object ``src`` to ``dst`` in the bucket (server side).
+
+        Raises:
+            StorageError: the copy failed (names ``src``).
+        """
         try:
             self.client.copy_object(Bucket=self.bucket, Key=dst, CopySource={"Bucket": self.bucket, "Key": src})
         except (ClientError, BotoCoreError) as e:

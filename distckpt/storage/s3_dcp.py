@@ -130,6 +130,8 @@ class S3ObjectFileSystem(FileSystem):
     def configure(
         self, endpoint_url: str | None, region: str | None, expected: dict[str, tuple[int, str | None]] | None = None
     ) -> None:
+        """Set what the class's Args name: DCP builds file systems without arguments, and an unpickled
+        one gets its client settings back here."""
         self.endpoint_url, self.region, self.expected = endpoint_url, region, expected
 
     def _objects(self, path: str | os.PathLike) -> tuple[S3Objects, str]:

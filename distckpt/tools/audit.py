@@ -39,6 +39,7 @@ class AuditReport:
 
     @property
     def ok(self) -> bool:
+        """Whether no problem was found."""
         return not self.problems
 
 

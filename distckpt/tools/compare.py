@@ -53,9 +53,11 @@ class CheckpointDiff:
 
     @property
     def identical(self) -> bool:
+        """Whether both hold the same keys, each with equal values (:attr:`TensorDiff.equal`)."""
         return not self.only_a and not self.only_b and all(d.equal for d in self.common)
 
     def as_dict(self) -> dict[str, Any]:
+        """The result as a JSON-ready dict (``distckpt diff --json``); ``mismatched`` lists keys only."""
         return {
             "identical": self.identical,
             "only_a": self.only_a,

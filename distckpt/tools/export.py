@@ -72,6 +72,7 @@ class ExportResult:
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict (``distckpt export --json``)."""
         return asdict(self)
 
 

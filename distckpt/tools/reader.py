@@ -73,9 +73,11 @@ class ItemInfo:
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
+        """``dtype`` as a ``torch.dtype`` (``None`` for an object)."""
         return getattr(torch, self.dtype.split(".")[-1]) if self.dtype else None
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict (``distckpt inspect --json``)."""
         return {
             "key": self.key,
             "group": self.group,

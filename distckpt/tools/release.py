@@ -52,6 +52,7 @@ class ReleaseResult:
     training_config: dict[str, Any]
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict, ``model`` a nested one (``distckpt release --json``)."""
         return asdict(self)
 
 

@@ -189,6 +189,7 @@ class StoredItem:
 
     @property
     def end(self) -> int:
+        """File offset just past the item (``offset + length``)."""
         return self.offset + self.length
 
 
@@ -224,10 +225,12 @@ class ReadResults:
         }
 
     def add_bytes(self, req: ReadItem, data: bytes) -> None:
+        """Keep ``data``, the stored bytes of the bytes request ``req``, for the calling thread."""
         with self.lock:
             self.bytes_items.append((req, data))
 
     def count(self, **kw: int) -> None:
+        """Add to the named counters of ``stats`` (bytes, syscalls, items)."""
         with self.lock:
             for k, v in kw.items():
                 self.stats[k] += v
@@ -280,6 +283,12 @@ class ReadStream:
 
     # -- adding work
     def add(self, seg: _Seg) -> None:
+        """Queue ``seg`` (segments come in file order); flushes once the queued scratch bytes reach
+        ``chunk_bytes`` or the queued bytes ``max_request_bytes``.
+
+        Raises:
+            ReaderInvariantError: ``seg`` starts before the end of the previous one.
+        """
         if seg.length <= 0:
             return
         last_end = self.pending[-1].end if self.pending else self.pos
@@ -303,6 +312,9 @@ class ReadStream:
         keep: Any = None,
         cb: Callable[[torch.Tensor | None, memoryview], None] | None = None,
     ) -> None:
+        """Queue a read of ``len(view)`` bytes at file offset ``off`` straight into ``view``, in parts of
+        at most ``max_request_bytes``; ``cb(None, last part)`` runs once the last part is read, and
+        ``keep`` (the owner of ``view``'s memory) stays referenced until then."""
         # Big destinations are split so hashing and callbacks interleave with the reads.
         step = self.max_request_bytes
         n = len(view)
@@ -311,6 +323,9 @@ class ReadStream:
             self.add(_Seg(off + s, min(step, n - s), view[s : s + step], cb if last else None, keep))
 
     def add_scratch(self, off: int, length: int, cb: Callable[[torch.Tensor | None, memoryview], None] | None) -> None:
+        """Queue a read of ``length`` bytes at file offset ``off`` into the stream's arena; ``cb(tensor,
+        view)`` gets them (a ``uint8`` tensor and a memoryview of the same bytes, valid during the call
+        only: the arena is reused)."""
         self.add(_Seg(off, length, None, cb))
 
     # -- reading
@@ -334,6 +349,7 @@ class ReadStream:
         )
 
     def file_size_now(self) -> int:
+        """The file's size in bytes now (``fstat``; -1 when that fails), for the message of a short read."""
         try:
             return os.fstat(self.fd).st_size
         except OSError:
@@ -372,6 +388,13 @@ class ReadStream:
                 off += n
 
     def flush(self) -> None:
+        """Read every queued segment: runs of contiguous segments (gaps of at most ``gap_read_bytes``
+        read through) with one ``preadv`` each, longer gaps skipped or read only as far as the digest
+        check needs; the bytes go to the digest check in file order, then the callbacks run.
+
+        Raises:
+            CheckpointCorruptError: the file ends early, or a block's digest differs (block digests).
+        """
         segs, self.pending = self.pending, []
         self.pending_scratch = self.pending_total = 0
         if not segs:

@@ -151,6 +151,11 @@ class BlockCheck:
         return self._ends[self._cur] if self._cur is not None else pos
 
     def finish(self) -> None:
+        """Check that no block was left read in part at the end of the stream.
+
+        Raises:
+            ReaderInvariantError: a block was read in part (a bug of the reader, not damage).
+        """
         if self._cur is not None:
             raise ReaderInvariantError(f"{self.path}: block {self._cur} was read in part")
 
