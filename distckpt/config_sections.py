@@ -281,6 +281,11 @@ class LoadConfig:
             return frozenset(self.only)
         return frozenset(LOADABLE) - frozenset(self.exclude or ())
 
+    def __bool__(self) -> bool:
+        """Refused: ``load`` was a bool before it became a section; a truth test of the section
+        would always pass. Raises ``TypeError`` naming ``load.enabled``."""
+        raise TypeError("CheckpointConfig.load is a section: test CheckpointConfig.load.enabled")
+
 
 @dataclass(kw_only=True)
 class ElasticConfig:
@@ -336,6 +341,11 @@ class PreemptionConfig:
 
     def __post_init__(self) -> None:
         check_positive("preemption.grace_s", self.grace_s)
+
+    def __bool__(self) -> bool:
+        """Refused: ``preemption`` was a bool before it became a section; a truth test of the section
+        would always pass. Raises ``TypeError`` naming ``preemption.enabled``."""
+        raise TypeError("CheckpointConfig.preemption is a section: test CheckpointConfig.preemption.enabled")
 
 
 @dataclass(kw_only=True)

@@ -232,3 +232,11 @@ def test_launch_overrides_name_the_section():
         load_job_config(repo / "launch" / "configs" / "ddp.yaml", ["checkpoint.retention.keep_last=x"])
     with pytest.raises(ConfigError, match=r"unknown CheckpointConfig.schedule key\(s\) \['every'\]"):
         load_job_config(repo / "launch" / "configs" / "ddp.yaml", ["checkpoint.schedule.every=7"])
+
+
+@pytest.mark.parametrize("name", ["load", "preemption"])
+def test_a_truth_test_of_a_section_that_was_a_bool_is_refused(name):
+    section = getattr(CheckpointConfig(root="/tmp/unused"), name)
+    with pytest.raises(TypeError, match=rf"CheckpointConfig\.{name} is a section: test CheckpointConfig\.{name}\.enabled"):
+        bool(section)
+    assert section.enabled is True
