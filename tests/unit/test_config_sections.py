@@ -237,6 +237,7 @@ def test_launch_overrides_name_the_section():
 @pytest.mark.parametrize("name", ["load", "preemption"])
 def test_a_truth_test_of_a_section_that_was_a_bool_is_refused(name):
     section = getattr(CheckpointConfig(root="/tmp/unused"), name)
-    with pytest.raises(TypeError, match=rf"CheckpointConfig\.{name} is a section: test CheckpointConfig\.{name}\.enabled"):
+    expected = rf"CheckpointConfig\.{name} is a section: test CheckpointConfig\.{name}\.enabled"
+    with pytest.raises(TypeError, match=expected):
         bool(section)
     assert section.enabled is True
