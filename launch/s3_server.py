@@ -142,11 +142,14 @@ class S3Server:
         (self.data_dir / "data").mkdir(exist_ok=True)
         self.log = open(self.data_dir / "weed.log", "ab")
         assert self.weed is not None
+        # -master.electionTimeout: the one master elects itself; at the default 10 s a restart on
+        # kept data (start() after kill()) waits about 15 s for that election.
         self.proc = subprocess.Popen(
             [self.weed, "server", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
              "-s3", f"-s3.port={s3}", f"-s3.config={config}", f"-master.port={master}",
              f"-volume.port={volume}", f"-filer.port={filer}", "-master.volumeSizeLimitMB=256",
-             "-volume.max=64", "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.iam=false"],
+             "-volume.max=64", "-master.electionTimeout=1s", "-s3.port.iceberg=0", "-s3.port.lance=0",
+             "-s3.iam=false"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + self.start_timeout_s
         client = self.client(config=_quick_config())
