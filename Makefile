@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup demo demo-elastic lint test test-slow test-gpu bench bench-gpu clean
+.PHONY: setup demo demo-elastic lint test test-fast test-slow test-gpu bench bench-gpu clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ lint: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -m "not slow and not gpu" -q
+
+# tests/unit without the tests that start processes (marked multiprocess): about a minute here.
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -m "not slow and not gpu and not multiprocess" -q tests/unit
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -m "slow" -q

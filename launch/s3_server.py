@@ -168,6 +168,8 @@ class S3Server:
         (self.data_dir / "data").mkdir(exist_ok=True)
         self.log = open(self.data_dir / "weed.log", "ab")
         assert self.weed is not None
+        # -master.electionTimeout: the one master elects itself; at the default 10 s a restart on
+        # kept data (start() after kill()) waits about 15 s for that election.
         self.proc = subprocess.Popen(
             [
                 self.weed,
@@ -183,6 +185,7 @@ class S3Server:
                 f"-filer.port={filer}",
                 "-master.volumeSizeLimitMB=256",
                 "-volume.max=64",
+                "-master.electionTimeout=1s",
                 "-s3.port.iceberg=0",
                 "-s3.port.lance=0",
                 "-s3.iam=false",

@@ -36,6 +36,7 @@ def test_bad_arguments_are_refused():
         bench_gpu.main(["--sizes-gib", "0", "--dry-run"])
 
 
+@pytest.mark.multiprocess
 def test_tiny_cpu_run_writes_every_row_and_ratio(tmp_path):
     out = tmp_path / "gpu"
     rc = bench_gpu.main(["--out", str(out), "--device", "cpu", "--sizes-gib", "0.004", "--repeats", "1",

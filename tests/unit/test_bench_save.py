@@ -12,6 +12,7 @@ pytestmark = pytest.mark.timeout(180)
 WORLD_SIZES = (1, 2)
 
 
+@pytest.mark.multiprocess
 def test_bench_save_tiny_run_writes_a_row_per_mode_size_and_world_size(tmp_path):
     out = tmp_path / "bench"
     rc = bench_save.main(["--sizes-mib", "4", "--world-sizes", *map(str, WORLD_SIZES), "--repeats", "1",

@@ -155,6 +155,7 @@ def test_usage_error_exits_2(capsys):
     assert code == 2 and "--keep-last" in err
 
 
+@pytest.mark.multiprocess
 def test_python_dash_m(root):
     proc = subprocess.run([sys.executable, "-m", "distckpt.cli", "ls", str(root), "--json"],
                           capture_output=True, text=True, timeout=120)

@@ -91,6 +91,7 @@ def _agree_on_two(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_agree_on_two_ranks_raises_the_same_error_everywhere() -> None:
     """A failure on one rank raises on every rank: the same type (a DistCkptError keeps its

@@ -57,6 +57,7 @@ print("alive", all(os.path.exists(f"/proc/{p}") for p in pids), len(got), flush=
 """
 
 
+@pytest.mark.multiprocess
 def test_workers_survive_a_launcher_sigterm_and_the_script_still_exits(tmp_path) -> None:
     import subprocess
     import sys
@@ -126,6 +127,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("launcher,loader", [("python", "make"), ("mp.Process", "make"),
                                              ("torch.multiprocessing.spawn", "make"), ("mp.Process", "manager")])

@@ -176,6 +176,7 @@ def test_python_blocks_compile(block):
     compile(block.code, block.where, "exec")
 
 
+@pytest.mark.multiprocess
 def test_runnable_blocks_run(tmp_path):
     """``<!-- runs -->`` blocks run in a subprocess; the README loop twice, resuming the second time."""
     runnable = [b for b in checked_blocks("python", "py") if b.mark == RUNS_MARK]

@@ -82,6 +82,7 @@ def test_model_only_keys_and_overwrite(tmp_path):
     assert not list(tmp_path.glob(".m.*.tmp-*"))
 
 
+@pytest.mark.multiprocess
 def test_export_of_a_sharded_fsdp2_checkpoint_assembles_full_tensors(tmp_path):
     opts = {"root": str(tmp_path / "ckpt"), "wrapper": "fsdp2", "steps": 2, "with_loader": False}
     out = values(run_ranks(save_after, 2, opts))
@@ -173,6 +174,7 @@ def _load_imported(rank, world_size, opts):
     return {"step": state.step, "params": full_params(model)}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("wrapper,world_size", [("fsdp2", 3)])
 def test_import_loads_under_any_wrapper_and_world_size(tmp_path, wrapper, world_size):
     torch.manual_seed(3)

@@ -284,6 +284,7 @@ def save_and_die(rank, world_size, opts):
     return "survived"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("phase,die_step,loaded_step", [
     ("write", 2, 1), ("manifest", 2, 1), ("rename", 2, 1), ("latest", 2, 2), ("retention", 1, 2),
 ])

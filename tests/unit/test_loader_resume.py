@@ -47,6 +47,7 @@ def _assert_same_tail(full, resumed, first_step):
 
 
 # ------------------------------------------------------------------ item 4
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("crash_at", [9, 12], ids=["mid_epoch", "epoch_end"])
 def test_resume_is_bitwise_equal_mid_epoch_and_at_epoch_end(tmp_path, num_workers, crash_at):
@@ -58,6 +59,7 @@ def test_resume_is_bitwise_equal_mid_epoch_and_at_epoch_end(tmp_path, num_worker
 
 
 # ------------------------------------------------------------------ item 9
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("saved_workers,resumed_workers", [(2, 0), (2, 4), (0, 2)])
 @pytest.mark.parametrize("crash_at", [9, 12], ids=["mid_epoch", "epoch_end"])
 def test_num_workers_change_resumes_exactly(tmp_path, saved_workers, resumed_workers, crash_at):

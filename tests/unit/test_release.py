@@ -118,6 +118,7 @@ def release_peak_over_baseline(tmp_path, total_mib):
     return int(extra_kib) * 1024
 
 
+@pytest.mark.multiprocess
 def test_release_memory_is_bounded_at_1_gib(tmp_path):
     """A 1 GiB model (64 tensors of 16 MiB): the release process grows by a quarter of it at most
     (measured: 0.14 GiB, about one 64 MiB read batch, its bf16 copy and DCP's buffers)."""

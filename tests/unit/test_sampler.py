@@ -121,6 +121,7 @@ def test_state_epoch_end_and_set_epoch():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("consumed", [3, 5, 7, 10], ids=["mid-e0", "end-e0", "mid-e1", "end-e1"])
 def test_loader_resume_matches_uninterrupted(num_workers, consumed):
@@ -144,6 +145,7 @@ def test_loader_resume_matches_uninterrupted(num_workers, consumed):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_in_later_epoch_restores_that_epochs_permutation(num_workers):
     n, g = 40, 8
@@ -178,6 +180,7 @@ def test_resume_in_later_epoch_restores_that_epochs_permutation(num_workers):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("old_world,new_world", [(2, 4), (4, 2)])
 def test_world_size_change_from_global_state(num_workers, old_world, new_world):
