@@ -26,8 +26,9 @@ demo: $(VENV)/.installed
 demo-elastic: $(VENV)/.installed
 	$(PY) -m launch.elastic_demo --out runs/elastic
 
-# ruff (lint + import order) and mypy, configured in pyproject.toml.
+# ruff (formatting, lint, import order, docstrings of distckpt's public names) and mypy, configured in pyproject.toml.
 lint: $(VENV)/.installed
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 

@@ -16,12 +16,28 @@ from distckpt.ondisk.layout import LATEST, MANIFEST, checkpoint_name, is_deletin
 from distckpt.ondisk.manifest import Manifest
 from distckpt.storage.commit import find_committed
 
-__all__ = ["PHASE_WEIGHTS", "Aim", "choose_aim", "next_world_size", "inspect_root", "inspect_s3_root", "classify_phase",
-           "lost_checkpoints", "describe_disk"]
+__all__ = [
+    "PHASE_WEIGHTS",
+    "Aim",
+    "choose_aim",
+    "next_world_size",
+    "inspect_root",
+    "inspect_s3_root",
+    "classify_phase",
+    "lost_checkpoints",
+    "describe_disk",
+]
 
 # Aiming weights: mostly inside a save, the commit transitions as often as the long write.
-PHASE_WEIGHTS = {"stage": 1.0, "write": 2.0, "manifest": 1.5, "rename": 1.5, "latest": 1.5,
-                 "retention": 2.0, "train": 0.5}
+PHASE_WEIGHTS = {
+    "stage": 1.0,
+    "write": 2.0,
+    "manifest": 1.5,
+    "rename": 1.5,
+    "latest": 1.5,
+    "retention": 2.0,
+    "train": 0.5,
+}
 
 
 @dataclass
@@ -41,8 +57,16 @@ class Aim:
     offset_s: float
 
 
-def choose_aim(rng: random.Random, resume: int | None, steps: int, interval: int, pause: float,
-               write_s: float, step_s: float, weights: dict[str, float] = PHASE_WEIGHTS) -> Aim | None:
+def choose_aim(
+    rng: random.Random,
+    resume: int | None,
+    steps: int,
+    interval: int,
+    pause: float,
+    write_s: float,
+    step_s: float,
+    weights: dict[str, float] = PHASE_WEIGHTS,
+) -> Aim | None:
     """Draw phase, occurrence and offset; ``None`` when no save is left before ``steps``.
 
     Args:
@@ -74,8 +98,9 @@ def choose_aim(rng: random.Random, resume: int | None, steps: int, interval: int
     return Aim(phase=phase, event=event, occurrence=occurrence, offset_s=offset)
 
 
-def next_world_size(rng: random.Random, restart: int, prev: int, args: argparse.Namespace,
-                    changed_so_far: bool, last: bool) -> int:
+def next_world_size(
+    rng: random.Random, restart: int, prev: int, args: argparse.Namespace, changed_so_far: bool, last: bool
+) -> int:
     """The reference world size for the first ``fixed_kills`` restarts, then sometimes another;
     the last segment changes it if no restart has (so every run covers resharding)."""
     others = [w for w in args.world_sizes if w != prev]
@@ -109,10 +134,16 @@ def inspect_root(root: Path) -> dict[str, Any]:
                 deleting.append(int(entry.name.split("-")[2]))
             elif entry.is_dir() and is_pending(entry.name):
                 names = set(os.listdir(entry.path))
-                pending.append({
-                    "name": entry.name, "step": int(entry.name.split("-")[2]), "files": len(names),
-                    "metadata": ".metadata" in names, "manifest": MANIFEST in names,
-                    "manifest_tmp": any(n.startswith(f".{MANIFEST}.tmp") for n in names)})
+                pending.append(
+                    {
+                        "name": entry.name,
+                        "step": int(entry.name.split("-")[2]),
+                        "files": len(names),
+                        "metadata": ".metadata" in names,
+                        "manifest": MANIFEST in names,
+                        "manifest_tmp": any(n.startswith(f".{MANIFEST}.tmp") for n in names),
+                    }
+                )
             elif parse_step(entry.name) is None and entry.name not in (LATEST, ".lock"):
                 other.append(entry.name)
     latest = None
@@ -120,8 +151,14 @@ def inspect_root(root: Path) -> dict[str, Any]:
         latest = (root / LATEST).read_text().strip()
     except OSError:
         pass
-    return {"valid": sorted(valid), "invalid": invalid, "pending": pending, "latest": latest, "other": other,
-            "deleting": deleting}
+    return {
+        "valid": sorted(valid),
+        "invalid": invalid,
+        "pending": pending,
+        "latest": latest,
+        "other": other,
+        "deleting": deleting,
+    }
 
 
 def inspect_s3_root(root: str) -> dict[str, Any]:
@@ -140,14 +177,29 @@ def inspect_s3_root(root: str) -> dict[str, Any]:
     pending = []
     for rel in store.unreferenced():
         names = set(store.object_sizes(store.location(rel)))
-        pending.append({"name": rel.rsplit("/", 1)[-1], "step": int(rel.split("-")[1]), "files": len(names),
-                        "metadata": ".metadata" in names, "manifest": False, "manifest_tmp": False})
-    return {"valid": sorted(valid), "invalid": invalid, "pending": pending, "latest": store.read_latest(),
-            "other": [], "deleting": []}
+        pending.append(
+            {
+                "name": rel.rsplit("/", 1)[-1],
+                "step": int(rel.split("-")[1]),
+                "files": len(names),
+                "metadata": ".metadata" in names,
+                "manifest": False,
+                "manifest_tmp": False,
+            }
+        )
+    return {
+        "valid": sorted(valid),
+        "invalid": invalid,
+        "pending": pending,
+        "latest": store.read_latest(),
+        "other": [],
+        "deleting": [],
+    }
 
 
-def classify_phase(disk: dict[str, Any], save_step: int | None, last_event: tuple[str, int | None] | None,
-                   keep_last: int) -> str:
+def classify_phase(
+    disk: dict[str, Any], save_step: int | None, last_event: tuple[str, int | None] | None, keep_last: int
+) -> str:
     """The save phase a kill interrupted, read from the disk (see the package docstring).
 
     Args:
@@ -195,7 +247,9 @@ def describe_disk(disk: dict[str, Any]) -> str:
     if disk["invalid"]:
         parts.append(f"invalid={sorted(disk['invalid'])}")
     for s in disk["pending"]:
-        parts.append(f"pending@{s['step']}({s['files']} files{', .metadata' if s['metadata'] else ''}"
-                     f"{', manifest' if s['manifest'] else ''}{', manifest.tmp' if s['manifest_tmp'] else ''})")
+        parts.append(
+            f"pending@{s['step']}({s['files']} files{', .metadata' if s['metadata'] else ''}"
+            f"{', manifest' if s['manifest'] else ''}{', manifest.tmp' if s['manifest_tmp'] else ''})"
+        )
     parts.append(f"latest={disk['latest']}")
     return " ".join(parts)

@@ -89,14 +89,16 @@ class JsonlTail:
 
 def presave_samples(run: Run) -> dict[int, list[int]]:
     """Global sample ids per step every rank recorded before its save (see the package doc)."""
-    per_rank = [{r["step"]: r["ids"] for r in read_jsonl(run.out / f"presave.rank{rank}.jsonl")}
-                for rank in range(run.nproc)]
+    per_rank = [
+        {r["step"]: r["ids"] for r in read_jsonl(run.out / f"presave.rank{rank}.jsonl")} for rank in range(run.nproc)
+    ]
     complete = set.intersection(*(set(p) for p in per_rank)) if per_rank else set()
     return {s: [i for p in per_rank for i in p[s]] for s in sorted(complete)}
 
 
-def run_job(run: Run, cmd_tail: list[str], *, timeout_s: float, pause_s: float = 0.0,
-            aim: Aim | None = None) -> tuple[list[dict[str, Any]], dict[str, Any] | None, float | None, float]:
+def run_job(
+    run: Run, cmd_tail: list[str], *, timeout_s: float, pause_s: float = 0.0, aim: Aim | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None, float | None, float]:
     """Run one ``torchrun launch.train`` job; SIGKILL it at ``aim`` if given.
 
     Args:
@@ -115,8 +117,9 @@ def run_job(run: Run, cmd_tail: list[str], *, timeout_s: float, pause_s: float =
     """
     phase_log = run.out / "phases.jsonl"
     t0, w0 = time.monotonic(), time.time()
-    proc = start_train(run, cmd_tail, DISTCKPT_EVENT_LOG=str(phase_log),
-                       **{CHAOS_PRESAVE_ENV: "1", CHAOS_PAUSE_ENV: str(pause_s)})
+    proc = start_train(
+        run, cmd_tail, DISTCKPT_EVENT_LOG=str(phase_log), **{CHAOS_PRESAVE_ENV: "1", CHAOS_PAUSE_ENV: str(pause_s)}
+    )
     tail, events, seen = JsonlTail(phase_log), [], 0
     aimed, deadline, kill_at = None, None, None
     try:

@@ -29,11 +29,19 @@ import torch
 # is imported by each rank as it unpickles its function (as under spawn), only slower.
 PRELOAD = [
     "__main__",  # the parent's main script, as spawn would import it in each child
-    "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
-    "torch.distributed.checkpoint.state_dict", "torch.nn.parallel", "torch._dynamo",
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.nn.parallel",
+    "torch._dynamo",
     "torchdata.stateful_dataloader",
-    "distckpt", "distckpt.storage.s3", "boto3",
-    "tests.distributed.harness", "tests.distributed.trainer",
+    "distckpt",
+    "distckpt.storage.s3",
+    "boto3",
+    "tests.distributed.harness",
+    "tests.distributed.trainer",
     "launch.train",
 ]
 
@@ -55,9 +63,18 @@ class _Stdio:
         return out.detach(), err.detach()
 
 
-def _entry(fn: Callable, rank: int, world_size: int, init_file: str, out_dir: str, args: tuple,
-           backend: str = "gloo", env: dict[str, str] | None = None, cwd: str | None = None,
-           stdio: tuple[int, int] | None = None) -> None:
+def _entry(
+    fn: Callable,
+    rank: int,
+    world_size: int,
+    init_file: str,
+    out_dir: str,
+    args: tuple,
+    backend: str = "gloo",
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    stdio: tuple[int, int] | None = None,
+) -> None:
     if stdio is not None:  # the caller's stdout/stderr now, not the zygote's from its start
         for fd, target in zip(stdio, (1, 2)):
             if fd != target:
@@ -79,13 +96,21 @@ def _entry(fn: Callable, rank: int, world_size: int, init_file: str, out_dir: st
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             device_id = torch.device("cuda", rank)  # one GPU per rank: NCCL refuses two on one GPU
             torch.cuda.set_device(device_id)
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                device_id=device_id)
+        dist.init_process_group(
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size, device_id=device_id
+        )
         result = {"ok": True, "value": fn(rank, world_size, *args)}
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "type": type(e).__name__,
-                  "traceback": traceback.format_exc()}
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        result = {
+            "ok": False,
+            "error": f"{type(e).__name__}: {e}",
+            "type": type(e).__name__,
+            "traceback": traceback.format_exc(),
+        }
+    # Written whole or not at all: a rank killed mid-write (expect_death) leaves no half file.
+    final = os.path.join(out_dir, f"rank{rank}.pt")
+    torch.save(result, final + ".tmp")
+    os.replace(final + ".tmp", final)
     try:
         dist.barrier()
         dist.destroy_process_group()
@@ -93,8 +118,15 @@ def _entry(fn: Callable, rank: int, world_size: int, init_file: str, out_dir: st
         pass
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
-              expect_death: bool = False, backend: str = "gloo", fresh: bool = False) -> list[dict[str, Any] | None]:
+def run_ranks(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    expect_death: bool = False,
+    backend: str = "gloo",
+    fresh: bool = False,
+) -> list[dict[str, Any] | None]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return per-rank results.
 
     ``backend="nccl"`` puts rank ``r`` on ``cuda:r`` (the caller checks there are enough GPUs).
@@ -111,9 +143,12 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         extra = {} if spawn else {"env": dict(os.environ), "cwd": os.getcwd(), "stdio": _Stdio()}
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, tmp, args, backend),
-                             kwargs=extra, daemon=False)
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_entry, args=(fn, r, world_size, init_file, tmp, args, backend), kwargs=extra, daemon=False
+            )
+            for r in range(world_size)
+        ]
         try:
             for p in procs:
                 p.start()

@@ -64,13 +64,16 @@ def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, An
     """Params and optimizer state by parameter name (clones)."""
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     names = {id(p): n for n, p in inner.named_parameters()}
-    return {"params": {n: p.detach().clone() for n, p in inner.named_parameters()},
-            "optim": {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}}
+    return {
+        "params": {n: p.detach().clone() for n, p in inner.named_parameters()},
+        "optim": {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()},
+    }
 
 
 def manager(root: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> CheckpointManager:
-    return CheckpointManager(CheckpointConfig(root=root, schedule=ScheduleConfig(interval_steps=None)), model=model,
-                             optimizer=optimizer)
+    return CheckpointManager(
+        CheckpointConfig(root=root, schedule=ScheduleConfig(interval_steps=None)), model=model, optimizer=optimizer
+    )
 
 
 def reference_and_save(rank: int, world_size: int, case: str, root: str) -> dict[str, Any]:
@@ -98,8 +101,13 @@ def resume(rank: int, world_size: int, case: str, root: str) -> dict[str, Any]:
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     requires_grad = {n: p.requires_grad for n, p in inner.named_parameters()}
     losses = train(model, optimizer, range(state.step + 1, STEPS + 1), rank)
-    return {"step": state.step, "loaded": loaded, "losses": losses, "end": snapshot(model, optimizer),
-            "requires_grad": requires_grad}
+    return {
+        "step": state.step,
+        "loaded": loaded,
+        "losses": losses,
+        "end": snapshot(model, optimizer),
+        "requires_grad": requires_grad,
+    }
 
 
 def assert_resumed_bitwise(case: str, reference: dict[str, Any], resumed: dict[str, Any]) -> None:
@@ -109,8 +117,9 @@ def assert_resumed_bitwise(case: str, reference: dict[str, Any], resumed: dict[s
     _assert_same(reference["at_save"], resumed["loaded"])
     stateless = {"late": {"aux.weight", "aux.bias"}, "frozen": {"base.weight", "base.bias"}}[case]
     assert stateless.isdisjoint(resumed["loaded"]["optim"])
-    assert resumed["requires_grad"] == {n: not (case == "frozen" and n.startswith("base."))
-                                        for n in reference["end"]["params"]}
+    assert resumed["requires_grad"] == {
+        n: not (case == "frozen" and n.startswith("base.")) for n in reference["end"]["params"]
+    }
     assert resumed["losses"] == {s: v for s, v in reference["losses"].items() if s > SAVE_AT}  # float equality
     _assert_same(reference["end"], resumed["end"])
 

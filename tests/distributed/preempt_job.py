@@ -30,12 +30,19 @@ def main() -> None:
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model, optimizer, scheduler, scaler, loader = build(rank, world_size, {"wrapper": "ddp",
-                                                                    "num_workers": args.num_workers})
+    model, optimizer, scheduler, scaler, loader = build(
+        rank, world_size, {"wrapper": "ddp", "num_workers": args.num_workers}
+    )
     manager = CheckpointManager(
-        CheckpointConfig(root=args.root, schedule=ScheduleConfig(interval_steps=100),
-                         retention=RetentionConfig(keep_last=3)), model=model,
-        optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader)
+        CheckpointConfig(
+            root=args.root, schedule=ScheduleConfig(interval_steps=100), retention=RetentionConfig(keep_last=3)
+        ),
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        grad_scaler=scaler,
+        dataloader=loader,
+    )
     state = manager.load()
     step = state.step if state else 0
     log = open(f"{args.out}.rank{rank}.jsonl", "a")

@@ -17,12 +17,15 @@ def async_manager(rank, world_size, opts):
     from distckpt import AsyncSaveConfig, CheckpointConfig, CheckpointManager, RetentionConfig, ScheduleConfig
 
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
-    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None),
-                              async_save=AsyncSaveConfig(mode=opts["mode"],
-                                                         background_staging=opts.get("background_staging", False)),
-                              retention=RetentionConfig(keep_last=opts.get("keep_last", 3)))
-    manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                grad_scaler=scaler, dataloader=loader)
+    config = CheckpointConfig(
+        root=opts["root"],
+        schedule=ScheduleConfig(interval_steps=None),
+        async_save=AsyncSaveConfig(mode=opts["mode"], background_staging=opts.get("background_staging", False)),
+        retention=RetentionConfig(keep_last=opts.get("keep_last", 3)),
+    )
+    manager = CheckpointManager(
+        config, model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader
+    )
     return manager, model, optimizer, scheduler, scaler, loader
 
 
@@ -46,19 +49,20 @@ def save_async_keep_training(rank, world_size, opts):
 
 @pytest.mark.parametrize("mode,background_staging", [("thread", False), ("thread", True), ("process", False)])
 def test_async_checkpoint_equals_state_at_save_call(tmp_path, mode, background_staging):
-    check_async_equals_state_at_save(tmp_path, 2, {"wrapper": "fsdp2", "mode": mode,
-                                                   "background_staging": background_staging})
+    check_async_equals_state_at_save(
+        tmp_path, 2, {"wrapper": "fsdp2", "mode": mode, "background_staging": background_staging}
+    )
 
 
-def check_async_equals_state_at_save(tmp_path, world_size: int, opts: dict, *, backend: str = "gloo",
-                                     timeout_s: float = 120.0) -> dict:
+def check_async_equals_state_at_save(
+    tmp_path, world_size: int, opts: dict, *, backend: str = "gloo", timeout_s: float = 120.0
+) -> dict:
     """Async saves at steps 1 and 3 (the second reusing the first's staged copy) while training
     mutates the parameters (4 more steps before the write ends); the checkpoint loaded in fresh
     processes equals the state at the second ``save()`` call, bitwise. Returns rank 0's loaded
     report."""
     opts = {**opts, "root": str(tmp_path)}
-    expected = values(run_ranks(save_async_keep_training, world_size, opts, backend=backend,
-                                timeout_s=timeout_s))[0]
+    expected = values(run_ranks(save_async_keep_training, world_size, opts, backend=backend, timeout_s=timeout_s))[0]
     load_opts = {k: v for k, v in opts.items() if k not in ("mode", "background_staging")}
     loaded = values(run_ranks(load_report, world_size, load_opts, backend=backend, timeout_s=timeout_s))[0]
     assert loaded["state"].step == 3
@@ -111,8 +115,9 @@ def async_io_fault(rank, world_size, opts):
 
 @pytest.mark.parametrize("victim", [0, 1])
 def test_async_io_failure_raises_on_every_rank(tmp_path, victim):
-    out = values(run_ranks(async_io_fault, 2, {"root": str(tmp_path), "wrapper": "ddp", "mode": "thread",
-                                               "victim": victim}))
+    out = values(
+        run_ranks(async_io_fault, 2, {"root": str(tmp_path), "wrapper": "ddp", "mode": "thread", "victim": victim})
+    )
     for r in out:
         assert r["error"] is not None and "Input/output error" in r["error"] and f"rank {victim}" in r["error"]
         assert r["listing"] == ["latest", "step-000000001"]
@@ -184,8 +189,11 @@ def back_to_back(rank, world_size, opts):
 
 
 def test_twenty_back_to_back_async_saves(tmp_path):
-    rss = values(run_ranks(back_to_back, 2, {"root": str(tmp_path), "wrapper": "fsdp2", "mode": "thread",
-                                              "width": 2048}, timeout_s=240))
+    rss = values(
+        run_ranks(
+            back_to_back, 2, {"root": str(tmp_path), "wrapper": "fsdp2", "mode": "thread", "width": 2048}, timeout_s=240
+        )
+    )
     for per_rank in rss:
         assert per_rank[20] <= per_rank[2] * 1.10, per_rank
     names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-"))

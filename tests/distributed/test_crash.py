@@ -98,8 +98,9 @@ def test_metadata_error_on_one_rank_fails_or_falls_back_on_every_rank(tmp_path, 
     opts = {"root": str(tmp_path), "wrapper": "fsdp2", "config": {"coordination": {"timeout_s": 60.0}}}
     values(run_ranks(save_after, 2, dict(opts, steps=3)))
     values(run_ranks(save_after, 2, dict(opts, steps=6)))
-    out = values(run_ranks(load_with_metadata_error_on_rank_1, 2, dict(opts, fallback_to_older=fallback),
-                           timeout_s=50))  # well below the 60 s collective timeout: no rank waits it out
+    out = values(
+        run_ranks(load_with_metadata_error_on_rank_1, 2, dict(opts, fallback_to_older=fallback), timeout_s=50)
+    )  # well below the 60 s collective timeout: no rank waits it out
     if fallback:
         assert out == [{"loaded": 3}, {"loaded": 3}]
     else:
@@ -129,8 +130,12 @@ def save_then_die_mid_background_delete(rank, world_size, opts):
 
 def test_sigkill_during_background_delete_loses_nothing_and_next_start_cleans_up(tmp_path):
     root = tmp_path / "ckpt"
-    opts = {"root": str(root), "wrapper": "ddp", "expected": str(tmp_path / "expected.pt"),
-            "config": {"retention": {"keep_last": 1}}}
+    opts = {
+        "root": str(root),
+        "wrapper": "ddp",
+        "expected": str(tmp_path / "expected.pt"),
+        "config": {"retention": {"keep_last": 1}},
+    }
     results = run_ranks(save_then_die_mid_background_delete, 2, opts, expect_death=True)
     assert results[0] is None
     doomed = [p for p in root.iterdir() if p.name.startswith(".deleting-step-000000003-")]

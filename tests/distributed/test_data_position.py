@@ -22,18 +22,21 @@ class Ids(torch.utils.data.Dataset):
         return i
 
 
-def _phase(rank: int, world_size: int, root: str, num_workers: int, *, load: bool, peek: bool,
-           until: int) -> dict:
+def _phase(rank: int, world_size: int, root: str, num_workers: int, *, load: bool, peek: bool, until: int) -> dict:
     """One run: a plain StatefulDataLoader passed to the manager, an optional peek
     (``it = iter(loader); next(it); del it``), then ``for batch in loader`` up to ``until``."""
     sampler = ReshardableSampler(N, global_batch_size=G, rank=rank, world_size=world_size, seed=SEED)
     # fork, as under torchrun (a spawned rank would spawn its workers: seconds of imports each)
     context = "fork" if num_workers else None
-    loader = StatefulDataLoader(Ids(), batch_size=G // world_size, sampler=sampler, num_workers=num_workers,
-                                multiprocessing_context=context)
-    manager = CheckpointManager(CheckpointConfig(root=root, schedule=ScheduleConfig(interval_steps=4),
-                                                 retention=RetentionConfig(keep_last=5)),
-                                model=torch.nn.Linear(1, 1), optimizer=None, dataloader=loader)
+    loader = StatefulDataLoader(
+        Ids(), batch_size=G // world_size, sampler=sampler, num_workers=num_workers, multiprocessing_context=context
+    )
+    manager = CheckpointManager(
+        CheckpointConfig(root=root, schedule=ScheduleConfig(interval_steps=4), retention=RetentionConfig(keep_last=5)),
+        model=torch.nn.Linear(1, 1),
+        optimizer=None,
+        dataloader=loader,
+    )
     state = manager.load() if load else None
     step = state.step if state else 0
     peeked = None
@@ -56,7 +59,7 @@ def _phase(rank: int, world_size: int, root: str, num_workers: int, *, load: boo
 def _three_runs(rank: int, world_size: int, root: str, num_workers: int) -> list[dict]:
     return [
         _phase(rank, world_size, root, num_workers, load=False, peek=True, until=6),  # fresh; saves step 4
-        _phase(rank, world_size, root, num_workers, load=True, peek=True, until=8),   # resume; saves step 8
+        _phase(rank, world_size, root, num_workers, load=True, peek=True, until=8),  # resume; saves step 8
         _phase(rank, world_size, root, num_workers, load=True, peek=False, until=10),  # resume from step 8
     ]
 
@@ -67,7 +70,7 @@ def test_a_discarded_iterator_skips_nothing_and_the_checkpoint_counts_what_was_r
     results = values(run_ranks(_three_runs, WORLD_SIZE, str(tmp_path / "ckpt"), num_workers, timeout_s=150))
     for rank, (fresh, resumed, again) in enumerate(results):
         order = ReshardableSampler(N, global_batch_size=G, rank=rank, world_size=WORLD_SIZE, seed=SEED).rank_indices(0)
-        batch = [order[k * G // WORLD_SIZE:(k + 1) * G // WORLD_SIZE] for k in range(N // G)]  # global batch k
+        batch = [order[k * G // WORLD_SIZE : (k + 1) * G // WORLD_SIZE] for k in range(N // G)]  # global batch k
         # Fresh start (no load()): the peek got batch 0, the loop batches 1, 2, ... (none prefetched skipped).
         assert fresh["peeked"] == batch[0]
         assert fresh["trained"] == {s: batch[s] for s in range(1, 7)}

@@ -22,15 +22,35 @@ RESUME_AT = (3, 13)  # after the first few steps; after many (mid-epoch at both 
 # 3 ranks in `make test-slow`: the default suite keeps 4 (the bug needs >= 3 ranks either way).
 @pytest.mark.parametrize("world_size", [pytest.param(3, marks=pytest.mark.slow), 4])
 def test_ddp_same_world_resume_is_bitwise(tmp_path, world_size):
-    opts = {"until": K, "wrapper": "ddp", "ddp_fixed_buckets": True, "width": 640,
-            "global_batch_size": 12 if world_size == 3 else 8}
-    base = values(run_ranks(train, world_size, {**opts, "root": str(tmp_path / "base"),
-                                                 "interval_steps": 1, "keep_last": None},
-                            timeout_s=240))
+    opts = {
+        "until": K,
+        "wrapper": "ddp",
+        "ddp_fixed_buckets": True,
+        "width": 640,
+        "global_batch_size": 12 if world_size == 3 else 8,
+    }
+    base = values(
+        run_ranks(
+            train,
+            world_size,
+            {**opts, "root": str(tmp_path / "base"), "interval_steps": 1, "keep_last": None},
+            timeout_s=240,
+        )
+    )
     for j in RESUME_AT:
-        resumed = values(run_ranks(train, world_size, {
-            **opts, "root": str(tmp_path / f"from{j}"), "interval_steps": 100,
-            "load_path": str(tmp_path / "base" / f"step-{j:09d}")}, timeout_s=240))
+        resumed = values(
+            run_ranks(
+                train,
+                world_size,
+                {
+                    **opts,
+                    "root": str(tmp_path / f"from{j}"),
+                    "interval_steps": 100,
+                    "load_path": str(tmp_path / "base" / f"step-{j:09d}"),
+                },
+                timeout_s=240,
+            )
+        )
         assert resumed[0]["resumed_from"] == j
         for rank in range(world_size):
             expected = {s: loss for s, loss in base[rank]["losses"].items() if s > j}

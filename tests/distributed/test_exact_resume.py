@@ -11,14 +11,30 @@ from tests.distributed.trainer import train
 pytestmark = pytest.mark.timeout(240)
 
 
-def check_exact_resume(tmp_path, world_size: int, opts: dict[str, Any], *, backend: str = "gloo",
-                       K: int = 16, j: int = 9, timeout_s: float = 120.0) -> tuple[list, list]:
+def check_exact_resume(
+    tmp_path,
+    world_size: int,
+    opts: dict[str, Any],
+    *,
+    backend: str = "gloo",
+    K: int = 16,
+    j: int = 9,
+    timeout_s: float = 120.0,
+) -> tuple[list, list]:
     """Run K steps uninterrupted, and j + 1 steps (checkpoint at j) then a resume to K in fresh
     processes; assert every loss, sample id, parameter, loss scale and LR bitwise equal.
     Returns ``(base, resumed)`` per-rank results of :func:`~tests.distributed.trainer.train`."""
+
     def run(root: str, **extra: Any) -> list:
-        return values(run_ranks(train, world_size, {**opts, "root": str(tmp_path / root), "until": K, **extra},
-                                timeout_s=timeout_s, backend=backend))
+        return values(
+            run_ranks(
+                train,
+                world_size,
+                {**opts, "root": str(tmp_path / root), "until": K, **extra},
+                timeout_s=timeout_s,
+                backend=backend,
+            )
+        )
 
     base = run("a")
     first = run("b", crash_at=j + 1, interval_steps=j)

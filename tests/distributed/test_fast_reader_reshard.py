@@ -23,10 +23,10 @@ def _net():
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.a = nn.Linear(16, 3)        # weight (3, 16), bias (3): empty shard on 4 ranks
-            self.b = nn.Linear(3, 2)         # weight (2, 3): dim 0 < world size 3
-            self.c = nn.Linear(40, 257)      # 257 rows: uneven at 2, 3 and 4
-            self.d = nn.Linear(600, 1001)    # 2.4 MB: above the default direct_min_bytes
+            self.a = nn.Linear(16, 3)  # weight (3, 16), bias (3): empty shard on 4 ranks
+            self.b = nn.Linear(3, 2)  # weight (2, 3): dim 0 < world size 3
+            self.c = nn.Linear(40, 257)  # 257 rows: uneven at 2, 3 and 4
+            self.d = nn.Linear(600, 1001)  # 2.4 MB: above the default direct_min_bytes
             self.e = nn.Linear(9, 7).to(torch.bfloat16)
             self.f = nn.Linear(300, 999, bias=False)
 
@@ -107,8 +107,7 @@ def _load(rank: int, world_size: int, path: str, reader_kw: dict, expected) -> d
     model, state, extra = _nan_target()
     reader = FastFileSystemReader(path, expected_files=expected, **reader_kw)
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=None)
-    return {"params": _local_params(model), "step": int(extra["step"]), "tag": extra["tag"],
-            "stats": reader.last_stats}
+    return {"params": _local_params(model), "step": int(extra["step"]), "tag": extra["tag"], "stats": reader.last_stats}
 
 
 def _check(full: dict[str, torch.Tensor], per_rank: list[dict], world_size: int) -> None:
@@ -148,15 +147,20 @@ def _evict(path: str) -> None:
         ("fsdp2", 2, 3, {}, False, False),
         # Variants of the reader's knobs: `make test-slow` (the default suite keeps the two above
         # and below, which cover the stock-like and the direct+hashes paths).
-        pytest.param("fsdp2", 2, 3, {"direct_min_bytes": 4096, "thread_count": 1}, False, True,
-                     marks=pytest.mark.slow),
+        pytest.param("fsdp2", 2, 3, {"direct_min_bytes": 4096, "thread_count": 1}, False, True, marks=pytest.mark.slow),
         ("fsdp2", 2, 4, {"direct_min_bytes": 4096}, True, True),
-        pytest.param("fsdp2", 2, 4, {"gap_read_bytes": 0, "max_request_bytes": 1 << 20}, True, False,
-                     marks=pytest.mark.slow),
+        pytest.param(
+            "fsdp2", 2, 4, {"gap_read_bytes": 0, "max_request_bytes": 1 << 20}, True, False, marks=pytest.mark.slow
+        ),
         pytest.param("ddp", 2, 3, {"direct_min_bytes": 4096}, False, True, marks=pytest.mark.slow),
     ],
-    ids=["fsdp2x2-fsdp2x3", "fsdp2x2-fsdp2x3-direct-cold", "fsdp2x2-fsdp2x4-direct-hashes-cold",
-         "fsdp2x2-fsdp2x4-skip-gaps-hashes", "ddp2-fsdp2x3-direct-cold"],
+    ids=[
+        "fsdp2x2-fsdp2x3",
+        "fsdp2x2-fsdp2x3-direct-cold",
+        "fsdp2x2-fsdp2x4-direct-hashes-cold",
+        "fsdp2x2-fsdp2x4-skip-gaps-hashes",
+        "ddp2-fsdp2x3-direct-cold",
+    ],
 )
 def test_reshard_bitwise(tmp_path, save_wrapper, save_ws, load_ws, reader_kw, with_hashes, cold):
     path = str(tmp_path / "ckpt")
@@ -179,9 +183,28 @@ def test_bench_load_smoke(tmp_path):
     from benchmarks import bench_load
 
     out = tmp_path / "bench"
-    rc = bench_load.main(["--size-mib", "4", "--world-sizes", "1", "2", "--reshard-to", "1", "--no-ddp",
-                          "--rounds", "1", "--readers", "stock", "fast", "fast_verify", "--timeout-s", "120",
-                          "--out", str(out)])
+    rc = bench_load.main(
+        [
+            "--size-mib",
+            "4",
+            "--world-sizes",
+            "1",
+            "2",
+            "--reshard-to",
+            "1",
+            "--no-ddp",
+            "--rounds",
+            "1",
+            "--readers",
+            "stock",
+            "fast",
+            "fast_verify",
+            "--timeout-s",
+            "120",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     results = json.loads((out / "results.json").read_text())
     rows = results["results"]
@@ -215,8 +238,10 @@ def _run_load(rank: int, world_size: int, path: str, expected, fault: tuple[str,
         expected = dict(expected, **{name: (expected[name][0], "0" * 32)})
     reader = FastFileSystemReader(path, expected_files=expected)
     if fault == ("interrupt", rank):
+
         def interrupted(plan, planner):
             raise KeyboardInterrupt("Ctrl-C during the read")
+
         reader.read_data = interrupted
     try:
         run_load(state, reader, process_group=None, directory=path)
@@ -276,8 +301,7 @@ def _load_blocks(rank: int, world_size: int, path: str, expected, blocks) -> dic
         run_load(state, reader, process_group=None, directory=path)
     except CheckpointCorruptError as e:
         return {"error": str(e), "path": e.path}
-    return {"params": _local_params(model), "step": int(extra["step"]), "tag": extra["tag"],
-            "stats": reader.last_stats}
+    return {"params": _local_params(model), "step": int(extra["step"]), "tag": extra["tag"], "stats": reader.last_stats}
 
 
 @pytest.mark.parametrize("save_ws,load_ws", [(2, 4), (2, 3)], ids=["2to4", "2to3"])

@@ -29,12 +29,16 @@ def _job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     """Train to ``until``; rank 1 gets SIGTERM at ``signal_at``; ``fake_s`` is injected as the
     measured duration of the previous saves (a slow disk) just before the signal."""
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, {"wrapper": "ddp"})
-    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=opts.get("interval", 3)),
-                              retention=RetentionConfig(keep_last=5),
-                              preemption=PreemptionConfig(exit=False, grace_s=opts.get("grace", 30.0)),
-                              async_save=AsyncSaveConfig(mode=opts.get("async_mode", "off")))
-    manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                grad_scaler=scaler, dataloader=loader)
+    config = CheckpointConfig(
+        root=opts["root"],
+        schedule=ScheduleConfig(interval_steps=opts.get("interval", 3)),
+        retention=RetentionConfig(keep_last=5),
+        preemption=PreemptionConfig(exit=False, grace_s=opts.get("grace", 30.0)),
+        async_save=AsyncSaveConfig(mode=opts.get("async_mode", "off")),
+    )
+    manager = CheckpointManager(
+        config, model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader
+    )
     messages: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
@@ -59,18 +63,21 @@ def _job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
                 break
     manager.close()
     dist.barrier()
-    return {"losses": losses, "resumed_from": state.step if state else None, "stopped_at": step,
-            "messages": messages, "saved": saved,
-            "committed": sorted(int(p.parent.name.split("-")[1])
-                                for p in Path(manager.root).glob("step-*/distckpt.json"))}
+    return {
+        "losses": losses,
+        "resumed_from": state.step if state else None,
+        "stopped_at": step,
+        "messages": messages,
+        "saved": saved,
+        "committed": sorted(int(p.parent.name.split("-")[1]) for p in Path(manager.root).glob("step-*/distckpt.json")),
+    }
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("fake_s, expect_committed", [(None, [3, 5]), (1000.0, [3])], ids=["fits", "too_slow"])
 def test_preemption_save_skipped_when_predicted_past_grace(tmp_path, fake_s, expect_committed) -> None:
     root = str(tmp_path / "ck")
-    first = values(run_ranks(_job, 2, {"root": root, "until": 9, "signal_at": 5, "fake_s": fake_s},
-                             timeout_s=120))
+    first = values(run_ranks(_job, 2, {"root": root, "until": 9, "signal_at": 5, "fake_s": fake_s}, timeout_s=120))
     for r in first:
         assert r["stopped_at"] == 5 and r["committed"] == expect_committed
     log = "\n".join(first[0]["messages"])
@@ -93,8 +100,14 @@ def test_preemption_save_skipped_when_predicted_past_grace(tmp_path, fake_s, exp
 @pytest.mark.parametrize("fake_s, expect_committed", [(None, [4, 5]), (1000.0, [4])], ids=["fits", "too_slow"])
 def test_preemption_finishes_inflight_async_save_instead_of_a_new_one(tmp_path, fake_s, expect_committed) -> None:
     root = str(tmp_path / "ck")
-    out = values(run_ranks(_job, 2, {"root": root, "until": 9, "signal_at": 5, "fake_s": fake_s, "interval": 4,
-                                     "async_mode": "thread"}, timeout_s=120))
+    out = values(
+        run_ranks(
+            _job,
+            2,
+            {"root": root, "until": 9, "signal_at": 5, "fake_s": fake_s, "interval": 4, "async_mode": "thread"},
+            timeout_s=120,
+        )
+    )
     for r in out:
         assert r["stopped_at"] == 5 and r["committed"] == expect_committed
     log = "\n".join(out[0]["messages"])
@@ -110,8 +123,11 @@ def test_plan_rules() -> None:
     for x in (5.0, 1.0, 2.0):
         d.record(x)
     assert d.predict() == 2.0  # the max of the last 2
-    plan = lambda **kw: plan_preemption(**{"grace_s": 30.0, "elapsed_s": 1.0, "predicted_s": 10.0,  # noqa: E731
-                                           "inflight_left_s": None, "step_saved": False, **kw}).action
+
+    def plan(**kw):
+        given = {"grace_s": 30.0, "elapsed_s": 1.0, "predicted_s": 10.0, "inflight_left_s": None, "step_saved": False}
+        return plan_preemption(**{**given, **kw}).action
+
     assert plan() == "save"
     assert plan(predicted_s=None) == "save"
     assert plan(elapsed_s=25.0) == "skip"  # 10 s do not fit in the 5 s left

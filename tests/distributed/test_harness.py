@@ -26,8 +26,14 @@ def _facts(rank: int, world_size: int, tag: str) -> dict[str, Any]:
     _MARK.append(rank)
     os.environ["DISTCKPT_HARNESS_LEFTOVER"] = "1"  # must not reach the next call
     print(f"rank {rank} says {tag}", file=sys.stderr, flush=True)
-    return {"pid": os.getpid(), "ppid": os.getppid(), "probe": os.environ.get(_PROBE), "cwd": os.getcwd(),
-            "world": (dist.get_rank(), dist.get_world_size()), "mark_before": seen}
+    return {
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "probe": os.environ.get(_PROBE),
+        "cwd": os.getcwd(),
+        "world": (dist.get_rank(), dist.get_world_size()),
+        "mark_before": seen,
+    }
 
 
 def _check_leftover(rank: int, world_size: int) -> dict[str, Any]:

@@ -38,9 +38,12 @@ def run(rank, world_size, opts):
     fully_shard(model.head)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.head.parameters(), lr=0.01)
-    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None),
-                              save=SaveConfig(incremental=True),
-                              async_save=AsyncSaveConfig(mode=opts.get("async_mode", "off")))
+    config = CheckpointConfig(
+        root=opts["root"],
+        schedule=ScheduleConfig(interval_steps=None),
+        save=SaveConfig(incremental=True),
+        async_save=AsyncSaveConfig(mode=opts.get("async_mode", "off")),
+    )
     manager = CheckpointManager(config, model=model, optimizer=optimizer)
     state = manager.load()
     # clone: at 1 rank the full state dict shares storage with the parameters trained below
@@ -58,16 +61,23 @@ def run(rank, world_size, opts):
 
 def refs(path):
     md = read_dcp_metadata(path)
-    return {(i.fqn, tuple(i.offset)): s.relative_path for i, s in md.storage_data.items()
-            if s.relative_path.startswith("../")}
+    return {
+        (i.fqn, tuple(i.offset)): s.relative_path
+        for i, s in md.storage_data.items()
+        if s.relative_path.startswith("../")
+    }
 
 
 @pytest.mark.parametrize("async_mode", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_incremental_fsdp2_two_ranks_then_resume_on_one(tmp_path, async_mode):
     root = str(tmp_path)
     two = values(run_ranks(run, 2, {"root": root, "saves": [1, 2], "async_mode": async_mode}))
-    base_keys = {(f"model.base.{i}.{w}", off) for i in range(2) for w, offs in
-                 (("weight", ((0, 0), (16, 0))), ("bias", ((0,), (16,)))) for off in offs}
+    base_keys = {
+        (f"model.base.{i}.{w}", off)
+        for i in range(2)
+        for w, offs in (("weight", ((0, 0), (16, 0))), ("bias", ((0,), (16,))))
+        for off in offs
+    }
     step2 = refs(tmp_path / "step-000000002")
     assert set(step2) == base_keys, step2  # both ranks' frozen shards, nothing else
     assert all(r.startswith("../step-000000001/__") for r in step2.values())

@@ -23,8 +23,11 @@ def one_sided_calls(rank, world_size, opts):
     from tests.distributed.trainer import Net
 
     def manager(root):
-        config = CheckpointConfig(root=root, schedule=ScheduleConfig(interval_steps=None),
-                                  coordination=CoordinationConfig(arrival_timeout_s=opts["arrival"]))
+        config = CheckpointConfig(
+            root=root,
+            schedule=ScheduleConfig(interval_steps=None),
+            coordination=CoordinationConfig(arrival_timeout_s=opts["arrival"]),
+        )
         return CheckpointManager(config, model=Net(), optimizer=None)
 
     out = {}
@@ -51,8 +54,12 @@ def one_sided_calls(rank, world_size, opts):
 
 def test_save_on_one_rank_raises_naming_the_missing_rank_in_seconds(tmp_path):
     # Without the entry check rank 0 waits in the save's first collective for timeout_s (600 s).
-    results = run_ranks(one_sided_calls, 2, {"root_a": str(tmp_path / "a"), "root_b": str(tmp_path / "b"),
-                                             "arrival": 2.0}, timeout_s=150)
+    results = run_ranks(
+        one_sided_calls,
+        2,
+        {"root_a": str(tmp_path / "a"), "root_b": str(tmp_path / "b"), "arrival": 2.0},
+        timeout_s=150,
+    )
     assert all(r["ok"] for r in results), [r.get("traceback") for r in results]
     r0, r1 = results[0]["value"], results[1]["value"]
     assert r0["a"]["missing"] == [1]
@@ -102,9 +109,12 @@ def late_rank(rank, world_size, opts):
 
     out = {}
     for name, preemption in (("preemption", True), ("no preemption", False)):
-        config = CheckpointConfig(root=f"{opts['root']}/{name}", schedule=ScheduleConfig(interval_steps=1),
-                                  coordination=CoordinationConfig(arrival_timeout_s=1.5),
-                                  preemption=PreemptionConfig(enabled=preemption))
+        config = CheckpointConfig(
+            root=f"{opts['root']}/{name}",
+            schedule=ScheduleConfig(interval_steps=1),
+            coordination=CoordinationConfig(arrival_timeout_s=1.5),
+            preemption=PreemptionConfig(enabled=preemption),
+        )
         manager = CheckpointManager(config, model=Net(), optimizer=None)
         if rank == 1:
             time.sleep(4.0)  # the lateness under test (rank-0-only work would do the same)

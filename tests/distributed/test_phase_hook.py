@@ -51,11 +51,22 @@ def _rank(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         return record
 
     train_mod.chaos_pause_hook = recording_factory
-    overrides = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.seq_len=16", "data.seq_len=16",
-                 "data.global_batch_size=4", f"data.max_bytes={20 * 4 * 17}", f"train.steps={STEPS}",
-                 "train.warmup_steps=1", "train.log_every=1000", f"train.out={tmp}/out",
-                 f"checkpoint.root={tmp}/ckpt", f"checkpoint.schedule.interval_steps={INTERVAL}",
-                 "checkpoint.retention.keep_last=1"]
+    overrides = [
+        "model.d_model=32",
+        "model.n_layer=1",
+        "model.n_head=2",
+        "model.seq_len=16",
+        "data.seq_len=16",
+        "data.global_batch_size=4",
+        f"data.max_bytes={20 * 4 * 17}",
+        f"train.steps={STEPS}",
+        "train.warmup_steps=1",
+        "train.log_every=1000",
+        f"train.out={tmp}/out",
+        f"checkpoint.root={tmp}/ckpt",
+        f"checkpoint.schedule.interval_steps={INTERVAL}",
+        "checkpoint.retention.keep_last=1",
+    ]
     cfg = load_job_config(REPO / "launch" / "configs" / "ddp.yaml", overrides)
     job = train_mod.build_job(cfg, rank, world_size, torch.device("cpu"))
     last = train_mod.train(job)

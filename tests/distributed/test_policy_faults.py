@@ -17,8 +17,11 @@ def run_with_skewed_clock(rank, world_size, opts):
     from tests.distributed.trainer import build
 
     model, optimizer, *_ = build(rank, world_size, {"wrapper": "ddp"})
-    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None, interval_seconds=10.0),
-                              retention=RetentionConfig(keep_last=2, keep_every_steps=4))
+    config = CheckpointConfig(
+        root=opts["root"],
+        schedule=ScheduleConfig(interval_steps=None, interval_seconds=10.0),
+        retention=RetentionConfig(keep_last=2, keep_every_steps=4),
+    )
     manager = CheckpointManager(config, model=model, optimizer=optimizer)
     # Fake clocks: rank 1 runs 3x faster and 100 s ahead; only rank 0's clock may decide.
     ticks = {"t": 0.0}
@@ -37,8 +40,10 @@ def test_interval_seconds_decided_by_rank0_despite_skewed_clocks(tmp_path):
     saved = values(run_ranks(run_with_skewed_clock, 2, {"root": str(tmp_path)}))
     assert saved[0] == saved[1] == [3, 6, 9, 12]
     # keep_last=2 keeps 9 and 12; keep_every_steps=4 keeps none of them except... 12 (multiple of 4)
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == \
-        ["step-000000009", "step-000000012"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == [
+        "step-000000009",
+        "step-000000012",
+    ]
 
 
 def interval_steps_and_retention(rank, world_size, opts):
@@ -46,8 +51,11 @@ def interval_steps_and_retention(rank, world_size, opts):
     from tests.distributed.trainer import build
 
     model, optimizer, *_ = build(rank, world_size, {"wrapper": "ddp"})
-    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=2),
-                              retention=RetentionConfig(keep_last=2, keep_every_steps=3))
+    config = CheckpointConfig(
+        root=opts["root"],
+        schedule=ScheduleConfig(interval_steps=2),
+        retention=RetentionConfig(keep_last=2, keep_every_steps=3),
+    )
     manager = CheckpointManager(config, model=model, optimizer=optimizer)
     saved = [s for s in range(1, 11) if manager.maybe_save(s, last_step=s == 10)]
     assert not manager.maybe_save(10, last_step=True)  # already saved at this step
@@ -59,8 +67,11 @@ def test_interval_steps_and_retention(tmp_path):
     saved = values(run_ranks(interval_steps_and_retention, 2, {"root": str(tmp_path)}))
     assert saved[0] == saved[1] == [2, 4, 6, 8, 10]
     # keep_last=2 -> 8, 10; keep_every_steps=3 -> 6 forever; 2 and 4 deleted
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == \
-        ["step-000000006", "step-000000008", "step-000000010"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == [
+        "step-000000006",
+        "step-000000008",
+        "step-000000010",
+    ]
     assert (tmp_path / "latest").read_text().strip() == "step-000000010"
 
 
@@ -205,19 +216,29 @@ def storage_fault(rank, world_size, opts):
     return {"error": error, "after_failure": after_failure, "seconds": seconds}
 
 
-@pytest.mark.parametrize("fault,async_mode", [("enospc_in_writer_thread", "off"), ("slow_disk", "off"),
-                                              ("slow_disk", "thread")])
+@pytest.mark.parametrize(
+    "fault,async_mode", [("enospc_in_writer_thread", "off"), ("slow_disk", "off"), ("slow_disk", "thread")]
+)
 def test_storage_fault_on_one_rank_fails_the_save_everywhere(tmp_path, fault, async_mode):
     # write_timeout_s well below timeout_s: the slow rank gives up before the others' wait expires.
-    config = {"save": {"thread_count": 4}, "coordination": {"timeout_s": 20.0, "write_timeout_s": 1.5},
-              "async_save": {"mode": async_mode}}
-    out = values(run_ranks(storage_fault, 2, {"root": str(tmp_path), "wrapper": "ddp", "victim": 1,
-                                              "fault": fault, "config": config}))
+    config = {
+        "save": {"thread_count": 4},
+        "coordination": {"timeout_s": 20.0, "write_timeout_s": 1.5},
+        "async_save": {"mode": async_mode},
+    }
+    out = values(
+        run_ranks(
+            storage_fault, 2, {"root": str(tmp_path), "wrapper": "ddp", "victim": 1, "fault": fault, "config": config}
+        )
+    )
     expected_text = "No space left on device" if fault.startswith("enospc") else "write_timeout_s=1.5"
     for r in out:
         assert r["error"] is not None, "every rank must raise CheckpointSaveError"
         assert expected_text in r["error"] and "DCP rank 1: " in r["error"], r["error"]
         assert r["after_failure"] == ["latest", "step-000000002"]  # staging removed, previous intact
         assert r["seconds"] < 15.0  # failed by the write deadline, not by the 20 s group timeout
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == \
-        ["latest", "step-000000002", "step-000000005"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == [
+        "latest",
+        "step-000000002",
+        "step-000000005",
+    ]

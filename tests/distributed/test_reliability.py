@@ -30,8 +30,18 @@ def losses(prefix, rank=0):
 def test_sigterm_on_one_rank_saves_and_exits_0_then_resumes_exactly(tmp_path):
     base = torchrun("--root", str(tmp_path / "base"), "--out", str(tmp_path / "base"), "--until", "12")
     assert base.returncode == 0, base.stderr[-3000:]
-    run = torchrun("--root", str(tmp_path / "ck"), "--out", str(tmp_path / "run"), "--until", "12",
-                   "--signal-at", "5", "--victim", "1")
+    run = torchrun(
+        "--root",
+        str(tmp_path / "ck"),
+        "--out",
+        str(tmp_path / "run"),
+        "--until",
+        "12",
+        "--signal-at",
+        "5",
+        "--victim",
+        "1",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "preempted (SIGTERM): saved step 5" in run.stderr
     assert [r["step"] for r in losses(tmp_path / "run")] == [1, 2, 3, 4, 5]
@@ -48,8 +58,21 @@ def test_sigterm_on_one_rank_saves_and_exits_0_then_resumes_exactly(tmp_path):
 def test_sigterm_to_the_process_group_with_a_plain_stateful_dataloader_saves(tmp_path, num_workers):
     """The manager protects the workers of the plain StatefulDataLoader it is given (issue 24,
     item 7): SIGTERM to rank 1's process group, workers included, still commits the save."""
-    run = torchrun("--root", str(tmp_path / "ck"), "--out", str(tmp_path / "run"), "--until", "12",
-                   "--signal-at", "3", "--victim", "1", "--num-workers", str(num_workers), "--signal-group")
+    run = torchrun(
+        "--root",
+        str(tmp_path / "ck"),
+        "--out",
+        str(tmp_path / "run"),
+        "--until",
+        "12",
+        "--signal-at",
+        "3",
+        "--victim",
+        "1",
+        "--num-workers",
+        str(num_workers),
+        "--signal-group",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "killed by signal" not in run.stderr and "exited unexpectedly" not in run.stderr, run.stderr[-3000:]
     assert "preempted (SIGTERM): saved step 3" in run.stderr
@@ -83,17 +106,21 @@ def test_lock_of_another_host_is_respected(tmp_path):
     write_lock(tmp_path, "some-other-host", 1)
     with pytest.raises(CheckpointLockedError, match="host=some-other-host"):
         CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=Net(), optimizer=None)
-    assert CheckpointManager(CheckpointConfig(root=str(tmp_path),
-                                              coordination=CoordinationConfig(lock=False)), model=Net(), optimizer=None)
+    assert CheckpointManager(
+        CheckpointConfig(root=str(tmp_path), coordination=CoordinationConfig(lock=False)), model=Net(), optimizer=None
+    )
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"schedule": {"interval_steps": -5}}, "schedule.interval_steps"),
-    ({"schedule": {"interval_seconds": -1.0}}, "schedule.interval_seconds"),
-    ({"async_save": {"mode": "thread"}, "retention": {"keep_last": 1}}, "retention.keep_last"),
-    ({"async_save": {"mode": "fork"}}, "async_save.mode"),
-    ({"async_save": {"background_staging": True}}, "async_save.background_staging"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"schedule": {"interval_steps": -5}}, "schedule.interval_steps"),
+        ({"schedule": {"interval_seconds": -1.0}}, "schedule.interval_seconds"),
+        ({"async_save": {"mode": "thread"}, "retention": {"keep_last": 1}}, "retention.keep_last"),
+        ({"async_save": {"mode": "fork"}}, "async_save.mode"),
+        ({"async_save": {"background_staging": True}}, "async_save.background_staging"),
+    ],
+)
 def test_bad_configuration_fails_before_training(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         CheckpointConfig(root="/tmp/x", **kwargs)

@@ -24,10 +24,16 @@ def probe(model: nn.Module) -> torch.Tensor:
 
 def save_with_probe(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
-    manager = CheckpointManager(CheckpointConfig(root=opts["root"],
-                                                 schedule=ScheduleConfig(interval_steps=None)), model=model,
-                                optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
-                                dataloader=loader, probe=probe, run_id="dist-run")
+    manager = CheckpointManager(
+        CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None)),
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        grad_scaler=scaler,
+        dataloader=loader,
+        probe=probe,
+        run_id="dist-run",
+    )
     it = iter(loader)
     for _ in range(3):
         optimizer_step(model, optimizer, scheduler, scaler, next(it))
@@ -38,14 +44,23 @@ def save_with_probe(rank: int, world_size: int, opts: dict[str, Any]) -> dict[st
 
 def load_with_probe(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
-    manager = CheckpointManager(CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None),
-                                                 **opts.get("config", {})),
-                                model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
-                                dataloader=loader, probe=probe)
+    manager = CheckpointManager(
+        CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None), **opts.get("config", {})),
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        grad_scaler=scaler,
+        dataloader=loader,
+        probe=probe,
+    )
     state = manager.load()
     manager.close()
-    return {"state": state, "params": full_params(model), "optim_state": len(optimizer.state),
-            "scheduler_epoch": scheduler.last_epoch}
+    return {
+        "state": state,
+        "params": full_params(model),
+        "optim_state": len(optimizer.state),
+        "scheduler_epoch": scheduler.last_epoch,
+    }
 
 
 def test_probe_across_world_sizes_and_model_only_load(tmp_path):
@@ -57,8 +72,9 @@ def test_probe_across_world_sizes_and_model_only_load(tmp_path):
     assert manifest.probe_loss is not None and manifest.run_id == "dist-run"
     assert manifest.metrics == {"val_loss": 0.5}
 
-    loaded = values(run_ranks(load_with_probe, 1, {"root": root, "wrapper": "plain",
-                                                   "config": {"load": {"only": ["model"]}}}))[0]
+    loaded = values(
+        run_ranks(load_with_probe, 1, {"root": root, "wrapper": "plain", "config": {"load": {"only": ["model"]}}})
+    )[0]
     state = loaded["state"]
     assert loaded["optim_state"] == 0 and loaded["scheduler_epoch"] == 0 and state.step == 0
     assert abs(state.probe_loss_loaded - manifest.probe_loss) <= 1e-6 * abs(manifest.probe_loss)

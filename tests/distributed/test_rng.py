@@ -27,8 +27,9 @@ def rng_job(rank, world_size, opts):
     torch.manual_seed(100 + rank)
     random.seed(200 + rank)
     np.random.seed(300 + rank)
-    manager = CheckpointManager(CheckpointConfig(root=opts["root"],
-                                                 elastic=ElasticConfig(seed=5)), model=Net(), optimizer=None)
+    manager = CheckpointManager(
+        CheckpointConfig(root=opts["root"], elastic=ElasticConfig(seed=5)), model=Net(), optimizer=None
+    )
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
@@ -51,8 +52,9 @@ def test_each_rank_resumes_its_own_rng_and_new_ranks_derive(tmp_path):
         assert resumed[rank]["draws"] == saved[rank]["draws"]
     grown = values(run_ranks(rng_job, 3, {"root": str(tmp_path), "load": True}))
     assert [g["draws"] for g in grown[:2]] == [s["draws"] for s in saved]
-    assert "rank 2 did not exist at save (saved world size 2): RNG derived from (seed=5, rank=2, step=7)" \
-        in " ".join(grown[2]["log"])
+    assert "rank 2 did not exist at save (saved world size 2): RNG derived from (seed=5, rank=2, step=7)" in " ".join(
+        grown[2]["log"]
+    )
     again = values(run_ranks(rng_job, 3, {"root": str(tmp_path), "load": True}))
     assert again[2]["draws"] == grown[2]["draws"]  # deterministic derivation
 

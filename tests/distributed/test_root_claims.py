@@ -24,8 +24,11 @@ def root_job(rank: int, world_size: int, root: str) -> dict:
         out["refused"] = None
     except ConfigError as e:
         out["refused"] = str(e)
-    manager, *objs = make_manager(rank, world_size, {"root": root, "load_path": os.path.join(root, "step-000000003"),
-                                                     "config": {"retention": {"keep_last": 2}}})
+    manager, *objs = make_manager(
+        rank,
+        world_size,
+        {"root": root, "load_path": os.path.join(root, "step-000000003"), "config": {"retention": {"keep_last": 2}}},
+    )
     out["loaded"] = manager.load().step
     train_steps(*objs, 1)
     manager.save(6)  # rank 0 sets the old 6 and 9 aside before the commit
@@ -40,8 +43,13 @@ def test_used_root_on_two_ranks(tmp_path):
     for r in ranks:
         assert r["refused"] and "step-000000009" in r["refused"] and "on_existing: archive" in r["refused"]
         assert r["loaded"] == 3
-    assert ranks[0]["names"] == ["latest", "rolledback-step-000000006-0", "rolledback-step-000000009-0",
-                                 "step-000000003", "step-000000006"]
+    assert ranks[0]["names"] == [
+        "latest",
+        "rolledback-step-000000006-0",
+        "rolledback-step-000000009-0",
+        "step-000000003",
+        "step-000000006",
+    ]
     assert ranks[0]["latest"] == "step-000000006"
 
 
@@ -51,15 +59,23 @@ def fine_tune_restart_job(rank: int, world_size: int, opts: dict) -> dict:
     import torch
 
     def flat(model, optimizer):  # DDP: every rank holds the whole optimizer state
-        return {f"{pid}.{name}": v.clone() for pid, st in optimizer.state_dict()["state"].items()
-                for name, v in st.items() if isinstance(v, torch.Tensor)}
+        return {
+            f"{pid}.{name}": v.clone()
+            for pid, st in optimizer.state_dict()["state"].items()
+            for name, v in st.items()
+            if isinstance(v, torch.Tensor)
+        }
 
     manager, *objs = make_manager(rank, world_size, {"root": opts["pre"], "wrapper": "ddp"})
     train_steps(*objs, 2)
     manager.save(3)
     manager.close()
-    ft = {"root": opts["ft"], "load_path": os.path.join(opts["pre"], "step-000000003"), "wrapper": "ddp",
-          "config": {"load": {"only": ["model"]}, "retention": {"keep_last": None}}}
+    ft = {
+        "root": opts["ft"],
+        "load_path": os.path.join(opts["pre"], "step-000000003"),
+        "wrapper": "ddp",
+        "config": {"load": {"only": ["model"]}, "retention": {"keep_last": None}},
+    }
     manager, *objs = make_manager(rank, world_size, ft)
     out = {"first": manager.load().step}
     for step in (1, 2):
@@ -77,8 +93,9 @@ def fine_tune_restart_job(rank: int, world_size: int, opts: dict) -> dict:
 def test_a_fine_tune_restarts_from_its_own_checkpoints_on_two_ranks(tmp_path):
     import torch
 
-    ranks = values(run_ranks(fine_tune_restart_job, 2, {"pre": str(tmp_path / "pre"), "ft": str(tmp_path / "ft")},
-                             timeout_s=200))
+    ranks = values(
+        run_ranks(fine_tune_restart_job, 2, {"pre": str(tmp_path / "pre"), "ft": str(tmp_path / "ft")}, timeout_s=200)
+    )
     for r in ranks:
         assert (r["first"], r["restart"]) == (0, 2)
         assert r["saved"].keys() == r["loaded"].keys() and r["saved"]

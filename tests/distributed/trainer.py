@@ -63,13 +63,16 @@ def build(rank: int, world_size: int, opts: dict[str, Any]):
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
         torch.use_deterministic_algorithms(True)
-    model = Net(width=opts.get("width", 16), rename=opts.get("rename", False),
-                dtype=opts.get("dtype", torch.float32)).to(device)
+    model = Net(
+        width=opts.get("width", 16), rename=opts.get("rename", False), dtype=opts.get("dtype", torch.float32)
+    ).to(device)
     wrapper = opts.get("wrapper", "plain")
     if wrapper == "ddp":
         model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device] if device.type == "cuda" else None,
-            find_unused_parameters=opts.get("ddp_fixed_buckets", False))
+            model,
+            device_ids=[device] if device.type == "cuda" else None,
+            find_unused_parameters=opts.get("ddp_fixed_buckets", False),
+        )
     elif wrapper == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -85,18 +88,26 @@ def build(rank: int, world_size: int, opts: dict[str, Any]):
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
     total = 40
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / 4) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+        optimizer, lambda s: min(1.0, (s + 1) / 4) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
+    )
     scaler = torch.amp.GradScaler(device.type, init_scale=opts.get("init_scale", 2.0**8), growth_interval=2)
     dataset = Points()
     G = opts.get("global_batch_size", 8)
     sampler = ReshardableSampler(len(dataset), global_batch_size=G, rank=rank, world_size=world_size, seed=7)
-    loader = StatefulDataLoader(dataset, batch_size=G // world_size, sampler=sampler,
-                                num_workers=opts.get("num_workers", 0))
+    loader = StatefulDataLoader(
+        dataset, batch_size=G // world_size, sampler=sampler, num_workers=opts.get("num_workers", 0)
+    )
     return model, optimizer, scheduler, scaler, loader
 
 
-def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
-                   batch: dict[str, torch.Tensor], amp: bool = False) -> torch.Tensor:
+def optimizer_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+    batch: dict[str, torch.Tensor],
+    amp: bool = False,
+) -> torch.Tensor:
     """One step on ``batch`` (MSE, GradScaler, optimizer, scheduler); returns the loss (0-d float32).
 
     The batch goes to the model's device; ``amp``: the forward under fp16 autocast (CUDA).
@@ -119,15 +130,20 @@ def train(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     ``opts``: root, until, interval_steps, wrapper, compile, keep_last, plus ``build`` options.
     """
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
-    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=opts.get("interval_steps", 3)),
-                              retention=RetentionConfig(keep_last=opts.get("keep_last", 3),
-                                                        keep_every_steps=opts.get("keep_every_steps")),
-                              save=SaveConfig(state_dict_type=opts.get("state_dict_type", "sharded")),
-                              load=LoadConfig(fast_reader=opts.get("fast_load", LoadConfig.fast_reader),
-                                              fallback_to_older=opts.get("fallback_to_older", False),
-                                              path=opts.get("load_path")))
-    manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                grad_scaler=scaler, dataloader=loader)
+    config = CheckpointConfig(
+        root=opts["root"],
+        schedule=ScheduleConfig(interval_steps=opts.get("interval_steps", 3)),
+        retention=RetentionConfig(keep_last=opts.get("keep_last", 3), keep_every_steps=opts.get("keep_every_steps")),
+        save=SaveConfig(state_dict_type=opts.get("state_dict_type", "sharded")),
+        load=LoadConfig(
+            fast_reader=opts.get("fast_load", LoadConfig.fast_reader),
+            fallback_to_older=opts.get("fallback_to_older", False),
+            path=opts.get("load_path"),
+        ),
+    )
+    manager = CheckpointManager(
+        config, model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader
+    )
     state = manager.load()
     step = state.step if state else 0
     losses, ids, scales = {}, {}, {}
@@ -150,9 +166,15 @@ def train(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
             break
     manager.close()
     release_workers(loader)
-    return {"losses": losses, "ids": ids, "resumed_from": state.step if state else None,
-            "params": full_params(model), "scale": scaler.get_scale(), "scales": scales,
-            "lr": scheduler.get_last_lr()}
+    return {
+        "losses": losses,
+        "ids": ids,
+        "resumed_from": state.step if state else None,
+        "params": full_params(model),
+        "scale": scaler.get_scale(),
+        "scales": scales,
+        "lr": scheduler.get_last_lr(),
+    }
 
 
 def release_workers(loader: StatefulDataLoader) -> None:
@@ -174,26 +196,37 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 def full_optim(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model, optimizer,
-                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def with_sections(config: CheckpointConfig, sections: dict[str, dict[str, Any]]) -> CheckpointConfig:
     """``config`` with the fields ``sections`` names (``{"retention": {"keep_last": 1}}``) replaced."""
-    return dataclasses.replace(config, **{name: dataclasses.replace(getattr(config, name), **fields)
-                                          for name, fields in sections.items()})
+    return dataclasses.replace(
+        config, **{name: dataclasses.replace(getattr(config, name), **fields) for name, fields in sections.items()}
+    )
 
 
 def make_manager(rank: int, world_size: int, opts: dict[str, Any]):
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
-    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None),
-                              save=SaveConfig(state_dict_type=opts.get("state_dict_type", "sharded")),
-                              load=LoadConfig(fast_reader=opts.get("fast_load", LoadConfig.fast_reader),
-                                              fallback_to_older=opts.get("fallback_to_older", False),
-                                              path=opts.get("load_path")))
+    config = CheckpointConfig(
+        root=opts["root"],
+        schedule=ScheduleConfig(interval_steps=None),
+        save=SaveConfig(state_dict_type=opts.get("state_dict_type", "sharded")),
+        load=LoadConfig(
+            fast_reader=opts.get("fast_load", LoadConfig.fast_reader),
+            fallback_to_older=opts.get("fallback_to_older", False),
+            path=opts.get("load_path"),
+        ),
+    )
     config = with_sections(config, opts.get("config", {}))
-    manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                grad_scaler=scaler, dataloader=loader if opts.get("with_loader", True) else None)
+    manager = CheckpointManager(
+        config,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        grad_scaler=scaler,
+        dataloader=loader if opts.get("with_loader", True) else None,
+    )
     return manager, model, optimizer, scheduler, scaler, loader
 
 
@@ -220,7 +253,12 @@ def load_report(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, A
     """Load, return full params/optimizer state and the loaded TrainState."""
     manager, model, optimizer, scheduler, scaler, loader = make_manager(rank, world_size, opts)
     state = manager.load()
-    out = {"state": state, "params": full_params(model), "optim": full_optim(model, optimizer),
-           "lr": scheduler.get_last_lr(), "scale": scaler.get_scale()}
+    out = {
+        "state": state,
+        "params": full_params(model),
+        "optim": full_optim(model, optimizer),
+        "lr": scheduler.get_last_lr(),
+        "scale": scaler.get_scale(),
+    }
     manager.close()
     return out

@@ -24,12 +24,13 @@ def test_async_save_equals_blocking_save_while_training(tmp_path, world_size, mo
     need_gpus(world_size)
     opts = {"device": "cuda", "wrapper": "fsdp2" if world_size > 1 else "plain"}
     loaded_async = check_async_equals_state_at_save(
-        tmp_path / "async", world_size, {**opts, "mode": mode, "background_staging": background_staging},
-        backend=NCCL)
+        tmp_path / "async", world_size, {**opts, "mode": mode, "background_staging": background_staging}, backend=NCCL
+    )
     # The same 3 steps saved blocking (no staging): both checkpoints load to the same bits.
     values(run_ranks(save_after, world_size, {**opts, "root": str(tmp_path / "blocking")}, backend=NCCL))
-    loaded_blocking = values(run_ranks(load_report, world_size, {**opts, "root": str(tmp_path / "blocking")},
-                                       backend=NCCL))[0]
+    loaded_blocking = values(
+        run_ranks(load_report, world_size, {**opts, "root": str(tmp_path / "blocking")}, backend=NCCL)
+    )[0]
     assert_same_state(loaded_blocking, loaded_async)
 
 
@@ -42,8 +43,11 @@ def save_behind_queued_kernels(rank, world_size, opts):
 
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
     train_steps(model, optimizer, scheduler, scaler, loader, 2)
-    config = CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None),
-                              async_save=AsyncSaveConfig(mode="thread", background_staging=True))
+    config = CheckpointConfig(
+        root=opts["root"],
+        schedule=ScheduleConfig(interval_steps=None),
+        async_save=AsyncSaveConfig(mode="thread", background_staging=True),
+    )
     manager = CheckpointManager(config, model=model, optimizer=optimizer)
     manager.save(1)  # allocates the pinned buffers (an allocation may sync the device)
     manager.wait()
@@ -65,8 +69,11 @@ def load_model_and_optimizer(rank, world_size, opts):
     from tests.distributed.trainer import build
 
     model, optimizer, *_ = build(rank, world_size, opts)
-    manager = CheckpointManager(CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None)),
-                                model=model, optimizer=optimizer)
+    manager = CheckpointManager(
+        CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None)),
+        model=model,
+        optimizer=optimizer,
+    )
     state = manager.load()
     manager.close()
     return {"step": state.step, "params": full_params(model)}

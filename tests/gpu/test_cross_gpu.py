@@ -34,11 +34,24 @@ INDUCTOR = {"compile": True, "compile_backend": "inductor"}
         (1, {"wrapper": "fsdp2", **INDUCTOR}, 1, {"wrapper": "plain"}),
         (1, {"wrapper": "plain"}, 1, {"wrapper": "ddp", **INDUCTOR}),
     ],
-    ids=["fsdp2x2-fsdp2x1", "fsdp2x1-fsdp2x2", "full_fsdp2x2-plain1", "fsdp1x1-sharded", "fsdp1x1-full",
-         "fsdp1x2-sharded", "fsdp1x2-full", "fsdp1x1-fsdp2x1", "fsdp1x2-fsdp2x2", "ddp2-fsdp2x2",
-         "ddp1-fsdp2x1", "compiled_fsdp2x1-plain1", "plain1-compiled_ddp1"],
+    ids=[
+        "fsdp2x2-fsdp2x1",
+        "fsdp2x1-fsdp2x2",
+        "full_fsdp2x2-plain1",
+        "fsdp1x1-sharded",
+        "fsdp1x1-full",
+        "fsdp1x2-sharded",
+        "fsdp1x2-full",
+        "fsdp1x1-fsdp2x1",
+        "fsdp1x2-fsdp2x2",
+        "ddp2-fsdp2x2",
+        "ddp1-fsdp2x1",
+        "compiled_fsdp2x1-plain1",
+        "plain1-compiled_ddp1",
+    ],
 )
 def test_cross_load_on_gpu(tmp_path, save_ws, save_opts, load_ws, load_opts):
     need_gpus(max(save_ws, load_ws))
-    check_cross_load(tmp_path, save_ws, {**CUDA, **save_opts}, load_ws, {**CUDA, **load_opts}, backend=NCCL,
-                     timeout_s=240)
+    check_cross_load(
+        tmp_path, save_ws, {**CUDA, **save_opts}, load_ws, {**CUDA, **load_opts}, backend=NCCL, timeout_s=240
+    )

@@ -45,5 +45,11 @@ def test_fast_reader_loads_into_cuda_bitwise(saved, kw, verify):
 @pytest.mark.parametrize("world_size,fast_load", [(1, True), (2, True), (2, False)])
 def test_manager_load_into_cuda_fsdp2(tmp_path, world_size, fast_load):
     need_gpus(world_size)
-    check_cross_load(tmp_path, world_size, {"device": "cuda", "wrapper": "fsdp2"}, world_size,
-                     {"device": "cuda", "wrapper": "fsdp2", "fast_load": fast_load}, backend=NCCL)
+    check_cross_load(
+        tmp_path,
+        world_size,
+        {"device": "cuda", "wrapper": "fsdp2"},
+        world_size,
+        {"device": "cuda", "wrapper": "fsdp2", "fast_load": fast_load},
+        backend=NCCL,
+    )

@@ -37,8 +37,13 @@ def test_fp16_grad_scaler_resume_is_bitwise_including_skipped_steps(tmp_path, wo
     need_gpus(world_size)
     K, j = 20, 9
     base, resumed = check_exact_resume(
-        tmp_path, world_size, {**CUDA, "wrapper": "ddp" if world_size > 1 else "plain", "amp": True,
-                               "init_scale": 2.0**24}, backend=NCCL, K=K, j=j)
+        tmp_path,
+        world_size,
+        {**CUDA, "wrapper": "ddp" if world_size > 1 else "plain", "amp": True, "init_scale": 2.0**24},
+        backend=NCCL,
+        K=K,
+        j=j,
+    )
     scales = base[0]["scales"]
     skipped = [s for s in range(2, K + 1) if scales[s] < scales[s - 1]]  # an inf step halves the scale
     assert scales[1] < 2.0**24 and any(s <= j for s in skipped), scales

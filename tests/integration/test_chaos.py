@@ -21,10 +21,25 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _disk(valid, pending=(), latest=None, invalid=()):
-    return {"valid": sorted(valid), "invalid": {s: "manifest missing" for s in invalid},
-            "pending": [dict({"name": f".pending-step-{s['step']:09d}-ab", "files": 1, "metadata": False,
-                              "manifest": False, "manifest_tmp": False}, **s) for s in pending],
-            "latest": latest, "other": []}
+    return {
+        "valid": sorted(valid),
+        "invalid": {s: "manifest missing" for s in invalid},
+        "pending": [
+            dict(
+                {
+                    "name": f".pending-step-{s['step']:09d}-ab",
+                    "files": 1,
+                    "metadata": False,
+                    "manifest": False,
+                    "manifest_tmp": False,
+                },
+                **s,
+            )
+            for s in pending
+        ],
+        "latest": latest,
+        "other": [],
+    }
 
 
 def test_classify_phase_reads_the_save_state_from_disk() -> None:
@@ -33,8 +48,10 @@ def test_classify_phase_reads_the_save_state_from_disk() -> None:
     assert classify_phase(_disk([2, 4], latest=old), 6, ("stage", 6), 2) == "stage"
     assert classify_phase(_disk([2, 4], [{"step": 6}], old), 6, ("write", 6), 2) == "write"
     assert classify_phase(_disk([2, 4], [{"step": 6, "metadata": True}], old), 6, ("manifest", 6), 2) == "manifest"
-    assert classify_phase(_disk([2, 4], [{"step": 6, "metadata": True, "manifest": True}], old), 6,
-                          ("rename", 6), 2) == "rename"
+    assert (
+        classify_phase(_disk([2, 4], [{"step": 6, "metadata": True, "manifest": True}], old), 6, ("rename", 6), 2)
+        == "rename"
+    )
     assert classify_phase(_disk([2, 4, 6], latest=old), 6, ("latest", 6), 2) == "latest"
     new = "step-000000006"
     assert classify_phase(_disk([2, 4, 6], latest=new), 6, ("retention", 2), 2) == "retention"
@@ -65,15 +82,32 @@ def test_jsonl_tail_waits_for_whole_lines(tmp_path: pathlib.Path) -> None:
 @pytest.mark.timeout(300)
 def test_chaos_five_kills(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "chaos"
-    cmd = [sys.executable, "-m", "tests.chaos", "--kills", "5", "--out", str(out), "--seed", "0",
-           "--run-timeout-s", "90"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.chaos",
+        "--kills",
+        "5",
+        "--out",
+        str(out),
+        "--seed",
+        "0",
+        "--run-timeout-s",
+        "90",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=270)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     report = json.loads((out / "report.json").read_text())
     assert report["ok"] and all(r["ok"] for r in report["requirements"]), report["requirements"]
     assert report["kills"] >= 5 and len(report["per_kill"]) == report["kills"]
-    for key in ("corrupt_loads", "lost_committed_checkpoints", "duplicated_samples", "skipped_samples",
-                "wrong_resumes", "failed_runs"):
+    for key in (
+        "corrupt_loads",
+        "lost_committed_checkpoints",
+        "duplicated_samples",
+        "skipped_samples",
+        "wrong_resumes",
+        "failed_runs",
+    ):
         assert report[key] == 0, (key, report[key])
     assert report["resumes"] >= report["kills"] - 1  # only a kill before the first commit starts fresh
     assert report["max_abs_param_diff"] is not None and report["max_abs_param_diff"] <= 1e-4

@@ -30,7 +30,7 @@ def _batches(steps: range, g: int, per_epoch: int, info_len: int) -> dict[int, l
     out = {}
     for s in steps:
         epoch, k = divmod(s - 1, per_epoch)
-        out[s] = sampler.permutation(epoch)[k * g:(k + 1) * g].tolist()
+        out[s] = sampler.permutation(epoch)[k * g : (k + 1) * g].tolist()
     return out
 
 
@@ -80,31 +80,63 @@ def test_sample_accounting_catches_replays_and_gaps(tmp_path: pathlib.Path) -> N
 
     # Kept history: the parent's steps up to the checkpoint, then the child's own.
     parent = Run("p", 2, tmp_path, tmp_path, samples={s: [s] for s in range(1, 6)})
-    child = Run("c", 2, tmp_path, tmp_path, parent=parent, samples={s: [100 + s] for s in range(4, 8)},
-                events=[{"event": "resumed", "step": 3}])
+    child = Run(
+        "c",
+        2,
+        tmp_path,
+        tmp_path,
+        parent=parent,
+        samples={s: [100 + s] for s in range(4, 8)},
+        events=[{"event": "resumed", "step": 3}],
+    )
     assert kept_history(child) == {1: [1], 2: [2], 3: [3], 4: [104], 5: [105], 6: [106], 7: [107]}
 
 
 @pytest.mark.timeout(360)
 def test_demo_kill_and_resume_across_world_sizes(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "launch.demo", "--out", str(out), "--steps", str(STEPS),
-           "--interval", str(INTERVAL), "--epoch-steps", "7", "--set", "data.seq_len=64",
-           "--run-timeout-s", "120"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.demo",
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--interval",
+        str(INTERVAL),
+        "--epoch-steps",
+        "7",
+        "--set",
+        "data.seq_len=64",
+        "--run-timeout-s",
+        "120",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=330)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     summary = json.loads((out / "summary.json").read_text())
     rows = {r["name"]: r for r in summary["runs"]}
-    assert list(rows) == ["baseline", "killed", "resume_2to2", "resume_2to4", "resume_4to2", "resume_4to4",
-                          "resume_2to4_local"]
+    assert list(rows) == [
+        "baseline",
+        "killed",
+        "resume_2to2",
+        "resume_2to4",
+        "resume_4to2",
+        "resume_4to4",
+        "resume_2to4_local",
+    ]
     assert all(r["ok"] for r in summary["requirements"])
 
     base, killed = rows["baseline"], rows["killed"]
     assert base["resumed_from_step"] is None and base["max_abs_loss_diff"] is None
     ckpt = rows["resume_2to2"]["resumed_from_step"]
     assert ckpt == INTERVAL and INTERVAL < killed["last_step"] < 2 * INTERVAL  # between checkpoints
-    for name, saved, now in (("resume_2to2", 2, 2), ("resume_2to4", 2, 4), ("resume_4to2", 4, 2),
-                             ("resume_4to4", 4, 4)):
+    for name, saved, now in (
+        ("resume_2to2", 2, 2),
+        ("resume_2to4", 2, 4),
+        ("resume_4to2", 4, 2),
+        ("resume_4to4", 4, 4),
+    ):
         r = rows[name]
         assert (r["saved_world_size"], r["world_size"], r["last_step"]) == (saved, now, STEPS), r
         assert r["steps_replayed"] >= 1 and r["samples_match_baseline"], r

@@ -19,8 +19,13 @@ from launch.jobs import Run, committed_steps, kept_history, kill_job, launch, lo
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "launch" / "configs" / "ddp.yaml")
-SMALL = ["model.n_layer=2", "model.d_model=64", "data.seq_len=64", "train.log_every=5",
-         "data.max_bytes=" + str(12 * 16 * 65)]  # 12 steps per epoch: the runs cross epochs
+SMALL = [
+    "model.n_layer=2",
+    "model.d_model=64",
+    "data.seq_len=64",
+    "train.log_every=5",
+    "data.max_bytes=" + str(12 * 16 * 65),
+]  # 12 steps per epoch: the runs cross epochs
 
 
 @pytest.mark.timeout(300)
@@ -28,8 +33,13 @@ def test_sigterm_to_torchrun_with_dataloader_workers_saves_and_resumes_exactly(t
     """SIGTERM to the torchrun agent reaches each worker's process group, DataLoader workers
     included: they must outlive it so the preemption save commits; the resume is exact."""
     steps = 30
-    overrides = [*SMALL, f"train.steps={steps}", "train.warmup_steps=3", "checkpoint.schedule.interval_steps=100",
-                 "data.num_workers=2"]
+    overrides = [
+        *SMALL,
+        f"train.steps={steps}",
+        "train.warmup_steps=3",
+        "checkpoint.schedule.interval_steps=100",
+        "data.num_workers=2",
+    ]
     base = Run("base", 2, tmp_path / "base", tmp_path / "base" / "ckpt")
     launch(base, CONFIG, overrides, timeout_s=120)
     assert base.returncode == 0, (base.out / "torchrun.log").read_text()[-3000:]
@@ -67,10 +77,21 @@ def test_sigterm_to_torchrun_with_dataloader_workers_saves_and_resumes_exactly(t
 
 def _elastic_demo(tmp_path: pathlib.Path, *extra: str, timeout_s: int) -> dict:
     out = tmp_path / "elastic"
-    cmd = [sys.executable, "-m", "launch.elastic_demo", "--out", str(out), "--set", "data.seq_len=64",
-           "--timeout-s", str(timeout_s - 30), *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.elastic_demo",
+        "--out",
+        str(out),
+        "--set",
+        "data.seq_len=64",
+        "--timeout-s",
+        str(timeout_s - 30),
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         stdout, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -81,8 +102,15 @@ def _elastic_demo(tmp_path: pathlib.Path, *extra: str, timeout_s: int) -> dict:
 
 
 def _check_event(e: dict, trigger: str, before: int, after: int) -> None:
-    assert set(e) == {"trigger", "world_size_before", "world_size_after", "saved_on_sigterm",
-                      "resumed_from_step", "steps_replayed", "seconds_to_resume"}
+    assert set(e) == {
+        "trigger",
+        "world_size_before",
+        "world_size_after",
+        "saved_on_sigterm",
+        "resumed_from_step",
+        "steps_replayed",
+        "seconds_to_resume",
+    }
     assert (e["trigger"], e["world_size_before"], e["world_size_after"]) == (trigger, before, after), e
     assert e["seconds_to_resume"] > 0
 
@@ -128,7 +156,9 @@ def test_elastic_accounting_flags_a_replayed_join_and_uses_each_steps_last_execu
     """No processes: records as train.py appends them (ranks renumbered at each world size)."""
     g, per_epoch, n = 4, 3, 13
     sampler = ReshardableSampler(n, global_batch_size=g, rank=0, world_size=1, seed=0)
-    batch = {s: sampler.permutation((s - 1) // per_epoch)[((s - 1) % per_epoch) * g:][:g].tolist() for s in range(1, 7)}
+    batch = {
+        s: sampler.permutation((s - 1) // per_epoch)[((s - 1) % per_epoch) * g :][:g].tolist() for s in range(1, 7)
+    }
 
     def write(runs: list[tuple[int, list[int]]]) -> None:  # (world size, steps) per worker round
         for ws, steps in runs:
@@ -136,26 +166,38 @@ def test_elastic_accounting_flags_a_replayed_join_and_uses_each_steps_last_execu
                 with open(tmp_path / "metrics.jsonl", "a") as f:
                     f.write(json.dumps({"step": s, "world_size": ws, "loss": 1.0 / s}) + "\n")
                 for r in range(ws):
-                    part = batch[s][r * g // ws:(r + 1) * g // ws]
+                    part = batch[s][r * g // ws : (r + 1) * g // ws]
                     with open(tmp_path / f"samples.rank{r}.jsonl", "a") as f:
                         f.write(json.dumps({"step": s, "ids": part}) + "\n")
 
     # 2 ranks to step 3, 4 ranks replay step 3 (resumed from 2) to 5, 2 ranks replay 5 and finish at 6.
     write([(2, [1, 2, 3]), (4, [3, 4, 5]), (2, [5, 6])])
-    (tmp_path / "events.jsonl").write_text("\n".join(json.dumps(e) for e in [
-        {"event": "preempted", "step": 3}, {"event": "resumed", "step": 2, "saved_world_size": 2, "world_size": 4},
-        {"event": "resumed", "step": 4, "saved_world_size": 4, "world_size": 2}]) + "\n")
+    (tmp_path / "events.jsonl").write_text(
+        "\n".join(
+            json.dumps(e)
+            for e in [
+                {"event": "preempted", "step": 3},
+                {"event": "resumed", "step": 2, "saved_world_size": 2, "world_size": 4},
+                {"event": "resumed", "step": 4, "saved_world_size": 4, "world_size": 2},
+            ]
+        )
+        + "\n"
+    )
     timeline = Timeline(tmp_path / "metrics.jsonl")
     timeline.poll()
     timeline.seen = [float(i) for i in range(len(timeline.records))]  # one record a second
-    base = Run("base", 2, tmp_path, tmp_path, metrics={s: {"loss": 1.0 / s} for s in range(1, 7)},
-               samples=dict(batch))
+    base = Run("base", 2, tmp_path, tmp_path, metrics={s: {"loss": 1.0 / s} for s in range(1, 7)}, samples=dict(batch))
     info = {"global_batch_size": g, "steps_per_epoch": per_epoch, "dataset_len": n, "sampler_seed": 0}
     summary = analyze(tmp_path, timeline, [("node_join", 2.5), ("node_loss", 5.5)], base, info, 6)
     summary["returncode"] = 0
     join, loss = summary["events"]
-    assert (join["world_size_before"], join["world_size_after"], join["resumed_from_step"],
-            join["steps_replayed"], join["saved_on_sigterm"]) == (2, 4, 2, 1, False)
+    assert (
+        join["world_size_before"],
+        join["world_size_after"],
+        join["resumed_from_step"],
+        join["steps_replayed"],
+        join["saved_on_sigterm"],
+    ) == (2, 4, 2, 1, False)
     assert (loss["resumed_from_step"], loss["steps_replayed"]) == (4, 1)
     assert (join["seconds_to_resume"], loss["seconds_to_resume"]) == (0.5, 0.5)
     # Each step's last execution is kept, whatever ranks wrote before: nothing lost or doubled.

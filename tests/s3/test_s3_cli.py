@@ -31,7 +31,10 @@ def test_cli_ls_inspect_diff_export_prune_and_verify_on_s3(s3_server, s3_root, t
     assert main(["ls", s3_root, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["checkpoints"]
     assert [(r["step"], r["status"], r["latest"]) for r in rows] == [
-        (2, "committed", False), (4, "committed", False), (6, "committed", True)]
+        (2, "committed", False),
+        (4, "committed", False),
+        (6, "committed", True),
+    ]
 
     assert main(["inspect", s3_root, "--json"]) == 0  # a root: its newest checkpoint
     out = json.loads(capsys.readouterr().out)
@@ -53,7 +56,7 @@ def test_cli_ls_inspect_diff_export_prune_and_verify_on_s3(s3_server, s3_root, t
     assert imported["checkpoint"].startswith(f"{s3_root}-imported/data/step-000000007-") and imported["step"] == 7
     reader = CheckpointReader(imported["checkpoint"])
     for k, v in reader.read([f"model.{k}" for k in params]).items():
-        assert torch.equal(v, params[k[len("model."):]]), k
+        assert torch.equal(v, params[k[len("model.") :]]), k
 
     capsys.readouterr()
     assert main(["prune", s3_root, "--keep-last", "2", "--dry-run"]) == 0  # names what is really there
@@ -64,7 +67,7 @@ def test_cli_ls_inspect_diff_export_prune_and_verify_on_s3(s3_server, s3_root, t
 
     assert main(["verify", s3_root]) == 0
     capsys.readouterr()
-    rel = locations[6][len(s3_root) + 1:] + "/__0_1.distcp"
+    rel = locations[6][len(s3_root) + 1 :] + "/__0_1.distcp"
     body = bytearray(get(s3_server, s3_root, rel))
     body[-100] ^= 0x10  # one bit of one object
     put(s3_server, s3_root, rel, bytes(body))

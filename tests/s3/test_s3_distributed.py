@@ -20,8 +20,7 @@ slow = pytest.mark.slow  # ~30-70 s each on 2 shared cores: the default suite ke
 def test_exact_resume_world_size_2_from_s3(s3_root, tmp_path):
     K, j = 14, 9  # j mid-epoch (12 steps per epoch), K in the next epoch
     base = values(run_ranks(train, 2, {"root": str(tmp_path / "posix"), "until": K, "wrapper": "ddp"}))
-    values(run_ranks(train, 2, {"root": s3_root, "until": K, "wrapper": "ddp", "crash_at": j + 1,
-                                "interval_steps": j}))
+    values(run_ranks(train, 2, {"root": s3_root, "until": K, "wrapper": "ddp", "crash_at": j + 1, "interval_steps": j}))
     resumed = values(run_ranks(train, 2, {"root": s3_root, "until": K, "wrapper": "ddp", "interval_steps": j}))
     assert resumed[0]["resumed_from"] == j
     for rank in range(2):
@@ -71,10 +70,17 @@ def save_twice_and_die(rank: int, world_size: int, opts: dict) -> str:
             S3Objects.delete = delete_then_die  # type: ignore[method-assign]
 
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, {"wrapper": "ddp"})
-    manager = CheckpointManager(CheckpointConfig(root=opts["root"], schedule=ScheduleConfig(interval_steps=None),
-                                                 retention=RetentionConfig(keep_last=1)),
-                                model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
-                                dataloader=loader, on_phase=on_phase)
+    manager = CheckpointManager(
+        CheckpointConfig(
+            root=opts["root"], schedule=ScheduleConfig(interval_steps=None), retention=RetentionConfig(keep_last=1)
+        ),
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        grad_scaler=scaler,
+        dataloader=loader,
+        on_phase=on_phase,
+    )
     for step in (3, 6):
         train_steps(model, optimizer, scheduler, scaler, loader, 3)
         if rank == 0:
@@ -93,15 +99,20 @@ def save_twice_and_die(rank: int, world_size: int, opts: dict) -> str:
     return "survived"
 
 
-@pytest.mark.parametrize("kill,victim,loads", [
-    pytest.param(("written", 6), 1, 3, marks=slow),  # rank 1's objects uploaded, no manifest: the previous
-    (("manifest", 6), 0, 3),                         # all data written, manifest not PUT: the previous
-    (("latest", 6), 0, 6),                           # manifest PUT: the new one (latest still names step 3)
-    pytest.param(("retention", 3), 0, 6, marks=slow),   # before retention deletes step 3
-    pytest.param(("mid-delete", 3), 0, 6, marks=slow),  # retention's first DELETE done (the manifest)
-], ids=["data-written", "before-manifest-put", "after-manifest-put", "before-retention", "mid-retention"])
-def test_sigkill_at_each_commit_phase_loads_previous_or_new_never_partial(s3_server, s3_root, tmp_path,
-                                                                          kill, victim, loads):
+@pytest.mark.parametrize(
+    "kill,victim,loads",
+    [
+        pytest.param(("written", 6), 1, 3, marks=slow),  # rank 1's objects uploaded, no manifest: the previous
+        (("manifest", 6), 0, 3),  # all data written, manifest not PUT: the previous
+        (("latest", 6), 0, 6),  # manifest PUT: the new one (latest still names step 3)
+        pytest.param(("retention", 3), 0, 6, marks=slow),  # before retention deletes step 3
+        pytest.param(("mid-delete", 3), 0, 6, marks=slow),  # retention's first DELETE done (the manifest)
+    ],
+    ids=["data-written", "before-manifest-put", "after-manifest-put", "before-retention", "mid-retention"],
+)
+def test_sigkill_at_each_commit_phase_loads_previous_or_new_never_partial(
+    s3_server, s3_root, tmp_path, kill, victim, loads
+):
     from distckpt.storage import open_store
 
     opts = {"root": s3_root, "kill": kill, "victim": victim, "out": str(tmp_path)}
@@ -115,7 +126,7 @@ def test_sigkill_at_each_commit_phase_loads_previous_or_new_never_partial(s3_ser
     # the start removed every unreferenced object; what is left is committed and verifies
     store = open_store(s3_root)
     committed = store.find_committed()
-    bucket, _, prefix = s3_root[len("s3://"):].partition("/")
+    bucket, _, prefix = s3_root[len("s3://") :].partition("/")
     data = {k.split("/")[-2] for k in store.objects.list_objects(f"{prefix}/data/")}
     assert data == {loc.rsplit("/", 1)[-1] for _, loc, _ in committed}
     assert all(store.verify(loc) == [] for _, loc, _ in committed)

@@ -104,10 +104,10 @@ def load_with_get_failing_on_rank_1(rank: int, world_size: int, opts: dict) -> d
 
 @pytest.mark.slow
 def test_get_failing_on_one_rank_fails_the_load_on_every_rank_without_falling_back(s3_server, s3_root):
-    values(run_ranks(save_with_put_failing_on_rank_1, 2, {"root": s3_root, "wrapper": "ddp",
-                                                         "expected": os.devnull}))
-    out = values(run_ranks(load_with_get_failing_on_rank_1, 2,
-                           {"root": s3_root, "wrapper": "ddp", "fallback_to_older": True}))
+    values(run_ranks(save_with_put_failing_on_rank_1, 2, {"root": s3_root, "wrapper": "ddp", "expected": os.devnull}))
+    out = values(
+        run_ranks(load_with_get_failing_on_rank_1, 2, {"root": s3_root, "wrapper": "ddp", "fallback_to_older": True})
+    )
     assert out[1]["error"].startswith("StorageError: ") and "InternalError" in out[1]["error"]
     assert out[0]["error"].startswith("DistCkptError: ") and "not because of the checkpoint" in out[0]["error"]
     names = keys(s3_server, s3_root)
@@ -132,8 +132,11 @@ def test_server_gone_mid_save_fails_the_save_and_the_previous_checkpoint_loads(s
         manager.save(3)
         expected = {k: v.clone() for k, v in full_params(objs[0]).items()}
         train_steps(*objs, 3)
-        with pytest.raises(CheckpointSaveError, match=r"save of step 6 failed on rank\(s\) \[0\].*Nothing was "
-                                                      "committed") as e:
+        with pytest.raises(
+            CheckpointSaveError,
+            match=r"save of step 6 failed on rank\(s\) \[0\].*Nothing was "
+            "committed",
+        ) as e:
             manager.save(6)
         assert "Could not connect to the endpoint URL" in str(e.value)
         manager.lock.held = False  # its lock object is on the dead server

@@ -20,20 +20,29 @@ def test_a_large_file_streams_up_in_parts_and_loads_back_verified(s3_server, s3_
     store = open_store(s3_root)
     sd = {"big": torch.randn((2 * PART_BYTES + 12345) // 4), "small": torch.arange(10)}  # > 2 parts
     location = store.pending_location(1, "00aa")
-    written = dcp_save(sd, location, process_group=None, writer=store.dcp_writer(location, thread_count=1,
-                                                                                 write_timeout_s=None))
+    written = dcp_save(
+        sd, location, process_group=None, writer=store.dcp_writer(location, thread_count=1, write_timeout_s=None)
+    )
     files = store.list_files(location, written)
     name = next(f for f in files if f.path.endswith(".distcp"))
-    data = get(s3_server, s3_root, f"{location[len(s3_root) + 1:]}/{name.path}")
+    data = get(s3_server, s3_root, f"{location[len(s3_root) + 1 :]}/{name.path}")
     hasher = new_hasher()
     hasher.update(data)
     assert name.size_bytes == len(data) > 2 * PART_BYTES and name.hash == hasher.hexdigest()
-    head = s3_server.client().head_object(Bucket="distckpt-tests", Key=f"{s3_root[len('s3://distckpt-tests/'):]}/"
-                                          f"{location[len(s3_root) + 1:]}/{name.path}")
+    head = s3_server.client().head_object(
+        Bucket="distckpt-tests",
+        Key=f"{s3_root[len('s3://distckpt-tests/') :]}/{location[len(s3_root) + 1 :]}/{name.path}",
+    )
     assert head["ETag"].strip('"').endswith("-3")  # a multipart object of 3 parts
     target = {k: torch.empty_like(v) for k, v in sd.items()}
-    run_load(target, store.dcp_reader(location, expected_files={f.path: (f.size_bytes, f.hash) for f in files},
-                                      fast=True, thread_count=2), process_group=None, directory=location)
+    run_load(
+        target,
+        store.dcp_reader(
+            location, expected_files={f.path: (f.size_bytes, f.hash) for f in files}, fast=True, thread_count=2
+        ),
+        process_group=None,
+        directory=location,
+    )
     assert all(torch.equal(target[k], sd[k]) for k in sd)
 
 
@@ -47,14 +56,18 @@ def test_a_failed_part_fails_the_write_and_leaves_no_object(s3_server, s3_root, 
         store = open_store(s3_root)
         location = store.pending_location(1, "00bb")
         with pytest.raises(BaseException) as e:  # DCP wraps it in its CheckpointException
-            dcp_save({"big": torch.randn((2 * PART_BYTES) // 4)}, location, process_group=None,
-                     writer=store.dcp_writer(location, thread_count=1, write_timeout_s=None))
+            dcp_save(
+                {"big": torch.randn((2 * PART_BYTES) // 4)},
+                location,
+                process_group=None,
+                writer=store.dcp_writer(location, thread_count=1, write_timeout_s=None),
+            )
         assert "part 2" in str(e.value) or any(isinstance(x, StorageError) for x in _chain(e.value))
     finally:
         uninstall_all()
     assert not [k for k in keys(s3_server, s3_root) if k.endswith(".distcp")]
     uploads = s3_server.client().list_multipart_uploads(Bucket="distckpt-tests").get("Uploads", [])
-    assert not [u for u in uploads if u["Key"].startswith(s3_root[len("s3://distckpt-tests/"):])]
+    assert not [u for u in uploads if u["Key"].startswith(s3_root[len("s3://distckpt-tests/") :])]
 
 
 def _chain(e: BaseException) -> list[BaseException]:

@@ -38,9 +38,24 @@ def test_command_line_server_serves_boto3_and_stops_on_sigterm(tmp_path):
     boto3 = pytest.importorskip("boto3")
     port = free_ports(1)[0]
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "launch.s3_server", "--dir", str(tmp_path / "s3"), "--port",
-                             str(port), "--bucket", "cli-bucket"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "launch.s3_server",
+            "--dir",
+            str(tmp_path / "s3"),
+            "--port",
+            str(port),
+            "--bucket",
+            "cli-bucket",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     weed_pid = None
@@ -52,8 +67,13 @@ def test_command_line_server_serves_boto3_and_stops_on_sigterm(tmp_path):
         shell = lines.get(timeout=10)
         assert f"AWS_ENDPOINT_URL={endpoint}" in shell and f"AWS_ACCESS_KEY_ID={ACCESS_KEY}" in shell, shell
         assert "s3_endpoint_url" in lines.get(timeout=10)
-        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=ACCESS_KEY,
-                              aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name="us-east-1",
+        )
         client.put_object(Bucket="cli-bucket", Key="run1/hello", Body=b"distckpt")
         assert client.get_object(Bucket="cli-bucket", Key="run1/hello")["Body"].read() == b"distckpt"
         proc.send_signal(signal.SIGTERM)

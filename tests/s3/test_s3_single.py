@@ -33,26 +33,35 @@ def manager_for(root: str, **kw):
     model, optimizer, scheduler, scaler, loader = build(0, 1, kw.pop("build", {}))
     on_phase = kw.pop("on_phase", None)
     cfg = CheckpointConfig(root=root, schedule=ScheduleConfig(interval_steps=None), **kw)
-    return (CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
-                              dataloader=loader, on_phase=on_phase),
-            (model, optimizer, scheduler, scaler, loader))
+    return (
+        CheckpointManager(
+            cfg,
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            grad_scaler=scaler,
+            dataloader=loader,
+            on_phase=on_phase,
+        ),
+        (model, optimizer, scheduler, scaler, loader),
+    )
 
 
 def keys(server, root: str) -> list[str]:
-    bucket, _, prefix = root[len("s3://"):].partition("/")
+    bucket, _, prefix = root[len("s3://") :].partition("/")
     out = []
     for page in server.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
-        out += [o["Key"][len(prefix) + 1:] for o in page.get("Contents", [])]
+        out += [o["Key"][len(prefix) + 1 :] for o in page.get("Contents", [])]
     return sorted(out)
 
 
 def get(server, root: str, rel: str) -> bytes:
-    bucket, _, prefix = root[len("s3://"):].partition("/")
+    bucket, _, prefix = root[len("s3://") :].partition("/")
     return server.client().get_object(Bucket=bucket, Key=f"{prefix}/{rel}")["Body"].read()
 
 
 def put(server, root: str, rel: str, body: bytes) -> None:
-    bucket, _, prefix = root[len("s3://"):].partition("/")
+    bucket, _, prefix = root[len("s3://") :].partition("/")
     server.client().put_object(Bucket=bucket, Key=f"{prefix}/{rel}", Body=body)
 
 
@@ -66,14 +75,16 @@ def test_save_commits_manifest_last_and_load_restores_bitwise(s3_server, s3_root
     assert isinstance(location, str) and location.startswith(f"{s3_root}/data/step-000000009-")
     names = keys(s3_server, s3_root)
     # retention kept 2: manifests and data of steps 6 and 9 only; no .lock after close
-    assert [n for n in names if n.startswith("manifests/")] == ["manifests/step-000000006.json",
-                                                                "manifests/step-000000009.json"]
+    assert [n for n in names if n.startswith("manifests/")] == [
+        "manifests/step-000000006.json",
+        "manifests/step-000000009.json",
+    ]
     data = sorted({n.split("/")[1] for n in names if n.startswith("data/")})
     assert [d.rsplit("-", 1)[0] for d in data] == ["step-000000006", "step-000000009"]
     assert get(s3_server, s3_root, "latest") == b"step-000000009\n"
     assert ".lock" not in names
     manifest = json.loads(get(s3_server, s3_root, "manifests/step-000000009.json"))
-    assert manifest["data_prefix"] == location[len(s3_root) + 1:]
+    assert manifest["data_prefix"] == location[len(s3_root) + 1 :]
     assert {f["path"] for f in manifest["files"]} == {".metadata"} | {f"__0_{i}.distcp" for i in range(4)}
     assert all(len(f["hash"]) == 32 for f in manifest["files"])  # xxh3-128 from the write path
     assert os.environ["AWS_SECRET_ACCESS_KEY"] not in json.dumps(manifest)
@@ -139,7 +150,7 @@ def test_flipped_byte_fails_the_load_naming_the_object(s3_server, s3_root):
     train_steps(*objs, 3)
     location = manager.save(3)
     manager.close()
-    rel = location[len(s3_root) + 1:] + "/__0_0.distcp"
+    rel = location[len(s3_root) + 1 :] + "/__0_0.distcp"
     body = bytearray(get(s3_server, s3_root, rel))
     body[len(body) // 2] ^= 0x01
     put(s3_server, s3_root, rel, bytes(body))
@@ -166,7 +177,7 @@ def test_an_edited_s3_checkpoint_is_refused_by_ls_and_load_as_by_verify(s3_serve
         put(s3_server, s3_root, "manifests/step-000000006.json", json.dumps(dict(data, step=9, loss=0.001)).encode())
         reason, named = "does not describe step-000000006 (step 9", "manifests/step-000000006.json"
     else:
-        put(s3_server, s3_root, locations[6][len(s3_root) + 1:] + "/notes.txt", b"added after the commit")
+        put(s3_server, s3_root, locations[6][len(s3_root) + 1 :] + "/notes.txt", b"added after the commit")
         reason, named = "notes.txt: file not listed in the manifest", "notes.txt"
     assert main(["verify", s3_root]) == 1 and named in capsys.readouterr().out
     assert main(["ls", s3_root, "--json"]) == 0
@@ -218,8 +229,9 @@ def test_bad_credentials_are_a_config_error_naming_the_bucket_not_the_keys(s3_se
 
 def test_async_save_and_event_log_on_s3(s3_server, s3_root, tmp_path):
     log = tmp_path / "events.jsonl"
-    manager, objs = manager_for(s3_root, async_save=AsyncSaveConfig(mode="thread"),
-                                coordination=CoordinationConfig(event_log=str(log)))
+    manager, objs = manager_for(
+        s3_root, async_save=AsyncSaveConfig(mode="thread"), coordination=CoordinationConfig(event_log=str(log))
+    )
     train_steps(*objs, 3)
     location = manager.save(3)  # returns once staged; uploads and commits in the background
     expected = {k: v.clone() for k, v in full_params(objs[0]).items()}
@@ -253,7 +265,8 @@ def test_load_path_may_name_a_checkpoint_of_another_s3_root(s3_server, s3_root):
     other.close()
     assert state.step == 3 and state.checkpoint_path == location
     assert [n for n in keys(s3_server, f"{s3_root}-other") if n.startswith("manifests/")] == [
-        "manifests/step-000000004.json"]
+        "manifests/step-000000004.json"
+    ]
     assert [n for n in keys(s3_server, s3_root) if n.startswith("manifests/")] == ["manifests/step-000000003.json"]
     fresh, (model2, *_) = manager_for(s3_root)
     fresh.load()
@@ -295,8 +308,10 @@ def test_rollback_on_s3_sets_newer_checkpoints_aside_at_the_first_save(s3_server
     rollback.close()
     names = keys(s3_server, s3_root)
     assert [n for n in names if n.startswith("manifests/")] == [
-        "manifests/rolledback-step-000000006-0.json", "manifests/step-000000003.json",
-        "manifests/step-000000004.json"]
+        "manifests/rolledback-step-000000006-0.json",
+        "manifests/step-000000003.json",
+        "manifests/step-000000004.json",
+    ]
     assert get(s3_server, s3_root, "latest") == b"step-000000004\n"
     expected = full_params(objs2[0])
     fresh, _ = manager_for(s3_root)
@@ -310,8 +325,10 @@ def test_rollback_on_s3_sets_newer_checkpoints_aside_at_the_first_save(s3_server
     assert "restart:" in caplog.text and "step-000000004, committed by this run" in caplog.text
     assert all(torch.equal(v, expected[k]) for k, v in full_params(model3).items())
     assert [n for n in keys(s3_server, s3_root) if n.startswith("manifests/")] == [
-        "manifests/rolledback-step-000000006-0.json", "manifests/step-000000003.json",
-        "manifests/step-000000004.json"]
+        "manifests/rolledback-step-000000006-0.json",
+        "manifests/step-000000003.json",
+        "manifests/step-000000004.json",
+    ]
 
 
 def test_a_read_only_manager_writes_no_object_to_an_s3_root(s3_server, s3_root):

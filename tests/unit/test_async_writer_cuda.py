@@ -73,6 +73,13 @@ def test_staging_runs_on_the_state_device_and_waits_for_queued_kernels(tmp_path,
         writer.start(_fake_cuda_state(), tmp_path / f"s{step}")
     writer.close()
     sync = [("synchronize", cuda1)] if background_staging else []
-    assert calls == [("enter_device", cuda1), ("stager", cuda1, True), *sync, ("async_save", cuda1),
-                     ("enter_device", cuda1), *sync, ("async_save", cuda1),  # the stager is reused
-                     ("stager_close",)]
+    assert calls == [
+        ("enter_device", cuda1),
+        ("stager", cuda1, True),
+        *sync,
+        ("async_save", cuda1),
+        ("enter_device", cuda1),
+        *sync,
+        ("async_save", cuda1),  # the stager is reused
+        ("stager_close",),
+    ]

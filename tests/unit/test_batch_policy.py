@@ -90,11 +90,11 @@ def test_keep_local_batch_2_to_4_every_sample_once(consumed_batches: int) -> Non
     # The resumed epoch: perm[:c] before, then perm[c:] in batches of 16 while one fits.
     k = (n - c) // 16
     epoch0 = [i for ids in before for i in ids] + [i for ids in after[:k] for i in ids]
-    assert epoch0 == _perm(n, 0)[:c + k * 16]          # in order, nothing rounded away
-    assert len(set(epoch0)) == len(epoch0)             # each sample once
-    assert n - len(epoch0) < 16                        # only the epoch's tail of < G is left out
+    assert epoch0 == _perm(n, 0)[: c + k * 16]  # in order, nothing rounded away
+    assert len(set(epoch0)) == len(epoch0)  # each sample once
+    assert n - len(epoch0) < 16  # only the epoch's tail of < G is left out
     # Epoch 1 is an ordinary epoch at G = 16.
-    assert [i for ids in after[k:k + 6] for i in ids] == _perm(n, 1)[:96]
+    assert [i for ids in after[k : k + 6] for i in ids] == _perm(n, 1)[:96]
     assert new[0].samples_seen == c + k * 16 + (len(after) - k) * 16
     assert new[0].state_dict()["samples_before_epoch"] == c + k * 16 + 96  # epochs 0 and 1 ended
 
@@ -108,7 +108,7 @@ def test_keep_local_batch_4_to_2() -> None:
         s.load_state_dict(old[1].state_dict(), batch_policy="keep_local_batch")
     after = _global_batches(new, 9)  # 48 + 9 * 8 = 120: into epoch 1
     per = _epoch_of_each(before + after, n)
-    assert per[0] == _perm(n, 0)[:96] and per[1] == _perm(n, 1)[:len(per[1])]
+    assert per[0] == _perm(n, 0)[:96] and per[1] == _perm(n, 1)[: len(per[1])]
     assert all(max(Counter(ids).values()) == 1 for ids in per.values())
 
 
@@ -117,12 +117,12 @@ def test_off_grid_position_survives_a_further_save_and_resume() -> None:
     own state, num_workers 0 and 2) and a resume back to the old G continue exactly."""
     n = 100
     old = _samplers(n, 8, 2)
-    _global_batches(old, 3)                            # 24 samples
+    _global_batches(old, 3)  # 24 samples
     state = old[0].state_dict()
     ref_new = _samplers(n, 16, 4)
     for s in ref_new:
         s.load_state_dict(state, batch_policy="keep_local_batch")
-    ref = _global_batches(ref_new, 6)                  # 4 batches to the epoch end, then epoch 1
+    ref = _global_batches(ref_new, 6)  # 4 batches to the epoch end, then epoch 1
     for workers in (0, 2):
         loaders = []
         for r in range(4):
@@ -143,8 +143,8 @@ def test_off_grid_position_survives_a_further_save_and_resume() -> None:
             ld.load_state_dict(local[r])
             resumed.append(ld)
         rest = [[i for ld_batch in parts for i in ld_batch.tolist()] for parts in zip(*resumed)]
-        assert rest == ref[2:4]                         # the rest of the off-grid epoch, then it ends
-    back = _samplers(n, 8, 2)                           # and back to G = 8 from 56 samples
+        assert rest == ref[2:4]  # the rest of the off-grid epoch, then it ends
+    back = _samplers(n, 8, 2)  # and back to G = 8 from 56 samples
     for s in back:
         s.load_state_dict(gstate, batch_policy="keep_local_batch")
     tail = _global_batches(back, 5)
@@ -196,12 +196,19 @@ def _stepped(make, steps: int):
     return sched
 
 
-@pytest.mark.parametrize("make", [
-    _lambda_scheduler,
-    lambda: torch.optim.lr_scheduler.ExponentialLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 0.9),
-    lambda: torch.optim.lr_scheduler.CosineAnnealingLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))],
-                                                                       lr=1.0), T_max=30),
-], ids=["lambda", "exponential", "cosine"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        _lambda_scheduler,
+        lambda: torch.optim.lr_scheduler.ExponentialLR(
+            torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 0.9
+        ),
+        lambda: torch.optim.lr_scheduler.CosineAnnealingLR(
+            torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), T_max=30
+        ),
+    ],
+    ids=["lambda", "exponential", "cosine"],
+)
 @pytest.mark.parametrize("saved,now", [(20, 10), (10, 20)], ids=["back", "forward"])
 def test_move_scheduler_equals_uninterrupted_at_the_new_step(make, saved: int, now: int) -> None:
     sched = make()
@@ -225,14 +232,23 @@ def test_move_scheduler_back_refuses_what_it_cannot_replay() -> None:
 def test_apply_step_rule(rule: str) -> None:
     ts = TrainState(step=10, global_samples_seen=168)  # 10 steps of 16 + 8 seen before: not a multiple of 32
     sched = _stepped(_lambda_scheduler, 10)
-    record = apply_step_rule(ts, sched, global_batch=(16, 32), world_size=(2, 4), batch_policy="keep_local_batch",
-                             step_rule=rule, rank=0)
+    record = apply_step_rule(
+        ts, sched, global_batch=(16, 32), world_size=(2, 4), batch_policy="keep_local_batch", step_rule=rule, rank=0
+    )
     want = 168 // 32 if rule == "rescale" else 10
     assert ts.step == record["step_after"] == want == sched.last_epoch
     assert sched.get_last_lr()[0] == pytest.approx(1.0 - want / 100)
-    assert record == {"batch_policy": "keep_local_batch", "step_rule": rule, "global_batch_before": 16,
-                      "global_batch_after": 32, "world_size_before": 2, "world_size_after": 4, "step_before": 10,
-                      "step_after": want, "global_samples_seen": 168}
+    assert record == {
+        "batch_policy": "keep_local_batch",
+        "step_rule": rule,
+        "global_batch_before": 16,
+        "global_batch_after": 32,
+        "world_size_before": 2,
+        "world_size_after": 4,
+        "step_before": 10,
+        "step_after": want,
+        "global_samples_seen": 168,
+    }
 
 
 def test_state_saved_before_the_new_keys_loads_at_another_global_batch() -> None:

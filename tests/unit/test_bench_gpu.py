@@ -39,8 +39,22 @@ def test_bad_arguments_are_refused():
 @pytest.mark.multiprocess
 def test_tiny_cpu_run_writes_every_row_and_ratio(tmp_path):
     out = tmp_path / "gpu"
-    rc = bench_gpu.main(["--out", str(out), "--device", "cpu", "--sizes-gib", "0.004", "--repeats", "1",
-                         "--step-compute-s", "0.05", "--timeout-s", "120"])
+    rc = bench_gpu.main(
+        [
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--sizes-gib",
+            "0.004",
+            "--repeats",
+            "1",
+            "--step-compute-s",
+            "0.05",
+            "--timeout-s",
+            "120",
+        ]
+    )
     assert rc == 0
     rows = json.loads((out / "results.json").read_text())["results"]
     assert not [r for r in rows if "error" in r]

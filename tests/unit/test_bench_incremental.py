@@ -11,8 +11,9 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_bench_incremental_tiny_run(tmp_path):
     out = tmp_path / "bench"
-    rc = bench_incremental.main(["--out", str(out), "--size-mib", "4", "--tensors", "10", "--rounds", "1",
-                                 "--cost-rounds", "1"])
+    rc = bench_incremental.main(
+        ["--out", str(out), "--size-mib", "4", "--tensors", "10", "--rounds", "1", "--cost-rounds", "1"]
+    )
     assert rc == 0
     results = json.loads((out / "results.json").read_text())
     rows = {r["frozen_fraction"]: r for r in results["results"]}

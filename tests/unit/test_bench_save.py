@@ -15,9 +15,24 @@ WORLD_SIZES = (1, 2)
 @pytest.mark.multiprocess
 def test_bench_save_tiny_run_writes_a_row_per_mode_size_and_world_size(tmp_path):
     out = tmp_path / "bench"
-    rc = bench_save.main(["--sizes-mib", "4", "--world-sizes", *map(str, WORLD_SIZES), "--repeats", "1",
-                          "--no-train", "--no-thread-count", "--step-compute-s", "0.05",
-                          "--timeout-s", "120", "--out", str(out)])
+    rc = bench_save.main(
+        [
+            "--sizes-mib",
+            "4",
+            "--world-sizes",
+            *map(str, WORLD_SIZES),
+            "--repeats",
+            "1",
+            "--no-train",
+            "--no-thread-count",
+            "--step-compute-s",
+            "0.05",
+            "--timeout-s",
+            "120",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     results = json.loads((out / "results.json").read_text())
     rows = [r for r in results["results"] if r["experiment"] == "save"]
@@ -26,8 +41,16 @@ def test_bench_save_tiny_run_writes_a_row_per_mode_size_and_world_size(tmp_path)
     assert len(rows) == len(keys)
     for r in rows:
         assert "error" not in r, r
-        for field in ("stall_s", "end_to_end_s", "write_gbps", "disk_write_gbps", "peak_rss_bytes",
-                      "first_save_s", "state_bytes", "local_state_bytes"):
+        for field in (
+            "stall_s",
+            "end_to_end_s",
+            "write_gbps",
+            "disk_write_gbps",
+            "peak_rss_bytes",
+            "first_save_s",
+            "state_bytes",
+            "local_state_bytes",
+        ):
             assert isinstance(r[field], (int, float)) and math.isfinite(r[field]) and r[field] > 0, (field, r)
         assert r["repeats"] == 1
         # The synthetic state is the requested size (within one layer row) for the whole job.
@@ -51,9 +74,18 @@ def test_bench_save_tiny_run_writes_a_row_per_mode_size_and_world_size(tmp_path)
 
 
 def test_render_markdown_without_results_does_not_crash():
-    meta = {"date": "d", "machine": {"cpu_count": 2, "mem_total_gib": 1.0}, "torch_version": "t",
-            "distckpt_version": "v", "data_dir": "/x", "wall_s": 1.0, "argv": [], "loadavg_start": (0, 0, 0),
-            "loadavg_end": (0, 0, 0), "verdicts": bench_save._verdicts([])}
+    meta = {
+        "date": "d",
+        "machine": {"cpu_count": 2, "mem_total_gib": 1.0},
+        "torch_version": "t",
+        "distckpt_version": "v",
+        "data_dir": "/x",
+        "wall_s": 1.0,
+        "argv": [],
+        "loadavg_start": (0, 0, 0),
+        "loadavg_end": (0, 0, 0),
+        "verdicts": bench_save._verdicts([]),
+    }
     md = bench_save.render_markdown({"results": [], "meta": meta})
     assert "no save results" in md
 

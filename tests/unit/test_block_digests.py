@@ -55,8 +55,12 @@ def _save(tmp_path, state) -> tuple[str, dict, dict]:
 
 def _state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"a": torch.randn(1024, 1024, generator=g), "b": torch.randn(1024, 1024, generator=g),
-            "c": torch.randn(1024, 512, generator=g), "small": torch.arange(10.0)}
+    return {
+        "a": torch.randn(1024, 1024, generator=g),
+        "b": torch.randn(1024, 1024, generator=g),
+        "c": torch.randn(1024, 512, generator=g),
+        "small": torch.arange(10.0),
+    }
 
 
 def _load_part(path, expected, blocks, keys=("a",)) -> tuple[dict, dict]:
@@ -136,8 +140,9 @@ def test_mispredicted_item_is_reread_with_verified_blocks(tmp_path, monkeypatch)
     monkeypatch.setattr(fast_reader.HeaderCache, "same_layout", lambda self, mv, layout: False)
     reread = []
     real = fast_reader.BlockCheck.read_verified
-    monkeypatch.setattr(fast_reader.BlockCheck, "read_verified",
-                        lambda self, fd, off, n: reread.append(n) or real(self, fd, off, n))
+    monkeypatch.setattr(
+        fast_reader.BlockCheck, "read_verified", lambda self, fd, off, n: reread.append(n) or real(self, fd, off, n)
+    )
     target, stats = _load_part(path, expected, blocks, keys=("a", "b"))
     assert torch.equal(target["a"], state["a"]) and torch.equal(target["b"], state["b"])
     assert stats["ranged_files"] == 1 and reread  # 'b' was predicted from 'a', then re-read
@@ -180,9 +185,13 @@ def test_manifest_keeps_blocks_and_reads_v3(tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(FastFileSystemReader, "read_data", spy)
         mod, o = fresh()
-        with CheckpointManager(CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None),
-                                                load=LoadConfig(only=["model"])),
-                               model=mod, optimizer=o) as m2:
+        with CheckpointManager(
+            CheckpointConfig(
+                root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None), load=LoadConfig(only=["model"])
+            ),
+            model=mod,
+            optimizer=o,
+        ) as m2:
             m2.load()
     assert all(torch.equal(a, b) for a, b in zip(mod.state_dict().values(), model.state_dict().values()))
     assert stats[-1]["ranged_files"] >= 1 and stats[-1]["read_bytes"] < 1.2 * stats[-1]["needed_bytes"]
@@ -191,8 +200,9 @@ def test_manifest_keeps_blocks_and_reads_v3(tmp_path):
     old["files"] = [{k: v for k, v in f.items() if not k.startswith("block_")} for f in data["files"]]
     path.write_text(json.dumps(old))
     mod, o = fresh()
-    with CheckpointManager(CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None)),
-                           model=mod, optimizer=o) as m3:
+    with CheckpointManager(
+        CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None)), model=mod, optimizer=o
+    ) as m3:
         assert m3.load().step == 1
     assert all(torch.equal(a, b) for a, b in zip(mod.state_dict().values(), model.state_dict().values()))
 
@@ -223,8 +233,9 @@ def test_block_digests_reject_bad_tilings_and_bad_types():
 def test_block_lists_that_are_not_lists_are_refused(field, value):
     from distckpt.ondisk.manifest import FileEntry
 
-    entry = FileEntry(path="__0_0.distcp", size_bytes=8, hash="0" * 32, block_ends=[4, 8],
-                      block_hashes=["0" * 32, "1" * 32])
+    entry = FileEntry(
+        path="__0_0.distcp", size_bytes=8, hash="0" * 32, block_ends=[4, 8], block_hashes=["0" * 32, "1" * 32]
+    )
     assert entry.blocks().valid_for(8)
     setattr(entry, field, value)
     with pytest.raises(TypeError):
@@ -248,9 +259,9 @@ def test_verify_checks_block_digests_too(tmp_path, capsys):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))
     opt = torch.optim.AdamW(model.parameters())
-    with CheckpointManager(CheckpointConfig(root=str(tmp_path),
-                                            schedule=ScheduleConfig(interval_steps=None)), model=model,
-                           optimizer=opt) as m:
+    with CheckpointManager(
+        CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None)), model=model, optimizer=opt
+    ) as m:
         m.save(1)
     ckpt = tmp_path / "step-000000001"
     assert main(["verify", str(ckpt)]) == 0

@@ -42,10 +42,16 @@ def make_root(root, steps=(2, 4), width=16, extra=True, shift=0.0):
         for p in model.parameters():
             p.add_(shift)
     manager = CheckpointManager(
-        CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=None),
-                         retention=RetentionConfig(keep_last=None)), model=model,
-        optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader,
-        extra_state={"note": {"run": "cli-test"}} if extra else None)
+        CheckpointConfig(
+            root=str(root), schedule=ScheduleConfig(interval_steps=None), retention=RetentionConfig(keep_last=None)
+        ),
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        grad_scaler=scaler,
+        dataloader=loader,
+        extra_state={"note": {"run": "cli-test"}} if extra else None,
+    )
     done = 0
     for step in steps:
         train_steps(model, optimizer, scheduler, scaler, loader, step - done)
@@ -99,8 +105,20 @@ def test_ls_lists_every_checkpoint_with_status(root, capsys):
 
     code, out, _ = run(capsys, "ls", root)
     assert code == 0
-    assert out.splitlines()[0].split() == ["NAME", "STEP", "TIME", "(UTC)", "SIZE", "REFS", "WORLD", "TYPE",
-                                           "WRAPPER", "LOSS", "METRICS", "STATUS"]
+    assert out.splitlines()[0].split() == [
+        "NAME",
+        "STEP",
+        "TIME",
+        "(UTC)",
+        "SIZE",
+        "REFS",
+        "WORLD",
+        "TYPE",
+        "WRAPPER",
+        "LOSS",
+        "METRICS",
+        "STATUS",
+    ]
     line = next(line for line in out.splitlines() if line.startswith("step-000000004"))
     assert "*" in line and "committed" in line and "sharded" in line and "0.4" in line
 
@@ -157,8 +175,9 @@ def test_usage_error_exits_2(capsys):
 
 @pytest.mark.multiprocess
 def test_python_dash_m(root):
-    proc = subprocess.run([sys.executable, "-m", "distckpt.cli", "ls", str(root), "--json"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "distckpt.cli", "ls", str(root), "--json"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)["checkpoints"]) == 2
 
@@ -253,8 +272,9 @@ def other_run(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("kind", ["flip", "truncate", "swap", "delete-metadata", "manifest-step",
-                                  "manifest-garbage", "extra-file"])
+@pytest.mark.parametrize(
+    "kind", ["flip", "truncate", "swap", "delete-metadata", "manifest-step", "manifest-garbage", "extra-file"]
+)
 def test_verify_names_every_bad_file(root, other_run, capsys, kind):
     bad = _damage(root, kind, other_run)
     code, out, _ = run(capsys, "verify", root)

@@ -61,17 +61,23 @@ def test_without_a_process_group_a_torchrun_rank_is_refused(monkeypatch) -> None
 CASES = {
     "none": None,
     "foreign": ("IncompatibleCheckpointError", "planning the load failed on rank 1: KeyError: 'shard 7'"),
-    "distckpt": ("CheckpointCorruptError",
-                 "planning the load failed on rank 1: CheckpointCorruptError: x.distcp: size 1, expected 2"),
-    "both": ("IncompatibleCheckpointError",
-             "planning the load failed on rank 0 (failed on ranks [0, 1]): RuntimeError: rank 0 broke"),
+    "distckpt": (
+        "CheckpointCorruptError",
+        "planning the load failed on rank 1: CheckpointCorruptError: x.distcp: size 1, expected 2",
+    ),
+    "both": (
+        "IncompatibleCheckpointError",
+        "planning the load failed on rank 0 (failed on ranks [0, 1]): RuntimeError: rank 0 broke",
+    ),
 }
 
 
 def _agree_on_two(rank: int, world_size: int) -> dict[str, Any]:
     collective = Collective(None, timeout_s=30)
-    out: dict[str, Any] = {"gathered": collective.all_gather(rank * 10),
-                           "told": collective.broadcast(f"from rank {rank}")}
+    out: dict[str, Any] = {
+        "gathered": collective.all_gather(rank * 10),
+        "told": collective.broadcast(f"from rank {rank}"),
+    }
     for case in CASES:  # the ranks stay in step after a failed agree: the next one works
 
         def step(case: str = case) -> str:
@@ -84,8 +90,7 @@ def _agree_on_two(rank: int, world_size: int) -> dict[str, Any]:
             return f"ok {rank}"
 
         try:
-            out[case] = collective.agree(step, what="planning the load",
-                                         error_type=errors.IncompatibleCheckpointError)
+            out[case] = collective.agree(step, what="planning the load", error_type=errors.IncompatibleCheckpointError)
         except errors.DistCkptError as e:
             out[case] = (type(e).__name__, str(e))
     return out

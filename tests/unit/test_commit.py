@@ -33,8 +33,17 @@ FILES = {"__0_0.distcp": b"rank zero bytes " * 64, "__1_0.distcp": b"rank one" *
 
 def _manifest(step: int, files: list) -> Manifest:
     specs = {"w": TensorSpec(shape=[2, 3], dtype="torch.float32")}
-    return Manifest(step=step, world_size=2, wrapper="ddp", state_dict_type="sharded", torch_version="2.x",
-                    distckpt_version="0", model=specs, model_fingerprint=model_fingerprint(specs), files=files)
+    return Manifest(
+        step=step,
+        world_size=2,
+        wrapper="ddp",
+        state_dict_type="sharded",
+        torch_version="2.x",
+        distckpt_version="0",
+        model=specs,
+        model_fingerprint=model_fingerprint(specs),
+        files=files,
+    )
 
 
 def _pending(root: Path, step: int) -> Path:
@@ -62,21 +71,23 @@ def test_commit_writes_the_manifest_before_the_rename_then_updates_latest(tmp_pa
     seen = []
 
     def on_phase(name: str) -> None:  # what the disk holds as each phase begins
-        seen.append((name, pending.is_dir(), (pending / MANIFEST).is_file(), final.is_dir(),
-                     (tmp_path / LATEST).read_text()))
+        seen.append(
+            (name, pending.is_dir(), (pending / MANIFEST).is_file(), final.is_dir(), (tmp_path / LATEST).read_text())
+        )
 
     commit(pending, final, manifest, on_phase=on_phase)
     old_latest = old.name + "\n"
-    assert seen == [("manifest", True, False, False, old_latest),  # nothing of the new one yet
-                    ("rename", True, True, False, old_latest),  # manifest complete inside the pending directory
-                    ("latest", False, False, True, old_latest)]  # renamed; latest still the old one
+    assert seen == [
+        ("manifest", True, False, False, old_latest),  # nothing of the new one yet
+        ("rename", True, True, False, old_latest),  # manifest complete inside the pending directory
+        ("latest", False, False, True, old_latest),
+    ]  # renamed; latest still the old one
     assert (tmp_path / LATEST).read_text() == "step-000000020\n"
     assert not pending.exists()
     assert sorted(p.name for p in final.iterdir()) == sorted([*FILES, MANIFEST])
     assert Manifest.read(final) == manifest
     assert [e.path for e in manifest.files] == sorted(FILES)  # manifest excluded, sorted
-    assert all(e.hash == hash_file(final / e.path)[1] and e.size_bytes == len(FILES[e.path])
-               for e in manifest.files)
+    assert all(e.hash == hash_file(final / e.path)[1] and e.size_bytes == len(FILES[e.path]) for e in manifest.files)
     assert [n for n in os.listdir(tmp_path) if ".tmp" in n] == []
 
 
@@ -128,8 +139,11 @@ def test_validate_and_verify_find_truncated_missing_and_flipped_files(tmp_path: 
 
 def test_remove_leftovers_removes_only_what_distckpt_provably_wrote(tmp_path: Path) -> None:
     _committed(tmp_path, 10)
-    ours = [tmp_path / pending_name(20, "ab12cd"), tmp_path / ".deleting-step-000000004-ef56",
-            tmp_path / ".staging-step-000000015-77aa"]  # the pending name of earlier versions
+    ours = [
+        tmp_path / pending_name(20, "ab12cd"),
+        tmp_path / ".deleting-step-000000004-ef56",
+        tmp_path / ".staging-step-000000015-77aa",
+    ]  # the pending name of earlier versions
     for d in ours:
         d.mkdir()
         (d / "__0_0.distcp").write_bytes(b"partial")
@@ -145,8 +159,8 @@ def test_remove_leftovers_removes_only_what_distckpt_provably_wrote(tmp_path: Pa
     removed = remove_leftovers(tmp_path)
     assert sorted(removed) == sorted([d.name for d in ours] + [".latest.tmp-4242"])
     assert sorted(os.listdir(tmp_path)) == sorted(
-        [LATEST, "step-000000010", "step-000000030", ".staging-notes", "step-7", ".deleting-elsewhere",
-         "README.txt"])
+        [LATEST, "step-000000010", "step-000000030", ".staging-notes", "step-7", ".deleting-elsewhere", "README.txt"]
+    )
     assert (unmanaged / "data.bin").read_bytes() == b"user data"
     assert remove_leftovers(tmp_path) == []
 

@@ -18,20 +18,32 @@ def test_unknown_key_names_the_valid_ones(tmp_path):
 
 def test_from_yaml_reads_section(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("checkpoint:\n  root: /tmp/x\n  schedule: {interval_steps: 5}\n  retention:\n    keep_last: 2\n"
-                    "other: 1\n")
+    path.write_text(
+        "checkpoint:\n  root: /tmp/x\n  schedule: {interval_steps: 5}\n  retention:\n    keep_last: 2\nother: 1\n"
+    )
     cfg = CheckpointConfig.from_yaml(path)
     assert (cfg.root, cfg.schedule.interval_steps, cfg.retention.keep_last) == ("/tmp/x", 5, 2)
 
 
-@pytest.mark.parametrize("key,value", [("schedule.interval_steps", -1), ("schedule.interval_seconds", 0),
-                                       ("retention.keep_last", 0), ("save.state_dict_type", "FULLISH"),
-                                       ("save.thread_count", 0), ("coordination.write_timeout_s", -1.0),
-                                       ("coordination.write_timeout_s", 600.0), ("schedule.interval_steps", 1.5),
-                                       ("save.thread_count", 2.5), ("coordination.timeout_s", float("nan")),
-                                       ("coordination.timeout_s", float("inf")),
-                                       ("schedule.interval_seconds", float("nan")),
-                                       ("load.streams_per_node", 1.5), ("retention.keep_last", True)])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("schedule.interval_steps", -1),
+        ("schedule.interval_seconds", 0),
+        ("retention.keep_last", 0),
+        ("save.state_dict_type", "FULLISH"),
+        ("save.thread_count", 0),
+        ("coordination.write_timeout_s", -1.0),
+        ("coordination.write_timeout_s", 600.0),
+        ("schedule.interval_steps", 1.5),
+        ("save.thread_count", 2.5),
+        ("coordination.timeout_s", float("nan")),
+        ("coordination.timeout_s", float("inf")),
+        ("schedule.interval_seconds", float("nan")),
+        ("load.streams_per_node", 1.5),
+        ("retention.keep_last", True),
+    ],
+)
 def test_bad_values_name_the_field(key, value):
     section, name = key.split(".")
     with pytest.raises(ConfigError, match=f"CheckpointConfig.{re.escape(key)}="):
@@ -57,12 +69,15 @@ def test_layout_names_round_trip():
     assert not is_pending(".staging-notes") and not is_pending(".pending-step-7-ab")
 
 
-@pytest.mark.parametrize("steps,keep_last,every,expected", [
-    ([10, 20, 30, 40], 2, None, [10, 20]),
-    ([10, 20, 30, 40], 1, 20, [10, 30]),
-    ([10, 20, 30, 40], None, None, []),
-    ([40], 1, None, []),
-    ([5, 10, 15, 20, 25], 2, 10, [5, 15]),
-])
+@pytest.mark.parametrize(
+    "steps,keep_last,every,expected",
+    [
+        ([10, 20, 30, 40], 2, None, [10, 20]),
+        ([10, 20, 30, 40], 1, 20, [10, 30]),
+        ([10, 20, 30, 40], None, None, []),
+        ([40], 1, None, []),
+        ([5, 10, 15, 20, 25], 2, 10, [5, 15]),
+    ],
+)
 def test_retention(steps, keep_last, every, expected):
     assert steps_to_delete(steps, keep_last=keep_last, keep_every_steps=every) == expected

@@ -30,21 +30,46 @@ from distckpt.config import DEPRECATED_KEYS, INITIAL_LOAD, SECTIONS
 
 # A valid value for every flat key, and what else its section needs for that value to be valid.
 SAMPLES: dict[str, tuple[object, dict]] = {
-    "interval_steps": (7, {}), "interval_seconds": (5.0, {}), "save_at_end": (False, {}), "full_at_end": (True, {}),
-    "keep_last": (5, {}), "keep_every_steps": (10, {}), "keep_best": (KeepBest(metric="loss"), {}),
-    "state_dict_type": ("full", {}), "thread_count": (2, {}), "incremental": (True, {}),
-    "full_every": (3, {"save": {"incremental": True}}), "loss_history_len": (10, {}),
-    "async_mode": ("thread", {}), "background_staging": (True, {"async_save": {"mode": "thread"}}),
-    "load": (False, {}), "load_path": ("/tmp/elsewhere/step-000000003", {}), "load_step": (3, {}),
-    "load_only": (["model"], {}), "exclude_from_loading": (["rng"], {}),
-    "on_existing": ("archive", {"load": {"enabled": False}}), "fallback_to_older": (True, {}),
-    "read_only": (True, {}), "verify_on_load": (False, {}), "fast_load": (False, {}),
-    "load_streams_per_node": (4, {}), "probe_tolerance": (0.5, {}), "probe_on_mismatch": ("warn", {}),
+    "interval_steps": (7, {}),
+    "interval_seconds": (5.0, {}),
+    "save_at_end": (False, {}),
+    "full_at_end": (True, {}),
+    "keep_last": (5, {}),
+    "keep_every_steps": (10, {}),
+    "keep_best": (KeepBest(metric="loss"), {}),
+    "state_dict_type": ("full", {}),
+    "thread_count": (2, {}),
+    "incremental": (True, {}),
+    "full_every": (3, {"save": {"incremental": True}}),
+    "loss_history_len": (10, {}),
+    "async_mode": ("thread", {}),
+    "background_staging": (True, {"async_save": {"mode": "thread"}}),
+    "load": (False, {}),
+    "load_path": ("/tmp/elsewhere/step-000000003", {}),
+    "load_step": (3, {}),
+    "load_only": (["model"], {}),
+    "exclude_from_loading": (["rng"], {}),
+    "on_existing": ("archive", {"load": {"enabled": False}}),
+    "fallback_to_older": (True, {}),
+    "read_only": (True, {}),
+    "verify_on_load": (False, {}),
+    "fast_load": (False, {}),
+    "load_streams_per_node": (4, {}),
+    "probe_tolerance": (0.5, {}),
+    "probe_on_mismatch": ("warn", {}),
     "batch_policy": ("keep_local_batch", {}),
     "step_rule": ("rescale", {"elastic": {"batch_policy": "keep_local_batch"}}),
-    "seed": (3, {}), "preemption": (False, {}), "exit_on_preemption": (False, {}), "preemption_grace_s": (10.0, {}),
-    "timeout_s": (100.0, {}), "write_timeout_s": (10.0, {}), "arrival_timeout_s": (5.0, {}), "lock": (False, {}),
-    "lock_lease_s": (60.0, {}), "event_log": ("/tmp/events.jsonl", {}), "s3_endpoint_url": ("http://localhost:1", {}),
+    "seed": (3, {}),
+    "preemption": (False, {}),
+    "exit_on_preemption": (False, {}),
+    "preemption_grace_s": (10.0, {}),
+    "timeout_s": (100.0, {}),
+    "write_timeout_s": (10.0, {}),
+    "arrival_timeout_s": (5.0, {}),
+    "lock": (False, {}),
+    "lock_lease_s": (60.0, {}),
+    "event_log": ("/tmp/events.jsonl", {}),
+    "s3_endpoint_url": ("http://localhost:1", {}),
     "s3_region": ("eu-west-1", {}),
 }
 
@@ -57,10 +82,15 @@ def test_every_flat_key_has_a_sample_and_maps_to_a_field():
 
 
 def test_new_form_instances_and_mappings():
-    cfg = CheckpointConfig(root="/tmp/x", schedule=ScheduleConfig(interval_steps=10),
-                           retention={"keep_last": 2, "keep_best": {"metric": "val_loss", "k": 2}},
-                           async_save=AsyncSaveConfig(mode="thread"), load=LoadConfig(only=["model"]),
-                           preemption={"enabled": False}, coordination=CoordinationConfig(timeout_s=60.0))
+    cfg = CheckpointConfig(
+        root="/tmp/x",
+        schedule=ScheduleConfig(interval_steps=10),
+        retention={"keep_last": 2, "keep_best": {"metric": "val_loss", "k": 2}},
+        async_save=AsyncSaveConfig(mode="thread"),
+        load=LoadConfig(only=["model"]),
+        preemption={"enabled": False},
+        coordination=CoordinationConfig(timeout_s=60.0),
+    )
     assert cfg.schedule.interval_steps == 10 and cfg.retention.keep_last == 2
     assert cfg.retention.keep_best == KeepBest(metric="val_loss", mode="min", k=2)
     assert cfg.async_save.mode == "thread" and cfg.load_selection == frozenset({"model"})
@@ -96,7 +126,8 @@ def test_flat_keyword_maps_to_its_section_with_one_warning(key):
         cfg = CheckpointConfig(root="/tmp/x", **extra, **{key: value})
     deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
     assert [str(w.message) for w in deprecations] == [
-        f"CheckpointConfig({key}=...) is deprecated: use {section}.{name}"]
+        f"CheckpointConfig({key}=...) is deprecated: use {section}.{name}"
+    ]
     assert deprecations[0].filename == __file__  # points at the caller
     assert getattr(getattr(cfg, section), name) == _expected(key)
 
@@ -118,10 +149,12 @@ def test_flat_yaml_key_maps_to_its_section_with_one_warning(key, tmp_path):
 
 def test_yaml_sections(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("checkpoint:\n  root: /tmp/x\n  schedule: {interval_steps: 5, save_at_end: false}\n"
-                    "  retention:\n    keep_last: 2\n    keep_best: {metric: acc, mode: max}\n"
-                    "  load: {enabled: true, exclude: [optimizer, lr_scheduler]}\n"
-                    "  preemption: {enabled: true, exit: false, grace_s: 12}\n  storage: {s3_region: eu}\n")
+    path.write_text(
+        "checkpoint:\n  root: /tmp/x\n  schedule: {interval_steps: 5, save_at_end: false}\n"
+        "  retention:\n    keep_last: 2\n    keep_best: {metric: acc, mode: max}\n"
+        "  load: {enabled: true, exclude: [optimizer, lr_scheduler]}\n"
+        "  preemption: {enabled: true, exit: false, grace_s: 12}\n  storage: {s3_region: eu}\n"
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new form warns about nothing
         cfg = CheckpointConfig.from_yaml(path)
@@ -149,19 +182,24 @@ def test_flat_and_nested_values_in_conflict_are_refused():
     with pytest.raises(ConfigError, match=r"async_mode='thread' \(deprecated\) and async_save.mode='process'"):
         CheckpointConfig(root="/tmp/x", async_mode="thread", async_save=AsyncSaveConfig(mode="process"))
     with pytest.warns(DeprecationWarning):  # the same value twice, or a field the section left at its default
-        cfg = CheckpointConfig(root="/tmp/x", keep_last=2, keep_every_steps=5,
-                               retention=RetentionConfig(keep_last=2))
+        cfg = CheckpointConfig(root="/tmp/x", keep_last=2, keep_every_steps=5, retention=RetentionConfig(keep_last=2))
     assert (cfg.retention.keep_last, cfg.retention.keep_every_steps) == (2, 5)
 
 
 def test_unknown_keys_and_wrong_types_are_config_errors():
-    with pytest.raises(ConfigError, match=r"unknown CheckpointConfig key\(s\) \['keep_lats'\] \(did you mean "
-                                          r"retention.keep_last\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown CheckpointConfig key\(s\) \['keep_lats'\] \(did you mean "
+        r"retention.keep_last\?\)",
+    ):
         CheckpointConfig.from_dict({"root": "/tmp/x", "keep_lats": 2})
     with pytest.raises(ConfigError, match=r"unknown CheckpointConfig key\(s\) \['bogus'\]; valid keys: root, "):
         CheckpointConfig(root="/tmp/x", bogus=1)
-    with pytest.raises(ConfigError, match=r"unknown CheckpointConfig.retention key\(s\) \['interval_steps'\] "
-                                          r"\(did you mean schedule.interval_steps\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown CheckpointConfig.retention key\(s\) \['interval_steps'\] "
+        r"\(did you mean schedule.interval_steps\?\)",
+    ):
         CheckpointConfig.from_dict({"root": "/tmp/x", "retention": {"interval_steps": 5}})
     with pytest.raises(ConfigError, match=r"CheckpointConfig.retention=5: expected a RetentionConfig or a mapping"):
         CheckpointConfig(root="/tmp/x", retention=5)
@@ -200,8 +238,11 @@ def test_every_section_field_documents_its_default():
         body = classes[cls.__name__].body
         docs = {}
         for node, after in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
-                    and isinstance(after.value, ast.Constant)):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+            ):
                 docs[node.target.id] = after.value.value
         for f in dataclasses.fields(cls):
             assert f.name in docs, f"{cls.__name__}.{f.name} has no docstring"
@@ -218,9 +259,10 @@ def test_launch_overrides_name_the_section():
     repo = Path(__file__).resolve().parents[2]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the shipped configs are in the new form
-        job = load_job_config(repo / "launch" / "configs" / "ddp.yaml",
-                              ["checkpoint.retention.keep_last=2", "checkpoint.coordination.timeout_s=60",
-                               "checkpoint.load.path=null"])
+        job = load_job_config(
+            repo / "launch" / "configs" / "ddp.yaml",
+            ["checkpoint.retention.keep_last=2", "checkpoint.coordination.timeout_s=60", "checkpoint.load.path=null"],
+        )
     assert job.checkpoint.retention.keep_last == 2 and job.checkpoint.coordination.timeout_s == 60.0
     assert job.checkpoint.preemption.exit is False  # from the file
     with pytest.warns(DeprecationWarning, match="use retention.keep_every_steps"):

@@ -129,8 +129,10 @@ if __name__ == "__main__":
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("launcher,loader", [("python", "make"), ("mp.Process", "make"),
-                                             ("torch.multiprocessing.spawn", "make"), ("mp.Process", "manager")])
+@pytest.mark.parametrize(
+    "launcher,loader",
+    [("python", "make"), ("mp.Process", "make"), ("torch.multiprocessing.spawn", "make"), ("mp.Process", "manager")],
+)
 def test_a_trainer_that_leaves_its_loop_mid_epoch_exits_under_every_launcher(tmp_path, launcher, loader) -> None:
     """Issue 24, item 8: a multiprocessing child never runs atexit hooks; its exit must still end
     the SIGTERM-proof workers (it terminates and joins them) instead of hanging."""
@@ -139,8 +141,12 @@ def test_a_trainer_that_leaves_its_loop_mid_epoch_exits_under_every_launcher(tmp
 
     script = tmp_path / "launched.py"
     script.write_text(_LAUNCHED)
-    proc = subprocess.run([sys.executable, str(script), launcher, loader, str(tmp_path / "ckpt")],
-                          capture_output=True, text=True, timeout=90)
+    proc = subprocess.run(
+        [sys.executable, str(script), launcher, loader, str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     times = dict(line.split() for line in proc.stdout.splitlines())
     assert set(times) == {"returned", "exited"}, proc.stdout
@@ -156,8 +162,9 @@ def test_the_manager_protects_a_plain_loaders_workers_or_refuses_running_ones(tm
     from distckpt import CheckpointConfig, CheckpointManager, ConfigError
 
     def manager(loader, root):
-        return CheckpointManager(CheckpointConfig(root=str(tmp_path / root)), model=torch.nn.Linear(1, 1),
-                                 optimizer=None, dataloader=loader)
+        return CheckpointManager(
+            CheckpointConfig(root=str(tmp_path / root)), model=torch.nn.Linear(1, 1), optimizer=None, dataloader=loader
+        )
 
     loader = StatefulDataLoader(_Ids(), batch_size=4, num_workers=2, worker_init_fn=_record)
     manager(loader, "a").close()

@@ -84,6 +84,7 @@ def _ids(block: Block) -> str:
 
 # ---------------------------------------------------------------- links
 
+
 def strip_code(text: str) -> str:
     """Markdown without fenced blocks and inline code spans (links there are not links)."""
     out, in_fence, fence = [], False, ""
@@ -139,8 +140,10 @@ def link_problems(path: Path) -> list[str]:
             problems.append(f"{_rel(path)}: link {target!r}: {file_part} does not exist")
             continue
         if fragment and dest.suffix == ".md" and fragment not in anchors(dest):
-            problems.append(f"{_rel(path)}: link {target!r}: no heading with anchor #{fragment} in "
-                            f"{_rel(dest)} (anchors: {sorted(anchors(dest))})")
+            problems.append(
+                f"{_rel(path)}: link {target!r}: no heading with anchor #{fragment} in "
+                f"{_rel(dest)} (anchors: {sorted(anchors(dest))})"
+            )
     return problems
 
 
@@ -171,6 +174,7 @@ def test_every_config_option_is_documented():
 
 # ---------------------------------------------------------------- python
 
+
 @pytest.mark.parametrize("block", checked_blocks("python", "py"), ids=_ids)
 def test_python_blocks_compile(block):
     compile(block.code, block.where, "exec")
@@ -187,18 +191,29 @@ def test_runnable_blocks_run(tmp_path):
         if "total_steps = 0, 1, 8, 20" in code:  # the README loop: stop early, then resume to the end
             first = code.replace("total_steps = 0, 1, 8, 20", "total_steps = 0, 1, 8, 12")
         script = tmp_path / "blocks.py"
-        script.write_text(f"exec(compile({first!r}, 'first', 'exec'), {{'__name__': '__main__'}})\n"
-                          f"exec(compile({code!r}, 'second', 'exec'), {{'__name__': '__main__'}})\n")
+        script.write_text(
+            f"exec(compile({first!r}, 'first', 'exec'), {{'__name__': '__main__'}})\n"
+            f"exec(compile({code!r}, 'second', 'exec'), {{'__name__': '__main__'}})\n"
+        )
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        run = subprocess.run([sys.executable, "-W", "ignore", str(script)], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=120)
+        run = subprocess.run(
+            [sys.executable, "-W", "ignore", str(script)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert run.returncode == 0, f"{block.where} failed:\n{run.stdout}\n{run.stderr}"
         if first is not code:
-            assert run.stdout.split("\n")[:2] == ["trained to step 12; resumed from nothing",
-                                                  "trained to step 20; resumed from 12"], run.stdout
+            assert run.stdout.split("\n")[:2] == [
+                "trained to step 12; resumed from nothing",
+                "trained to step 20; resumed from 12",
+            ], run.stdout
 
 
 # ---------------------------------------------------------------- shell
+
 
 def shell_commands(block: Block) -> list[list[str]]:
     """Each simple command of a shell block as argv (continuations joined, comments dropped)."""
@@ -259,8 +274,11 @@ def check_command(argv: list[str]) -> str | None:
         source = module_source(module)
         if source is None:
             return f"no module {module}"
-        bad = [t.split("=")[0] for t in argv[3:] if t.startswith("--")
-               and f'"{t.split("=")[0]}"' not in source and f"'{t.split('=')[0]}'" not in source]
+        bad = [
+            t.split("=")[0]
+            for t in argv[3:]
+            if t.startswith("--") and f'"{t.split("=")[0]}"' not in source and f"'{t.split('=')[0]}'" not in source
+        ]
         return f"{module} defines no {bad}" if bad else None
     if prog == "torchrun":
         script = next((i for i, t in enumerate(argv) if t.endswith(".py")), None)
@@ -268,14 +286,14 @@ def check_command(argv: list[str]) -> str | None:
             return "torchrun without a script"
         if not (REPO / argv[script]).exists():
             return f"no script {argv[script]}"
-        args = argv[script + 1:]
+        args = argv[script + 1 :]
         if argv[script] == "launch/train.py":
             from launch.config import load_job_config
 
             if "--config" not in args:
                 return "launch/train.py needs --config"
             i = args.index("--config")
-            overrides = args[:i] + args[i + 2:]
+            overrides = args[:i] + args[i + 2 :]
             try:
                 load_job_config(REPO / args[i + 1], overrides)
             except Exception as e:  # noqa: BLE001 - any failure is the doc's problem
@@ -304,7 +322,7 @@ def synopsis_problems(block: Block) -> list[str]:
         if parser is None:
             problems.append(f"{line}: no subcommand {words[1:2]}")
             continue
-        args = words[2:words.index("--")] if "--" in words else words[2:]  # after "--": passed through
+        args = words[2 : words.index("--")] if "--" in words else words[2:]  # after "--": passed through
         flags = {m.group(0) for w in args if (m := re.match(r"--[a-z][\w-]*", w.strip("[];")))}
         known = set(parser._option_string_actions)
         problems += [f"{line}: distckpt {words[1]} has no {f}" for f in sorted(flags - known)]
@@ -312,8 +330,7 @@ def synopsis_problems(block: Block) -> list[str]:
 
 
 def synopsis_blocks() -> list[Block]:
-    return [b for b in checked_blocks("")
-            if all(line.startswith("distckpt ") for line in b.code.strip().split("\n"))]
+    return [b for b in checked_blocks("") if all(line.startswith("distckpt ") for line in b.code.strip().split("\n"))]
 
 
 @pytest.mark.parametrize("block", synopsis_blocks(), ids=_ids)
@@ -322,6 +339,7 @@ def test_cli_synopsis(block):
 
 
 # ---------------------------------------------------------------- yaml
+
 
 @pytest.mark.parametrize("block", checked_blocks("yaml", "yml"), ids=_ids)
 def test_yaml_blocks_load(block):
@@ -333,6 +351,7 @@ def test_yaml_blocks_load(block):
 
 
 # ---------------------------------------------------------------- the checks themselves
+
 
 def test_checks_catch_breakage(tmp_path):
     """A broken link, a bad anchor, a bad flag and an unknown target are each reported."""
@@ -346,10 +365,13 @@ def test_checks_catch_breakage(tmp_path):
     assert check_command(["python", "-m", "launch.demo", "--no-such-flag"]) is not None
     assert check_command(["python", "-m", "launch.demo", "--storage", "s3"]) is None
     assert check_command(["make", "no-such-target"]) is not None
-    assert check_command(["torchrun", "launch/train.py", "--config", "launch/configs/ddp.yaml",
-                          "train.no_such_key=1"]) is not None
-    blocks = parse_blocks(page, "<!-- illustrative -->\n```python\n...x...\n```\n"
-                                "```\ndistckpt ls ROOT --jsn   list\ndistckpt lss ROOT\n```\n")
+    assert (
+        check_command(["torchrun", "launch/train.py", "--config", "launch/configs/ddp.yaml", "train.no_such_key=1"])
+        is not None
+    )
+    blocks = parse_blocks(
+        page,
+        "<!-- illustrative -->\n```python\n...x...\n```\n```\ndistckpt ls ROOT --jsn   list\ndistckpt lss ROOT\n```\n",
+    )
     assert blocks[0].mark == ILLUSTRATIVE_MARK
     assert len(synopsis_problems(blocks[1])) == 2
-

@@ -25,10 +25,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def trained_checkpoint(root, steps=3, **opts):
     """A step-``steps`` checkpoint of the tiny trainer; returns (dir, model, optimizer)."""
     model, optimizer, scheduler, scaler, loader = build(0, 1, opts)
-    manager = CheckpointManager(CheckpointConfig(root=str(root),
-                                                 schedule=ScheduleConfig(interval_steps=None)), model=model,
-                                optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
-                                dataloader=loader)
+    manager = CheckpointManager(
+        CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=None)),
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        grad_scaler=scaler,
+        dataloader=loader,
+    )
     train_steps(model, optimizer, scheduler, scaler, loader, steps)
     path = manager.save(steps, loss=0.25)
     manager.close()
@@ -109,9 +113,14 @@ def test_export_refuses_a_damaged_file(tmp_path):
 
 
 def test_writers_handle_odd_tensors(tmp_path):
-    tensors = {"scalar": torch.tensor(3.5), "empty": torch.empty(0, 4), "ints": torch.arange(7),
-               "mask": torch.tensor([True, False, True]), "half": torch.randn(3, 2).bfloat16(),
-               "strided": torch.randn(4, 6).t()}
+    tensors = {
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "ints": torch.arange(7),
+        "mask": torch.tensor([True, False, True]),
+        "half": torch.randn(3, 2).bfloat16(),
+        "strided": torch.randn(4, 6).t(),
+    }
     entries = [(k, list(v.shape), v.dtype) for k, v in tensors.items()]
     with open(tmp_path / "a.safetensors", "wb") as f:
         writer = SafetensorsWriter(f, entries, {"note": "x"})

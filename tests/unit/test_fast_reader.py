@@ -51,7 +51,9 @@ def _state() -> dict:
         "step": torch.tensor(12345, dtype=torch.int64),
         "noncontig": torch.randn(64, 32, generator=g).t(),
         "empty": torch.empty(0, 4),
-        "big0": big[0], "big1": big[1], "big2": big[2],
+        "big0": big[0],
+        "big1": big[1],
+        "big2": big[2],
         "big_f64": torch.randn(700, 300, generator=g, dtype=torch.float64),
         "big_bf16": torch.randn(1024, 700, generator=g).to(torch.bfloat16),
         "obj": {"epoch": 3, "name": "run-a", "lst": [1, 2.5, "x"]},
@@ -146,8 +148,9 @@ def test_big_items_are_read_straight_into_the_destination(saved):
     assert reader.last_stats["syscalls"] <= 4, reader.last_stats
 
 
-@pytest.mark.parametrize("kw", [{}, SMALL_DIRECT, SPARE_THREADS],
-                         ids=["default", "direct-small-items", "spare-threads"])
+@pytest.mark.parametrize(
+    "kw", [{}, SMALL_DIRECT, SPARE_THREADS], ids=["default", "direct-small-items", "spare-threads"]
+)
 def test_with_matching_hashes_loads_and_marks_files_verified(saved, kw):
     path, state = saved
     expected = {f.name: hash_file(f) for f in path.glob("*.distcp")}
@@ -162,8 +165,12 @@ def test_with_matching_hashes_loads_and_marks_files_verified(saved, kw):
 
 def test_a_non_contiguous_big_tensor_is_decoded_correctly(tmp_path):
     g = torch.Generator().manual_seed(1)
-    state = {"a": torch.randn(600, 700, generator=g), "t": torch.randn(800, 600, generator=g).t(),
-             "b": torch.randn(600, 700, generator=g), "sl": torch.randn(900, 600, generator=g)[::2]}
+    state = {
+        "a": torch.randn(600, 700, generator=g),
+        "t": torch.randn(800, 600, generator=g).t(),
+        "b": torch.randn(600, 700, generator=g),
+        "sl": torch.randn(900, 600, generator=g)[::2],
+    }
     dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path)), no_dist=True)
     for kw in ({}, SMALL_DIRECT, dict(thread_count=1)):
         out = _load(_empty_like(state), tmp_path, FastFileSystemReader(tmp_path, **kw))
@@ -191,10 +198,14 @@ class _StubPlanner:
 
 
 def _item(fqn: str, dest: str, stored_offsets, lengths, dest_offsets=None, ndim=2) -> ReadItem:
-    return ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(dest),
-                    dest_offsets=torch.Size(dest_offsets or [0] * ndim),
-                    storage_index=MetadataIndex(fqn, torch.Size([0] * ndim)),
-                    storage_offsets=torch.Size(stored_offsets), lengths=torch.Size(lengths))
+    return ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex(dest),
+        dest_offsets=torch.Size(dest_offsets or [0] * ndim),
+        storage_index=MetadataIndex(fqn, torch.Size([0] * ndim)),
+        storage_offsets=torch.Size(stored_offsets),
+        lengths=torch.Size(lengths),
+    )
 
 
 class _ViewsPlanner(DefaultLoadPlanner):
@@ -226,21 +237,27 @@ def test_partial_reads_match_stock(saved, kw, cold, monkeypatch, planner_type):
 
     def plan_and_dest():
         dest = {
-            "rows": torch.zeros(100, 600), "cols": torch.zeros(512, 250), "box": torch.zeros(30, 40),
-            "into": torch.zeros(200, 600), "convert": torch.zeros(512, 600, dtype=torch.bfloat16),
-            "tdest": torch.zeros(600, 512).t(), "two_a": torch.zeros(300, 600), "two_b": torch.zeros(300, 600),
-            "bf": torch.zeros(10, 700, dtype=torch.bfloat16), "f64": torch.zeros(700, 5, dtype=torch.float64),
+            "rows": torch.zeros(100, 600),
+            "cols": torch.zeros(512, 250),
+            "box": torch.zeros(30, 40),
+            "into": torch.zeros(200, 600),
+            "convert": torch.zeros(512, 600, dtype=torch.bfloat16),
+            "tdest": torch.zeros(600, 512).t(),
+            "two_a": torch.zeros(300, 600),
+            "two_b": torch.zeros(300, 600),
+            "bf": torch.zeros(10, 700, dtype=torch.bfloat16),
+            "f64": torch.zeros(700, 5, dtype=torch.float64),
             "nc": torch.zeros(10, 64),
         }
         items = [
-            _item("big0", "rows", [200, 0], [100, 600]),            # contiguous sub-range: direct
-            _item("big1", "cols", [0, 350], [512, 250]),            # column slice: buffer + strided copy
-            _item("big2", "box", [17, 33], [30, 40]),               # box
-            _item("big0", "into", [0, 0], [100, 600], [100, 0]),    # second request on big0 (no overlap)
-            _item("big1", "convert", [0, 0], [512, 600]),           # dtype conversion fp32 -> bf16
-            _item("big2", "tdest", [0, 0], [512, 600]),             # non-contiguous destination
-            _item("big_bf16", "bf", [1000, 0], [10, 700]),          # tail rows
-            _item("big_f64", "f64", [0, 295], [700, 5]),            # last columns
+            _item("big0", "rows", [200, 0], [100, 600]),  # contiguous sub-range: direct
+            _item("big1", "cols", [0, 350], [512, 250]),  # column slice: buffer + strided copy
+            _item("big2", "box", [17, 33], [30, 40]),  # box
+            _item("big0", "into", [0, 0], [100, 600], [100, 0]),  # second request on big0 (no overlap)
+            _item("big1", "convert", [0, 0], [512, 600]),  # dtype conversion fp32 -> bf16
+            _item("big2", "tdest", [0, 0], [512, 600]),  # non-contiguous destination
+            _item("big_bf16", "bf", [1000, 0], [10, 700]),  # tail rows
+            _item("big_f64", "f64", [0, 295], [700, 5]),  # last columns
             _item("noncontig", "nc", [0, 0], [32, 64][::-1] and [10, 64]),  # stored non-contiguous, rows
         ]
         # Two requests over the same bytes of one stored item (overlap path).
@@ -277,10 +294,12 @@ def test_partial_read_with_hashes_still_verifies_the_whole_file(saved, tmp_path)
     data[-2000] ^= 0x40
     f.write_bytes(bytes(data))
     with pytest.raises(CheckpointCorruptError) as err:
-        _read(FastFileSystemReader(ck, expected_files=expected), [_item("big0", "rows", [0, 0], [10, 600])],
-              {"rows": torch.zeros(10, 600)})
+        _read(
+            FastFileSystemReader(ck, expected_files=expected),
+            [_item("big0", "rows", [0, 0], [10, 600])],
+            {"rows": torch.zeros(10, 600)},
+        )
     assert str(f) in str(err.value) and err.value.path == str(f)
-
 
 
 # ============================================================================ planner contract
@@ -347,13 +366,24 @@ class _ScratchStub(_StubPlanner):
 @pytest.mark.parametrize("kw", CONFIGS)
 def test_partial_reads_through_a_scratch_planner_match_the_saved_values(saved, kw):
     path, state = saved
-    items = [_item("big0", "rows", [200, 0], [100, 600]), _item("big1", "cols", [0, 350], [512, 250]),
-             _item("big2", "box", [17, 33], [30, 40]), _item("big0", "into", [0, 0], [100, 600], [100, 0]),
-             _item("big_f64", "two_a", [100, 0], [300, 300]), _item("big_f64", "two_b", [200, 0], [300, 300]),
-             _item("fp32", "small", [0, 0], [10, 7])]
-    dest = {"rows": torch.zeros(100, 600), "cols": torch.zeros(512, 250), "box": torch.zeros(30, 40),
-            "into": torch.zeros(200, 600), "two_a": torch.zeros(300, 300, dtype=torch.float64),
-            "two_b": torch.zeros(300, 300, dtype=torch.float64), "small": torch.zeros(10, 7)}
+    items = [
+        _item("big0", "rows", [200, 0], [100, 600]),
+        _item("big1", "cols", [0, 350], [512, 250]),
+        _item("big2", "box", [17, 33], [30, 40]),
+        _item("big0", "into", [0, 0], [100, 600], [100, 0]),
+        _item("big_f64", "two_a", [100, 0], [300, 300]),
+        _item("big_f64", "two_b", [200, 0], [300, 300]),
+        _item("fp32", "small", [0, 0], [10, 7]),
+    ]
+    dest = {
+        "rows": torch.zeros(100, 600),
+        "cols": torch.zeros(512, 250),
+        "box": torch.zeros(30, 40),
+        "into": torch.zeros(200, 600),
+        "two_a": torch.zeros(300, 300, dtype=torch.float64),
+        "two_b": torch.zeros(300, 300, dtype=torch.float64),
+        "small": torch.zeros(10, 7),
+    }
     reader = FastFileSystemReader(path, **kw)
     reader.set_up_storage_reader(reader.read_metadata(), True)
     planner = _ScratchStub(dest)
@@ -488,15 +518,19 @@ def test_items_with_transform_descriptors_take_the_stock_decode(tmp_path):
     assert reader.last_stats["fallback_items"] == 4  # every tensor item (the bytes item is not counted)
 
 
-@pytest.mark.parametrize("t", [
-    torch.arange(12, dtype=torch.float32).reshape(3, 4).t(),
-    torch.tensor(2.5, dtype=torch.float64),
-    torch.randn(5, 6, 7).to(torch.bfloat16)[:, 1:3],
-    torch.zeros(0, 3, dtype=torch.int32),
-    torch.nn.Parameter(torch.ones(4, 4)),
-    torch.arange(10, dtype=torch.uint8),
-    torch.ones(3, dtype=torch.complex64),
-], ids=["transposed", "scalar", "sliced-bf16", "empty", "parameter", "uint8", "complex"])
+@pytest.mark.parametrize(
+    "t",
+    [
+        torch.arange(12, dtype=torch.float32).reshape(3, 4).t(),
+        torch.tensor(2.5, dtype=torch.float64),
+        torch.randn(5, 6, 7).to(torch.bfloat16)[:, 1:3],
+        torch.zeros(0, 3, dtype=torch.int32),
+        torch.nn.Parameter(torch.ones(4, 4)),
+        torch.arange(10, dtype=torch.uint8),
+        torch.ones(3, dtype=torch.complex64),
+    ],
+    ids=["transposed", "scalar", "sliced-bf16", "empty", "parameter", "uint8", "complex"],
+)
 def test_parse_header_locates_the_storage_bytes(t):
     buf = io.BytesIO()
     torch.save(t, buf)
@@ -504,13 +538,13 @@ def test_parse_header_locates_the_storage_bytes(t):
     layout = parse_torch_save_header(blob)
     storage = t.detach().untyped_storage()
     assert layout.nbytes == storage.nbytes()
-    raw = bytes(blob[layout.data_offset:layout.data_offset + layout.nbytes])
+    raw = bytes(blob[layout.data_offset : layout.data_offset + layout.nbytes])
     assert raw == bytes(storage)
     m = layout.meta
     assert (m.dtype, m.shape, m.stride(), m.storage_offset()) == (t.dtype, t.shape, t.stride(), t.storage_offset())
     # Any prefix that stops before the data is "need more", never a wrong answer.
     with pytest.raises(NeedMoreBytes):
-        parse_torch_save_header(blob[:layout.data_offset - 1])
+        parse_torch_save_header(blob[: layout.data_offset - 1])
 
 
 def test_parse_header_refuses_code_in_the_pickle():
@@ -536,8 +570,12 @@ def test_cached_header_parse_equals_the_full_parse_and_is_shared_by_equal_header
     c, d = blob(torch.zeros(3, 5, dtype=torch.bfloat16)), blob(torch.arange(9, dtype=torch.int64))
     for mv in (a, b, c, d):
         cached, full = cache.parse(mv), parse_torch_save_header(mv)
-        assert (cached.data_offset, cached.nbytes, cached.flags, cached.sig) == \
-               (full.data_offset, full.nbytes, full.flags, full.sig)
+        assert (cached.data_offset, cached.nbytes, cached.flags, cached.sig) == (
+            full.data_offset,
+            full.nbytes,
+            full.flags,
+            full.sig,
+        )
     assert cache.parse(b) is cache.parse(a)  # same dtype and shape
     assert cache.parse(c).sig != cache.parse(a).sig
     with pytest.raises(NeedMoreBytes):
@@ -550,16 +588,23 @@ def test_header_caches_are_per_reader_and_bounded(saved):
     from distckpt.engine.read import item_decode, item_planner, read_stream, torch_save_format
 
     for mod in (fast_reader, item_decode, item_planner, read_stream, torch_save_format):
-        shared = [n for n, v in vars(mod).items()
-                  if isinstance(v, (dict, list, set)) and not (n.startswith("__") and n.endswith("__"))]
+        shared = [
+            n
+            for n, v in vars(mod).items()
+            if isinstance(v, (dict, list, set)) and not (n.startswith("__") and n.endswith("__"))
+        ]
         assert shared == [], f"{mod.__name__}: module-level mutable state {shared}"
     path, state = saved
     tiny = FastFileSystemReader(path, **SMALL_DIRECT)
     tiny.header_cache = HeaderCache(max_entries=2)
     other = FastFileSystemReader(path, **SMALL_DIRECT)
     _assert_same(_load(_empty_like(state), path, tiny), state)
-    caches = [tiny.header_cache.pickles, tiny.header_cache.layouts, tiny.header_cache.heads,
-              tiny.header_cache.predicted]
+    caches = [
+        tiny.header_cache.pickles,
+        tiny.header_cache.layouts,
+        tiny.header_cache.heads,
+        tiny.header_cache.predicted,
+    ]
     assert all(len(c) <= 2 for c in caches) and len(tiny.header_cache.pickles) == 2
     assert [len(c) for c in (other.header_cache.pickles, other.header_cache.layouts)] == [0, 0]  # not shared
     _assert_same(_load(_empty_like(state), path, other), state)
@@ -594,7 +639,7 @@ def test_distckpt_writer_skips_zip_crc_and_every_reader_still_loads(tmp_path):
     # Each tensor item is a torch.save zip whose records all carry CRC 0.
     storage = FileSystemReader(str(path)).read_metadata().storage_data
     for info in storage.values():
-        blob = (path / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+        blob = (path / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
         if blob[:2] == b"PK":
             assert {i.CRC for i in zipfile.ZipFile(io.BytesIO(blob)).infolist()} == {0}
     _assert_same(_load(_empty_like(state), path, FileSystemReader(str(path))), state)

@@ -27,8 +27,16 @@ from tests.distributed.trainer import Net
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-@pytest.mark.parametrize("root,hint", [("gs://bucket/x", None), ("S3://b/z", "s3://b/z"), ("s3a://b/z", "s3://b/z"),
-                                       ("s3:/b/z", "s3://b/z"), ("hdfs://nn/ckpt", None)])
+@pytest.mark.parametrize(
+    "root,hint",
+    [
+        ("gs://bucket/x", None),
+        ("S3://b/z", "s3://b/z"),
+        ("s3a://b/z", "s3://b/z"),
+        ("s3:/b/z", "s3://b/z"),
+        ("hdfs://nn/ckpt", None),
+    ],
+)
 def test_unsupported_url_scheme_root_is_refused(tmp_path, monkeypatch, root, hint):
     monkeypatch.chdir(tmp_path)
     for make in (lambda: CheckpointConfig(root=root), lambda: open_store(root)):
@@ -58,8 +66,9 @@ def test_run_id_of_wrong_type_is_a_config_error(tmp_path, run_id):
 
 
 def saved(root, **kw):
-    manager = CheckpointManager(CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=None)),
-                                model=Net(), optimizer=None)
+    manager = CheckpointManager(
+        CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=None)), model=Net(), optimizer=None
+    )
     manager.save(1, **kw)
     manager.close()
     return root / "step-000000001"
@@ -71,6 +80,7 @@ def test_release_training_config_is_strict_json_with_non_finite_values(tmp_path)
 
     def refuse(name):
         raise AssertionError(f"bare {name} in training_config.json")
+
     config = json.loads((tmp_path / "rel" / "training_config.json").read_text(), parse_constant=refuse)
     assert config["loss"] is None and config["metrics"] == {"val_loss": None, "acc": 0.5}
     assert math.isnan(Manifest.read(ckpt).loss)  # the checkpoint keeps its value
@@ -140,15 +150,21 @@ def test_object_store_root_holding_only_corrupt_manifests_refuses_a_fresh_start(
     assert other.choose([]) is None  # archived / rolled back only: a fresh start, as before
 
 
-@pytest.mark.parametrize("env,nodes", [
-    ({"TORCHELASTIC_USE_AGENT_STORE": "True", "PET_NNODES": "1:2"}, "1:2"),
-    ({"PET_NNODES": "2:4"}, "2:4"),  # no USE_AGENT_STORE: torchrun's default, shared
-    ({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PET_NNODES": "1:2"},
-     None),  # the fix
-    ({"TORCHELASTIC_USE_AGENT_STORE": "True", "PET_NNODES": "2"}, None),  # a fixed node count
-])
-def test_an_elastic_torchrun_sharing_its_store_is_warned_about_at_construction(tmp_path, monkeypatch, caplog,
-                                                                               env, nodes):
+@pytest.mark.parametrize(
+    "env,nodes",
+    [
+        ({"TORCHELASTIC_USE_AGENT_STORE": "True", "PET_NNODES": "1:2"}, "1:2"),
+        ({"PET_NNODES": "2:4"}, "2:4"),  # no USE_AGENT_STORE: torchrun's default, shared
+        (
+            {"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PET_NNODES": "1:2"},
+            None,
+        ),  # the fix
+        ({"TORCHELASTIC_USE_AGENT_STORE": "True", "PET_NNODES": "2"}, None),  # a fixed node count
+    ],
+)
+def test_an_elastic_torchrun_sharing_its_store_is_warned_about_at_construction(
+    tmp_path, monkeypatch, caplog, env, nodes
+):
     # Issue 24 item 13: such a job died with DistStoreError (role_info) ~80 s after a node joined.
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-42")
     for name in ("TORCHELASTIC_USE_AGENT_STORE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):

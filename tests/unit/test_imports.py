@@ -46,7 +46,7 @@ def _imports(mods: dict[str, Path], name: str) -> list[tuple[str, list[str], int
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = here.split(".")
-                base = base[:len(base) - (node.level - 1)]
+                base = base[: len(base) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
@@ -140,8 +140,9 @@ def test_every_import_follows_the_tier_rules():
     graph = _graph(mods)
     units = {_unit(m) for m in mods}
     assert units == set(RULES), f"units without a rule or rules without a unit: {units ^ set(RULES)}"
-    bad = sorted(f"{m} -> {t}" for m in graph for t in graph[m]
-                 if _unit(t) != _unit(m) and _unit(t) not in RULES[_unit(m)])
+    bad = sorted(
+        f"{m} -> {t}" for m in graph for t in graph[m] if _unit(t) != _unit(m) and _unit(t) not in RULES[_unit(m)]
+    )
     assert bad == [], f"imports against RULES: {bad}"
 
 
@@ -218,16 +219,25 @@ def test_design_doc_names_every_module():
     import re
 
     text = (PKG.parent / "docs" / "design.md").read_text()
-    unnamed = [f.relative_to(PKG.parent).as_posix() for f in sorted(PKG.rglob("*.py"))
-               if f.stem != "__init__" and not re.search(rf"`{re.escape(f.stem)}`", text)]
+    unnamed = [
+        f.relative_to(PKG.parent).as_posix()
+        for f in sorted(PKG.rglob("*.py"))
+        if f.stem != "__init__" and not re.search(rf"`{re.escape(f.stem)}`", text)
+    ]
     assert unnamed == [], f"docs/design.md does not name: {unnamed}"
 
 
 # The storage seam (issue 25 item 1): only storage/ knows which store a root has. Outside it
 # (and the config, which checks the root's scheme), nothing imports a store's internals or
 # branches on the kind of store.
-STORE_INTERNALS = {"distckpt.storage.commit", "distckpt.storage.posix", "distckpt.storage.s3",
-                   "distckpt.storage.s3_client", "distckpt.storage.s3_dcp", "distckpt.storage.incremental"}
+STORE_INTERNALS = {
+    "distckpt.storage.commit",
+    "distckpt.storage.posix",
+    "distckpt.storage.s3",
+    "distckpt.storage.s3_client",
+    "distckpt.storage.s3_dcp",
+    "distckpt.storage.incremental",
+}
 SEAM_EXEMPT = {"distckpt.config"}
 
 
@@ -252,8 +262,12 @@ def test_only_storage_knows_the_kind_of_store():
         if m.startswith("distckpt.storage") or m in SEAM_EXEMPT:
             continue
         bad += [f"{m}:{line}: imports {t}" for t, _names, line in _imports(mods, m) if t in STORE_INTERNALS]
-        bad += [f"{m}:{line}: imports {t}.{n}" for t, names, line in _imports(mods, m) for n in names
-                if f"{t}.{n}" in STORE_INTERNALS]
+        bad += [
+            f"{m}:{line}: imports {t}.{n}"
+            for t, names, line in _imports(mods, m)
+            for n in names
+            if f"{t}.{n}" in STORE_INTERNALS
+        ]
         bad += [f"{m}:{line}: branches on the kind of store" for line in _kind_branches(ast.parse(f.read_text()))]
     assert bad == [], "outside distckpt/storage/: " + "; ".join(bad)
 

@@ -55,8 +55,9 @@ def setup(root, seed=0, frozen=8, on_phase=None, **cfg):
     torch.manual_seed(seed)
     model = Frozen(frozen)
     optimizer = torch.optim.AdamW(model.head.parameters(), lr=0.01)
-    config = CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=None),
-                              **{"save": SaveConfig(incremental=True), **cfg})
+    config = CheckpointConfig(
+        root=str(root), schedule=ScheduleConfig(interval_steps=None), **{"save": SaveConfig(incremental=True), **cfg}
+    )
     return CheckpointManager(config, model=model, optimizer=optimizer, on_phase=on_phase), model, optimizer
 
 
@@ -74,8 +75,10 @@ def run_saves(root, steps=(1, 2), frozen=8, **cfg):
         train(model, optimizer)
         manager.save(step)
     manager.close()
-    return ({k: v.clone() for k, v in model.state_dict().items()},
-            {k: {n: t.clone() for n, t in s.items()} for k, s in optimizer.state_dict()["state"].items()})
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        {k: {n: t.clone() for n, t in s.items()} for k, s in optimizer.state_dict()["state"].items()},
+    )
 
 
 def references(checkpoint_dir):
@@ -154,8 +157,12 @@ def test_ls_size_is_what_each_checkpoint_adds_and_refs_what_it_refers_to(tmp_pat
 
 
 def test_full_every_writes_everything_again(tmp_path):
-    run_saves(tmp_path, steps=(1, 2, 3), retention=RetentionConfig(keep_last=None),
-              save=SaveConfig(incremental=True, full_every=2))
+    run_saves(
+        tmp_path,
+        steps=(1, 2, 3),
+        retention=RetentionConfig(keep_last=None),
+        save=SaveConfig(incremental=True, full_every=2),
+    )
     assert references(tmp_path / S2) and not references(tmp_path / S3)
 
 
@@ -199,8 +206,9 @@ def test_retention_defers_a_referenced_checkpoint_then_deletes_it(tmp_path, caps
     assert (copy / S1 / "distckpt.deferred.json").exists()
 
     # A full save: nobody refers to step 1 any more, and step 2 is past retention.
-    manager, model, optimizer = setup(tmp_path, seed=1, retention=RetentionConfig(keep_last=1),
-                                      save=SaveConfig(incremental=True, full_every=1))
+    manager, model, optimizer = setup(
+        tmp_path, seed=1, retention=RetentionConfig(keep_last=1), save=SaveConfig(incremental=True, full_every=1)
+    )
     manager.load()
     train(model, optimizer)
     manager.save(3)
@@ -270,6 +278,7 @@ def test_incremental_needs_a_local_root(tmp_path):
 
 def save_and_die(rank, world_size, opts):
     """Save step 1 (full), then die (SIGKILL) at ``opts['phase']`` of the incremental save of step 2."""
+
     def hook(phase, step, rank):
         if step == opts["die_step"] and phase == opts["phase"]:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -285,13 +294,25 @@ def save_and_die(rank, world_size, opts):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("phase,die_step,loaded_step", [
-    ("write", 2, 1), ("manifest", 2, 1), ("rename", 2, 1), ("latest", 2, 2), ("retention", 1, 2),
-])
+@pytest.mark.parametrize(
+    "phase,die_step,loaded_step",
+    [
+        ("write", 2, 1),
+        ("manifest", 2, 1),
+        ("rename", 2, 1),
+        ("latest", 2, 2),
+        ("retention", 1, 2),
+    ],
+)
 def test_kill_during_incremental_save_leaves_a_loadable_checkpoint(tmp_path, phase, die_step, loaded_step):
     root = tmp_path / "ckpt"
-    opts = {"root": str(root), "phase": phase, "die_step": die_step,
-            "expected1": str(tmp_path / "e1.pt"), "expected2": str(tmp_path / "e2.pt")}
+    opts = {
+        "root": str(root),
+        "phase": phase,
+        "die_step": die_step,
+        "expected1": str(tmp_path / "e1.pt"),
+        "expected2": str(tmp_path / "e2.pt"),
+    }
     results = run_ranks(save_and_die, 1, opts, expect_death=True, timeout_s=90)
     assert results[0] is None  # killed
     manager, model, _ = setup(root, seed=1)

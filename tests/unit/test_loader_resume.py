@@ -82,9 +82,12 @@ def _plain_loader_manager(root, num_workers):
     torch.manual_seed(0)
     model = Net()
     loader = StatefulDataLoader(_Points(), batch_size=4, num_workers=num_workers)
-    manager = CheckpointManager(CheckpointConfig(root=str(root),
-                                                 schedule=ScheduleConfig(interval_steps=None)), model=model,
-                                optimizer=None, dataloader=loader)
+    manager = CheckpointManager(
+        CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=None)),
+        model=model,
+        optimizer=None,
+        dataloader=loader,
+    )
     return manager, loader
 
 
@@ -122,9 +125,12 @@ class _Counting(IterableDataset):
 def _iterable_manager(root, num_workers):
     torch.manual_seed(0)
     loader = StatefulDataLoader(_Counting(), batch_size=2, num_workers=num_workers)
-    manager = CheckpointManager(CheckpointConfig(root=str(root),
-                                                 schedule=ScheduleConfig(interval_steps=None)), model=Net(),
-                                optimizer=None, dataloader=loader)
+    manager = CheckpointManager(
+        CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=None)),
+        model=Net(),
+        optimizer=None,
+        dataloader=loader,
+    )
     return manager, loader
 
 
@@ -133,9 +139,12 @@ def _iterable_manager(root, num_workers):
 def test_iterator_created_before_load_is_refused(tmp_path, num_workers, kind):
     if kind == "map":
         model, optimizer, scheduler, scaler, loader = build(0, 1, {"num_workers": num_workers})
-        manager = CheckpointManager(CheckpointConfig(root=str(tmp_path),
-                                                     schedule=ScheduleConfig(interval_steps=None)), model=model,
-                                    optimizer=optimizer, dataloader=loader)
+        manager = CheckpointManager(
+            CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None)),
+            model=model,
+            optimizer=optimizer,
+            dataloader=loader,
+        )
         train_steps(model, optimizer, scheduler, scaler, loader, 5)
     else:
         manager, loader = _iterable_manager(tmp_path, num_workers)
@@ -148,9 +157,12 @@ def test_iterator_created_before_load_is_refused(tmp_path, num_workers, kind):
 
     if kind == "map":
         model, optimizer, scheduler, scaler, loader = build(0, 1, {"num_workers": num_workers})
-        manager = CheckpointManager(CheckpointConfig(root=str(tmp_path),
-                                                     schedule=ScheduleConfig(interval_steps=None)), model=model,
-                                    optimizer=optimizer, dataloader=loader)
+        manager = CheckpointManager(
+            CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None)),
+            model=model,
+            optimizer=optimizer,
+            dataloader=loader,
+        )
     else:
         manager, loader = _iterable_manager(tmp_path, num_workers)
     early = iter(loader)  # before load(): it would yield from epoch 0, batch 0
@@ -184,8 +196,9 @@ def test_counters_are_derived_from_the_sampler(tmp_path):
     m = Manifest.read(tmp_path / "step-000000015")
     assert (m.epoch, m.global_samples_seen) == (1, 15 * 8)
     model, optimizer, scheduler, scaler, loader = build(0, 1, {})
-    manager = CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=optimizer,
-                                dataloader=loader)
+    manager = CheckpointManager(
+        CheckpointConfig(root=str(tmp_path)), model=model, optimizer=optimizer, dataloader=loader
+    )
     state = manager.load()
     assert (state.step, state.epoch, state.batch_in_epoch, state.global_samples_seen) == (15, 1, 3, 120)
     manager.close()
@@ -193,9 +206,12 @@ def test_counters_are_derived_from_the_sampler(tmp_path):
 
 def test_counters_passed_by_the_caller_win(tmp_path):
     model, optimizer, scheduler, scaler, loader = build(0, 1, {})
-    manager = CheckpointManager(CheckpointConfig(root=str(tmp_path),
-                                                 schedule=ScheduleConfig(interval_steps=None)), model=model,
-                                optimizer=optimizer, dataloader=loader)
+    manager = CheckpointManager(
+        CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None)),
+        model=model,
+        optimizer=optimizer,
+        dataloader=loader,
+    )
     train_steps(model, optimizer, scheduler, scaler, loader, 12)  # one epoch
     train_steps(model, optimizer, scheduler, scaler, loader, 2)
     manager.maybe_save(14, epoch=7, global_tokens_seen=99)

@@ -75,8 +75,11 @@ def test_another_jobs_expired_lease_is_taken_over(tmp_path, monkeypatch):
     lock.release()
 
 
-@pytest.mark.parametrize("renewed_ago, holder_lease", [(10.0, 60.0), (120.0, 600.0), (None, None)],
-                         ids=["live", "holder_lease_longer", "never_renews"])
+@pytest.mark.parametrize(
+    "renewed_ago, holder_lease",
+    [(10.0, 60.0), (120.0, 600.0), (None, None)],
+    ids=["live", "holder_lease_longer", "never_renews"],
+)
 def test_another_jobs_live_lease_is_refused(tmp_path, monkeypatch, renewed_ago, holder_lease):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")
     _write(tmp_path, job="TORCHELASTIC_RUN_ID=job-1", renewed_ago=renewed_ago, lease_s=holder_lease)
@@ -86,8 +89,11 @@ def test_another_jobs_live_lease_is_refused(tmp_path, monkeypatch, renewed_ago, 
 
 
 def test_rank0_renews_the_lease_while_held(tmp_path):
-    manager = CheckpointManager(CheckpointConfig(root=str(tmp_path), coordination=CoordinationConfig(lock_lease_s=0.3)),
-                                model=Net(), optimizer=None)
+    manager = CheckpointManager(
+        CheckpointConfig(root=str(tmp_path), coordination=CoordinationConfig(lock_lease_s=0.3)),
+        model=Net(),
+        optimizer=None,
+    )
     try:
         first = _holder(tmp_path)["renewed"]
         deadline = time.monotonic() + 10
@@ -104,12 +110,16 @@ def test_rank0_renews_the_lease_while_held(tmp_path):
 def test_manager_takes_over_an_expired_lease_of_another_host(tmp_path):
     _write(tmp_path, job="SLURM_JOB_ID=9", renewed_ago=1000.0, lease_s=60.0)
     with pytest.raises(CheckpointLockedError, match="lease renewed"):
-        CheckpointManager(CheckpointConfig(root=str(tmp_path),
-                                           coordination=CoordinationConfig(lock_lease_s=2000.0)),
-                          model=Net(), optimizer=None)
-    manager = CheckpointManager(CheckpointConfig(root=str(tmp_path),
-                                                 coordination=CoordinationConfig(lock_lease_s=60.0)),
-                                model=Net(), optimizer=None)
+        CheckpointManager(
+            CheckpointConfig(root=str(tmp_path), coordination=CoordinationConfig(lock_lease_s=2000.0)),
+            model=Net(),
+            optimizer=None,
+        )
+    manager = CheckpointManager(
+        CheckpointConfig(root=str(tmp_path), coordination=CoordinationConfig(lock_lease_s=60.0)),
+        model=Net(),
+        optimizer=None,
+    )
     assert _holder(tmp_path)["pid"] == os.getpid()
     manager.close()
 
@@ -123,8 +133,9 @@ def test_failed_lock_release_does_not_mask_the_error_leaving_the_with_block(tmp_
         with CheckpointManager(cfg, model=Net(), optimizer=None) as manager:
             manager.lock.file.read = unreachable  # the storage died mid-run
             raise CheckpointSaveError("save of step-5 failed")
-    assert any(f"checkpoint lock of root {tmp_path}" in r.getMessage() and r.levelname == "WARNING"
-               for r in caplog.records)
+    assert any(
+        f"checkpoint lock of root {tmp_path}" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records
+    )
     manager = CheckpointManager(cfg, model=Net(), optimizer=None)  # this process's stale lock: taken over
     manager.lock.file.read = unreachable
     with pytest.raises(StorageError, match="server gone"):  # a plain close still reports it

@@ -29,8 +29,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def manager_for(root, **kw):
     model, optimizer, scheduler, scaler, loader = build(0, 1, kw.pop("build", {}))
     cfg = CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=kw.pop("interval_steps", None)), **kw)
-    return CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                             grad_scaler=scaler, dataloader=loader), (model, optimizer, scheduler, scaler, loader)
+    return CheckpointManager(
+        cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader
+    ), (model, optimizer, scheduler, scaler, loader)
 
 
 def trained_manager(root, steps=(3,), **kw):
@@ -43,12 +44,17 @@ def trained_manager(root, steps=(3,), **kw):
     return manager, objs
 
 
-@pytest.mark.parametrize("change,expect", [
-    ({"rename": True},
-     ["missing in checkpoint: hidden2.weight", "unexpected (in checkpoint, not in model): hidden.weight"]),
-    ({"width": 12}, ["shape mismatch for inp.weight: checkpoint [16, 8], model [12, 8]"]),
-    ({"dtype": torch.bfloat16}, ["dtype mismatch for inp.weight: checkpoint torch.float32, model torch.bfloat16"]),
-])
+@pytest.mark.parametrize(
+    "change,expect",
+    [
+        (
+            {"rename": True},
+            ["missing in checkpoint: hidden2.weight", "unexpected (in checkpoint, not in model): hidden.weight"],
+        ),
+        ({"width": 12}, ["shape mismatch for inp.weight: checkpoint [16, 8], model [12, 8]"]),
+        ({"dtype": torch.bfloat16}, ["dtype mismatch for inp.weight: checkpoint torch.float32, model torch.bfloat16"]),
+    ],
+)
 def test_incompatible_model_names_every_difference(tmp_path, change, expect):
     trained_manager(tmp_path)
     manager, (model, *_) = manager_for(tmp_path, build=change)
@@ -101,8 +107,9 @@ def _flip_a_byte(checkpoint):
 @pytest.mark.parametrize("fast_load", [False, True])
 def test_bit_flip_found_while_reading_falls_back_to_older(tmp_path, fast_load, caplog):
     trained_manager(tmp_path, steps=(3, 6))
-    expected_manager, (expected_model, *_) = manager_for(tmp_path,
-                                                         load=LoadConfig(path=str(tmp_path / "step-000000003")))
+    expected_manager, (expected_model, *_) = manager_for(
+        tmp_path, load=LoadConfig(path=str(tmp_path / "step-000000003"))
+    )
     expected_manager.load()
     expected = {k: v.clone() for k, v in expected_model.state_dict().items()}
     data = _flip_a_byte(tmp_path / "step-000000006")
@@ -242,8 +249,9 @@ def test_save_before_first_step_changes_nothing(tmp_path):
         assert torch.equal(a, b)
     assert [s["step"].item() for s in opt.state.values()] == [1.0] * len(opt.state)
     # ... and loading that step-0 checkpoint gives a stateless optimizer too.
-    manager2, (model2, opt2, *_rest) = manager_for(tmp_path / "a",
-                                                   load=LoadConfig(path=str(tmp_path / "a" / "step-000000000")))
+    manager2, (model2, opt2, *_rest) = manager_for(
+        tmp_path / "a", load=LoadConfig(path=str(tmp_path / "a" / "step-000000000"))
+    )
     assert manager2.load().step == 0
     assert not opt2.state
 
@@ -254,6 +262,7 @@ def test_empty_param_group_saves_and_loads(tmp_path):
         model = nn.Linear(4, 2)
         opt = torch.optim.AdamW([{"params": list(model.parameters())}, {"params": [], "lr": 0.5}], lr=0.1)
         return model, opt
+
     model, opt = make()
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
@@ -292,8 +301,13 @@ def test_loading_twice_changes_nothing(tmp_path):
     trained_manager(tmp_path)
     manager, (model, opt, sched, scaler, loader) = manager_for(tmp_path)
     manager.load()
-    snap = (scaler.state_dict(), sched.state_dict(), [p.clone() for p in model.parameters()],
-            [{k: v.clone() for k, v in s.items()} for s in opt.state.values()], torch.get_rng_state())
+    snap = (
+        scaler.state_dict(),
+        sched.state_dict(),
+        [p.clone() for p in model.parameters()],
+        [{k: v.clone() for k, v in s.items()} for s in opt.state.values()],
+        torch.get_rng_state(),
+    )
     manager.load()
     assert scaler.state_dict() == snap[0] and sched.state_dict() == snap[1]
     assert all(torch.equal(a, b) for a, b in zip(snap[2], model.parameters()))
@@ -306,31 +320,41 @@ def test_extra_state_plain_and_stateful(tmp_path):
     class Counter:
         def __init__(self):
             self.n = 0
+
         def state_dict(self):
             return {"n": torch.tensor(self.n)}
+
         def load_state_dict(self, sd):
             self.n = int(sd["n"])
+
     c = Counter()
     c.n = 41
     model = Net()
-    m = CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=None,
-                          extra_state={"counter": c, "note": {"tokens": [1, 2, 3], "name": "x"}})
+    m = CheckpointManager(
+        CheckpointConfig(root=str(tmp_path)),
+        model=model,
+        optimizer=None,
+        extra_state={"counter": c, "note": {"tokens": [1, 2, 3], "name": "x"}},
+    )
     m.save(5, loss=0.5, epoch=2, global_samples_seen=80)
     c2 = Counter()
-    m2 = CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=Net(), optimizer=None,
-                           extra_state={"counter": c2, "note": None})
+    m2 = CheckpointManager(
+        CheckpointConfig(root=str(tmp_path)), model=Net(), optimizer=None, extra_state={"counter": c2, "note": None}
+    )
     state = m2.load()
     assert c2.n == 41 and m2.extra_state["note"] == {"tokens": [1, 2, 3], "name": "x"}
     assert (state.step, state.epoch, state.global_samples_seen, state.loss_history) == (5, 2, 80, [(5, 0.5)])
     manifest = json.loads((tmp_path / "step-000000005" / "distckpt.json").read_text())
     assert manifest["loss"] == 0.5 and manifest["world_size"] == 1 and manifest["wrapper"] == "plain"
     files = {f["path"]: f["size_bytes"] for f in manifest["files"]}
-    assert files == {p.name: p.stat().st_size for p in (tmp_path / "step-000000005").iterdir()
-                     if p.name != "distckpt.json"}
+    assert files == {
+        p.name: p.stat().st_size for p in (tmp_path / "step-000000005").iterdir() if p.name != "distckpt.json"
+    }
 
 
 def test_plain_dcp_load_reads_the_model(tmp_path):
     import torch.distributed.checkpoint as dcp
+
     _, (model, *_r) = trained_manager(tmp_path)
     target = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
     dcp.load(target, checkpoint_id=str(tmp_path / "step-000000003"), no_dist=True)
@@ -347,9 +371,15 @@ def test_unwritable_root_fails_at_construction(tmp_path):
 
 def _tree(root):
     """``{relative path: (kind, size, mtime_ns, mode)}`` of ``root`` and everything under it."""
-    return {p.relative_to(root).as_posix() or ".": (p.is_dir(), p.stat().st_size if p.is_file() else 0,
-                                                    p.stat().st_mtime_ns, p.stat().st_mode)
-            for p in [root, *sorted(root.rglob("*"))]}
+    return {
+        p.relative_to(root).as_posix() or ".": (
+            p.is_dir(),
+            p.stat().st_size if p.is_file() else 0,
+            p.stat().st_mtime_ns,
+            p.stat().st_mode,
+        )
+        for p in [root, *sorted(root.rglob("*"))]
+    }
 
 
 @contextlib.contextmanager
@@ -393,8 +423,9 @@ def test_a_read_only_manager_loads_a_read_only_root_and_writes_nothing(tmp_path,
             with pytest.raises(ConfigError, match="not a writable directory"):
                 manager_for(view)  # what an evaluation job got
         for load_step, want in ((None, at6), (3, at3)):  # step 3: no rollback, nothing set aside
-            evaluation, (model, *_) = manager_for(view, load=LoadConfig(read_only=True, step=load_step),
-                                                  async_save=AsyncSaveConfig(mode="thread"))
+            evaluation, (model, *_) = manager_for(
+                view, load=LoadConfig(read_only=True, step=load_step), async_save=AsyncSaveConfig(mode="thread")
+            )
             assert signal.getsignal(signal.SIGTERM) is handler and evaluation.lock is None
             assert evaluation.load().step == (load_step or 6)
             assert all(torch.equal(model.state_dict()[k], want[k]) for k in want)
@@ -412,9 +443,13 @@ def test_unusable_event_log_fails_at_construction(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="event_log"):
-        CheckpointManager(CheckpointConfig(root=str(tmp_path / "root"),
-                                           coordination=CoordinationConfig(event_log=str(blocker / "events.jsonl"))),
-                          model=Net(), optimizer=None)
+        CheckpointManager(
+            CheckpointConfig(
+                root=str(tmp_path / "root"), coordination=CoordinationConfig(event_log=str(blocker / "events.jsonl"))
+            ),
+            model=Net(),
+            optimizer=None,
+        )
 
 
 def test_manifest_hashes_match_files_and_bitflip_is_caught(tmp_path):
@@ -503,15 +538,30 @@ def test_failure_in_finish_aborts_cleanly_and_next_save_works(tmp_path, monkeypa
 
 def test_phase_events_are_logged_in_order(tmp_path):
     events = tmp_path / "events.jsonl"
-    manager, objs = manager_for(tmp_path / "root", coordination=CoordinationConfig(event_log=str(events)),
-                                retention=RetentionConfig(keep_last=1))
+    manager, objs = manager_for(
+        tmp_path / "root",
+        coordination=CoordinationConfig(event_log=str(events)),
+        retention=RetentionConfig(keep_last=1),
+    )
     train_steps(*objs, 1)
     manager.save(1)
     manager.save(2)
     phases = [(e["phase"], e["step"]) for e in map(json.loads, events.read_text().splitlines())]
-    assert phases == [("stage", 1), ("write", 1), ("manifest", 1), ("rename", 1), ("latest", 1), ("committed", 1),
-                      ("stage", 2), ("write", 2), ("manifest", 2), ("rename", 2), ("latest", 2),
-                      ("retention", 1), ("committed", 2)]
+    assert phases == [
+        ("stage", 1),
+        ("write", 1),
+        ("manifest", 1),
+        ("rename", 1),
+        ("latest", 1),
+        ("committed", 1),
+        ("stage", 2),
+        ("write", 2),
+        ("manifest", 2),
+        ("rename", 2),
+        ("latest", 2),
+        ("retention", 1),
+        ("committed", 2),
+    ]
 
 
 def test_leftovers_of_interrupted_delete_and_latest_update_are_removed(tmp_path, caplog):
@@ -546,8 +596,10 @@ def test_restart_after_every_checkpoint_set_aside_as_corrupt_refuses(tmp_path):
     with pytest.raises(CheckpointCorruptError, match="is loadable"):
         manager.load()
     manager.close()
-    assert sorted(p.name for p in tmp_path.glob("corrupt-*")) == ["corrupt-step-000000003-0",
-                                                                 "corrupt-step-000000006-0"]
+    assert sorted(p.name for p in tmp_path.glob("corrupt-*")) == [
+        "corrupt-step-000000003-0",
+        "corrupt-step-000000006-0",
+    ]
     for kw in ({"load": LoadConfig(fallback_to_older=True)}, {}):  # the restart (same config) and one without fallback
         manager, _ = manager_for(tmp_path, **kw)
         with pytest.raises(CheckpointCorruptError, match="only checkpoints set aside as corrupt") as err:

@@ -46,8 +46,11 @@ def test_yaml_without_root_names_the_missing_field(tmp_path):
 
 def _checkpoint(tmp_path):
     model = Net()
-    with CheckpointManager(CheckpointConfig(root=str(tmp_path / "ckpt"), schedule=ScheduleConfig(interval_steps=None)),
-                           model=model, optimizer=None) as manager:
+    with CheckpointManager(
+        CheckpointConfig(root=str(tmp_path / "ckpt"), schedule=ScheduleConfig(interval_steps=None)),
+        model=model,
+        optimizer=None,
+    ) as manager:
         return manager.save(1), model
 
 

@@ -57,15 +57,17 @@ def _trained_model(steps=3):
 
 def test_stateful_extra_state_is_restored_with_keys_its_fresh_object_lacks(tmp_path):
     model, ema, swa = _trained_model()
-    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=None,
-                           extra_state={"ema": ema, "swa": swa}) as m:
+    with CheckpointManager(
+        CheckpointConfig(root=str(tmp_path)), model=model, optimizer=None, extra_state={"ema": ema, "swa": swa}
+    ) as m:
         m.save(3)
     torch.manual_seed(1)
     fresh = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1))
     ema2, swa2 = EMA(fresh), torch.optim.swa_utils.AveragedModel(fresh)
     live_shadow = ema2.shadow
-    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=fresh, optimizer=None,
-                           extra_state={"ema": ema2, "swa": swa2}) as m:
+    with CheckpointManager(
+        CheckpointConfig(root=str(tmp_path)), model=fresh, optimizer=None, extra_state={"ema": ema2, "swa": swa2}
+    ) as m:
         m.load()
     assert ema2.shadow.keys() == ema.shadow.keys() == {"0.weight", "0.bias", "1.weight", "1.bias"}
     assert ema2.updates == 3 and ema2.log.get("steps") == [1, 2, 3]
@@ -86,8 +88,9 @@ def test_saved_stateful_keys_that_cannot_be_read_are_named(tmp_path, monkeypatch
     import distckpt.storage.posix as posix
 
     model, ema, _swa = _trained_model()
-    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=None,
-                           extra_state={"ema": ema}) as m:
+    with CheckpointManager(
+        CheckpointConfig(root=str(tmp_path)), model=model, optimizer=None, extra_state={"ema": ema}
+    ) as m:
         m.save(3)
     read = posix.read_dcp_metadata
 
@@ -95,10 +98,12 @@ def test_saved_stateful_keys_that_cannot_be_read_are_named(tmp_path, monkeypatch
         metadata = read(location)
         metadata.planner_data = None
         return metadata
+
     monkeypatch.setattr(posix, "read_dcp_metadata", without_paths)
     ema2 = EMA(model)
-    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=None,
-                           extra_state={"ema": ema2}) as m:
+    with CheckpointManager(
+        CheckpointConfig(root=str(tmp_path)), model=model, optimizer=None, extra_state={"ema": ema2}
+    ) as m:
         with pytest.raises(IncompatibleCheckpointError) as err:
             m.load()
     assert "in checkpoint, not in the extra_state object's state_dict(): extra.ema.shadow.0.weight" in str(err.value)
@@ -118,8 +123,14 @@ class NumpyStats:
         self.mean, self.hist = sd["mean"], sd["hist"]
 
 
-NUMPY_VALUES = {"x": np.float64(0.25), "n": np.int64(-7), "f": np.float32(1.5), "flag": np.bool_(True),
-                "a": np.arange(6, dtype=np.float32).reshape(2, 3) / 7, "nested": {"ids": np.array([3, 1], np.int64)}}
+NUMPY_VALUES = {
+    "x": np.float64(0.25),
+    "n": np.int64(-7),
+    "f": np.float32(1.5),
+    "flag": np.bool_(True),
+    "a": np.arange(6, dtype=np.float32).reshape(2, 3) / 7,
+    "nested": {"ids": np.array([3, 1], np.int64)},
+}
 
 
 def _assert_same_numpy(got, want):
@@ -138,13 +149,15 @@ def test_numpy_values_in_extra_state_round_trip_exactly(tmp_path, holder):
     stats = NumpyStats()
     stats.mean, stats.hist = np.float64(1 / 3), np.array([4, 0, 9], dtype=np.int32)
     saved = dict(NUMPY_VALUES) if holder == "plain" else {"stats": stats}
-    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=nn.Linear(2, 2), optimizer=None,
-                           extra_state=saved) as m:
+    with CheckpointManager(
+        CheckpointConfig(root=str(tmp_path)), model=nn.Linear(2, 2), optimizer=None, extra_state=saved
+    ) as m:
         m.save(1)
     fresh = NumpyStats()
     live = dict.fromkeys(NUMPY_VALUES) if holder == "plain" else {"stats": fresh}
-    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=nn.Linear(2, 2), optimizer=None,
-                           extra_state=live) as m:
+    with CheckpointManager(
+        CheckpointConfig(root=str(tmp_path)), model=nn.Linear(2, 2), optimizer=None, extra_state=live
+    ) as m:
         m.load()
         if holder == "plain":
             _assert_same_numpy(m.extra_state, NUMPY_VALUES)
@@ -156,11 +169,14 @@ class _Opaque:
     pass
 
 
-@pytest.mark.parametrize("extra,where,kind", [
-    ({"frac": {"lr": [1, fractions.Fraction(1, 3)]}}, "extra_state['frac']['lr'][1]", "fractions.Fraction"),
-    ({"obj": _Opaque()}, "extra_state['obj']", f"{__name__}._Opaque"),
-    ({"stats": NumpyStats()}, "extra_state['stats'].state_dict()['mean']", "fractions.Fraction"),
-])
+@pytest.mark.parametrize(
+    "extra,where,kind",
+    [
+        ({"frac": {"lr": [1, fractions.Fraction(1, 3)]}}, "extra_state['frac']['lr'][1]", "fractions.Fraction"),
+        ({"obj": _Opaque()}, "extra_state['obj']", f"{__name__}._Opaque"),
+        ({"stats": NumpyStats()}, "extra_state['stats'].state_dict()['mean']", "fractions.Fraction"),
+    ],
+)
 def test_value_load_would_refuse_is_refused_at_save_and_nothing_is_committed(tmp_path, extra, where, kind):
     if "stats" in extra:
         extra["stats"].mean = fractions.Fraction(1, 3)
@@ -168,8 +184,7 @@ def test_value_load_would_refuse_is_refused_at_save_and_nothing_is_committed(tmp
     with CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=None) as m:
         m.save(1)
     before = sorted(p.name for p in tmp_path.rglob("*"))
-    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=None,
-                           extra_state=extra) as m:
+    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=None, extra_state=extra) as m:
         with pytest.raises(CheckpointSaveError) as err:
             m.save(2)
     assert f"{where}: a {kind} cannot be saved" in str(err.value)

@@ -91,15 +91,23 @@ def test_retention_joins_the_previous_removal_before_it_reads_the_root(tmp_path,
 
     root = tmp_path / "ckpt"
     root.mkdir()
-    ctx = SaveContext(store=open_store(str(root)), rank=0, world_size=1, wrapper="plain", model_specs={},
-                      events=EventLog(None, 0), on_phase=on_phase, retention=RetentionConfig(keep_last=1),
-                      save=SaveConfig(thread_count=1),
-                      write_timeout_s=60.0, purger=SpyPurger())
+    ctx = SaveContext(
+        store=open_store(str(root)),
+        rank=0,
+        world_size=1,
+        wrapper="plain",
+        model_specs={},
+        events=EventLog(None, 0),
+        on_phase=on_phase,
+        retention=RetentionConfig(keep_last=1),
+        save=SaveConfig(thread_count=1),
+        write_timeout_s=60.0,
+        purger=SpyPurger(),
+    )
     collective = Collective(None, timeout_s=30)
     try:
         for step in (1, 2, 3):
-            tx = SaveTransaction(ctx, step=step, save_id=f"{step:04x}", train_state=TrainState(step=step),
-                                 full=False)
+            tx = SaveTransaction(ctx, step=step, save_id=f"{step:04x}", train_state=TrainState(step=step), full=False)
             tx.finish(collective, tx.write(lambda s=step: {"w": torch.full((64,), float(s))}, collective))
             if step == 2:  # returned with step 1's removal blocked (no join ran that could release it)
                 assert blocked.started.wait(60) and blocked.removed == [] and not blocked.release.is_set()

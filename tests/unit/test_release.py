@@ -28,15 +28,21 @@ DATA = {"name": "Points", "samples": 96, "seed": 1234}
 def trained_root(root, steps=4):
     model, optimizer, scheduler, scaler, loader = build(0, 1, {})
     manager = CheckpointManager(
-        CheckpointConfig(root=str(root),
-                         schedule=ScheduleConfig(interval_steps=None)), model=model, optimizer=optimizer,
-        lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader, run_id="run-42",
-        extra_state={"hparams": HPARAMS, "data": DATA})
+        CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=None)),
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        grad_scaler=scaler,
+        dataloader=loader,
+        run_id="run-42",
+        extra_state={"hparams": HPARAMS, "data": DATA},
+    )
     it = iter(loader)
     for step in range(1, steps + 1):
         loss = optimizer_step(model, optimizer, scheduler, scaler, next(it)).item()
-        manager.maybe_save(step, loss=loss, global_tokens_seen=step * 80,
-                           metrics={"val_loss": 0.75} if step == steps else None)
+        manager.maybe_save(
+            step, loss=loss, global_tokens_seen=step * 80, metrics={"val_loss": 0.75} if step == steps else None
+        )
     manager.save(steps)
     manager.close()
     return model, loss
@@ -44,8 +50,20 @@ def trained_root(root, steps=4):
 
 def test_release_files_and_card(tmp_path, capsys):
     model, loss = trained_root(tmp_path / "ckpt")
-    assert main(["release", str(tmp_path / "ckpt"), str(tmp_path / "gpt"), "--dtype", "bf16",
-                 "--name-with-step", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "release",
+                str(tmp_path / "ckpt"),
+                str(tmp_path / "gpt"),
+                "--dtype",
+                "bf16",
+                "--name-with-step",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = tmp_path / f"gpt-step4-loss{loss:.4f}"
     assert str(out) in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "model_card.md", "training_config.json"]
@@ -67,11 +85,20 @@ def test_release_files_and_card(tmp_path, capsys):
         assert absent not in text
 
     card = (out / "model_card.md").read_text()
-    for expected in ("# Model release: step 4", f"| 4 | 0 | 32 | 320 | {loss:.6g} | - |",
-                     f"4: {loss:.6g}", "val_loss = 0.75", "world size 1, wrapper plain, sharded",
-                     f"torch {torch.__version__}", f"{os.cpu_count()} CPUs", "run id: run-42",
-                     '"schedule": "warmup+cosine"', '"seed": 1234', "dtype bf16",
-                     "no optimizer, LR scheduler, gradient scaler, RNG or data-loader state"):
+    for expected in (
+        "# Model release: step 4",
+        f"| 4 | 0 | 32 | 320 | {loss:.6g} | - |",
+        f"4: {loss:.6g}",
+        "val_loss = 0.75",
+        "world size 1, wrapper plain, sharded",
+        f"torch {torch.__version__}",
+        f"{os.cpu_count()} CPUs",
+        "run id: run-42",
+        '"schedule": "warmup+cosine"',
+        '"seed": 1234',
+        "dtype bf16",
+        "no optimizer, LR scheduler, gradient scaler, RNG or data-loader state",
+    ):
         assert expected in card, expected
 
     # A second release into the same directory: refused, unless --force.
@@ -101,16 +128,37 @@ def release_peak_over_baseline(tmp_path, total_mib):
     """Peak RSS of a `distckpt release` process above its RSS just before the command runs,
     after its imports (VmHWM - VmRSS of /proc/self/status: the high-water mark of this process's
     own memory; ``ru_maxrss`` would start from the forking parent's)."""
-    CheckpointManager(CheckpointConfig(root=str(tmp_path / "ckpt"), schedule=ScheduleConfig(interval_steps=None),
-                                       save=SaveConfig(thread_count=1)),
-                      model=Big(total_mib), optimizer=None).save(1)
-    script = ("import sys; from distckpt.cli.main import main; import distckpt.tools.release\n"
-              "def kib(field):\n"
-              "    return next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith(field))\n"
-              "base = kib('VmRSS'); rc = main(sys.argv[1:]); print(kib('VmHWM') - base, rc)")
+    CheckpointManager(
+        CheckpointConfig(
+            root=str(tmp_path / "ckpt"), schedule=ScheduleConfig(interval_steps=None), save=SaveConfig(thread_count=1)
+        ),
+        model=Big(total_mib),
+        optimizer=None,
+    ).save(1)
+    script = (
+        "import sys; from distckpt.cli.main import main; import distckpt.tools.release\n"
+        "def kib(field):\n"
+        "    return next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith(field))\n"
+        "base = kib('VmRSS'); rc = main(sys.argv[1:]); print(kib('VmHWM') - base, rc)"
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    done = subprocess.run([sys.executable, "-c", script, "release", str(tmp_path / "ckpt"), str(tmp_path / "out"),
-                           "--dtype", "bf16", "--no-progress"], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            script,
+            "release",
+            str(tmp_path / "ckpt"),
+            str(tmp_path / "out"),
+            "--dtype",
+            "bf16",
+            "--no-progress",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     extra_kib, rc = done.stdout.split()[-2:]
     assert rc == "0"

@@ -49,9 +49,19 @@ def run(root, *, until, probe=None, interval=2, prepare=None, **config):
     if prepare is not None:
         prepare(model)
     manager = CheckpointManager(
-        CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=interval),
-                         retention=RetentionConfig(keep_last=None), **config), model=model,
-        optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader, probe=probe)
+        CheckpointConfig(
+            root=str(root),
+            schedule=ScheduleConfig(interval_steps=interval),
+            retention=RetentionConfig(keep_last=None),
+            **config,
+        ),
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        grad_scaler=scaler,
+        dataloader=loader,
+        probe=probe,
+    )
     state = manager.load()
     step, losses = (state.step if state else 0), {}
     model.train()
@@ -86,6 +96,7 @@ def test_probe_restores_module_modes():
     model.train()
     model.drop.eval()  # a submodule the user keeps in eval mode stays so
     from distckpt.load.probe import run_probe
+
     run_probe(hostile_probe, model)
     assert model.training and model.inp.training and not model.drop.training
 
@@ -109,6 +120,7 @@ def shifted_probe(model):
 def with_shift(value):
     def prepare(model):
         model.register_buffer("shift", torch.full((1,), value), persistent=False)
+
     return prepare
 
 
@@ -148,8 +160,15 @@ def test_probe_tolerance_validated():
 
 # ----------------------------------------------------------------------------- best-K
 def test_best_steps_ties_and_missing_metric():
-    metrics = {1: {"val_loss": 0.5}, 2: {"val_loss": 0.3}, 3: {"val_loss": 0.2}, 4: {"val_loss": 0.3},
-               5: {}, 6: {"val_loss": float("nan")}, 7: {"acc": 0.1}}
+    metrics = {
+        1: {"val_loss": 0.5},
+        2: {"val_loss": 0.3},
+        3: {"val_loss": 0.2},
+        4: {"val_loss": 0.3},
+        5: {},
+        6: {"val_loss": float("nan")},
+        7: {"acc": 0.1},
+    }
     assert best_steps(metrics, KeepBest(metric="val_loss", mode="min", k=2)) == [3, 2]  # 2 beats 4: earlier
     assert best_steps(metrics, KeepBest(metric="val_loss", mode="max", k=2)) == [1, 2]
     assert best_steps(metrics, KeepBest(metric="val_loss", k=10)) == [3, 2, 4, 1]  # 5, 6, 7 never count
@@ -157,9 +176,11 @@ def test_best_steps_ties_and_missing_metric():
 
 
 def test_keep_best_with_keep_last_through_the_manager_and_ls(tmp_path, capsys):
-    cfg = CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=1),
-                           retention=RetentionConfig(keep_last=1,
-                                                     keep_best={"metric": "val_loss", "mode": "min", "k": 2}))
+    cfg = CheckpointConfig(
+        root=str(tmp_path),
+        schedule=ScheduleConfig(interval_steps=1),
+        retention=RetentionConfig(keep_last=1, keep_best={"metric": "val_loss", "mode": "min", "k": 2}),
+    )
     assert cfg.retention.keep_best == KeepBest(metric="val_loss", mode="min", k=2)
     manager = CheckpointManager(cfg, model=Net(), optimizer=None)
     for step, value in {1: 0.5, 2: 0.3, 3: 0.2, 4: 0.3, 5: None, 6: 0.01}.items():
@@ -179,10 +200,15 @@ def test_keep_best_with_keep_last_through_the_manager_and_ls(tmp_path, capsys):
 
 
 def test_keep_best_k2_tie_and_keep_last_2(tmp_path):
-    manager = CheckpointManager(CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None),
-                                                 retention=RetentionConfig(keep_last=2,
-                                                                           keep_best={"metric": "val_loss", "k": 2})),
-                                model=Net(), optimizer=None)
+    manager = CheckpointManager(
+        CheckpointConfig(
+            root=str(tmp_path),
+            schedule=ScheduleConfig(interval_steps=None),
+            retention=RetentionConfig(keep_last=2, keep_best={"metric": "val_loss", "k": 2}),
+        ),
+        model=Net(),
+        optimizer=None,
+    )
     for step, value in {1: 0.5, 2: 0.3, 3: 0.2, 4: 0.3, 5: 0.4, 6: 0.9}.items():
         manager.save(step, metrics={"val_loss": value})
     manager.close()
@@ -191,10 +217,15 @@ def test_keep_best_k2_tie_and_keep_last_2(tmp_path):
 
 
 def test_keep_best_tie_earlier_step_wins_in_the_root(tmp_path):
-    manager = CheckpointManager(CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None),
-                                                 retention=RetentionConfig(
-                                                     keep_last=1, keep_best={"metric": "acc", "mode": "max", "k": 1})),
-                                model=Net(), optimizer=None)
+    manager = CheckpointManager(
+        CheckpointConfig(
+            root=str(tmp_path),
+            schedule=ScheduleConfig(interval_steps=None),
+            retention=RetentionConfig(keep_last=1, keep_best={"metric": "acc", "mode": "max", "k": 1}),
+        ),
+        model=Net(),
+        optimizer=None,
+    )
     for step, acc in ((1, 0.7), (2, 0.9), (3, 0.9), (4, 0.1)):
         manager.save(step, metrics={"acc": acc})
     manager.close()
@@ -202,15 +233,21 @@ def test_keep_best_tie_earlier_step_wins_in_the_root(tmp_path):
 
 
 def test_keep_best_validated():
-    for bad in ({"mode": "min"}, {"metric": "x", "mode": "lowest"}, {"metric": "x", "k": 0},
-                {"metric": "x", "top": 2}, "val_loss"):
+    for bad in (
+        {"mode": "min"},
+        {"metric": "x", "mode": "lowest"},
+        {"metric": "x", "k": 0},
+        {"metric": "x", "top": 2},
+        "val_loss",
+    ):
         with pytest.raises(ConfigError, match="keep_best"):
             CheckpointConfig(root="r", retention=RetentionConfig(keep_best=bad))
 
 
 def test_metric_values_must_be_numbers(tmp_path):
-    manager = CheckpointManager(CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None)),
-                                model=Net(), optimizer=None)
+    manager = CheckpointManager(
+        CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None)), model=Net(), optimizer=None
+    )
     with pytest.raises(TypeError, match="metrics must map names to numbers"):
         manager.maybe_save(1, metrics={"val_loss": "low"})
     manager.save(1, metrics={"val_loss": torch.tensor(0.5).item(), "acc": np.float32(0.25)})
@@ -239,17 +276,26 @@ def test_load_only_model_fine_tunes_with_fresh_optimizer(tmp_path, caplog):
     _, trained, _, _ = run(tmp_path / "pre", until=4)
     model, optimizer, scheduler, scaler, loader = build(0, 1, {})
     manager = CheckpointManager(
-        CheckpointConfig(root=str(tmp_path / "ft"),
-                         load=LoadConfig(path=str(tmp_path / "pre" / "step-000000004"), only=["model"]),
-                         schedule=ScheduleConfig(interval_steps=None)),
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader)
+        CheckpointConfig(
+            root=str(tmp_path / "ft"),
+            load=LoadConfig(path=str(tmp_path / "pre" / "step-000000004"), only=["model"]),
+            schedule=ScheduleConfig(interval_steps=None),
+        ),
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        grad_scaler=scaler,
+        dataloader=loader,
+    )
     with caplog.at_level(logging.INFO, logger="distckpt"):
         state = manager.load()
     assert all(torch.equal(model.state_dict()[k], trained[k]) for k in trained)
     assert optimizer.state == {} and scheduler.last_epoch == 0 and scaler.get_scale() == 2.0**8
     assert state.step == 0 and state.loss_history == []  # counters not loaded: a new run
-    assert ("selective load (load.only=['model']): loading model; not loading (live state kept): optimizer, "
-            "lr_scheduler, grad_scaler, dataloader, rng, counters, extra_state") in caplog.text
+    assert (
+        "selective load (load.only=['model']): loading model; not loading (live state kept): optimizer, "
+        "lr_scheduler, grad_scaler, dataloader, rng, counters, extra_state"
+    ) in caplog.text
     batch = next(iter(loader))  # the data position is fresh too: the first batch of epoch 0
     optimizer_step(model, optimizer, scheduler, scaler, batch)
     manager.save(1)
@@ -258,12 +304,19 @@ def test_load_only_model_fine_tunes_with_fresh_optimizer(tmp_path, caplog):
 
 def test_load_only_model_from_a_checkpoint_without_optimizer(tmp_path):
     trained = Net()
-    CheckpointManager(CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None)),
-                      model=trained, optimizer=None).save(3)
+    CheckpointManager(
+        CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None)),
+        model=trained,
+        optimizer=None,
+    ).save(3)
     model, optimizer, *_ = build(0, 1, {})
-    manager = CheckpointManager(CheckpointConfig(root=str(tmp_path), load=LoadConfig(only=["model"]),
-                                                 schedule=ScheduleConfig(interval_steps=None)),
-                                model=model, optimizer=optimizer)
+    manager = CheckpointManager(
+        CheckpointConfig(
+            root=str(tmp_path), load=LoadConfig(only=["model"]), schedule=ScheduleConfig(interval_steps=None)
+        ),
+        model=model,
+        optimizer=optimizer,
+    )
     manager.load()  # without load_only: IncompatibleCheckpointError (missing optim)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.state_dict().items())
     manager.close()
@@ -293,25 +346,30 @@ def test_load_selection_validated():
 
 # ----------------------------------------------------------------------------- run id
 def test_run_id_round_trip(tmp_path):
-    first = CheckpointManager(CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None)),
-                              model=Net(), optimizer=None)
+    first = CheckpointManager(
+        CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None)), model=Net(), optimizer=None
+    )
     run_id = first.train_state.run_id
     assert isinstance(run_id, str) and len(run_id) == 16
     first.save(1)
     first.close()
     assert json.loads((tmp_path / "step-000000001" / "distckpt.json").read_text())["run_id"] == run_id
 
-    resumed = CheckpointManager(CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None)),
-                                model=Net(), optimizer=None)
+    resumed = CheckpointManager(
+        CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None)), model=Net(), optimizer=None
+    )
     assert resumed.train_state.run_id != run_id  # a new id until the load...
     assert resumed.load().run_id == run_id  # ...which returns the checkpoint's
     resumed.save(2)
     resumed.close()
     assert Manifest.read(tmp_path / "step-000000002").run_id == run_id
 
-    passed = CheckpointManager(CheckpointConfig(root=str(tmp_path),
-                                                schedule=ScheduleConfig(interval_steps=None)), model=Net(),
-                               optimizer=None, run_id="wandb-1x2y3z")
+    passed = CheckpointManager(
+        CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None)),
+        model=Net(),
+        optimizer=None,
+        run_id="wandb-1x2y3z",
+    )
     assert passed.load().run_id == "wandb-1x2y3z"  # the caller's wins
     passed.save(3)
     passed.close()

@@ -32,8 +32,9 @@ def manager_for(root, **kw):
     objs = build(0, 1, kw.pop("build", {}))
     model, optimizer, scheduler, scaler, loader = objs
     cfg = CheckpointConfig(root=str(root), schedule=ScheduleConfig(interval_steps=None), **kw)
-    return CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                             grad_scaler=scaler, dataloader=loader), objs
+    return CheckpointManager(
+        cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader
+    ), objs
 
 
 def run_a(root, steps=(30, 35, 40)):
@@ -47,8 +48,11 @@ def run_a(root, steps=(30, 35, 40)):
 
 def listing(root):
     """``{dir name: {file: bytes}}`` of every directory under ``root``."""
-    return {d.name: {f.name: f.read_bytes() for f in sorted(d.iterdir()) if f.is_file()}
-            for d in sorted(root.iterdir()) if d.is_dir()}
+    return {
+        d.name: {f.name: f.read_bytes() for f in sorted(d.iterdir()) if f.is_file()}
+        for d in sorted(root.iterdir())
+        if d.is_dir()
+    }
 
 
 def model_tensors(checkpoint):
@@ -87,8 +91,9 @@ def test_fresh_run_in_a_used_root_refuses_or_archives_and_never_loses_its_commit
         CheckpointConfig(root=str(root), load=LoadConfig(enabled=False, on_existing="keep"))
 
     with caplog.at_level("WARNING"):
-        manager, objs = manager_for(root, load=LoadConfig(enabled=False, on_existing="archive"),
-                                    retention=RetentionConfig(keep_last=2))
+        manager, objs = manager_for(
+            root, load=LoadConfig(enabled=False, on_existing="archive"), retention=RetentionConfig(keep_last=2)
+        )
     assert "on_existing=archive" in caplog.text
     for step in (30, 35, 40):  # renamed with every byte, not deleted
         assert listing(root)[f"archived-step-{step:09d}-0"] == before[f"step-{step:09d}"]
@@ -158,8 +163,9 @@ def test_rollback_with_load_path_sets_newer_checkpoints_aside_at_the_first_save(
     evaluation.close()
     assert listing(root) == before  # a manager that only loads changes nothing
 
-    manager, objs = manager_for(root, load=LoadConfig(path=str(root / "step-000000003")),
-                                retention=RetentionConfig(keep_last=2))
+    manager, objs = manager_for(
+        root, load=LoadConfig(path=str(root / "step-000000003")), retention=RetentionConfig(keep_last=2)
+    )
     with caplog.at_level("WARNING"):
         assert manager.load().step == 3
         train_saving(manager, objs, range(4, 7), save_at=(6,))  # used to fail: step-000000006 already exists
@@ -183,8 +189,13 @@ def test_rollback_with_load_path_sets_newer_checkpoints_aside_at_the_first_save(
     capsys.readouterr()
     assert main(["ls", str(root), "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
-    assert rows["rolledback-step-000000009-0"] == {"name": "rolledback-step-000000009-0", "step": 9,
-                                                   "status": "set aside", "reason": "rolledback", "latest": False}
+    assert rows["rolledback-step-000000009-0"] == {
+        "name": "rolledback-step-000000009-0",
+        "step": 9,
+        "status": "set aside",
+        "reason": "rolledback",
+        "latest": False,
+    }
     assert rows["step-000000012"]["status"] == "committed" and rows["step-000000012"]["latest"]
 
 
@@ -280,8 +291,10 @@ def state_tensors(objs):
 def test_a_fine_tune_restarted_with_its_unchanged_config_resumes_its_own_checkpoints(tmp_path, caplog, on_existing):
     pre, ft = tmp_path / "pre" / "ckpt", tmp_path / "ft" / "ckpt"
     run_a(pre)
-    opts = dict(load=LoadConfig(path=str(pre / "step-000000040"), only=["model"], on_existing=on_existing),
-                retention=RetentionConfig(keep_last=None))
+    opts = dict(
+        load=LoadConfig(path=str(pre / "step-000000040"), only=["model"], on_existing=on_existing),
+        retention=RetentionConfig(keep_last=None),
+    )
     recorded = {"load_path": opts["load"].path, "load_step": None, "load_only": ["model"], "exclude_from_loading": None}
     reference, ref_objs = manager_for(tmp_path / "ref", **opts)  # the same fine-tune, never interrupted
     reference.load()
@@ -324,7 +337,11 @@ def test_a_rollback_restarted_with_its_unchanged_config_rolls_back_once(tmp_path
     mine = state_tensors(objs)
     manager.close()
     assert sorted(p.name for p in root.iterdir() if "step" in p.name) == [
-        "rolledback-step-000000006-0", "rolledback-step-000000009-0", "step-000000003", "step-000000005"]
+        "rolledback-step-000000006-0",
+        "rolledback-step-000000009-0",
+        "step-000000003",
+        "step-000000005",
+    ]
     with caplog.at_level("INFO", logger="distckpt"):
         restarted, objs2 = manager_for(root, **opts)
         assert restarted.load().step == 5  # used to roll back to step 3 again, setting step 5 aside
@@ -334,8 +351,12 @@ def test_a_rollback_restarted_with_its_unchanged_config_rolls_back_once(tmp_path
     train_saving(restarted, objs2, range(6, 8), save_at=(7,))
     restarted.close()
     assert sorted(p.name for p in root.iterdir() if "step" in p.name) == [
-        "rolledback-step-000000006-0", "rolledback-step-000000009-0", "step-000000003", "step-000000005",
-        "step-000000007"]
+        "rolledback-step-000000006-0",
+        "rolledback-step-000000009-0",
+        "step-000000003",
+        "step-000000005",
+        "step-000000007",
+    ]
     again, _ = manager_for(root, load=LoadConfig(path=str(root / "step-000000003")))  # changed options: a new rollback
     assert again.load().step == 3
     again.close()

@@ -40,7 +40,7 @@ def _ref_global_batches(n: int, g: int, epochs: int) -> List[List[int]]:
         gen = torch.Generator()
         gen.manual_seed((SEED * 1_000_003 + e) % 2**63)
         perm = torch.randperm(n, generator=gen).tolist()
-        out += [perm[k * g:(k + 1) * g] for k in range(n // g)]
+        out += [perm[k * g : (k + 1) * g] for k in range(n // g)]
     return out
 
 
@@ -79,8 +79,8 @@ def test_rank_slices_concatenate_to_global_batch(world):
         per_rank = [list(s) for s in ranks]
         assert all(len(p) == len(s) == 5 * b for p, s in zip(per_rank, ranks))
         for k in range(5):
-            glob = sum((p[k * b:(k + 1) * b] for p in per_rank), [])
-            assert glob == w1[k * g:(k + 1) * g] == ref[epoch * 5 + k]
+            glob = sum((p[k * b : (k + 1) * b] for p in per_rank), [])
+            assert glob == w1[k * g : (k + 1) * g] == ref[epoch * 5 + k]
 
 
 def test_exactly_once_per_epoch_and_new_permutation():
@@ -109,8 +109,15 @@ def test_state_epoch_end_and_set_epoch():
     it = iter(s)
     _take(it, 4 * 2 + 1)  # two global batches and one index of the third
     sd = s.state_dict()
-    assert sd == {"seed": SEED, "epoch": 0, "samples_consumed": 16,
-                  "global_batch_size": 8, "dataset_len": 48, "batch_offset": 0, "samples_before_epoch": 0}
+    assert sd == {
+        "seed": SEED,
+        "epoch": 0,
+        "samples_consumed": 16,
+        "global_batch_size": 8,
+        "dataset_len": 48,
+        "batch_offset": 0,
+        "samples_before_epoch": 0,
+    }
     s.set_epoch(0)  # same epoch: keep the position
     assert s.state_dict()["samples_consumed"] == 16
     rest = list(iter(s))  # restarts at the last whole global batch
@@ -141,7 +148,7 @@ def test_loader_resume_matches_uninterrupted(num_workers, consumed):
     for a, b in zip(gold, got):
         assert a.shape == (4, 2) and torch.equal(a, b)
     # Both equal the documented order, so they can't agree on a wrong continuation.
-    assert [_ids(b) for b in got] == [x[4:8] for x in ref[consumed:consumed + 8]]
+    assert [_ids(b) for b in got] == [x[4:8] for x in ref[consumed : consumed + 8]]
 
 
 @pytest.mark.timeout(60)
@@ -281,6 +288,6 @@ def test_a_new_iterator_goes_on_from_the_last_batch_returned(num_workers, persis
         if len(got) == 3:
             break
     got += [ids(batch) for batch in loader]  # the rest of the epoch, after a break
-    assert got == ref[1:n // g]
+    assert got == ref[1 : n // g]
     assert sampler.state_dict()["epoch"] == 1 and sampler.samples_seen == n
-    assert [ids(batch) for batch in loader] == ref[n // g:]  # the next epoch is untouched
+    assert [ids(batch) for batch in loader] == ref[n // g :]  # the next epoch is untouched

@@ -12,16 +12,24 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _options(background: bool = False) -> StagingOptions:
-    return StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=background,
-                          use_non_blocking_copy=False)
+    return StagingOptions(
+        use_pinned_memory=False, use_shared_memory=False, use_async_staging=background, use_non_blocking_copy=False
+    )
 
 
 def _source() -> dict:
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    return {"model": {"w": w, "tied": w, "b": torch.ones(4, dtype=torch.bfloat16)},
-            "optim": {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.full((3, 4), 0.5)}},
-                      "param_groups": [{"lr": 0.1, "params": ["w"]}]},
-            "rng": torch.get_rng_state(), "step": 3, "tag": "x", "pair": (1, torch.zeros(2))}
+    return {
+        "model": {"w": w, "tied": w, "b": torch.ones(4, dtype=torch.bfloat16)},
+        "optim": {
+            "state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.full((3, 4), 0.5)}},
+            "param_groups": [{"lr": 0.1, "params": ["w"]}],
+        },
+        "rng": torch.get_rng_state(),
+        "step": 3,
+        "tag": "x",
+        "pair": (1, torch.zeros(2)),
+    }
 
 
 def _fresh_view(sd: dict) -> dict:

@@ -82,8 +82,10 @@ def test_untied_missing_key_is_still_an_error(tmp_path):
             super().__init__(tied=False)
             self.lm_head = nn.Linear(8, 32, bias=False)
 
-    save_file({k: v.clone() for k, v in TinyLM().state_dict().items() if k != "lm_head.weight"},
-              tmp_path / "model.safetensors")
+    save_file(
+        {k: v.clone() for k, v in TinyLM().state_dict().items() if k != "lm_head.weight"},
+        tmp_path / "model.safetensors",
+    )
     import_weights(tmp_path / "model.safetensors", tmp_path / "root")
     with CheckpointManager(CheckpointConfig(root=str(tmp_path / "root")), model=Untied(), optimizer=None) as manager:
         with pytest.raises(IncompatibleCheckpointError, match="missing in checkpoint: lm_head.weight"):

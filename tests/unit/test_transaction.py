@@ -35,10 +35,18 @@ def _one_process(monkeypatch):
 
 def _ctx(root: Path, calls: list, keep_last: int | None = None) -> SaveContext:
     root.mkdir(parents=True, exist_ok=True)
-    return SaveContext(store=open_store(str(root)), rank=0, world_size=1, wrapper="plain", model_specs=SPECS,
-                       events=EventLog(None, 0), on_phase=lambda p, s, r: calls.append((p, s, r)),
-                       retention=RetentionConfig(keep_last=keep_last), save=SaveConfig(thread_count=1),
-                       write_timeout_s=60.0)
+    return SaveContext(
+        store=open_store(str(root)),
+        rank=0,
+        world_size=1,
+        wrapper="plain",
+        model_specs=SPECS,
+        events=EventLog(None, 0),
+        on_phase=lambda p, s, r: calls.append((p, s, r)),
+        retention=RetentionConfig(keep_last=keep_last),
+        save=SaveConfig(thread_count=1),
+        write_timeout_s=60.0,
+    )
 
 
 def _save(ctx: SaveContext, step: int, value: float = 1.0, **kw: Any) -> SaveTransaction:
@@ -58,8 +66,15 @@ def test_phases_in_order_and_the_manifest_describes_the_files(tmp_path: Path) ->
     assert (root / LATEST).read_text() == "step-000000007\n"
     assert sorted(os.listdir(root)) == [LATEST, "step-000000007"]  # staging renamed away
     m = validate(tx.final, check_hashes=True)
-    assert (m.step, m.epoch, m.global_samples_seen, m.world_size, m.wrapper, m.state_dict_type, m.loss) == \
-        (7, 0, 56, 1, "plain", "sharded", 3.5)
+    assert (m.step, m.epoch, m.global_samples_seen, m.world_size, m.wrapper, m.state_dict_type, m.loss) == (
+        7,
+        0,
+        56,
+        1,
+        "plain",
+        "sharded",
+        3.5,
+    )
     assert (m.distckpt_version, m.torch_version, m.hash_algorithm) == (__version__, torch.__version__, "xxh3_128")
     assert m.model == SPECS and m.model_fingerprint == model_fingerprint(SPECS)
     on_disk = sorted(p.name for p in Path(tx.final).iterdir() if p.name != MANIFEST)
@@ -80,15 +95,17 @@ def test_retention_deletes_only_older_checkpoints(tmp_path: Path) -> None:
     retention = [c for c in calls if c[0] == "retention"]
     assert retention == [("retention", 2, 0)]  # keep_last=2 among steps <= 6: 4 and 6 stay
     assert [p for p, _, _ in calls] == list(PHASES)  # retention between latest and committed
-    assert sorted(p for p in os.listdir(root) if p.startswith("step-")) == \
-        ["step-000000004", "step-000000006", Path(newer.final).name]
+    assert sorted(p for p in os.listdir(root) if p.startswith("step-")) == [
+        "step-000000004",
+        "step-000000006",
+        Path(newer.final).name,
+    ]
     ctx.purger.join()  # the files of a deleted checkpoint are removed in the background
     assert not [p for p in os.listdir(root) if p.startswith(".")]  # no .deleting- left
     assert validate(newer.final, check_hashes=True).step == 50
 
 
-def test_a_failed_write_aborts_naming_rank_0_and_keeps_the_previous_checkpoint(tmp_path: Path,
-                                                                              monkeypatch) -> None:
+def test_a_failed_write_aborts_naming_rank_0_and_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
     calls: list = []
     root = tmp_path / "ckpt"
     ctx = _ctx(root, calls, keep_last=1)
