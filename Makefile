@@ -41,7 +41,7 @@ TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	$(PY) -m pytest -m "not slow and not gpu" -q -n $(TEST_WORKERS) --dist worksteal
 
-# tests/unit without the tests that start processes (marked multiprocess): about a minute here.
+# tests/unit without the tests that start processes (marked multiprocess): about 30 s here.
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -m "not slow and not gpu and not multiprocess" -q tests/unit
 
