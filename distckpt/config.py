@@ -30,6 +30,7 @@ from .config_sections import (
     ElasticConfig,
     KeepBest,
     LoadConfig,
+    MemoryConfig,
     PreemptionConfig,
     RetentionConfig,
     SaveConfig,
@@ -49,6 +50,7 @@ __all__ = [
     "KeepBest",
     "LOADABLE",
     "LoadConfig",
+    "MemoryConfig",
     "PreemptionConfig",
     "READ_ONLY_SAVE",
     "RetentionConfig",
@@ -80,6 +82,7 @@ SECTIONS: dict[str, type] = {
     "preemption": PreemptionConfig,
     "coordination": CoordinationConfig,
     "storage": StorageConfig,
+    "memory": MemoryConfig,
 }
 """``{section: its dataclass}``: the keys of :class:`CheckpointConfig` besides ``root``."""
 
@@ -154,6 +157,7 @@ class CheckpointConfig:
         preemption: SIGTERM handling (:class:`PreemptionConfig`).
         coordination: collective timeouts, the root's lock, the event log (:class:`CoordinationConfig`).
         storage: object storage of an ``s3://`` root (:class:`StorageConfig`).
+        memory: the memory tier, node-local snapshots with replicas (:class:`MemoryConfig`).
 
     Raises:
         ConfigError: an unknown keyword, an invalid value (the message names its dotted key), or a
@@ -170,6 +174,7 @@ class CheckpointConfig:
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     coordination: CoordinationConfig = field(default_factory=CoordinationConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def __init__(
         self,
@@ -184,6 +189,7 @@ class CheckpointConfig:
         preemption: PreemptionConfig | Mapping[str, Any] | bool | None = None,
         coordination: CoordinationConfig | Mapping[str, Any] | None = None,
         storage: StorageConfig | Mapping[str, Any] | None = None,
+        memory: MemoryConfig | Mapping[str, Any] | None = None,
         **flat: Any,
     ) -> None:
         given = dict(
@@ -196,6 +202,7 @@ class CheckpointConfig:
             preemption=preemption,
             coordination=coordination,
             storage=storage,
+            memory=memory,
         )
         sections = _regroup(given, flat, lambda key: f"CheckpointConfig({key}=...)")
         for name in SECTIONS:

@@ -21,6 +21,7 @@ __all__ = [
     "KeepBest",
     "LOADABLE",
     "LoadConfig",
+    "MemoryConfig",
     "PreemptionConfig",
     "RetentionConfig",
     "SaveConfig",
@@ -423,6 +424,31 @@ class StorageConfig:
         for name in ("s3_endpoint_url", "s3_region"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(f"CheckpointConfig.storage.{name}={getattr(self, name)!r}: must be a string or null")
+
+
+@dataclass(kw_only=True)
+class MemoryConfig:
+    """The memory tier: a node-local snapshot every few steps plus a replica on another node,
+    restored before the durable root when newer (YAML section ``memory:``; docs/memory.md)."""
+
+    enabled: bool = False
+    """Snapshot the training state into node-local shared memory. Default ``False``."""
+    interval_steps: int = 1
+    """Snapshot every N optimizer steps. Default ``1``."""
+    replicas: int = 1
+    """Copies of each rank's snapshot kept on other nodes (0: the node's own memory only, which
+    survives a worker crash but not the node). Default ``1``."""
+    dir: str = "/dev/shm/distckpt"
+    """Node-local directory of the snapshots, on a tmpfs so that it outlives the worker processes;
+    ``{node}`` is replaced by the node's id (``$DISTCKPT_NODE_ID``, else the host name). distckpt
+    writes only under ``<dir>/<job>/``, ``<job>`` derived from ``root``. Default ``/dev/shm/distckpt``."""
+
+    def __post_init__(self) -> None:
+        check_positive("memory.interval_steps", self.interval_steps, integer=True)
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
+            raise ConfigError(f"CheckpointConfig.memory.replicas={self.replicas!r}: must be an integer >= 0")
+        if not isinstance(self.dir, str) or not self.dir:
+            raise ConfigError(f"CheckpointConfig.memory.dir={self.dir!r}: must be a non-empty directory path")
 
 
 def check_positive(key: str, value: float | None, *, allow_none: bool = False, integer: bool = False) -> None:

@@ -32,6 +32,7 @@ from .errors import CheckpointLockedError, ConfigError
 from .load.discovery import CheckpointDiscovery
 from .load.loading import CheckpointLoader
 from .load.resume import ProbeFn, ResumeExtras
+from .memory import MemoryTier
 from .save.grace import SaveDurations, agree_on_signal
 from .save.preemption import PreemptionWatcher
 from .save.schedule import SaveSchedule
@@ -64,12 +65,10 @@ class CheckpointManager:
             plain values are in ``manager.extra_state``.
         process_group: ranks that checkpoint together; ``None`` = default group (or a
             single process when ``torch.distributed`` is not initialised).
-        on_phase: ``on_phase(phase, step, rank)``, called on every rank before each phase of
-            a save acts (``stage``, ``write``, ``manifest``, ``rename``, ``latest``,
-            ``retention``, ``committed``; see :mod:`distckpt.save.transaction`): tracing and
-            fault injection. It runs on the background thread for async saves.
-        probe, run_id: ``probe(model) -> loss`` on a fixed batch, compared after ``load()``; the experiment
-            tracker's run id kept across resumes (``None``: the checkpoint's, or new). :mod:`distckpt.load.resume`.
+        on_phase: ``on_phase(phase, step, rank)``, called on every rank before each phase of a save
+            (:mod:`distckpt.save.transaction`): tracing and fault injection; on the background thread when async.
+        probe, run_id: ``probe(model) -> loss`` on a fixed batch, compared after ``load()``; the tracker's
+            run id kept across resumes (``None``: the checkpoint's, or new). :mod:`distckpt.load.resume`.
 
     Raises:
         ConfigError: the root directory cannot be created or written (on every rank); or the
@@ -178,6 +177,7 @@ class CheckpointManager:
             initial_load=config.initial_load,
             write_timeout_s=coord.effective_write_timeout_s,
         )
+        self.memory = MemoryTier.create(self.config, self.collective, model, optimizer, self.wrapper, read_only)
         self.loader = CheckpointLoader(
             collective=self.collective,
             state=self.state,
@@ -186,6 +186,7 @@ class CheckpointManager:
             model_specs=self.model_specs,
             local_world_size=self.local_world_size,
             store=self.store,
+            memory=self.memory,
         )
 
     @property
@@ -198,11 +199,8 @@ class CheckpointManager:
         """Resume from the newest valid committed checkpoint (or ``config.load.path``/``load.step``),
         all of it or the parts ``load.only``/``load.exclude`` select.
 
-        Rank 0 first removes pending directories and deletions left by a crash. A checkpoint is
-        valid when its manifest is readable and every listed file exists with the recorded size.
-        A ``load.path`` naming ``step-N`` of the root is a rollback: the root's newer checkpoints
-        are renamed ``rolledback-step-M-<n>`` (kept; a warning lists them) at this run's first
-        save, so a manager that only loads changes nothing.
+        With ``memory.enabled``, a newer (or as new) complete snapshot in the nodes' memory serves
+        first (docs/memory.md). Crash leftovers, validity, rollbacks: docs/resume.md.
 
         Returns:
             The restored :class:`TrainState`, or ``None`` when there is nothing to load (or
@@ -242,8 +240,7 @@ class CheckpointManager:
         self.train_state = train_state
         self.last_saved_step = train_state.step
         self.schedule.mark_saved()
-        # The caller's copy: later maybe_save calls update self.train_state, not this one.
-        return dataclasses.replace(train_state, loss_history=list(train_state.loss_history))
+        return dataclasses.replace(train_state, loss_history=list(train_state.loss_history))  # the caller's copy
 
     # ------------------------------------------------------------------ save
     def maybe_save(
@@ -278,6 +275,8 @@ class CheckpointManager:
         """
         self._check_open(save=True)
         self._record(step, loss, counters, metrics)
+        if self.memory is not None:  # the memory tier's snapshot, before any durable save
+            self.memory.maybe_snapshot(step, self.state, self.train_state, explicit=self._explicit_counters)
         if self.preemption is not None and self.preemption.agreed():
             return self._save_for_preemption(step)
         due = self.schedule.is_due(step) or (last_step and self.config.schedule.save_at_end)
@@ -355,8 +354,7 @@ class CheckpointManager:
         if loss is not None or counters or metrics or step != self.train_state.step:
             self._record(step, loss, counters or {}, metrics)
         self.wait()  # at most one save in flight
-        # Unique per save without a collective: a run id agreed at construction + a counter.
-        self._save_count += 1
+        self._save_count += 1  # save id: a run id agreed at construction + a counter, no collective
         self.state.derive_counters(self.train_state, explicit=self._explicit_counters)
         self.extras.before_save(self.train_state)  # run id, probe loss (a forward on every rank)
         snapshot = dataclasses.replace(self.train_state, loss_history=list(self.train_state.loss_history))
@@ -430,6 +428,8 @@ class CheckpointManager:
             self._closed = True
             if self.async_writer is not None:
                 self.async_writer.close()
+            if self.memory is not None:
+                self.memory.close()
             if self.preemption is not None:
                 self.preemption.uninstall()
             if self.lock is not None and self.rank == 0:

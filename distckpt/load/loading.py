@@ -19,6 +19,7 @@ from ..coord.collective import Collective
 from ..coord.events import EventLog
 from ..engine.blocking import run_load
 from ..errors import CheckpointCorruptError, IncompatibleCheckpointError
+from ..memory import MemoryRestore, MemoryTier, restore_from_memory
 from ..ondisk.layout import parse_step
 from ..ondisk.manifest import Manifest, TensorSpec, check_model_fits, first_problem, structure_problems
 from ..state.training_state import CheckpointState, TrainState
@@ -42,6 +43,7 @@ class CheckpointLoader:
         model_specs: ``{fqn: TensorSpec}`` of the live model.
         local_world_size: ranks on this node (they share ``load.streams_per_node``).
         store: the root's storage; every read goes through it.
+        memory: the memory tier, consulted before the durable tier when ``load`` names no checkpoint.
     """
 
     def __init__(
@@ -54,10 +56,13 @@ class CheckpointLoader:
         model_specs: dict[str, TensorSpec],
         local_world_size: int,
         store: CheckpointStore,
+        memory: MemoryTier | None = None,
     ) -> None:
         self.collective, self.state, self.config = collective, state, config
         self.events, self.model_specs, self.local_world_size = events, model_specs, local_world_size
-        self.store = store
+        self.store, self.memory = store, memory
+        self.tier = "durable"  # the tier the last load() read from
+        self.restored: MemoryRestore | None = None  # the last restore from memory
 
     def load(self, discovery: CheckpointDiscovery) -> tuple[str, TrainState, Manifest] | None:
         """Load the checkpoint ``discovery`` chooses, falling back when allowed.
@@ -70,7 +75,7 @@ class CheckpointLoader:
             :meth:`distckpt.CheckpointManager.load` documents.
         """
         rejected: list[str] = []
-        selected = self.config.load.selection
+        selected, self.tier = self.config.load.selection, "durable"
         if selected != frozenset(LOADABLE) and self.collective.rank == 0:
             how = (
                 f"load.only={self.config.load.only}"
@@ -86,6 +91,12 @@ class CheckpointLoader:
         while True:
             path = self.collective.agree(lambda: discovery.choose(rejected), what="finding a checkpoint")
             path = self.collective.broadcast(path)
+            if self.memory is not None and not rejected and self.config.resolved_load_path is None:
+                durable = None if path is None else self.store.step_of(path)
+                got = restore_from_memory(self.memory, self.collective, self.state, selected, durable_step=durable)
+                if got is not None:
+                    self.tier, self.restored = "memory", got
+                    return got.location, got.train_state, got.manifest
             if path is None:
                 return None
             try:

@@ -110,11 +110,13 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 # docs/design.md. A unit is a subpackage (``save`` = ``distckpt.save.*``) or a root module.
 RULES: dict[str, set[str]] = {
     "distckpt": {"_version", "config", "data", "errors", "manager", "state"},  # the public face
-    "manager": {"adapters", "config", "coord", "engine", "errors", "load", "save", "state", "storage"},
+    "manager": {"adapters", "config", "coord", "engine", "errors", "load", "memory", "save", "state", "storage"},
     "cli": {"_version", "config", "engine", "errors", "load", "ondisk", "save", "state", "storage", "tools"},
     "tools": {"_version", "adapters", "config", "engine", "errors", "ondisk", "state", "storage"},
     "save": {"_version", "adapters", "config", "coord", "data", "engine", "errors", "ondisk", "state", "storage"},
-    "load": {"_version", "adapters", "config", "coord", "data", "engine", "errors", "ondisk", "state", "storage"},
+    "load": {"_version", "adapters", "config", "coord", "data", "engine", "errors", "memory", "ondisk", "state"}
+    | {"storage"},
+    "memory": {"_version", "config", "coord", "engine", "errors", "ondisk", "state"},
     "state": {"adapters", "config", "data", "engine", "errors", "ondisk"},
     "adapters": {"engine", "errors", "ondisk"},
     "data": {"errors"},

@@ -1,0 +1,85 @@
+"""Where the memory tier keeps what: node identity, the memory directory, replica peers, and which
+rank stores each replicated tensor (docs/memory.md, "Placement").
+
+Node identity comes from ``$DISTCKPT_NODE_ID`` when the launcher sets it, else the host name,
+never from torchrun's ``GROUP_RANK`` (it renumbers the nodes at every rendezvous). Replicas follow
+a ring over the nodes, as nvidia-resiliency-ext's local checkpoints replicate across nodes: the
+``k``-th copy of a rank's snapshot goes to the rank of the same local index ``k`` nodes further
+along (the nodes ordered by their lowest rank).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from dataclasses import dataclass
+
+__all__ = ["NodeLayout", "assign_replicated", "job_key", "memory_dir", "node_id"]
+
+NODE_ENV = "DISTCKPT_NODE_ID"
+
+
+def node_id() -> str:
+    """This process's node: ``$DISTCKPT_NODE_ID``, else the host name."""
+    return os.environ.get(NODE_ENV) or socket.gethostname()
+
+
+def job_key(root: str) -> str:
+    """``job-<16 hex>`` from the checkpoint root: one job per root (the root's lock), the same key
+    on every node and across restarts, and another job's key differs."""
+    return "job-" + hashlib.sha256(root.rstrip("/").encode()).hexdigest()[:16]
+
+
+def memory_dir(template: str, node: str, root: str) -> str:
+    """``<template with {node} replaced>/<job key>``: the only directory this job writes in."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in node)
+    return os.path.join(template.replace("{node}", safe), job_key(root))
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """The job's ranks grouped by node.
+
+    Args:
+        nodes: the node id of each rank, indexed by rank.
+    """
+
+    nodes: tuple[str, ...]
+
+    @property
+    def order(self) -> list[str]:
+        """Node ids ordered by their lowest rank."""
+        return list(dict.fromkeys(self.nodes))
+
+    def ranks_on(self, node: str) -> list[int]:
+        """The ranks on ``node``, ascending."""
+        return [r for r, n in enumerate(self.nodes) if n == node]
+
+    def targets(self, rank: int, replicas: int) -> list[int]:
+        """The ranks that keep copies of ``rank``'s snapshot: one on each of the ``replicas`` next
+        nodes of the ring (fewer when the job has fewer other nodes)."""
+        order, node = self.order, self.nodes[rank]
+        local = self.ranks_on(node).index(rank)
+        out = []
+        for k in range(1, min(replicas, len(order) - 1) + 1):
+            peers = self.ranks_on(order[(order.index(node) + k) % len(order)])
+            out.append(peers[local % len(peers)])
+        return out
+
+    def sources(self, rank: int, replicas: int) -> list[int]:
+        """The ranks whose snapshots ``rank`` keeps a copy of."""
+        return [r for r in range(len(self.nodes)) if rank in self.targets(r, replicas)]
+
+
+def assign_replicated(sizes: dict[str, int], world_size: int) -> dict[str, int]:
+    """``{fqn: rank}`` storing each replicated tensor once per job: largest first to the rank with
+    the fewest bytes so far (ties: the lower rank). Every rank computes the same answer from the
+    same ``sizes`` (bytes), as DCP's ``dedup_save_plans`` balances its writers."""
+    load = [0] * world_size
+    out = {}
+    for fqn in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        out[fqn] = rank
+        load[rank] += sizes[fqn]
+    return out

@@ -1,0 +1,125 @@
+"""Choosing the tier a restart resumes from, and the restore from memory (docs/memory.md, "Restore").
+
+:func:`restore_from_memory` runs the inventory and the consistent cut of
+:mod:`distckpt.memory.restore` and compares the cut with the durable tier's newest committed step:
+memory serves when its step is at least as new (no byte read from the root); otherwise, or when the
+memory restore fails, it returns ``None`` and the durable tier serves. Rank 0 logs which tier
+served and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .._version import __version__
+from ..coord.collective import Collective
+from ..engine.blocking import run_load
+from ..errors import DistCkptError, IncompatibleCheckpointError
+from ..ondisk.manifest import Manifest
+from ..state.training_state import CheckpointState, TrainState
+from .restore import MemoryReader, fetch_chunks, find_cut, inventory, memory_metadata, plan_needed
+from .tier import MemoryTier
+
+__all__ = ["MemoryRestore", "restore_from_memory"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MemoryRestore:
+    """The outcome of a restore from memory.
+
+    Attributes:
+        location: ``memory://<job>/step-<N>`` (names the tier in logs and ``TrainState.checkpoint_path``).
+        train_state: the restored counters.
+        manifest: a manifest of the snapshot (step, world size, wrapper) for the caller's bookkeeping.
+        bytes_received: bytes this rank received from other nodes.
+        seconds: wall time of the restore on this rank.
+    """
+
+    location: str
+    train_state: TrainState
+    manifest: Manifest
+    bytes_received: int
+    seconds: float
+
+
+def restore_from_memory(
+    tier: MemoryTier,
+    collective: Collective,
+    state: CheckpointState,
+    select: frozenset[str],
+    *,
+    durable_step: int | None,
+) -> MemoryRestore | None:
+    """Restore the newest complete memory snapshot when it is at least as new as ``durable_step``
+    (the durable tier's newest committed step; ``None``: none). Collective.
+
+    Returns:
+        The restore, or ``None`` when the durable tier should serve (no complete snapshot, an older
+        one, or a failed memory restore: each logged on rank 0 with its reason).
+
+    Raises:
+        IncompatibleCheckpointError: never from memory: a snapshot that does not fit the live
+            model is left to the durable tier, whose load reports it.
+    """
+    t0 = time.perf_counter()
+    rank = collective.rank
+    entries = [e for part in collective.all_gather(inventory(tier.dir, tier.layout, rank)) for e in part]
+    cut, why = find_cut(entries)
+    if cut is None or (durable_step is not None and cut.step < durable_step):
+        if rank == 0:
+            reason = why if cut is None else f"its newest complete snapshot, step {cut.step}, is older"
+            logger.info("memory tier: %s -> the durable tier serves (newest commit: step %s)", reason, durable_step)
+        return None
+    location = f"memory://{tier.job}/step-{cut.step}"
+    metadata, where = memory_metadata(cut)
+    try:
+        with state.model_optim.load_context():
+            target = collective.agree(
+                lambda: state.for_load(set(metadata.state_dict_metadata), cut.world_size, select, metadata=metadata),
+                what=f"planning the restore of {location}",
+            )
+            needed = collective.agree(
+                lambda: plan_needed(target, metadata, is_coordinator=rank == 0), what=f"planning {location}"
+            )
+            chunks, received = fetch_chunks(
+                cut, where, needed, directory=tier.dir, layout=tier.layout, collective=collective
+            )
+            run_load(target, MemoryReader(metadata, where, chunks), process_group=collective.group, directory=location)
+            train_state = collective.agree(
+                lambda: state.restore(target, saved_world_size=cut.world_size),
+                what=f"restoring {location}",
+                error_type=IncompatibleCheckpointError,
+            )
+    except DistCkptError as e:
+        if rank == 0:
+            logger.warning("memory tier: restoring %s failed (%s) -> the durable tier serves", location, e)
+        return None
+    header = cut.headers[0]
+    manifest = Manifest(
+        step=cut.step,
+        world_size=cut.world_size,
+        wrapper=header["wrapper"],
+        state_dict_type="sharded",
+        torch_version=torch.__version__,
+        distckpt_version=__version__,
+        model={},
+        model_fingerprint="",
+    )
+    seconds = time.perf_counter() - t0
+    total = sum(collective.all_gather(received))
+    if rank == 0:
+        logger.info(
+            "memory tier serves: %s (%s; newest durable commit: step %s), %.1f MiB moved between nodes, %.2f s",
+            location,
+            why,
+            durable_step,
+            total / 2**20,
+            seconds,
+        )
+    return MemoryRestore(location, train_state, manifest, received, seconds)

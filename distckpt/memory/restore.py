@@ -1,0 +1,257 @@
+"""The memory tier's read side: find the newest step whose every shard survives in some node's
+memory, and load it at any world size through DCP's planner (docs/memory.md, "Restore").
+
+All collective, on every rank of the new job:
+
+1. **Inventory.** Each rank lists its node's memory directory; the node's ranks split its files
+   and each verifies its share (preamble, header and data hashes). A corrupt file is left out
+   (a warning names it), so its replica on another node serves instead.
+2. **Consistent cut.** From every rank's inventory: the newest ``(step, world size, generation)``
+   for which every rank's shard is present on a surviving node, as its own snapshot or a replica.
+3. **Plan.** DCP ``Metadata`` built from the cut's headers; each rank plans its load with
+   distckpt's load planner, as a durable load does, and so learns which stored chunks it needs.
+4. **Move.** A chunk held on the rank's own node is read from there; any other is requested from a
+   rank on a node that holds it and arrives over the process group (point-to-point sends), never
+   through another node's file system.
+5. **Load.** ``dcp.load`` through :class:`MemoryReader`, which serves the chunks from memory.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import StorageReader
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
+from typing_extensions import override
+
+from ..coord.collective import Collective
+from ..engine.safe_io import SafeLoadPlanner
+from ..engine.torch_internals import narrow_tensor_by_index
+from ..errors import CheckpointCorruptError
+from .placement import NodeLayout
+from .snapfile import parse_name, read_header
+
+__all__ = ["Cut", "MemoryReader", "fetch_chunks", "find_cut", "inventory", "memory_metadata"]
+
+logger = logging.getLogger(__name__)
+
+Entry = tuple[int, str, int, int, int, str, dict[str, Any]]  # server rank, file, step, rank, world size, gen, header
+
+
+def inventory(directory: str, layout: NodeLayout, rank: int) -> list[Entry]:
+    """This rank's verified share of its node's snapshot files (the node's ranks split them)."""
+    local = layout.ranks_on(layout.nodes[rank])
+    names = sorted(n for n in map(os.path.basename, glob.glob(os.path.join(directory, "*.snap"))) if parse_name(n))
+    out: list[Entry] = []
+    for name in names[local.index(rank) :: len(local)]:
+        step, owner, world_size, gen = parse_name(name)  # type: ignore[misc]
+        try:
+            header = read_header(os.path.join(directory, name), verify=True)
+        except CheckpointCorruptError as e:
+            logger.warning("memory tier: %s -- not used; a replica or the durable tier serves instead", e)
+            continue
+        if (header.step, header.rank, header.world_size, header.gen) != (step, owner, world_size, gen):
+            logger.warning("memory tier: %s: its header disagrees with its name; not used", name)
+            continue
+        out.append((rank, name, step, owner, world_size, gen, header.__dict__))
+    return out
+
+
+@dataclass
+class Cut:
+    """A restorable snapshot: every rank's shard of one step, and where each is held.
+
+    Attributes:
+        step, world_size, gen: the snapshot's step, the world size and generation that wrote it.
+        holders: ``{saved rank: [(serving rank now, file name)]}`` (own copies and replicas).
+        headers: ``{saved rank: header dict}``.
+    """
+
+    step: int
+    world_size: int
+    gen: str
+    holders: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
+    headers: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+def find_cut(entries: list[Entry]) -> tuple[Cut | None, str]:
+    """The newest complete snapshot among all ranks' ``entries``, and why (for the log)."""
+    cuts: dict[tuple[int, int, str], Cut] = {}
+    for server, name, step, owner, world_size, gen, header in entries:
+        cut = cuts.setdefault((step, world_size, gen), Cut(step, world_size, gen))
+        cut.holders.setdefault(owner, []).append((server, name))
+        cut.headers[owner] = header
+    if not cuts:
+        return None, "no snapshot in any node's memory"
+    complete = [c for c in cuts.values() if len(c.holders) == c.world_size]
+    newest = max(cuts.values(), key=lambda c: (c.step, len(c.holders)))
+    if not complete:
+        missing = sorted(set(range(newest.world_size)) - set(newest.holders))
+        return None, f"step {newest.step} lacks the shards of ranks {missing} (lost with their nodes)"
+    best = max(complete, key=lambda c: c.step)
+    why = f"step {best.step}, all {best.world_size} shards present"
+    if newest.step > best.step:
+        why += f" (step {newest.step} is incomplete)"
+    return best, why
+
+
+def memory_metadata(cut: Cut) -> tuple[Metadata, dict[MetadataIndex, list[tuple[int, list[Any]]]]]:
+    """DCP ``Metadata`` of ``cut``, and ``{storage index: [(saved rank, header item)]}`` (duplicates:
+    the same chunk stored by several ranks)."""
+    sd_md: dict[str, Any] = {}
+    where: dict[MetadataIndex, list[tuple[int, list[Any]]]] = {}
+    for owner in sorted(cut.headers):
+        for item in cut.headers[owner]["items"]:
+            fqn, kind, offsets, sizes, size, dtype = item[:6]
+            if kind == "bytes":
+                sd_md[fqn] = BytesStorageMetadata()
+                key = MetadataIndex(fqn)
+            else:
+                dt = getattr(torch, dtype.removeprefix("torch."))
+                md = sd_md.setdefault(fqn, TensorStorageMetadata(TensorProperties(dtype=dt), torch.Size(size), []))
+                key = MetadataIndex(fqn, torch.Size(offsets))
+                if key not in where:
+                    md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            where.setdefault(key, []).append((owner, item))
+    return Metadata(state_dict_metadata=sd_md, storage_data=where), where
+
+
+def fetch_chunks(
+    cut: Cut,
+    where: dict[MetadataIndex, list[tuple[int, list[Any]]]],
+    needed: list[MetadataIndex],
+    *,
+    directory: str,
+    layout: NodeLayout,
+    collective: Collective,
+) -> tuple[dict[MetadataIndex, torch.Tensor], int]:
+    """The stored bytes of each ``needed`` chunk (``uint8`` tensors): read from this node's memory
+    when it holds them, else sent by a rank on a node that does. Collective.
+
+    Returns:
+        ``({storage index: bytes}, bytes received over the network)``.
+    """
+    rank, node = collective.rank, layout.nodes[collective.rank]
+    chunks: dict[MetadataIndex, torch.Tensor] = {}
+    asks: dict[int, list[tuple[str, int, int]]] = {}  # server -> [(file, offset, length)]
+    remote: dict[int, list[MetadataIndex]] = {}
+    for key in needed:
+        owner, item = where[key][0]
+        held = [(s, name) for o, _ in where[key] for s, name in cut.holders[o] if o == owner]
+        offset, length = item[6], item[7]
+        here = next((name for s, name in held if layout.nodes[s] == node), None)
+        if here is not None:
+            chunks[key] = _read(os.path.join(directory, here), offset, length)
+            continue
+        server, name = held[rank % len(held)]
+        asks.setdefault(server, []).append((name, offset, length))
+        remote.setdefault(server, []).append(key)
+    all_asks = collective.all_gather(asks)
+    works, buffers = [], {}
+    for client, theirs in enumerate(all_asks):
+        mine = theirs.get(rank, [])
+        if client != rank and mine:
+            blob = torch.cat([_read(os.path.join(directory, n), o, ln) for n, o, ln in mine])
+            works.append(dist.isend(blob, group=collective.group, group_dst=client))
+    received = 0
+    for server, keys in sorted(remote.items()):
+        lengths = [ln for _, _, ln in asks[server]]
+        buffers[server] = buf = torch.empty(sum(lengths), dtype=torch.uint8)
+        dist.recv(buf, group=collective.group, group_src=server)
+        received += buf.numel()
+        for key, part in zip(keys, torch.split(buf, lengths)):
+            chunks[key] = part
+    for w in works:
+        if w is not None:
+            w.wait()
+    return chunks, received
+
+
+def _read(path: str, offset: int, length: int) -> torch.Tensor:
+    out = torch.empty(length, dtype=torch.uint8)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        got = f.readinto(out.numpy().data)
+    if got != length:
+        raise CheckpointCorruptError(f"memory snapshot {path}: {got} of {length} bytes at {offset}", path=path)
+    return out
+
+
+def plan_needed(target: dict[str, Any], metadata: Metadata, *, is_coordinator: bool) -> list[MetadataIndex]:
+    """The storage indices the load of ``target`` reads, as distckpt's load planner plans it."""
+    planner = SafeLoadPlanner()
+    planner.set_up_planner(target, metadata, is_coordinator)
+    return list(dict.fromkeys(item.storage_index for item in planner.create_local_plan().items))
+
+
+class MemoryReader(StorageReader):
+    """A DCP ``StorageReader`` over chunks already in memory (:func:`fetch_chunks`).
+
+    Args:
+        metadata: from :func:`memory_metadata`.
+        where: ``{storage index: [(saved rank, header item)]}``, for dtypes and shapes.
+        chunks: ``{storage index: uint8 tensor}`` holding every chunk this rank's plan reads.
+    """
+
+    def __init__(self, metadata: Metadata, where: dict, chunks: dict[MetadataIndex, torch.Tensor]) -> None:
+        super().__init__()
+        self.metadata, self.where, self.chunks = metadata, where, chunks
+
+    @override
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        pass
+
+    @override
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    @override
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @override
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    @override
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    @override
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for req in plan.items:
+            raw = self.chunks[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(raw.numpy().tobytes()))
+                continue
+            item = self.where[req.storage_index][0][1]
+            dtype = getattr(torch, item[5].removeprefix("torch."))
+            tensor = raw.view(dtype).view(item[3]) if raw.numel() else torch.empty(item[3], dtype=dtype)
+            tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    @override
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False

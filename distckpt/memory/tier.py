@@ -1,0 +1,321 @@
+"""The memory tier's write side: a snapshot of each rank's state into node-local shared memory every
+``memory.interval_steps`` steps, and its replicas on other nodes (docs/memory.md).
+
+Per snapshot, on the training thread: wait for the previous snapshot's background work, plan the
+items of the same DCP state_dict a durable save writes (replicated tensors once per job,
+:func:`~distckpt.memory.placement.assign_replicated`), and copy them into a reused slot file
+(:class:`~distckpt.memory.snapfile.SlotFile`); that copy is the stall. On a background thread with
+its own gloo group: hash the data, seal the file (complete), then one replication round: each
+rank sends its file to its ring targets and receives its sources' files into its replica slots,
+each verified and sealed in turn. A rank keeps at most two snapshots of its own (the last complete
+one and the one being written) and two per source it replicates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import io
+import logging
+import os
+import shutil
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from ..config import CheckpointConfig
+from ..coord.collective import Collective
+from ..errors import CheckpointCorruptError, ConfigError
+from ..state.training_state import CheckpointState, TrainState
+from .placement import NodeLayout, assign_replicated, memory_dir, node_id
+from .snapfile import ALIGN, PREAMBLE, SlotFile, SnapshotHeader, data_hash, parse_name, read_header, snapshot_name
+
+__all__ = ["MemoryTier", "estimate_bytes"]
+
+logger = logging.getLogger(__name__)
+
+_KINDS = {WriteItemType.TENSOR: "tensor", WriteItemType.SHARD: "shard", WriteItemType.BYTE_IO: "bytes"}
+
+
+def estimate_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, world_size: int) -> int:
+    """Bytes one rank's snapshot is expected to take: its shards of the model's state plus its share
+    of the replicated tensors, times ``1 +`` the optimizer's state per parameter byte (measured when
+    the optimizer has state, else 2 for the Adam family and 1 otherwise), plus 1 MiB for the
+    non-tensor items."""
+    sharded = replicated = 0
+    for t in model.state_dict().values():
+        if not isinstance(t, torch.Tensor):
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        n = local.numel() * local.element_size()
+        if local is t:
+            replicated += n
+        else:
+            sharded += n
+    params = sharded + replicated
+    factor = 2.0 if optimizer is not None and "adam" in type(optimizer).__name__.lower() else 1.0
+    if optimizer is not None and optimizer.state and params:
+        held = sum(
+            (v.to_local() if hasattr(v, "to_local") else v).nbytes
+            for s in optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        )
+        factor = held / params
+    mine = sharded + replicated // max(1, world_size)
+    return int(mine * (1 + factor)) + (1 << 20)
+
+
+class MemoryTier:
+    """Snapshots of one rank into node-local memory, replicated to other nodes. Collective at construction.
+
+    Args:
+        config: ``memory`` (``interval_steps``, ``replicas``, ``dir``) and ``root`` (the job's key).
+        collective: the manager's process-group helper (node ids, the generation id, checks).
+        estimate: :func:`estimate_bytes` of this rank (bytes), for the capacity check.
+        wrapper: the model's wrapper kind, recorded in each snapshot.
+
+    Raises:
+        ConfigError: on every rank, when some node's memory directory cannot be created or its file
+            system cannot hold two snapshots of the node's ranks plus their replicas (the sizes named).
+    """
+
+    def __init__(self, config: CheckpointConfig, collective: Collective, *, estimate: int, wrapper: str) -> None:
+        self.config, self.collective, self.wrapper = config.memory, collective, wrapper
+        self.rank, self.world_size = collective.rank, collective.world_size
+        self.node = node_id()
+        self.layout = NodeLayout(tuple(collective.all_gather(self.node)))
+        self.dir = memory_dir(self.config.dir, self.node, config.root)
+        self.job = os.path.basename(self.dir)
+        self.gen = collective.broadcast(uuid.uuid4().hex[:12])  # this run of the workers
+        self.targets = self.layout.targets(self.rank, self.config.replicas)
+        self.sources = self.layout.sources(self.rank, self.config.replicas)
+        estimates = collective.all_gather(estimate)
+        collective.agree(
+            lambda: self._check_capacity(estimates), what="preparing the memory tier", error_type=ConfigError
+        )
+        if self.rank == 0 and self.config.replicas and len(self.layout.order) < 2:
+            logger.warning(
+                "memory tier: one node only, so no replica: a worker crash restores from memory, a node loss from %s",
+                config.root,
+            )
+        self.group = dist.new_group(backend="gloo") if self.targets or self.sources else None
+        self._own = [SlotFile(self._partial("own", self.rank, k)) for k in range(2)]
+        self._replica = {s: [SlotFile(self._partial("replica", s, k)) for k in range(2)] for s in self.sources}
+        self._newest: dict[int, int] = {}  # rank -> slot index of its last complete snapshot
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="distckpt-memory")
+        self._pending: Future | None = None
+        self._reclaimed = False
+        self.last_stall_s = 0.0
+        self.snapshots = 0
+
+    def _partial(self, kind: str, rank: int, k: int) -> str:
+        return os.path.join(self.dir, f"slot-{kind}-{rank}-{k}.{self.gen}.partial")
+
+    def _check_capacity(self, estimates: list[int]) -> None:
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"memory tier: cannot create {self.dir} on node {self.node}: {e}") from e
+        local = self.layout.ranks_on(self.node)
+        own = sum(estimates[r] for r in local)
+        held = sum(estimates[s] for r in local for s in self.layout.sources(r, self.config.replicas))
+        need, free = 2 * (own + held), shutil.disk_usage(self.dir).free
+        if need > free:
+            raise ConfigError(
+                f"memory tier: node {self.node} needs {need / 2**20:.1f} MiB in {self.dir} (2 snapshots of its "
+                f"{len(local)} ranks' state, {own / 2**20:.1f} MiB, and of the replicas it keeps, "
+                f"{held / 2**20:.1f} MiB) but its file system has {free / 2**20:.1f} MiB free. Point memory.dir at "
+                "a larger tmpfs, lower memory.replicas, or set memory.enabled: false"
+            )
+
+    @classmethod
+    def create(
+        cls,
+        config: CheckpointConfig,
+        collective: Collective,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        wrapper: str,
+        read_only: bool,
+    ) -> MemoryTier | None:
+        """The tier ``config.memory`` asks for (``None`` when disabled or ``read_only``). Collective."""
+        if not config.memory.enabled or read_only:
+            return None
+        return cls(
+            config, collective, estimate=estimate_bytes(model, optimizer, collective.world_size), wrapper=wrapper
+        )
+
+    def due(self, step: int) -> bool:
+        """Whether a snapshot is due after ``step`` steps."""
+        return step % self.config.interval_steps == 0
+
+    def maybe_snapshot(self, step: int, state: CheckpointState, train_state: TrainState, *, explicit: set[str]) -> None:
+        """Snapshot ``state`` as step ``step`` if due: the counters derived as a durable save derives
+        them (``explicit``: those the caller passes), then :meth:`snapshot` of ``state.for_save``."""
+        if not self.due(step):
+            return
+        state.derive_counters(train_state, explicit=explicit)
+        frozen = dataclasses.replace(train_state, loss_history=list(train_state.loss_history))
+        self.snapshot(step, lambda: state.for_save(frozen, full_state_dict=False))
+
+    # ------------------------------------------------------------------ write
+    def snapshot(self, step: int, build: Callable[[], dict[str, Any]]) -> None:
+        """Snapshot the state ``build()`` returns (the durable save's state_dict) as step ``step``.
+
+        Waits for the previous snapshot's background work first. Never raises for a snapshot that
+        cannot be written (a full file system): a warning, and the step is skipped on this rank
+        (training and the durable tier go on); its replication round still runs, so peers never wait.
+        """
+        t0 = time.perf_counter()
+        self.wait()
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(build(), is_coordinator=self.rank == 0)
+        items = planner.create_local_plan().items
+        sizes = {
+            i.index.fqn: i.tensor_data.size.numel() * i.tensor_data.properties.dtype.itemsize
+            for i in items
+            if i.type == WriteItemType.TENSOR and i.tensor_data is not None
+        }
+        owner = assign_replicated(sizes, self.world_size)
+        kept = [i for i in items if i.type != WriteItemType.TENSOR or owner[i.index.fqn] == self.rank]
+        slot_index = 1 - self._newest.get(self.rank, 1)
+        slot = self._own[slot_index]
+        header = None
+        try:
+            header = self._copy(step, planner, kept, slot)
+        except OSError as e:
+            logger.warning("memory tier: snapshot of step %d skipped on rank %d: %s", step, self.rank, e)
+        self.last_stall_s = time.perf_counter() - t0
+        self._pending = self._pool.submit(self._finish, step, slot_index if header else None, header)
+
+    def _copy(self, step: int, planner: DefaultSavePlanner, items: list, slot: SlotFile) -> SnapshotHeader:
+        data: list[tuple[Any, int, int]] = []
+        rows: list[list[Any]] = []
+        offset = PREAMBLE
+        for item in items:
+            resolved = planner.resolve_data(item)
+            value: bytes | torch.Tensor
+            if isinstance(resolved, io.BytesIO):
+                value = resolved.getvalue()
+                nbytes, dtype, chunk = len(value), None, None
+            else:
+                value = resolved
+                nbytes, dtype, chunk = value.numel() * value.element_size(), str(value.dtype), item.tensor_data
+            data.append((value, offset, nbytes))
+            rows.append(
+                [
+                    item.index.fqn,
+                    _KINDS[item.type],
+                    None if chunk is None else list(chunk.chunk.offsets),
+                    None if chunk is None else list(chunk.chunk.sizes),
+                    None if chunk is None else list(chunk.size),
+                    dtype,
+                    offset,
+                    nbytes,
+                ]
+            )
+            offset += -(-nbytes // ALIGN) * ALIGN
+        slot.rename(self._partial("own", self.rank, self._own.index(slot)))  # no longer complete
+        slot.reserve(offset)
+        for value, at, nbytes in data:
+            if isinstance(value, bytes):
+                view = slot.view(at, nbytes)
+                view[:] = value
+                view.release()
+            elif nbytes:
+                slot.tensor(at, nbytes).view(value.dtype).view(value.shape).copy_(value)
+        return SnapshotHeader(
+            self.job, self.gen, step, self.rank, self.world_size, self.wrapper, offset - PREAMBLE, "", rows
+        )
+
+    def _finish(self, step: int, slot_index: int | None, header: SnapshotHeader | None) -> None:
+        length = 0
+        if slot_index is not None and header is not None:
+            slot = self._own[slot_index]
+            view = slot.view(PREAMBLE, header.data_bytes)
+            header.data_hash = data_hash(view)
+            view.release()
+            slot.seal(header, os.path.join(self.dir, snapshot_name(step, self.rank, self.world_size, self.gen)))
+            self._newest[self.rank] = slot_index
+            length = os.path.getsize(slot.path)
+        if self.group is not None:
+            self._replicate(slot_index, length)
+        self.snapshots += 1
+        if not self._reclaimed and length:
+            self._reclaimed = True
+            self.reclaim()
+
+    def _replicate(self, slot_index: int | None, length: int) -> None:
+        """One round: send this rank's file to each target, receive each source's into its slot."""
+        meta = torch.tensor([length], dtype=torch.int64)
+        works = []
+        for t in self.targets:
+            works.append(dist.isend(meta, group=self.group, group_dst=t, tag=1))
+            if length and slot_index is not None:
+                works.append(dist.isend(self._own[slot_index].tensor(0, length), group=self.group, group_dst=t, tag=2))
+        for s in self.sources:
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.recv(size, group=self.group, group_src=s, tag=1)
+            if not size.item():
+                continue
+            k = 1 - self._newest.get(s, 1)
+            slot = self._replica[s][k]
+            slot.rename(self._partial("replica", s, k))
+            slot.reserve(int(size.item()))
+            dist.recv(slot.tensor(0, int(size.item())), group=self.group, group_src=s, tag=2)
+            try:
+                h = read_header(slot.path, verify=True)
+            except CheckpointCorruptError as e:
+                logger.warning("memory tier: replica from rank %d not kept: %s", s, e)
+                continue
+            slot.rename(os.path.join(self.dir, snapshot_name(h.step, h.rank, h.world_size, h.gen)))
+            self._newest[s] = k
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def wait(self) -> None:
+        """Block until the previous snapshot's background work is done; a failure there (a peer gone
+        mid-replication) is logged and replication stops for this run, the own snapshots go on."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except Exception as e:  # noqa: BLE001 - the memory tier never stops training
+            logger.warning("memory tier: background snapshot work failed on rank %d (%s); replicas stop", self.rank, e)
+            self.targets, self.sources, self.group = [], [], None
+
+    # ------------------------------------------------------------------ cleanup
+    def reclaim(self) -> None:
+        """Delete the snapshots other generations of this job left in this node's directory (the
+        lowest rank of the node does it, after its first snapshot of this generation is complete).
+        Only distckpt's own file names in this job's directory are touched."""
+        if self.rank != self.layout.ranks_on(self.node)[0]:
+            return
+        for path in glob.glob(os.path.join(self.dir, "*")):
+            name = os.path.basename(path)
+            parsed = parse_name(name)
+            gen = parsed[3] if parsed else (name.split(".")[-2] if name.endswith(".partial") else None)
+            if gen is not None and gen != self.gen:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+
+    def close(self) -> None:
+        """Wait for the background work, delete this rank's snapshots and the replicas it keeps (their
+        memory is freed), and the node's other generations. Idempotent."""
+        self.wait()
+        self._pool.shutdown(wait=True)
+        for slot in [*self._own, *(s for slots in self._replica.values() for s in slots)]:
+            slot.close(delete=True)
+        self._own, self._replica = [], {}
+        self.reclaim()

@@ -1,0 +1,137 @@
+"""The memory tier (docs/memory.md): snapshots every step into per-node memory directories, a
+replica on the other node, restores after a crash of every worker and after a node loss (its
+directory deleted: its memory is gone), at the same and at another world size.
+
+Simulated nodes: each rank sets ``DISTCKPT_NODE_ID`` from ``opts["nodes"]`` and its memory
+directory is ``<mem>/<node>``. A job "dies" by SIGKILL of every rank after a barrier (each rank's
+last snapshot and its replication round done, a durable checkpoint older than it).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import signal
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distckpt import CheckpointConfig, CheckpointManager
+from tests.distributed.harness import run_ranks, values
+from tests.distributed.trainer import build, full_optim, full_params, optimizer_step, release_workers
+
+
+def _job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """Resume (if anything to), train to ``opts["until"]`` recording losses and ids, then die or close."""
+    os.environ["DISTCKPT_NODE_ID"] = opts["nodes"][rank]
+    model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
+    for m in model.modules() if opts.get("no_dropout") else ():  # per-rank RNG streams differ across sizes
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    memory = {"enabled": opts.get("memory", True), "dir": os.path.join(opts["mem"], "{node}"), "replicas": 1}
+    config = CheckpointConfig(
+        root=opts["root"],
+        schedule={"interval_steps": opts.get("durable_every", 4)},
+        retention={"keep_last": 2},
+        memory=memory,
+    )
+    manager = CheckpointManager(
+        config, model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader
+    )
+    state = manager.load()
+    step = state.step if state else 0
+    resumed = copy.deepcopy({"params": full_params(model), "optim": full_optim(model, optimizer)})  # not views
+    restored = manager.loader.restored
+    resumed.update(step=step, tier=manager.loader.tier, received=restored.bytes_received if restored else None)
+    losses, ids = {}, {}
+    it = iter(loader)
+    while step < opts["until"]:
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(loader)
+            continue
+        loss = optimizer_step(model, optimizer, scheduler, scaler, batch).detach()
+        dist.all_reduce(loss)
+        step += 1
+        losses[step], ids[step] = (loss / world_size).item(), batch["id"].tolist()
+        manager.maybe_save(step, loss=losses[step])
+    out = {"resumed": resumed, "losses": losses, "ids": ids, "params": full_params(model)}
+    out["optim"] = full_optim(model, optimizer)
+    if opts.get("die"):
+        manager.memory.wait()
+        torch.save(out, os.path.join(opts["out"], f"rank{rank}.pt"))
+        dist.barrier()
+        os.kill(os.getpid(), signal.SIGKILL)
+    out["files"] = sorted(os.listdir(manager.memory.dir)) if manager.memory else []
+    manager.close()
+    out["files_after_close"] = sorted(os.listdir(manager.memory.dir)) if manager.memory else []
+    release_workers(loader)
+    return out
+
+
+def _die(tmp_path, world_size: int, nodes: list[str], **opts: Any) -> list[dict[str, Any]]:
+    out = tmp_path / "died"
+    out.mkdir(exist_ok=True)
+    o = {"root": str(tmp_path / "root"), "mem": str(tmp_path / "mem"), "nodes": nodes, "out": str(out), "die": True}
+    run_ranks(_job, world_size, {**o, **opts}, timeout_s=120, expect_death=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _run(tmp_path, world_size: int, nodes: list[str], **opts: Any) -> list[dict[str, Any]]:
+    o = {"root": str(tmp_path / "root"), "mem": str(tmp_path / "mem"), "nodes": nodes}
+    return values(run_ranks(_job, world_size, {**o, **opts}, timeout_s=120))
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.timeout(240)
+def test_worker_crash_restores_from_local_memory_bitwise(tmp_path) -> None:
+    nodes = ["a", "a", "b", "b"]
+    died = _die(tmp_path, 4, nodes, until=6, wrapper="ddp", ddp_fixed_buckets=True)  # durable step 4, memory 6
+    assert "step-000000004" in os.listdir(tmp_path / "root") and "step-000000006" not in os.listdir(tmp_path / "root")
+    after = _run(tmp_path, 4, nodes, until=9, wrapper="ddp", ddp_fixed_buckets=True)
+    base = _run(tmp_path / "base", 4, nodes, until=9, wrapper="ddp", ddp_fixed_buckets=True, memory=False)
+    for r in range(4):
+        assert after[r]["resumed"]["step"] == 6 and after[r]["resumed"]["tier"] == "memory"
+        _same(after[r]["resumed"]["params"], died[r]["params"])
+        assert after[r]["losses"] == {s: base[r]["losses"][s] for s in (7, 8, 9)}
+        assert after[r]["ids"] == {s: base[r]["ids"][s] for s in (7, 8, 9)}
+        _same(after[r]["params"], base[r]["params"])
+    # close() freed this generation's snapshots and reclaimed the dead one's
+    assert any(f.endswith(".snap") for f in after[0]["files"])
+    assert not any(f.endswith((".snap", ".partial")) for f in after[0]["files_after_close"])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("survivors", [2, 3])
+def test_node_loss_restores_from_replicas_at_a_smaller_world_size(tmp_path, survivors: int) -> None:
+    nodes = ["a", "a", "b", "b"]
+    opts = {"wrapper": "ddp", "ddp_fixed_buckets": True, "global_batch_size": 12, "no_dropout": True}
+    died = _die(tmp_path, 4, nodes, until=6, **opts)
+    (job,) = os.listdir(tmp_path / "mem" / "b")
+    shutil.rmtree(tmp_path / "mem" / "b")  # node b and its memory are gone
+    new_nodes = ["a", "a", "c"][:survivors]  # c: a fresh node with empty memory
+    after = _run(tmp_path, survivors, new_nodes, until=8, **opts)
+    base = _run(tmp_path / "base", 4, nodes, until=8, memory=False, **opts)
+    assert [a["resumed"]["step"] for a in after] == [6] * survivors
+    assert [a["resumed"]["tier"] for a in after] == ["memory"] * survivors
+    # node a held every shard (its own and b's replicas); node c's rank got its chunks over the network
+    assert [a["resumed"]["received"] > 0 for a in after] == [False, False, True][:survivors]
+    _same(after[0]["resumed"]["params"], died[0]["params"])  # FULL state dicts: rank 0's
+    for fqn, s in died[0]["optim"]["state"].items():
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(after[0]["resumed"]["optim"]["state"][fqn][k], s[k]), (fqn, k)
+    for s in (7, 8):  # every sample of the global batch once, the loss within 1e-4
+        assert sorted(i for r in range(survivors) for i in after[r]["ids"][s]) == sorted(
+            i for r in range(4) for i in base[r]["ids"][s]
+        )
+        assert abs(after[0]["losses"][s] - base[0]["losses"][s]) < 1e-4
+    assert job.startswith("job-")
