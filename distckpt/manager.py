@@ -429,7 +429,7 @@ class CheckpointManager:
             if self.async_writer is not None:
                 self.async_writer.close()
             if self.memory is not None:
-                self.memory.close()
+                self.memory.close(free=tear_down)  # after an exception: kept for the restart
             if self.preemption is not None:
                 self.preemption.uninstall()
             if self.lock is not None and self.rank == 0:

@@ -14,6 +14,7 @@ one and the one being written) and two per source it replicates.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import glob
 import io
 import logging
@@ -105,7 +106,11 @@ class MemoryTier:
                 "memory tier: one node only, so no replica: a worker crash restores from memory, a node loss from %s",
                 config.root,
             )
-        self.group = dist.new_group(backend="gloo") if self.targets or self.sources else None
+        self.group = None  # the replication rounds' own gloo group: never interleaves with the loop's
+        if self.config.replicas and len(self.layout.order) > 1:  # the same on every rank: new_group is collective
+            ranks = dist.get_process_group_ranks(collective.group)
+            timeout = datetime.timedelta(seconds=config.coordination.timeout_s)
+            self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
         self._own = [SlotFile(self._partial("own", self.rank, k)) for k in range(2)]
         self._replica = {s: [SlotFile(self._partial("replica", s, k)) for k in range(2)] for s in self.sources}
         self._newest: dict[int, int] = {}  # rank -> slot index of its last complete snapshot
@@ -310,12 +315,14 @@ class MemoryTier:
                 except FileNotFoundError:
                     pass
 
-    def close(self) -> None:
-        """Wait for the background work, delete this rank's snapshots and the replicas it keeps (their
-        memory is freed), and the node's other generations. Idempotent."""
+    def close(self, *, free: bool = True) -> None:
+        """Wait for the background work; with ``free``, delete this rank's snapshots and the replicas it
+        keeps (their memory is freed) and the node's other generations. ``free=False`` (leaving on an
+        exception) keeps them for the restart. Idempotent."""
         self.wait()
         self._pool.shutdown(wait=True)
         for slot in [*self._own, *(s for slots in self._replica.values() for s in slots)]:
-            slot.close(delete=True)
+            slot.close(delete=free and slot.path.endswith((".snap", ".partial")))
         self._own, self._replica = [], {}
-        self.reclaim()
+        if free:
+            self.reclaim()

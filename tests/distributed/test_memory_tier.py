@@ -10,6 +10,7 @@ last snapshot and its replication round done, a durable checkpoint older than it
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import shutil
 import signal
@@ -27,6 +28,9 @@ from tests.distributed.trainer import build, full_optim, full_params, optimizer_
 def _job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     """Resume (if anything to), train to ``opts["until"]`` recording losses and ids, then die or close."""
     os.environ["DISTCKPT_NODE_ID"] = opts["nodes"][rank]
+    logs = _Capture()
+    logging.getLogger("distckpt").addHandler(logs)
+    logging.getLogger("distckpt").setLevel(logging.INFO)
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, opts)
     for m in model.modules() if opts.get("no_dropout") else ():  # per-rank RNG streams differ across sizes
         if isinstance(m, torch.nn.Dropout):
@@ -59,7 +63,7 @@ def _job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
         step += 1
         losses[step], ids[step] = (loss / world_size).item(), batch["id"].tolist()
         manager.maybe_save(step, loss=losses[step])
-    out = {"resumed": resumed, "losses": losses, "ids": ids, "params": full_params(model)}
+    out = {"resumed": resumed, "losses": losses, "ids": ids, "params": full_params(model), "logs": logs.lines}
     out["optim"] = full_optim(model, optimizer)
     if opts.get("die"):
         manager.memory.wait()
@@ -71,6 +75,15 @@ def _job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     out["files_after_close"] = sorted(os.listdir(manager.memory.dir)) if manager.memory else []
     release_workers(loader)
     return out
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def _die(tmp_path, world_size: int, nodes: list[str], **opts: Any) -> list[dict[str, Any]]:
@@ -111,10 +124,10 @@ def test_worker_crash_restores_from_local_memory_bitwise(tmp_path) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("survivors", [2, 3])
-def test_node_loss_restores_from_replicas_at_a_smaller_world_size(tmp_path, survivors: int) -> None:
+@pytest.mark.parametrize("wrapper, survivors", [("ddp", 2), ("ddp", 3), ("fsdp2", 2)])
+def test_node_loss_restores_from_replicas_at_a_smaller_world_size(tmp_path, wrapper: str, survivors: int) -> None:
     nodes = ["a", "a", "b", "b"]
-    opts = {"wrapper": "ddp", "ddp_fixed_buckets": True, "global_batch_size": 12, "no_dropout": True}
+    opts = {"wrapper": wrapper, "ddp_fixed_buckets": True, "global_batch_size": 12, "no_dropout": True}
     died = _die(tmp_path, 4, nodes, until=6, **opts)
     (job,) = os.listdir(tmp_path / "mem" / "b")
     shutil.rmtree(tmp_path / "mem" / "b")  # node b and its memory are gone
@@ -125,6 +138,7 @@ def test_node_loss_restores_from_replicas_at_a_smaller_world_size(tmp_path, surv
     assert [a["resumed"]["tier"] for a in after] == ["memory"] * survivors
     # node a held every shard (its own and b's replicas); node c's rank got its chunks over the network
     assert [a["resumed"]["received"] > 0 for a in after] == [False, False, True][:survivors]
+    assert any(line.startswith("memory tier serves: memory://job-") for line in after[0]["logs"])
     _same(after[0]["resumed"]["params"], died[0]["params"])  # FULL state dicts: rank 0's
     for fqn, s in died[0]["optim"]["state"].items():
         for k in ("step", "exp_avg", "exp_avg_sq"):
@@ -135,3 +149,39 @@ def test_node_loss_restores_from_replicas_at_a_smaller_world_size(tmp_path, surv
         )
         assert abs(after[0]["losses"][s] - base[0]["losses"][s]) < 1e-4
     assert job.startswith("job-")
+
+
+@pytest.mark.timeout(240)
+def test_two_nodes_lost_with_one_replica_falls_back_to_the_durable_tier(tmp_path) -> None:
+    nodes = ["a", "b", "c"]  # ring a -> b -> c -> a: b's shard lives on b and c
+    opts = {"wrapper": "ddp", "ddp_fixed_buckets": True, "global_batch_size": 6, "no_dropout": True}
+    _die(tmp_path, 3, nodes, until=6, **opts)
+    for gone in ("b", "c"):
+        shutil.rmtree(tmp_path / "mem" / gone)
+    (after,) = _run(tmp_path, 1, ["a"], until=6, **opts)
+    assert after["resumed"]["step"] == 4 and after["resumed"]["tier"] == "durable"
+    assert any(
+        "memory tier: step 6 lacks the shards of ranks [1] (lost with their nodes) -> the durable tier serves" in line
+        for line in after["logs"]
+    ), after["logs"]
+
+
+@pytest.mark.timeout(240)
+def test_a_corrupt_snapshot_is_served_by_its_replica(tmp_path) -> None:
+    nodes = ["a", "a", "b", "b"]
+    opts = {"wrapper": "ddp", "ddp_fixed_buckets": True}
+    died = _die(tmp_path, 4, nodes, until=6, **opts)
+    mem_a = tmp_path / "mem" / "a"
+    (victim,) = mem_a.glob("*/step-000000006.rank-00000-of-4.*.snap")
+    with open(victim, "r+b") as f:  # one byte of the data region
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    after = _run(tmp_path, 4, nodes, until=6, **opts)
+    assert [a["resumed"]["step"] for a in after] == [6] * 4
+    assert [a["resumed"]["tier"] for a in after] == ["memory"] * 4
+    _same(after[0]["resumed"]["params"], died[0]["params"])
+    warned = [line for a in after for line in a["logs"] if victim.name in line]
+    assert warned and "data hash" in warned[0] and "a replica or the durable tier serves instead" in warned[0]
+    assert sum(a["resumed"]["received"] for a in after[:2]) > 0  # node a's ranks fetched rank 0's shard from b
