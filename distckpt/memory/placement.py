@@ -15,7 +15,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-__all__ = ["NodeLayout", "assign_replicated", "job_key", "memory_dir", "node_id"]
+__all__ = ["NodeLayout", "assign_replicated", "job_key", "memory_dir", "node_id", "run_id"]
 
 NODE_ENV = "DISTCKPT_NODE_ID"
 
@@ -23,6 +23,13 @@ NODE_ENV = "DISTCKPT_NODE_ID"
 def node_id() -> str:
     """This process's node: ``$DISTCKPT_NODE_ID``, else the host name."""
     return os.environ.get(NODE_ENV) or socket.gethostname()
+
+
+def run_id() -> str:
+    """The launcher's run id, ``$TORCHELASTIC_RUN_ID`` (torchrun's ``--rdzv-id``; a fresh uuid per
+    ``--standalone`` launch), empty without one. It stays the same across the worker restarts and
+    membership changes of one launch: a snapshot is restored only into the launch that wrote it."""
+    return os.environ.get("TORCHELASTIC_RUN_ID", "")
 
 
 def job_key(root: str) -> str:

@@ -69,7 +69,7 @@ def restore_from_memory(
     """
     t0 = time.perf_counter()
     rank = collective.rank
-    entries = [e for part in collective.all_gather(inventory(tier.dir, tier.layout, rank)) for e in part]
+    entries = [e for part in collective.all_gather(inventory(tier.dir, tier.layout, rank, run=tier.run)) for e in part]
     cut, why = find_cut(entries)
     if cut is None or (durable_step is not None and cut.step < durable_step):
         if rank == 0:

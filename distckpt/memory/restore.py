@@ -54,8 +54,9 @@ logger = logging.getLogger(__name__)
 Entry = tuple[int, str, int, int, int, str, dict[str, Any]]  # server rank, file, step, rank, world size, gen, header
 
 
-def inventory(directory: str, layout: NodeLayout, rank: int) -> list[Entry]:
-    """This rank's verified share of its node's snapshot files (the node's ranks split them)."""
+def inventory(directory: str, layout: NodeLayout, rank: int, *, run: str) -> list[Entry]:
+    """This rank's verified share of its node's snapshot files (the node's ranks split them) that
+    launch ``run`` wrote (another launch's are left for reclaiming, never restored)."""
     local = layout.ranks_on(layout.nodes[rank])
     names = sorted(n for n in map(os.path.basename, glob.glob(os.path.join(directory, "*.snap"))) if parse_name(n))
     out: list[Entry] = []
@@ -65,6 +66,9 @@ def inventory(directory: str, layout: NodeLayout, rank: int) -> list[Entry]:
             header = read_header(os.path.join(directory, name), verify=True)
         except CheckpointCorruptError as e:
             logger.warning("memory tier: %s -- not used; a replica or the durable tier serves instead", e)
+            continue
+        if header.run != run:
+            logger.info("memory tier: %s was written by launch %r, not this one (%r); not used", name, header.run, run)
             continue
         if (header.step, header.rank, header.world_size, header.gen) != (step, owner, world_size, gen):
             logger.warning("memory tier: %s: its header disagrees with its name; not used", name)

@@ -62,6 +62,7 @@ class SnapshotHeader:
         data_hash: xxh3-64 of the data region, hex.
         items: ``[fqn, kind ("tensor" | "shard" | "bytes"), chunk offsets, chunk sizes, global
             size, dtype name, byte offset, length]`` per item (offsets/sizes ``None`` for bytes).
+        run: the launcher's run id (``$TORCHELASTIC_RUN_ID``; empty without one).
     """
 
     job: str
@@ -73,6 +74,7 @@ class SnapshotHeader:
     data_bytes: int
     data_hash: str
     items: list[list[Any]]
+    run: str = ""
 
 
 def data_hash(view: memoryview | bytes) -> str:

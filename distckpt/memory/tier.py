@@ -34,7 +34,7 @@ from ..config import CheckpointConfig
 from ..coord.collective import Collective
 from ..errors import CheckpointCorruptError, ConfigError
 from ..state.training_state import CheckpointState, TrainState
-from .placement import NodeLayout, assign_replicated, memory_dir, node_id
+from .placement import NodeLayout, assign_replicated, memory_dir, node_id, run_id
 from .snapfile import ALIGN, PREAMBLE, SlotFile, SnapshotHeader, data_hash, parse_name, read_header, snapshot_name
 
 __all__ = ["MemoryTier", "estimate_bytes"]
@@ -95,6 +95,7 @@ class MemoryTier:
         self.dir = memory_dir(self.config.dir, self.node, config.root)
         self.job = os.path.basename(self.dir)
         self.gen = collective.broadcast(uuid.uuid4().hex[:12])  # this run of the workers
+        self.run = run_id()
         self.targets = self.layout.targets(self.rank, self.config.replicas)
         self.sources = self.layout.sources(self.rank, self.config.replicas)
         estimates = collective.all_gather(estimate)
@@ -237,7 +238,7 @@ class MemoryTier:
             elif nbytes:
                 slot.tensor(at, nbytes).view(value.dtype).view(value.shape).copy_(value)
         return SnapshotHeader(
-            self.job, self.gen, step, self.rank, self.world_size, self.wrapper, offset - PREAMBLE, "", rows
+            self.job, self.gen, step, self.rank, self.world_size, self.wrapper, offset - PREAMBLE, "", rows, self.run
         )
 
     def _finish(self, step: int, slot_index: int | None, header: SnapshotHeader | None) -> None:

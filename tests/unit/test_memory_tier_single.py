@@ -143,3 +143,18 @@ def test_a_crashed_runs_snapshots_are_reclaimed_and_another_jobs_kept(tmp_path) 
     assert sorted(os.listdir(manager.memory.dir)) == ["notes.txt"]  # close freed ours, not the foreign file
     assert os.listdir(other_job) == [snapshot_name(9, 0, 1, "feed")]
     release_workers(parts[5])
+
+
+def test_another_launchs_snapshots_are_not_restored(tmp_path, monkeypatch) -> None:
+    """A new launch on the same root (another torchrun run id) resumes from the durable tier: memory
+    left by an earlier launch may belong to a run the user meant to replace."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-1")
+    parts = _manager(tmp_path, tmp_path / "mem")
+    _train(*parts, start=0, until=5)  # durable step 3, memory 5
+    parts[0].memory._pool.shutdown()  # dies without close()
+    release_workers(parts[5])
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-2")
+    parts = _manager(tmp_path, tmp_path / "mem")
+    assert parts[0].load().step == 3 and parts[0].loader.tier == "durable"
+    parts[0].close()
+    release_workers(parts[5])
