@@ -152,35 +152,41 @@ def fetch_chunks(
         ``({storage index: bytes}, bytes received over the network)``.
     """
     rank, node = collective.rank, layout.nodes[collective.rank]
-    chunks: dict[MetadataIndex, torch.Tensor] = {}
+    local: dict[MetadataIndex, tuple[str, int, int]] = {}  # held on this node: (file, offset, length)
     asks: dict[int, list[tuple[str, int, int]]] = {}  # server -> [(file, offset, length)]
     remote: dict[int, list[MetadataIndex]] = {}
     for key in needed:
         owner, item = where[key][0]
-        held = [(s, name) for o, _ in where[key] for s, name in cut.holders[o] if o == owner]
+        held = [(s, name) for s, name in cut.holders[owner]]
         offset, length = item[6], item[7]
         here = next((name for s, name in held if layout.nodes[s] == node), None)
         if here is not None:
-            chunks[key] = _read(os.path.join(directory, here), offset, length)
+            local[key] = (here, offset, length)
             continue
-        server, name = held[rank % len(held)]
+        server, name = held[rank % len(held)]  # spread the clients over the holders
         asks.setdefault(server, []).append((name, offset, length))
         remote.setdefault(server, []).append(key)
     all_asks = collective.all_gather(asks)
-    works, buffers = [], {}
-    for client, theirs in enumerate(all_asks):
-        mine = theirs.get(rank, [])
-        if client != rank and mine:
-            blob = torch.cat([_read(os.path.join(directory, n), o, ln) for n, o, ln in mine])
-            works.append(dist.isend(blob, group=collective.group, group_dst=client))
+
+    def read() -> tuple[dict[MetadataIndex, torch.Tensor], dict[int, torch.Tensor]]:
+        mine = {key: _read(os.path.join(directory, n), o, ln) for key, (n, o, ln) in local.items()}
+        sends = {
+            client: torch.cat([_read(os.path.join(directory, n), o, ln) for n, o, ln in theirs[rank]])
+            for client, theirs in enumerate(all_asks)
+            if client != rank and theirs.get(rank)
+        }
+        return mine, sends
+
+    # Every read first, agreed: a rank that cannot read never leaves its clients waiting in recv.
+    chunks, sends = collective.agree(read, what="reading this node's snapshots", error_type=CheckpointCorruptError)
+    works = [dist.isend(blob, group=collective.group, group_dst=client) for client, blob in sends.items()]
     received = 0
     for server, keys in sorted(remote.items()):
         lengths = [ln for _, _, ln in asks[server]]
-        buffers[server] = buf = torch.empty(sum(lengths), dtype=torch.uint8)
+        buf = torch.empty(sum(lengths), dtype=torch.uint8)
         dist.recv(buf, group=collective.group, group_src=server)
         received += buf.numel()
-        for key, part in zip(keys, torch.split(buf, lengths)):
-            chunks[key] = part
+        chunks.update(zip(keys, torch.split(buf, lengths)))
     for w in works:
         if w is not None:
             w.wait()
