@@ -21,7 +21,7 @@ from ..engine.blocking import run_load
 from ..errors import DistCkptError, IncompatibleCheckpointError
 from ..ondisk.manifest import Manifest
 from ..state.training_state import CheckpointState, TrainState
-from .restore import MemoryReader, fetch_chunks, find_cut, inventory, memory_metadata, plan_needed
+from .restore import MemoryReader, fetch_chunks, find_cut, inventory, memory_metadata, plan_needed, verify
 from .tier import MemoryTier
 
 __all__ = ["MemoryRestore", "restore_from_memory"]
@@ -71,6 +71,12 @@ def restore_from_memory(
     rank = collective.rank
     entries = [e for part in collective.all_gather(inventory(tier.dir, tier.layout, rank, run=tier.run)) for e in part]
     cut, why = find_cut(entries)
+    while cut is not None:  # hash only the files of the newest candidate; without the corrupt ones, again
+        bad = {tuple(b) for part in collective.all_gather(verify(tier.dir, entries, rank, cut)) for b in part}
+        if not bad:
+            break
+        entries = [e for e in entries if (e[0], e[1]) not in bad]
+        cut, why = find_cut(entries)
     if cut is None or (durable_step is not None and cut.step < durable_step):
         if rank == 0:
             reason = why if cut is None else f"its newest complete snapshot, step {cut.step}, is older"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import io
 import logging
+import mmap
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,15 +56,16 @@ Entry = tuple[int, str, int, int, int, str, dict[str, Any]]  # server rank, file
 
 
 def inventory(directory: str, layout: NodeLayout, rank: int, *, run: str) -> list[Entry]:
-    """This rank's verified share of its node's snapshot files (the node's ranks split them) that
-    launch ``run`` wrote (another launch's are left for reclaiming, never restored)."""
+    """This rank's share of its node's snapshot files (the node's ranks split them) that launch
+    ``run`` wrote (another launch's are left for reclaiming, never restored); headers checked, data
+    not yet (:func:`verify`)."""
     local = layout.ranks_on(layout.nodes[rank])
     names = sorted(n for n in map(os.path.basename, glob.glob(os.path.join(directory, "*.snap"))) if parse_name(n))
     out: list[Entry] = []
     for name in names[local.index(rank) :: len(local)]:
         step, owner, world_size, gen = parse_name(name)  # type: ignore[misc]
         try:
-            header = read_header(os.path.join(directory, name), verify=True)
+            header = read_header(os.path.join(directory, name), verify=False)
         except CheckpointCorruptError as e:
             logger.warning("memory tier: %s -- not used; a replica or the durable tier serves instead", e)
             continue
@@ -75,6 +77,20 @@ def inventory(directory: str, layout: NodeLayout, rank: int, *, run: str) -> lis
             continue
         out.append((rank, name, step, owner, world_size, gen, header.__dict__))
     return out
+
+
+def verify(directory: str, entries: list[Entry], rank: int, cut: Cut) -> list[tuple[int, str]]:
+    """``(rank, name)`` of each file of ``cut`` this rank serves whose data hash does not match (a
+    warning each). A replica has its original's name, on another node."""
+    bad = []
+    for server, name, *_ in entries:
+        if server == rank and name in {n for held in cut.holders.values() for _, n in held}:
+            try:
+                read_header(os.path.join(directory, name), verify=True)
+            except CheckpointCorruptError as e:
+                logger.warning("memory tier: %s -- not used; a replica or the durable tier serves instead", e)
+                bad.append((rank, name))
+    return bad
 
 
 @dataclass
@@ -168,10 +184,12 @@ def fetch_chunks(
         remote.setdefault(server, []).append(key)
     all_asks = collective.all_gather(asks)
 
+    mapped = _Mapped(directory)
+
     def read() -> tuple[dict[MetadataIndex, torch.Tensor], dict[int, torch.Tensor]]:
-        mine = {key: _read(os.path.join(directory, n), o, ln) for key, (n, o, ln) in local.items()}
+        mine = {key: mapped(n, o, ln) for key, (n, o, ln) in local.items()}
         sends = {
-            client: torch.cat([_read(os.path.join(directory, n), o, ln) for n, o, ln in theirs[rank]])
+            client: torch.cat([mapped(n, o, ln) for n, o, ln in theirs[rank]])
             for client, theirs in enumerate(all_asks)
             if client != rank and theirs.get(rank)
         }
@@ -193,14 +211,25 @@ def fetch_chunks(
     return chunks, received
 
 
-def _read(path: str, offset: int, length: int) -> torch.Tensor:
-    out = torch.empty(length, dtype=torch.uint8)
-    with open(path, "rb") as f:
-        f.seek(offset)
-        got = f.readinto(out.numpy().data)
-    if got != length:
-        raise CheckpointCorruptError(f"memory snapshot {path}: {got} of {length} bytes at {offset}", path=path)
-    return out
+class _Mapped:
+    """Chunks of snapshot files as ``uint8`` tensors over private (copy-on-write) mappings: no copy
+    out of the tmpfs until DCP copies into the destination tensors."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.maps: dict[str, mmap.mmap] = {}
+
+    def __call__(self, name: str, offset: int, length: int) -> torch.Tensor:
+        if name not in self.maps:
+            with open(os.path.join(self.directory, name), "rb") as f:
+                self.maps[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        mm = self.maps[name]
+        if offset + length > len(mm):
+            path = os.path.join(self.directory, name)
+            raise CheckpointCorruptError(f"memory snapshot {path}: {length} bytes at {offset} past its end", path=path)
+        if not length:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(mm, dtype=torch.uint8, count=length, offset=offset)
 
 
 def plan_needed(target: dict[str, Any], metadata: Metadata, *, is_coordinator: bool) -> list[MetadataIndex]:
