@@ -22,7 +22,7 @@ trace, and its margin over the default.
 
 Real run. ``launch/train.py`` (DDP, 2 ranks, CPU/gloo) with ``interval_steps: auto``, a short
 prior MTBF (so that saves come every few seconds in a run of a minute) and ``max_overhead``;
-the whole job is SIGKILLed ``--real-kills`` times, each time a few seconds after a commit, and
+the whole job is SIGKILLed ``--real-kills`` times, each 10-25 s after the run's first commit, and
 restarted from the root. The overhead measured is the time the training loop spent in
 ``maybe_save`` over its time in steps plus saves (``metrics.jsonl``: ``checkpoint_seconds``,
 ``step_seconds``), over every run; the goal: within ``max_overhead``.
@@ -235,7 +235,7 @@ def run_real(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "train.log_every=20",
         "checkpoint.schedule.interval_steps=auto",
         f"checkpoint.schedule.mtbf_s={args.real_mtbf_s}",
-        "checkpoint.schedule.min_interval_s=1",
+        f"checkpoint.schedule.min_interval_s={args.real_min_interval_s}",
         f"checkpoint.schedule.max_overhead={args.real_max_overhead}",
         "checkpoint.retention.keep_last=2",
     ]
@@ -243,7 +243,7 @@ def run_real(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     runs = []
     for k in range(args.real_kills + 1):
         run = Run(name=f"run{k}", nproc=2, out=base / f"run{k}", ckpt_root=root)
-        delay = rng.uniform(2.0, 6.0)  # seconds after this run's first commit
+        delay = rng.uniform(10.0, 25.0)  # seconds after this run's first commit
 
         def kill_when(metrics: list[dict[str, Any]], events: list[dict[str, Any]], delay: float = delay) -> bool:
             commits = [e for e in events if e["event"] == "checkpoint"]
@@ -256,6 +256,8 @@ def run_real(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             timeout_s=600,
             kill_when=None if k == args.real_kills else kill_when,
         )
+        if not run.killed and run.returncode != 0:
+            raise RuntimeError(f"{run.name} exited {run.returncode}; log: {run.out / 'torchrun.log'}")
         metrics = read_jsonl(run.out / "metrics.jsonl")
         step_s = sum(m["step_seconds"] for m in metrics)
         save_s = sum(m["checkpoint_seconds"] for m in metrics)
@@ -299,9 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-s", type=float, default=2.0, help="seconds per step, for the default interval")
     p.add_argument("--default-steps", type=int, default=100)
     p.add_argument("--skip-real", action="store_true", help="simulation only")
-    p.add_argument("--real-steps", type=int, default=300)
+    p.add_argument("--real-steps", type=int, default=200)
     p.add_argument("--real-kills", type=int, default=3)
-    p.add_argument("--real-mtbf-s", type=float, default=20.0)
+    p.add_argument("--real-mtbf-s", type=float, default=60.0, help="the prior mtbf_s of the real run")
+    p.add_argument("--real-min-interval-s", type=float, default=10.0)
     p.add_argument("--real-max-overhead", type=float, default=0.05)
     args = p.parse_args(argv)
     logging.getLogger("distckpt").setLevel(logging.WARNING)

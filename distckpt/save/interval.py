@@ -115,6 +115,7 @@ class Decision:
         optimum_s: the formula's interval before the floor and ceiling (seconds; ``None`` without ``C``).
         expected_loss_s: expected work lost per failure at ``interval_s`` (seconds).
         overhead: ``C / (interval_s + C)``, the fraction of wall time spent in saves without failures.
+        optimum_formula: the formula of ``optimum_s`` (``"daly"`` or ``"young"``).
     """
 
     interval_s: float
@@ -124,13 +125,14 @@ class Decision:
     optimum_s: float | None
     expected_loss_s: float
     overhead: float
+    optimum_formula: str = "daly"
 
     def describe(self) -> str:
         """One line for the log: the interval, the formula and its inputs."""
         if self.cost_s is None:
             return f"{self.interval_s:.1f} s (first save: no save cost measured yet; M = {self.mtbf_s:.0f} s)"
-        opt = f"{self.formula} optimum {self.optimum_s:.1f} s" if self.optimum_s is not None else ""
-        bound = "" if self.formula in ("young", "daly") else f" raised to the {self.formula} bound"
+        opt = f"{self.optimum_formula} optimum {self.optimum_s:.1f} s" if self.optimum_s is not None else ""
+        bound = "" if self.formula == self.optimum_formula else f", raised to the {self.formula} bound"
         return (
             f"{self.interval_s:.1f} s ({opt}{bound}; C = {self.cost_s:.3f} s, M = {self.mtbf_s:.0f} s, "
             f"overhead {self.overhead:.2%}, expected loss per failure {self.expected_loss_s:.1f} s)"
@@ -144,12 +146,15 @@ def choose_interval(
     min_interval_s: float,
     max_overhead: float | None,
     formula: Formula = "daly",
+    ceiling_cost_s: float | None = None,
 ) -> Decision:
     """The interval (seconds of training between saves) for save cost ``cost_s`` and MTBF ``mtbf_s``.
 
-    ``interval = max(optimum, min_interval_s, C (1 - max_overhead) / max_overhead)``: the last
-    term keeps ``C / (interval + C)``, the share of wall time spent saving, at most ``max_overhead``.
-    Without a measured cost (``None``) the first save comes after ``min_interval_s``.
+    ``interval = max(optimum, min_interval_s, C' (1 - max_overhead) / max_overhead)``: the last
+    term keeps ``C' / (interval + C')``, the share of wall time spent saving, at most ``max_overhead``
+    for saves costing up to ``C'`` (``ceiling_cost_s``, default ``C``; the schedule passes the largest
+    recent cost, so that the bound holds for a slower save than the median). Without a measured cost
+    (``None``) the first save comes after ``min_interval_s``.
 
     Args:
         cost_s: ``C`` (seconds) or ``None``.
@@ -157,6 +162,7 @@ def choose_interval(
         min_interval_s: the floor (seconds, > 0).
         max_overhead: the ceiling on the fraction of wall time spent in saves (0 < x < 1), or ``None``.
         formula: ``"daly"`` (default) or ``"young"``.
+        ceiling_cost_s: ``C'`` (seconds) for the ceiling; ``None``: ``cost_s``.
     """
     if cost_s is None:
         return Decision(min_interval_s, "first save", None, mtbf_s, None, min_interval_s / 2.0, 0.0)
@@ -165,8 +171,9 @@ def choose_interval(
     interval, why = max(optimum, 1e-6), str(formula)
     if min_interval_s > interval:
         interval, why = min_interval_s, "min_interval_s"
-    if max_overhead is not None and cost_s * (1.0 - max_overhead) / max_overhead > interval:
-        interval, why = cost_s * (1.0 - max_overhead) / max_overhead, "max_overhead"
+    bound_cost = max(cost_s, ceiling_cost_s or 0.0)
+    if max_overhead is not None and bound_cost * (1.0 - max_overhead) / max_overhead > interval:
+        interval, why = bound_cost * (1.0 - max_overhead) / max_overhead, "max_overhead"
     return Decision(
         interval_s=interval,
         formula=why,
@@ -175,6 +182,7 @@ def choose_interval(
         optimum_s=optimum,
         expected_loss_s=expected_loss_s(interval, cost_s, mtbf_s),
         overhead=cost_s / (interval + cost_s),
+        optimum_formula=str(formula),
     )
 
 

@@ -14,7 +14,7 @@ from ..config import ScheduleConfig
 from ..coord.collective import Collective
 from ..errors import DistCkptError
 from ..storage.base import CheckpointStore, LockFile
-from .interval import Decision, IntervalStats, choose_interval, robust_cost
+from .interval import COST_WINDOW, Decision, IntervalStats, choose_interval, robust_cost
 
 __all__ = ["SaveSchedule", "AutoInterval", "ENDINGS", "JOURNAL", "JOURNAL_EVERY_S"]
 
@@ -77,16 +77,19 @@ class AutoInterval:
         self.step_times: list[float] = []
         self._last_step: tuple[int, float] | None = None
         self.decision: Decision | None = None
+        self._logged: Decision | None = None
         self.decide()
 
-    def resumed(self, saved: dict[str, Any] | None) -> None:
-        """A load restored a checkpoint whose manifest recorded ``saved`` (``Manifest.interval``):
-        take over its statistics (costs, run time, failures) and count how its run ended."""
+    def resumed(self, saved: dict[str, Any] | None, *, source: str = "checkpoint") -> None:
+        """A load restored a checkpoint whose manifest recorded ``saved`` (``Manifest.interval``), or
+        :meth:`begin` read the journal (``source="journal"``): take over the statistics (costs, run
+        time, failures) and count how the previous run ended."""
         self.stats = IntervalStats()
         ending = self.stats.start_after(saved, now=self.wall())
-        if self.rank == 0 and ending != "none":
+        if self.rank == 0 and ending != "none" and (self.journal is None or source == "journal"):
             logger.info(
-                "interval statistics from the root: previous run %s; %d failure(s), %d preemption(s) in %.0f s",
+                "interval statistics from the %s: previous run %s; %d failure(s), %d preemption(s) in %.0f s",
+                source,
                 ending,
                 self.stats.failures,
                 self.stats.preemptions,
@@ -98,20 +101,28 @@ class AutoInterval:
     def decide(self) -> Decision:
         """Recompute the interval from the statistics; log it (rank 0) when it changed."""
         mtbf = self.stats.mtbf_s(self.config.mtbf_s, self.clock() - self.run_start)
-        new = choose_interval(
-            robust_cost(self.stats.costs_s),
+        recent = self.stats.costs_s[-COST_WINDOW:]
+        self.decision = choose_interval(
+            robust_cost(recent),
             mtbf,
             min_interval_s=self.config.min_interval_s,
             max_overhead=self.config.max_overhead,
+            ceiling_cost_s=max(recent, default=None),
         )
-        old = self.decision
-        if self.rank == 0 and (
-            old is None or old.formula != new.formula or abs(new.interval_s - old.interval_s) > CHANGE * old.interval_s
-        ):
+        if self.journal_written is not None or self.journal is None:  # rank 0 with a journal: once it is read
+            self.log_change()
+        return self.decision
+
+    def log_change(self) -> None:
+        """Rank 0: log the decision, the formula and its inputs when the interval changed by more than
+        :data:`CHANGE` (or another bound decides) since the last logged one."""
+        old, new = self._logged, self.decision
+        if self.rank != 0 or new is None:
+            return
+        if old is None or old.formula != new.formula or abs(new.interval_s - old.interval_s) > CHANGE * old.interval_s:
             steps = f" (~{new.interval_s / self.stats.step_s:.0f} steps)" if self.stats.step_s else ""
             logger.info("checkpoint interval (interval_steps: auto): %s%s", new.describe(), steps)
-        self.decision = new
-        return new
+            self._logged = new
 
     def begin(self) -> None:
         """Rank 0 with a journal, once (the first :meth:`due`): take the statistics over from the
@@ -123,8 +134,9 @@ class AutoInterval:
         except (OSError, DistCkptError, ValueError) as e:
             logger.warning("interval journal %s unreadable (%s): statistics from the checkpoint", self._where, e)
         if isinstance(saved, dict):
-            self.resumed(saved)
+            self.resumed(saved, source="journal")
         self.write_journal("running")
+        self.log_change()
 
     def write_journal(self, ending: str) -> None:
         """Rank 0: write the statistics as of now to the journal (``ending``: ``running`` while training)."""

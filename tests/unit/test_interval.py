@@ -80,6 +80,9 @@ def test_floor_and_ceiling():
     ceiling = choose_interval(120.0, 28440.0, min_interval_s=60.0, max_overhead=0.02)
     assert ceiling.formula == "max_overhead"
     assert ceiling.interval_s == pytest.approx(5880.0) and ceiling.overhead == pytest.approx(0.02)
+    # the schedule bounds the overhead with the largest recent cost, not the median
+    slow = choose_interval(120.0, 28440.0, min_interval_s=60.0, max_overhead=0.02, ceiling_cost_s=240.0)
+    assert slow.interval_s == pytest.approx(11760.0) and slow.overhead < 0.02
     free = choose_interval(120.0, 28440.0, min_interval_s=60.0, max_overhead=0.2)
     assert free.formula == "daly" and free.overhead < 0.2
     first = choose_interval(None, 28440.0, min_interval_s=60.0, max_overhead=0.02)
@@ -273,3 +276,42 @@ def test_cli_interval_report(tmp_path, capsys):
     trained.close()
     assert main(["interval", str(plain)]) == 2
     assert "no interval statistics" in capsys.readouterr().err
+
+
+def test_async_saves_measure_the_stall_and_wait_for_the_inflight_save(tmp_path):
+    from distckpt import AsyncSaveConfig
+
+    clock = {"t": 0.0}
+    model, optimizer, scheduler, scaler, loader = build(0, 1, {})
+    cfg = CheckpointConfig(
+        root=str(tmp_path),
+        schedule=ScheduleConfig(interval_steps="auto", mtbf_s=1.0, min_interval_s=2.0, max_overhead=None),
+        async_save=AsyncSaveConfig(mode="thread"),
+    )
+    manager = CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler, dataloader=loader)
+    auto = manager.schedule.auto
+    auto.clock = lambda: clock["t"]
+    auto.run_start = auto.last_end = 0.0
+    saved = _run(manager, (model, optimizer, scheduler, scaler, loader), clock, range(1, 4))
+    assert saved == [2]  # the first save after min_interval_s
+    assert auto.inflight is manager._inflight is not None  # the background write the next decision waits for
+    assert auto.stats.costs_s == [manager.last_save_seconds]  # the stall, measured on return
+    manager.wait()
+    assert not auto.inflight.running()
+    clock["t"] += 100.0
+    assert manager.maybe_save(4)
+    manager.close()
+    assert json.loads((tmp_path / "step-000000004" / "distckpt.json").read_text())["interval"]["costs_s"] == [
+        auto.stats.costs_s[0]
+    ]
+
+
+def test_demo_job_accepts_interval_steps_auto():
+    from launch.config import load_job_config
+
+    job = load_job_config(
+        "launch/configs/ddp.yaml", ["checkpoint.schedule.interval_steps=auto", "checkpoint.schedule.max_overhead=null"]
+    )
+    assert job.checkpoint.schedule.interval_steps == "auto" and job.checkpoint.schedule.max_overhead is None
+    with pytest.raises(ConfigError, match="interval_steps"):
+        load_job_config("launch/configs/ddp.yaml", ["checkpoint.schedule.interval_steps=often"])
