@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         print_json(r)
         return 0
     d, c = r["decision"], r["cost_s"]
-    where = "the root's journal" if r["source"] == "journal" else "its manifest"
+    kind = {"running": "still running or crashed", "periodic": "a periodic save"}.get(r["ending"], r["ending"])
+    where = f"the root's journal (last run: {kind})" if r["source"] == "journal" else f"its manifest ({kind})"
     print(f"checkpoint {r['checkpoint']}  step {r['step']}  saved {r['saved']}; statistics from {where}")
     costs = " ".join(f"{x:.3g}" for x in r["costs_s"])
     print(f"  C  save cost: {c:.3f} s (median of the last {len(r['costs_s'])}: {costs})" if c else "  C  not measured")
