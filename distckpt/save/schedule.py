@@ -173,8 +173,11 @@ class AutoInterval:
     def snapshot(self, ending: str) -> dict[str, Any]:
         """The statistics for the manifest of a save of kind ``ending`` (:data:`ENDINGS`) starting now:
         this run's time so far added to the run time, and the decision with its inputs. The journal
-        gets ``ending`` once the save returns (:meth:`saved`; a ``periodic`` save as ``running``)."""
+        gets ``ending`` once the save returns (:meth:`saved`; a ``periodic`` save as ``running``).
+        The interval restarts here too, so a save that fails is retried an interval later, not at
+        every step."""
         self._ending = "running" if ending == "periodic" else ending
+        self.last_end = self.clock()
         return self._record(ending)
 
     def _record(self, ending: str) -> dict[str, Any]:

@@ -148,6 +148,12 @@ def test_schedule_saves_at_the_chosen_interval_and_waits_for_the_inflight_save()
     assert 60 < taus[0] < taus[-1] < 75
     assert schedule.auto.stats.costs_s == [2.0] * min(len(due), COST_WINDOW)
     assert schedule.auto.stats.step_s == pytest.approx(1.0)
+    # a save that fails (no saved()) is retried an interval later, not at the next step
+    schedule.snapshot("periodic")
+    clock["t"] += 1.0
+    assert not schedule.is_due(500)
+    clock["t"] += schedule.auto.decision.interval_s
+    assert schedule.is_due(501)
     # an async save still writing postpones the next one
     inflight = _Inflight()
     schedule.saved(0.1, inflight)
