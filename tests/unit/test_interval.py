@@ -149,6 +149,8 @@ def test_schedule_saves_at_the_chosen_interval_and_waits_for_the_inflight_save()
     assert schedule.auto.stats.costs_s == [2.0] * min(len(due), COST_WINDOW)
     assert schedule.auto.stats.step_s == pytest.approx(1.0)
     # a save that fails (no saved()) is retried an interval later, not at the next step
+    clock["t"] += schedule.auto.decision.interval_s
+    assert schedule.is_due(499)
     schedule.snapshot("periodic")
     clock["t"] += 1.0
     assert not schedule.is_due(500)
