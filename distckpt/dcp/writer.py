@@ -125,13 +125,23 @@ class FileSystemWriter(CheckedFileSystemWriter):
         super().reset(local_path(checkpoint_id) if checkpoint_id else checkpoint_id)
 
     @override
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self.is_coordinator = is_coordinator
+
+    @override
     def prepare_local_plan(self, plan: Any) -> Any:
         plan = super().prepare_local_plan(plan)  # torch's overwrite check first
         # An older save's hashes must not describe this save's files (a crash mid-save then
-        # reads as corrupt, never as verified).
-        sidecar = self.fs.concat_path(self.path, dcp_hashes.sidecar_name(self._metadata_name()))
-        if self.fs.exists(sidecar):
-            self.fs.rm_file(sidecar)
+        # reads as corrupt, never as verified). The rank that writes the sidecar removes it:
+        # the coordinator, or each rank for its own without rank coordination.
+        if getattr(self, "is_coordinator", True) or not self.use_collectives:
+            sidecar = self.fs.concat_path(self.path, dcp_hashes.sidecar_name(self._metadata_name()))
+            if self.fs.exists(sidecar):
+                try:
+                    self.fs.rm_file(sidecar)
+                except FileNotFoundError:
+                    pass
         return plan
 
     @override

@@ -43,7 +43,8 @@ def _save(rank: int, world_size: int, path: str) -> list[str]:
     from distckpt.dcp import FileSystemWriter
 
     model = _sharded_model()
-    dcp.save({"model": model.state_dict()}, storage_writer=FileSystemWriter(path, thread_count=2))
+    for _ in range(2):  # the second save overwrites the first (overwrite=True, as stock): fresh hashes
+        dcp.save({"model": model.state_dict()}, storage_writer=FileSystemWriter(path, thread_count=2))
     return sorted(os.listdir(path))
 
 
