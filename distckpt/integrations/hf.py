@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Any
 
@@ -47,6 +48,8 @@ from ..errors import ConfigError
 from ..manager import CheckpointManager
 
 __all__ = ["DistckptTrainer", "TrainerStateAdapter"]
+
+logger = logging.getLogger(__name__)
 
 # TrainerState fields a resume takes from the checkpoint; the others (max_steps, logging/eval/
 # save steps, batch size) are the resuming run's own.
@@ -172,7 +175,18 @@ class DistckptTrainer(Trainer):
         """
         self._check_supported()
         self._resume_request = resume_from_checkpoint
-        return super().train(None, *args, **kwargs)
+        try:
+            return super().train(None, *args, **kwargs)
+        except BaseException as e:
+            # Local resources only (the lock, staging buffers, signal handlers): the other
+            # ranks may not be here, so no collective teardown (CheckpointManager.__exit__).
+            manager, self.checkpoint_manager = self.checkpoint_manager, None
+            if manager is not None:
+                try:
+                    manager.__exit__(type(e), e, e.__traceback__)
+                except Exception as cleanup:  # noqa: BLE001 - the training error is the one to raise
+                    logger.warning("releasing the checkpoint manager after %r failed: %r", e, cleanup)
+            raise
 
     def get_train_dataloader(self) -> Any:
         """A ``StatefulDataLoader`` over a :class:`~distckpt.ReshardableSampler` of the training

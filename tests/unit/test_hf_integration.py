@@ -89,3 +89,22 @@ def test_unsupported_settings_and_a_fresh_start_on_a_used_root_are_refused(tmp_p
     _trainer(tmp_path, "used", 5).train()
     with pytest.raises(ConfigError, match="holds"):
         _trainer(tmp_path, "used", 10).train(resume_from_checkpoint=False)
+
+
+def test_an_error_inside_training_releases_the_root_for_the_next_trainer(tmp_path):
+    broken = _trainer(tmp_path, "err", 8)
+    train_step = broken.compute_loss
+
+    def fail_at_step_7(model, inputs, *args, **kwargs):
+        if broken.state.global_step == 6:
+            raise KeyError("a bad batch")
+        return train_step(model, inputs, *args, **kwargs)
+
+    broken.compute_loss = fail_at_step_7
+    with pytest.raises(KeyError, match="a bad batch"):
+        broken.train()
+    assert broken.checkpoint_manager is None
+    assert not (tmp_path / "err" / "distckpt" / ".lock").exists()  # released, not left to its lease
+    again = _trainer(tmp_path, "err", 8)  # same process, same root: the lock was released
+    again.train()
+    assert again.resumed_from is not None and again.resumed_from.step == 5 and again.state.global_step == 8
