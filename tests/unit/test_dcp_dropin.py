@@ -284,3 +284,16 @@ def test_reset_moves_the_reader_and_writer_like_stock(tmp_path):
     assert r.hashes is not None and os.fspath(r.checkpoint_id) == str(tmp_path / "second")
     assert ddcp.FileSystemWriter.validate_checkpoint_id("s3://bucket/prefix")
     assert ddcp.FileSystemReader.validate_checkpoint_id(tmp_path / "x")
+
+
+def test_a_save_without_rank_coordination_has_its_own_sidecar(tmp_path):
+    sd = _state()
+    dcp.save(sd, storage_writer=ddcp.FileSystemWriter(tmp_path), use_collectives=False)
+    assert sorted(os.listdir(tmp_path)) == ["__0.metadata", "__0.metadata.xxh3.json", "__0_0.distcp"]
+    reader = ddcp.FileSystemReader(tmp_path)
+    _assert_equal(_load(None, reader), sd)  # DCP falls back to the rank's own metadata
+    assert reader.hashes is not None and set(reader.hashes) == {"__0.metadata", "__0_0.distcp"}
+    _flip(tmp_path / "__0_0.distcp")
+    with pytest.raises(BaseException) as info:
+        _load(None, ddcp.FileSystemReader(tmp_path))
+    assert _corrupt_error(info).path == str(tmp_path / "__0_0.distcp")
