@@ -8,9 +8,10 @@ checkpoint: model, optimizer, LR scheduler, every rank's RNG, the Trainer's stat
 log history, best metric) and the data position.
 
 Exact mid-epoch resume without replay. The Trainer's own resume re-creates the data loader and
-skips the batches already trained on (``accelerate.skip_first_batches``: each skipped batch is
-loaded and collated again, and at another world size the skipped batches are not the ones that
-were trained). Here the training loader is a ``StatefulDataLoader`` over a
+skips the batches already trained on in the epoch (``accelerate.skip_first_batches``: each
+skipped batch is loaded and collated again, a cost that grows with the position in the epoch;
+measured exact on the default ``RandomSampler`` with the same global batch, docs/integrations.md).
+Here the training loader is a ``StatefulDataLoader`` over a
 :class:`~distckpt.ReshardableSampler` (global batch ``per_device_train_batch_size x world size``),
 restored at its position: the first batch after a resume is the one the uninterrupted run takes,
 and at another world size the global batches go on where they stopped (each sample once).
