@@ -1,7 +1,9 @@
 """DistckptTrainer in one process (issue 28, item 2; the torchrun kill tests are in
-tests/integration/test_hf_trainer.py): a run stopped at step 10 (mid-epoch) and resumed by a new
-Trainer to step 18 (past the epoch end at 12) equals the uninterrupted run bitwise (losses, sample order, weights); the
-Trainer's own checkpoint files are not written; unsupported settings are refused."""
+test_hf_trainer.py): a run stopped at step 10 (mid-epoch) and resumed by a new Trainer to step 18
+(past the epoch end at 12) equals the uninterrupted run bitwise (losses, sample order, weights);
+the Trainer's own checkpoint files are not written; unsupported settings are refused; an error
+inside training releases the root. Here rather than in tests/unit: about 30 s with transformers'
+import, too slow for `make test-fast`."""
 
 from __future__ import annotations
 
