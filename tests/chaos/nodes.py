@@ -10,9 +10,10 @@ What it runs (the model, batch, corpus cut and durable interval of the chaos run
    ``--nnodes 1:2``) as nodes A and B, ``--nproc-per-node`` workers each, each node with its own
    ``DISTCKPT_NODE_ID`` and memory directory (``launch/recovery.py``), the memory tier on (a
    snapshot every step, one replica on the other node) and a durable checkpoint every
-   ``--interval`` steps. B joins once A completed a step. Then ``--kills`` times, once the
-   current worker round has completed 2-4 steps (seeded) at the full world size, a failure
-   drawn from a seeded RNG:
+   ``--interval`` steps. B starts once A's agent listens on the rendezvous port (A hosts the
+   store). Then ``--kills`` times, once the
+   current worker round has completed 2-4 steps (seeded) at the full world size and 0-100 ms
+   more have passed, a failure drawn from a seeded RNG:
 
    * ``worker_crash``: one worker of a random node and local rank SIGKILLed (the agents restart
      every worker; the nodes' memory is intact);
@@ -45,6 +46,7 @@ import json
 import math
 import random
 import shutil
+import socket
 import sys
 import time
 import uuid
@@ -79,12 +81,21 @@ def _settings(args: argparse.Namespace, steps: int, small_model: list[str]) -> l
     ]
 
 
+def _listening(port: int) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:``port``."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
+
+
 def run_memory(args: argparse.Namespace, small_model: list[str]) -> int:
     """Run the memory-tier chaos test (module doc); 0 when every requirement holds, 1 otherwise, 2 on bad input."""
     t_start = time.monotonic()
     nproc, n = args.nproc_per_node, args.kills
     full, g = 2 * nproc, args.global_batch
-    steps = args.steps or 7 * n + 10
+    steps = args.steps or 15 * n + 30
     if n < 1 or g % full or nproc < 1:
         print(
             f"error: need --kills >= 1 and --global-batch divisible by 2 * --nproc-per-node ({full})", file=sys.stderr
@@ -134,10 +145,19 @@ def run_memory(args: argparse.Namespace, small_model: list[str]) -> int:
     prev_valid: list[int] = []
     keep_last = args.keep_last
     a = node("node_a", "node_a")
-    b: Agent | None = None
     agents, joins = [a], 0
+    t0 = time.monotonic()
+    while not _listening(port):  # A's agent hosts the rendezvous store: B must not take the port
+        if a.proc.poll() is not None or time.monotonic() - t0 > args.run_timeout_s:
+            kill_job(a.proc)
+            print(f"error: node A's agent did not open the rendezvous port; log {a.log}", file=sys.stderr)
+            return 1
+        time.sleep(0.05)
+    b: Agent | None = node("node_b", "node_b0")
+    agents.append(b)
     need = rng.randint(2, 4)
     rejoin_after: int | None = None  # steps at half size before B comes back
+    hit_round: float | None = None  # worker_start of the round the last failure hit
 
     def trigger(kind: str, t_wall: float, step: int) -> None:
         nonlocal prev_valid
@@ -171,6 +191,10 @@ def run_memory(args: argparse.Namespace, small_model: list[str]) -> int:
                 continue
             if b is None or len(failures) >= n or last["world_size"] != full or in_round < need:
                 continue
+            if last.get("worker_start") == hit_round:  # that failure's restart has not begun yet
+                continue
+            hit_round = last.get("worker_start")
+            time.sleep(rng.uniform(0.0, 0.1))  # anywhere in the next step (a snapshot's copy, its replication)
             need = rng.randint(2, 4)
             if rng.random() < 0.5:
                 victim = rng.choice([a, b])
