@@ -16,6 +16,7 @@ from .errors import ConfigError
 
 __all__ = [
     "AsyncSaveConfig",
+    "DEFAULT_MTBF_S",
     "CoordinationConfig",
     "ElasticConfig",
     "KeepBest",
@@ -32,6 +33,11 @@ __all__ = [
 BATCH_POLICIES = ("keep_global_batch", "keep_local_batch")  # ElasticConfig.batch_policy
 STEP_RULES = ("keep", "rescale")  # ElasticConfig.step_rule
 
+DEFAULT_MTBF_S = 7.9 * 3600.0
+"""``schedule.mtbf_s``'s default, 28,440 s: the mean time to failure Meta reports for 1,024-GPU jobs
+(Kokolis et al., "Revisiting Reliability in Large-Scale Machine Learning Research Clusters",
+arXiv 2410.21680). A prior: the root's own restarts and run time take over as they accumulate."""
+
 LOADABLE = ("model", "optimizer", "lr_scheduler", "grad_scaler", "dataloader", "rng", "counters", "extra_state")
 """Parts of a checkpoint ``load.only`` / ``load.exclude`` name (``counters``: step, epoch,
 samples/tokens seen, loss history, metrics, run id)."""
@@ -41,8 +47,10 @@ samples/tokens seen, loss history, metrics, run id)."""
 class ScheduleConfig:
     """When to save (YAML section ``schedule:``)."""
 
-    interval_steps: int | None = 100
-    """Save when ``step % interval_steps == 0`` (steps); ``None`` disables. Default ``100``."""
+    interval_steps: int | Literal["auto"] | None = 100
+    """Save when ``step % interval_steps == 0`` (steps); ``None`` disables. ``"auto"``: the interval
+    is chosen from this job's measured save cost and failure rate (Young/Daly; ``mtbf_s``,
+    ``min_interval_s``, ``max_overhead``; docs/interval.md), rank 0 deciding. Default ``100``."""
     interval_seconds: float | None = None
     """Save when this many seconds (wall clock on rank 0) passed since the last save; rank 0
     decides and broadcasts, so skewed clocks never split the ranks. Default ``None`` (no time
@@ -51,10 +59,36 @@ class ScheduleConfig:
     """``maybe_save(..., last_step=True)`` always saves. Default ``True``."""
     full_at_end: bool = False
     """The final save (``last_step=True``) is a FULL checkpoint. Default ``False``."""
+    mtbf_s: float = DEFAULT_MTBF_S
+    """``interval_steps: auto`` only: the prior mean time between failures of this job (seconds),
+    updated by the restarts the root records. Default ``28440`` (7.9 h, Meta's mean time to failure
+    of 1,024-GPU jobs, arXiv 2410.21680)."""
+    min_interval_s: float = 60.0
+    """``interval_steps: auto`` only: never less training than this between saves (seconds); also
+    when the first save comes, before any save cost is measured. Default ``60``."""
+    max_overhead: float | None = 0.02
+    """``interval_steps: auto`` only: the most of the wall time saves may take (a fraction, 0 < x <
+    1; the interval is lengthened to keep ``C / (interval + C)`` under it); ``None``: no ceiling.
+    Default ``0.02``."""
 
     def __post_init__(self) -> None:
-        check_positive("schedule.interval_steps", self.interval_steps, allow_none=True, integer=True)
+        if self.interval_steps != "auto":
+            check_positive("schedule.interval_steps", self.interval_steps, allow_none=True, integer=True)
+        elif self.interval_seconds is not None:
+            raise ConfigError(
+                "CheckpointConfig.schedule: interval_steps='auto' chooses the interval itself; "
+                f"remove interval_seconds={self.interval_seconds!r} (or set interval_steps to a number)"
+            )
         check_positive("schedule.interval_seconds", self.interval_seconds, allow_none=True)
+        check_positive("schedule.mtbf_s", self.mtbf_s)
+        check_positive("schedule.min_interval_s", self.min_interval_s)
+        if self.max_overhead is not None:
+            check_positive("schedule.max_overhead", self.max_overhead)
+            if self.max_overhead >= 1:
+                raise ConfigError(
+                    f"CheckpointConfig.schedule.max_overhead={self.max_overhead!r}: a fraction of wall time, "
+                    "0 < x < 1 (e.g. 0.02); null for no ceiling"
+                )
 
 
 @dataclass(kw_only=True)

@@ -110,7 +110,7 @@ class CheckpointManager:
         self.extras = ResumeExtras(probe=probe, run_id=run_id, model=model, collective=self.collective, config=config)
         self.train_state = TrainState(run_id=self.extras.run_id)
         self._explicit_counters: set[str] = set()  # passed by the caller: never derived
-        self.schedule = SaveSchedule(config.schedule, collective=self.collective)
+        self.schedule = SaveSchedule(config.schedule, collective=self.collective, store=self.store)
         self.wrapper = wrapper_kind(model)
         self.model_specs = tensor_specs(model)
         if self.rank == 0:  # pitfalls of the wrapper and of the launcher, said once
@@ -207,8 +207,8 @@ class CheckpointManager:
             ``config.load.enabled`` is false).
 
         Raises:
-            CheckpointNotFoundError: ``config.load.path`` does not exist, or is a DCP directory
-                without a distckpt manifest (import it with ``distckpt import``).
+            CheckpointNotFoundError: ``config.load.path`` does not exist, or is a DCP directory without a
+                distckpt manifest (import it with ``distckpt import``).
             CheckpointCorruptError: the newest checkpoint is invalid (a missing or truncated
                 file, or a hash mismatch found while reading it) and
                 ``config.load.fallback_to_older`` is false, or no committed checkpoint is loadable;
@@ -239,7 +239,7 @@ class CheckpointManager:
         self.extras.after_load(train_state, manifest, path, wrapper=self.wrapper, seconds=time.perf_counter() - t0)
         self.train_state = train_state
         self.last_saved_step = train_state.step
-        self.schedule.mark_saved()
+        self.schedule.resumed(manifest.interval)  # interval_steps: auto takes over the root's statistics
         return dataclasses.replace(train_state, loss_history=list(train_state.loss_history))  # the caller's copy
 
     # ------------------------------------------------------------------ save
@@ -270,8 +270,7 @@ class CheckpointManager:
         Raises:
             CheckpointSaveError: the save failed on some rank (raised on every rank); the
                 previous checkpoint is intact and training may continue.
-            CollectiveMismatchError: a save is due here but not every rank saved this step
-                (see :meth:`save`).
+            CollectiveMismatchError: a save is due here but not every rank saved this step (see :meth:`save`).
         """
         self._check_open(save=True)
         self._record(step, loss, counters, metrics)
@@ -282,7 +281,7 @@ class CheckpointManager:
         due = self.schedule.is_due(step) or (last_step and self.config.schedule.save_at_end)
         if not due or self.last_saved_step == step:
             return False
-        self._save(step, full=last_step and self.config.schedule.full_at_end)
+        self._save(step, full=last_step and self.config.schedule.full_at_end, kind="final" if last_step else "periodic")
         return True
 
     def _save_for_preemption(self, step: int) -> bool:
@@ -301,7 +300,7 @@ class CheckpointManager:
         self.wait()  # the in-flight save completes and commits first
         saved = plan.action == "save" and self.last_saved_step != step
         if saved:
-            self._save(step, blocking=True)
+            self._save(step, blocking=True, kind="preempted")
         self.preempted = True
         if self.rank == 0:
             logger.warning(
@@ -323,11 +322,10 @@ class CheckpointManager:
     def save(self, step: int, *, loss: float | None = None, metrics: dict | None = None, **counters: int) -> str:
         """Save the whole training state as ``step-<step>`` (``metrics`` as for :meth:`maybe_save`).
 
-        The commit protocol is :class:`~distckpt.save.transaction.SaveTransaction`'s. With
-        ``async_save.mode`` off it completes before the call returns; otherwise the call returns
-        once the state is staged and the write and commit finish in the background (at most
-        one save in flight: the next ``save``, :meth:`wait` or :meth:`close` waits for it and
-        raises its error, on every rank).
+        The commit protocol is :class:`~distckpt.save.transaction.SaveTransaction`'s. With ``async_save.mode`` off it
+        completes before the call returns; otherwise the call returns once the state is staged and the write and commit
+        finish in the background (at most one save in flight: the next ``save``, :meth:`wait` or :meth:`close` waits for
+        it and raises its error, on every rank).
 
         Returns:
             The checkpoint directory, on S3 its data-prefix URL (committed when blocking; later when async).
@@ -348,6 +346,7 @@ class CheckpointManager:
         blocking: bool = False,
         full: bool = False,
         metrics: dict[str, float] | None = None,
+        kind: str = "periodic",
     ) -> str:
         self._check_open(save=True)
         self.collective.arrive(f"save(step={step})", timeout_s=self.config.coordination.effective_arrival_timeout_s)
@@ -358,6 +357,7 @@ class CheckpointManager:
         self.state.derive_counters(self.train_state, explicit=self._explicit_counters)
         self.extras.before_save(self.train_state)  # run id, probe loss (a forward on every rank)
         snapshot = dataclasses.replace(self.train_state, loss_history=list(self.train_state.loss_history))
+        snapshot.interval = self.schedule.snapshot(kind)  # interval_steps: auto: recorded in the manifest
         full = full or self.config.save.state_dict_type == "full"
         tx = SaveTransaction(
             self._save_ctx, step=step, save_id=f"{self._run_id}{self._save_count:04x}", train_state=snapshot, full=full
@@ -370,16 +370,16 @@ class CheckpointManager:
         self.schedule.mark_saved()
         if self.async_writer is None or blocking:
             tx.finish(self.collective, tx.write(build, self.collective))
-            self.last_save_seconds = time.perf_counter() - tx.t0
-            self.save_durations.record(self.last_save_seconds)
-            return tx.final
-        upload, started = tx.start(build, self.async_writer)
-        tx.agree_started(self.collective, started)  # a failure to start is raised now, on every rank
-        assert self.background is not None  # created with async_writer
-        self._inflight = tx.finish_in_background(
-            self.background, upload, self.async_writer, started, on_committed=self.save_durations.record
-        )
-        self.last_save_seconds = time.perf_counter() - tx.t0
+            self.save_durations.record(time.perf_counter() - tx.t0)
+        else:
+            upload, started = tx.start(build, self.async_writer)
+            tx.agree_started(self.collective, started)  # a failure to start is raised now, on every rank
+            assert self.background is not None  # created with async_writer
+            self._inflight = tx.finish_in_background(
+                self.background, upload, self.async_writer, started, on_committed=self.save_durations.record
+            )
+        self.last_save_seconds = time.perf_counter() - tx.t0  # the stall of an async save
+        self.schedule.saved(self.last_save_seconds, None if blocking else self._inflight)
         return tx.final
 
     def _before_commit(self) -> None:

@@ -265,6 +265,9 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
             return float(value)
         except ValueError:
             raise ConfigError(f"{name}={value!r}: expected a number") from None
+    literals = [v for a in allowed if typing.get_origin(a) is typing.Literal for v in typing.get_args(a)]
+    if isinstance(value, str) and value in literals:  # schedule.interval_steps: auto
+        return value
     if int in allowed and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(f"{name}={value!r}: expected an integer")
     if bool in allowed and not isinstance(value, bool):

@@ -31,7 +31,7 @@ __all__ = [
     "first_problem",
 ]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # v1 -> v2: files gained "hash" (xxh3_128 hex), the manifest gained "hash_algorithm".
 # v2 -> v3: a file path may name another checkpoint's file ("../step-N/__0_0.distcp", an
 # incremental checkpoint's reference): an older distckpt would delete referenced checkpoints.
@@ -40,6 +40,8 @@ SCHEMA_VERSION = 5
 # manifest without block digests (S3, async_save.mode: process) is still written as v3.
 # v4 -> v5: "initial_load", the load options the run that wrote it started with (restart.py); a
 # manifest without them is written as v4 (or v3), which older distckpt reads.
+# v5 -> v6: "interval", the statistics of ``schedule.interval_steps: auto`` (save/interval.py); a
+# manifest without them is written as v5 or older.
 
 
 @dataclass(kw_only=True)
@@ -100,6 +102,10 @@ class Manifest:
         initial_load: ``CheckpointConfig.initial_load`` of the run that wrote it (``load_path``,
             ``load_step``, ``load_only``, ``exclude_from_loading``); absent when none was set.
             A start with the same options is a restart of that run (:mod:`distckpt.load.restart`).
+        interval: ``schedule.interval_steps: auto`` only: the statistics the interval is chosen from
+            (save costs, run time, failures, the kind of this save) and the decision in force when
+            the save started (:meth:`distckpt.save.interval.IntervalStats.to_dict`); a resume takes
+            them over. Absent otherwise.
     """
 
     step: int
@@ -125,22 +131,22 @@ class Manifest:
     batch_change: dict[str, Any] | None = None
     data_prefix: str | None = None
     initial_load: dict[str, Any] | None = None
+    interval: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         """The manifest as JSON text (sorted keys). Unset ``data_prefix`` / ``initial_load`` and a file's
         unset block digests are left out, and ``schema_version`` is the oldest schema that holds what is
         set: a manifest using no newer field stays readable by an older distckpt."""
         data = asdict(self)
-        for name in ("data_prefix", "initial_load"):  # unset: the manifest stays byte-for-byte as before
+        for name in ("data_prefix", "initial_load", "interval"):  # unset: the manifest stays byte-for-byte as before
             if data[name] is None:
                 del data[name]
         for f in data["files"]:  # files without blocks (and S3 manifests) keep their old form
             if f["block_ends"] is None and f["block_hashes"] is None:
                 del f["block_ends"], f["block_hashes"]
         if data["schema_version"] == SCHEMA_VERSION:  # the oldest schema that holds it, which older distckpt reads
-            data["schema_version"] = (
-                5 if "initial_load" in data else 4 if any("block_ends" in f for f in data["files"]) else 3
-            )
+            blocks = any("block_ends" in f for f in data["files"])
+            data["schema_version"] = 6 if "interval" in data else 5 if "initial_load" in data else 4 if blocks else 3
         return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod
@@ -216,6 +222,8 @@ def migrate(data: dict[str, Any]) -> dict[str, Any]:
         data["schema_version"] = 4  # nothing to change: v3 files have no block digests
     if data["schema_version"] == 4:
         data["schema_version"] = 5  # nothing to change: a v4 run started without initial-load options
+    if data["schema_version"] == 5:
+        data["schema_version"] = 6  # nothing to change: a v5 run had no interval statistics
     return data
 
 

@@ -301,6 +301,7 @@ class SaveTransaction:
             hardware=hardware_summary(),
             batch_change=ts.batch_change,
             initial_load=ctx.initial_load,
+            interval=ts.interval,
         )
         return manifest
 

@@ -88,6 +88,8 @@ class TrainState:
             (``elastic.batch_policy: keep_local_batch``): what was done
             (:func:`distckpt.state.rebatch.apply_step_rule`); recorded in the manifest of this run's saves, not in
             the checkpoint's state.
+        interval: ``schedule.interval_steps: auto``: the interval statistics a save records in its
+            manifest (:mod:`distckpt.save.schedule`); not in the checkpoint's state.
     """
 
     step: int = 0
@@ -103,6 +105,7 @@ class TrainState:
     probe_loss: float | None = None
     probe_loss_loaded: float | None = None
     batch_change: dict[str, Any] | None = None
+    interval: dict[str, Any] | None = None
 
     _SAVED = (
         "step",

@@ -246,4 +246,9 @@ class CheckpointStore(Protocol):
 
     def lock_file(self) -> LockFile:
         """The root's lock object (:class:`~distckpt.storage.lock.RootLock` runs the protocol)."""
+        return self.root_file(".lock")
+
+    def root_file(self, name: str) -> LockFile:
+        """A small object ``name`` at the root, with the lock's operations (the interval journal
+        ``.interval.json``, :mod:`distckpt.save.schedule`; written by rank 0 only)."""
         ...

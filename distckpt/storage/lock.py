@@ -89,7 +89,7 @@ class PosixLockFile(LockFile):
 
     @override
     def replace(self, text: str) -> None:
-        tmp = self.path.with_name(f"{LOCK_NAME}.renew-{os.getpid()}")
+        tmp = self.path.with_name(f"{self.path.name}.renew-{os.getpid()}")  # one per file: the lock's and others
         try:
             with open(tmp, "w") as f:
                 f.write(text)

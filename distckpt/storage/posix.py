@@ -263,3 +263,7 @@ class PosixStore(CheckpointStore):
     @override
     def lock_file(self) -> PosixLockFile:
         return PosixLockFile(os.path.join(self.root, ".lock"))
+
+    @override
+    def root_file(self, name: str) -> PosixLockFile:
+        return PosixLockFile(os.path.join(self.root, name))

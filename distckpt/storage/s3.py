@@ -8,14 +8,14 @@ Layout under ``s3://bucket/prefix``::
                                      with If-None-Match: * (a conditional create)
     latest                           a hint: the name of the last commit
     .lock                            the root's lock (created with If-None-Match: *)
+    .interval.json                   interval_steps: auto's journal (save/schedule.py)
 
-A checkpoint exists iff its manifest exists and names its data prefix; the manifest is
-written after every rank reported its files written (and their hashes), so a crash at any
-instant leaves either no manifest (the save's objects are unreferenced, removed at the next
-start) or a complete checkpoint. A second writer of the same step (a stale job) gets
-``PreconditionFailed`` and fails its save instead of replacing the commit. Retention deletes
-the manifest first, then the data. A checkpoint's *location* is its data prefix URL, which
-plain ``dcp.load(..., storage_reader=FsspecReader(location))`` reads.
+A checkpoint exists iff its manifest exists and names its data prefix; the manifest is written after every rank
+reported its files written (and their hashes), so a crash at any instant leaves either no manifest (the save's objects
+are unreferenced, removed at the next start) or a complete checkpoint. A second writer of the same step (a stale job)
+gets ``PreconditionFailed`` and fails its save instead of replacing the commit. Retention deletes the manifest first,
+then the data. A checkpoint's *location* is its data prefix URL, which plain ``dcp.load(...,
+storage_reader=FsspecReader(location))`` reads.
 """
 
 from __future__ import annotations
@@ -473,8 +473,8 @@ class S3Store(CheckpointStore):
         return None
 
     @override
-    def lock_file(self) -> S3LockFile:
-        return S3LockFile(self.objects, self.key(".lock"))
+    def root_file(self, name: str) -> S3LockFile:  # the lock (".lock") is one
+        return S3LockFile(self.objects, self.key(name))
 
     def set_aside_names(self) -> list[str]:
         """Names (``manifests/<reason>-step-N-<n>``) of the set-aside manifests."""

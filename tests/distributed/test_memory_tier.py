@@ -40,6 +40,7 @@ def _job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
         root=opts["root"],
         schedule={"interval_steps": opts.get("durable_every", 4)},
         retention={"keep_last": 2},
+        async_save={"mode": opts.get("async_mode", "off")},
         memory=memory,
     )
     manager = CheckpointManager(
@@ -106,12 +107,15 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_worker_crash_restores_from_local_memory_bitwise(tmp_path) -> None:
+@pytest.mark.parametrize("async_mode", ["off", "thread"])
+def test_worker_crash_restores_from_local_memory_bitwise(tmp_path, async_mode: str) -> None:
     nodes = ["a", "a", "b", "b"]
-    died = _die(tmp_path, 4, nodes, until=6, wrapper="ddp", ddp_fixed_buckets=True)  # durable step 4, memory 6
-    assert "step-000000004" in os.listdir(tmp_path / "root") and "step-000000006" not in os.listdir(tmp_path / "root")
-    after = _run(tmp_path, 4, nodes, until=9, wrapper="ddp", ddp_fixed_buckets=True)
-    base = _run(tmp_path / "base", 4, nodes, until=9, wrapper="ddp", ddp_fixed_buckets=True, memory=False)
+    opts = {"async_mode": async_mode}
+    died = _die(tmp_path, 4, nodes, until=6, wrapper="ddp", ddp_fixed_buckets=True, **opts)  # durable 4, memory 6
+    # blocking: step 4 committed; async: step 4 may still be in flight at the kill (memory serves either way)
+    assert "step-000000006" not in os.listdir(tmp_path / "root")
+    after = _run(tmp_path, 4, nodes, until=9, wrapper="ddp", ddp_fixed_buckets=True, **opts)
+    base = _run(tmp_path / "base", 4, nodes, until=9, wrapper="ddp", ddp_fixed_buckets=True, memory=False, **opts)
     for r in range(4):
         assert after[r]["resumed"]["step"] == 6 and after[r]["resumed"]["tier"] == "memory"
         _same(after[r]["resumed"]["params"], died[r]["params"])
