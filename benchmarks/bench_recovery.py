@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.bench_recovery --out DIR`` (defaults: states of 256 MiB and 1 GiB, about
 10 minutes on 2 cores) writes ``DIR/results.json``, ``DIR/results.md`` (also printed) and
-``DIR/plot.png``.
+``DIR/plot.png``; ``--render-only`` rebuilds the last two from ``DIR/results.json``.
 
 What it runs. For each state size, two elastic jobs side by side in one run, memory tier off
 then on (``checkpoint.memory``: a snapshot every step, one replica; docs/memory.md), each the
@@ -26,7 +26,8 @@ Per event (rank 0's records, ``launch/train.py``): ``breakdown_s`` (``detect``: 
 worker process starts; ``rendezvous``: -> ``load()`` begins, i.e. interpreter start, imports,
 ``init_process_group`` and building the job; ``restore``: ``load()``; ``first_step``: ->
 the first step completed), ``recovery_s`` (their sum: kill to first completed step),
-``steps_replayed``, ``tier`` and ``bytes_read_from_root`` (memory: 0; durable: the loaded
+``lost_s`` (``recovery_s`` plus the replayed steps at the run's median step time: the progress
+the failure cost), ``steps_replayed``, ``tier`` and ``bytes_read_from_root`` (memory: 0; durable: the loaded
 checkpoint's file bytes, which a full load reads once over all ranks). Per run: the median
 snapshot stall (``manager.memory.last_stall_s``) against the median step time at world size 2,
 and the median step time with the tier off (the durable tier's figures unchanged). Ratios
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import shutil
 import statistics
 import sys
@@ -160,6 +162,11 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         on = next(r for r in runs if r["size"] == size and r["memory"])
         for trigger in EVENTS:
             e_off, e_on = _event(off, trigger), _event(on, trigger)
+            for e, run in ((e_off, off), (e_on, on)):
+                if e.get("recovery_s") is not None and run["step_seconds_median"] is not None:
+                    e["lost_s"] = round(
+                        e["recovery_s"] + (e.get("steps_replayed") or 0) * run["step_seconds_median"], 3
+                    )
             rows.append(
                 {
                     "size": size,
@@ -167,6 +174,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "off": e_off,
                     "on": e_on,
                     "recovery_ratio": _ratio(e_on.get("recovery_s"), e_off.get("recovery_s")),
+                    "lost_ratio": _ratio(e_on.get("lost_s"), e_off.get("lost_s")),
                     "restore_ratio": _ratio(
                         (e_on.get("breakdown_s") or {}).get("restore"), (e_off.get("breakdown_s") or {}).get("restore")
                     ),
@@ -185,8 +193,8 @@ def render(results: dict[str, Any]) -> str:
         f"# Recovery, memory tier off vs on ({results['meta']['date']})",
         "",
         "| state | event | tier off / on | replayed off / on | MiB from root off / on "
-        "| detect | rendezvous | restore | first step | kill -> first step (s) | on / off |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| detect | rendezvous | restore | first step | kill -> first step (s) | on / off | lost s | on / off |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
         off, on = r["off"], r["on"]
@@ -203,11 +211,13 @@ def render(results: dict[str, Any]) -> str:
             f"| {r['size']} | {r['event']} | {off.get('tier', '-')} / {on.get('tier', '-')} "
             f"| {off.get('steps_replayed', '-')} / {on.get('steps_replayed', '-')} | {mib(off)} / {mib(on)} "
             f"| {pair('detect')} | {pair('rendezvous')} | {pair('restore')} | {pair('first_step')} "
-            f"| {_fmt(off.get('recovery_s'))} / {_fmt(on.get('recovery_s'))} | {_fmt(r['recovery_ratio'], '.2f')} |"
+            f"| {_fmt(off.get('recovery_s'))} / {_fmt(on.get('recovery_s'))} | {_fmt(r['recovery_ratio'], '.2f')} "
+            f"| {_fmt(off.get('lost_s'))} / {_fmt(on.get('lost_s'))} | {_fmt(r.get('lost_ratio'), '.2f')} |"
         )
     lines += [
         "",
-        "Phases: off / on, seconds. Per run (world size 2):",
+        "Phases: off / on, seconds. lost s: kill -> first step plus the replayed steps at the run's median "
+        "step time (the progress the failure cost). Per run (world size 2):",
         "",
         "| state | memory | state MiB | step s (median) | snapshot stall s (median) | stall / step "
         "| dup / skipped samples | run s |",
@@ -256,10 +266,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", default="runs/bench_recovery", help="output directory (default runs/bench_recovery)")
     p.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=list(SIZES), help="state sizes")
-    p.add_argument("--steps", type=int, default=13, help="steps each job reaches (default 13)")
+    p.add_argument("--steps", type=int, default=26, help="steps each job reaches (default 26)")
     p.add_argument("--interval", type=int, default=4, help="durable checkpoint every this many steps (default 4)")
     p.add_argument("--join-at", type=int, default=2, help="node B joins once A completed this step (default 2)")
     p.add_argument("--timeout-s", type=float, default=400.0, help="timeout of each job (default 400 s)")
+    p.add_argument(
+        "--render-only", action="store_true", help="rebuild the table and plot from OUT/results.json, run nothing"
+    )
     return p.parse_args(argv)
 
 
@@ -268,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.render_only:
+        results = json.loads((out / "results.json").read_text())
+        results["rows"] = summarize(results["runs"])
+        write_outputs(out, results, render, plot)
+        return 0
     t0 = time.monotonic()
     runs = []
     for size in args.sizes:

@@ -202,8 +202,14 @@ class Timeline:
 def kept_samples(out: Path, timeline: Timeline, *, presave: bool = False) -> dict[int, list[int]]:
     """Global sample ids per step of each step's last execution (see the module doc). ``presave``:
     from ``presave.rank<r>.jsonl``, written before each ``maybe_save`` (``--memory``: a kill
-    right after a step's snapshot, before ``samples.rank<r>.jsonl``, keeps the step)."""
+    right after a step's snapshot, before ``samples.rank<r>.jsonl``, keeps the step); a step
+    rank 0 never recorded (killed between that snapshot and its record, then resumed past it)
+    ran at the world size of the step before it."""
     last_ws = {r["step"]: r["world_size"] for r in timeline.records}
+    if presave:
+        for step in range(2, max(last_ws, default=0)):
+            if step not in last_ws and step - 1 in last_ws:
+                last_ws[step] = last_ws[step - 1]
     per_rank: dict[int, dict[int, list[int]]] = {}
     name = "presave" if presave else "samples"
     for rank in range(max(last_ws.values(), default=0)):
@@ -258,7 +264,8 @@ def analyze(
                 "world_size_after": after["world_size"],
                 "saved_on_sigterm": before["step"] in preempted and before["step"] == resumed_from,
                 "resumed_from_step": resumed_from,
-                "steps_replayed": before["step"] - resumed_from,
+                # < 0 when rank 0 was killed between a step's snapshot and its record: nothing replayed
+                "steps_replayed": max(0, before["step"] - resumed_from),
                 "seconds_to_resume": round(t_first - t_trig, 2) if t_trig is not None else None,
             }
         )

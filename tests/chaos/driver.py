@@ -86,6 +86,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--nproc-per-node", type=int, default=1, help="--memory: workers per node (default 1)")
     p.add_argument(
+        "--param-tolerance",
+        type=float,
+        default=1e-3,
+        help="--memory: max |param - reference| of a committed checkpoint (default 1e-3; see tests/chaos/nodes.py)",
+    )
+    p.add_argument(
         "--set",
         dest="overrides",
         action="append",

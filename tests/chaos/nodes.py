@@ -34,8 +34,10 @@ Checks (``DIR/report.json``; exit 1 when one fails):
 * 0 duplicated and 0 skipped samples over each step's last execution (``presave`` records);
 * 0 lost committed checkpoints (the root inspected at each failure and at the end; retention
   may delete only with ``keep_last`` newer ones) and 0 corrupt ones (every committed checkpoint
-  at the end passes a full hash verification and its model is within ``--tolerance`` of the
-  reference's checkpoint of the same step);
+  at the end passes a full hash verification and its model is within ``--param-tolerance``, 1e-3,
+  of the reference's checkpoint of the same step: a node loss halves the world size and AdamW
+  carries the changed reduction order into the parameters, 1.7e-4 after 220 steps in a run
+  whose losses stayed within 1e-6 of the reference's at every step);
 * ``--kills`` failures inflicted, the job reached ``T`` and exited 0.
 """
 
@@ -95,7 +97,7 @@ def run_memory(args: argparse.Namespace, small_model: list[str]) -> int:
     t_start = time.monotonic()
     nproc, n = args.nproc_per_node, args.kills
     full, g = 2 * nproc, args.global_batch
-    steps = args.steps or 15 * n + 30
+    steps = args.steps or 50 * n + 20  # a node loss and the rejoin cost ~40 fast steps at half size
     if n < 1 or g % full or nproc < 1:
         print(
             f"error: need --kills >= 1 and --global-batch divisible by 2 * --nproc-per-node ({full})", file=sys.stderr
@@ -278,8 +280,8 @@ def _report(
             )
         except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be compared fails the check
             diffs[step], corrupt[step] = math.inf, f"{type(e).__name__}: {e}"[:300]
-        if diffs[step] > args.tolerance:
-            corrupt.setdefault(step, f"max |param - reference| {diffs[step]:g} > {args.tolerance:g}")
+        if diffs[step] > args.param_tolerance:
+            corrupt.setdefault(step, f"max |param - reference| {diffs[step]:g} > {args.param_tolerance:g}")
     reqs: list[dict[str, Any]] = []
 
     def req(what: str, ok: bool, value: Any) -> None:

@@ -139,3 +139,28 @@ def test_bench_recovery_table_puts_the_tiers_side_by_side() -> None:
     md = render({"meta": {"date": "2026-12-02"}, "runs": runs, "rows": rows})
     assert "| 1GiB | node_loss | durable / memory | 2 / 0 | 1024 / 0 |" in md
     assert "| 1GiB | on | 1024 | 1.000 | 0.0500 | 5.0% | 0 / 0 | 60.0 |" in md
+
+
+def test_a_step_snapshotted_but_never_recorded_counts_once_and_replays_nothing(tmp_path: pathlib.Path) -> None:
+    """Rank 0 killed between step 3's snapshot and its metrics record; the restart resumes from 3:
+    step 3's samples come from the presave records at the world size of step 2, and the event
+    reports 0 steps replayed (not -1)."""
+    from distckpt.data import ReshardableSampler
+
+    g, n = 4, 40
+    perm = ReshardableSampler(n, global_batch_size=g, rank=0, world_size=1, seed=0).permutation(0).tolist()
+    rows = [(1, 1000.0), (2, 1000.0), (4, 1020.0), (5, 1020.0)]
+    metrics = [{"step": s, "world_size": 4, "loss": 1.0 / s, "worker_start": w, "time": w + s} for s, w in rows]
+    _write(tmp_path / "metrics.jsonl", metrics)
+    for r in range(4):
+        _write(tmp_path / f"presave.rank{r}.jsonl", [{"step": s, "ids": [perm[(s - 1) * g + r]]} for s in range(1, 6)])
+    resumed = {"event": "resumed", "step": 3, "saved_world_size": 4, "world_size": 4, "worker_start": 1020.0}
+    _write(tmp_path / "events.jsonl", [resumed | {"tier": "memory", "bytes_read_from_root": 0}])
+    timeline = Timeline(tmp_path / "metrics.jsonl")
+    timeline.poll()
+    base = Run("base", 4, tmp_path, tmp_path, metrics={s: {"loss": 1.0 / s} for s in range(1, 6)})
+    info = {"global_batch_size": g, "steps_per_epoch": n // g, "dataset_len": n, "sampler_seed": 0}
+    summary = analyze(tmp_path, timeline, [("worker_crash", -1.0)], base, info, 5, wall={"worker_crash": 1010.0})
+    (e,) = summary["events"]
+    assert (e["resumed_from_step"], e["steps_replayed"]) == (3, 0)
+    assert (summary["duplicated_samples"], summary["skipped_samples"]) == (0, 0)
