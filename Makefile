@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup demo demo-elastic lint test test-fast test-slow test-gpu bench bench-gpu clean
+.PHONY: setup demo demo-elastic demo-elastic-memory lint test test-fast test-slow test-gpu bench bench-gpu bench-recovery clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,15 @@ demo: $(VENV)/.installed
 # Two torchrun agents on this machine as two nodes: 2 -> 4 ranks on a join, 4 -> 2 on a node loss.
 demo-elastic: $(VENV)/.installed
 	$(PY) -m launch.elastic_demo --out runs/elastic
+
+# The same with the memory tier on (docs/memory.md): a worker crash and the node loss resume from
+# memory, at most 1 step replayed, nothing read from the checkpoint root.
+demo-elastic-memory: $(VENV)/.installed
+	$(PY) -m launch.elastic_demo --memory --out runs/elastic-memory
+
+# Recovery time from a kill to the first step, memory tier off vs on, 256 MiB and 1 GiB (~10 min).
+bench-recovery: $(VENV)/.installed
+	$(PY) -m benchmarks.bench_recovery --out runs/bench_recovery
 
 # ruff (formatting, lint, import order, docstrings of distckpt's public names) and mypy, configured in pyproject.toml.
 lint: $(VENV)/.installed

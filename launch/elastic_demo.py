@@ -16,6 +16,15 @@ b. ``elastic``   node A's agent trains at world size 2. Node B's agent starts mi
                  and they continue at world size 2 from the newest committed checkpoint, to
                  the end.
 
+With ``--memory`` (``make demo-elastic-memory``) the memory tier is on (docs/memory.md: a
+snapshot every step, a replica on the other node): each agent is a node with its own
+``DISTCKPT_NODE_ID`` and memory directory (``<memory root>/node_a``, ``.../node_b``), and between
+the join and the node loss one worker of node A is SIGKILLed (``worker_crash``: node A's agent,
+its other worker and its memory intact; both agents restart their workers at world size 4).
+The node loss also deletes node B's memory directory. Each event then also records ``tier``,
+``bytes_read_from_root``, ``bytes_between_nodes`` and ``breakdown_s`` (``launch/recovery.py``);
+the demo exits 1 when the crash or the node loss replays more than one step or reads the root.
+
 Scale-up needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agents' environment with torch
 2.13 (see :data:`ELASTIC_ENV`); :func:`agent_command` is the torchrun command line.
 
@@ -29,9 +38,12 @@ of ``s``. Duplicated and skipped samples are counted as in ``launch/jobs.py``.
 "saved_on_sigterm", "resumed_from_step", "steps_replayed", "seconds_to_resume"}, ...],
 "final_step", "max_abs_loss_diff", "duplicated_samples", "skipped_samples", ...}``;
 ``seconds_to_resume`` runs from the trigger (B's agent started / B killed) to the first step
-completed at the new world size. Exit 1 when the loss differs from the baseline by more than
-``--tolerance``, a sample is duplicated or skipped, the join replayed a step, or a transition
-did not happen.
+completed at the new world size. With ``--memory`` each event also has ``"tier"``,
+``"bytes_read_from_root"``, ``"bytes_between_nodes"`` and ``"breakdown_s": {"detect",
+"rendezvous", "restore", "first_step"}`` (``launch/recovery.py``). Exit 1 when the loss differs
+from the baseline by more than ``--tolerance``, a sample is duplicated or skipped, the join
+replayed a step, or a transition did not happen (``--memory``: or the crash or the node loss
+replayed more than one step or read the root).
 """
 
 from __future__ import annotations
@@ -54,6 +66,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from distckpt import ConfigError  # noqa: E402
+from launch import recovery  # noqa: E402
 from launch.config import load_job_config  # noqa: E402
 from launch.jobs import Run, kill_job, launch, read_jsonl, sample_accounting  # noqa: E402
 
@@ -171,25 +184,36 @@ class Timeline:
         return new
 
     def segments(self) -> list[tuple[int, int]]:
-        """``[start, end)`` index ranges of consecutive steps at one world size (one worker round)."""
+        """``[start, end)`` index ranges of consecutive steps at one world size by one worker
+        process of rank 0 (one worker round: a restart that replays nothing starts a new one)."""
         out, start = [], 0
         for i in range(1, len(self.records) + 1):
             if (
                 i == len(self.records)
                 or self.records[i]["step"] != self.records[i - 1]["step"] + 1
                 or self.records[i]["world_size"] != self.records[i - 1]["world_size"]
+                or self.records[i].get("worker_start") != self.records[i - 1].get("worker_start")
             ):
                 out.append((start, i))
                 start = i
         return [s for s in out if s[1] > s[0]]
 
 
-def kept_samples(out: Path, timeline: Timeline) -> dict[int, list[int]]:
-    """Global sample ids per step of each step's last execution (see the module doc)."""
+def kept_samples(out: Path, timeline: Timeline, *, presave: bool = False) -> dict[int, list[int]]:
+    """Global sample ids per step of each step's last execution (see the module doc). ``presave``:
+    from ``presave.rank<r>.jsonl``, written before each ``maybe_save`` (``--memory``: a kill
+    right after a step's snapshot, before ``samples.rank<r>.jsonl``, keeps the step); a step
+    rank 0 never recorded (killed between that snapshot and its record, then resumed past it)
+    ran at the world size of the step before it."""
     last_ws = {r["step"]: r["world_size"] for r in timeline.records}
+    if presave:
+        for step in range(2, max(last_ws, default=0)):
+            if step not in last_ws and step - 1 in last_ws:
+                last_ws[step] = last_ws[step - 1]
     per_rank: dict[int, dict[int, list[int]]] = {}
+    name = "presave" if presave else "samples"
     for rank in range(max(last_ws.values(), default=0)):
-        per_rank[rank] = {r["step"]: r["ids"] for r in read_jsonl(out / f"samples.rank{rank}.jsonl")}
+        per_rank[rank] = {r["step"]: r["ids"] for r in read_jsonl(out / f"{name}.rank{rank}.jsonl")}
     history = {}
     for step, ws in last_ws.items():
         parts = [per_rank[r].get(step) for r in range(ws)]
@@ -199,7 +223,14 @@ def kept_samples(out: Path, timeline: Timeline) -> dict[int, list[int]]:
 
 
 def analyze(
-    out: Path, timeline: Timeline, triggers: list[tuple[str, float]], baseline: Run, info: dict[str, Any], steps: int
+    out: Path,
+    timeline: Timeline,
+    triggers: list[tuple[str, float]],
+    baseline: Run,
+    info: dict[str, Any],
+    steps: int,
+    *,
+    wall: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The summary of the elastic run in ``out`` against ``baseline``.
 
@@ -210,6 +241,9 @@ def analyze(
         baseline: the finished baseline run (records loaded).
         info: ``global_batch_size``, ``steps_per_epoch``, ``dataset_len``, ``sampler_seed``.
         steps: the step every run must reach.
+        wall: with the memory tier (``--memory``): each trigger's wall time (``time.time()``);
+            the events then also get ``tier``, ``bytes_read_from_root``, ``bytes_between_nodes``
+            and ``breakdown_s`` (``launch.recovery.breakdown``).
     """
     events = read_jsonl(out / "events.jsonl")
     resumed = [e for e in events if e["event"] == "resumed"]
@@ -230,11 +264,22 @@ def analyze(
                 "world_size_after": after["world_size"],
                 "saved_on_sigterm": before["step"] in preempted and before["step"] == resumed_from,
                 "resumed_from_step": resumed_from,
-                "steps_replayed": before["step"] - resumed_from,
+                # < 0 when rank 0 was killed between a step's snapshot and its record: nothing replayed
+                "steps_replayed": max(0, before["step"] - resumed_from),
                 "seconds_to_resume": round(t_first - t_trig, 2) if t_trig is not None else None,
             }
         )
-    history = kept_samples(out, timeline)
+        if wall is not None:
+            ev = next((e for e in resumed if e.get("worker_start") == after.get("worker_start")), {})
+            rows[-1].update(
+                {
+                    "tier": ev.get("tier"),
+                    "bytes_read_from_root": ev.get("bytes_read_from_root"),
+                    "bytes_between_nodes": ev.get("bytes_between_nodes"),
+                    "breakdown_s": recovery.breakdown(wall[name], ev, after) if name in wall else None,
+                }
+            )
+    history = kept_samples(out, timeline, presave=wall is not None)
     final = max((r["step"] for r in timeline.records), default=0)
     dup, skip = sample_accounting(history, final, info)
     diffs = [
@@ -250,13 +295,18 @@ def analyze(
         "samples_match_baseline": all(history.get(s) == baseline.samples.get(s) for s in range(1, steps + 1)),
         "world_sizes": [timeline.records[a]["world_size"] for a, _ in segs],
         "resumes": [
-            {k: e.get(k) for k in ("step", "saved_world_size", "world_size", "checkpoint_path")} for e in resumed
+            {k: e.get(k) for k in ("step", "saved_world_size", "world_size", "checkpoint_path")}
+            | ({} if wall is None else {"tier": e.get("tier")})
+            for e in resumed
         ],
     }
 
 
-def check(summary: dict[str, Any], steps: int, tolerance: float, expect: list[str]) -> list[dict[str, Any]]:
-    """The demo's requirements, each ``{"what", "ok", "value"}``."""
+def check(
+    summary: dict[str, Any], steps: int, tolerance: float, expect: list[str], *, memory: bool = False
+) -> list[dict[str, Any]]:
+    """The demo's requirements, each ``{"what", "ok", "value"}``; with ``memory`` also: the worker
+    crash and the node loss replay at most one step and read nothing from the root."""
     reqs = []
 
     def req(what: str, ok: bool, value: Any) -> None:
@@ -264,7 +314,7 @@ def check(summary: dict[str, Any], steps: int, tolerance: float, expect: list[st
 
     ev = summary["events"]
     req(f"transitions {expect}", [e["trigger"] for e in ev] == expect, [e["trigger"] for e in ev])
-    want = {"node_join": (2, 4), "node_loss": (4, 2)}
+    want = {"node_join": (2, 4), "worker_crash": (4, 4), "node_loss": (4, 2)}
     for e in ev:
         if e["trigger"] in want:
             req(
@@ -284,6 +334,12 @@ def check(summary: dict[str, Any], steps: int, tolerance: float, expect: list[st
                 for r in summary["resumes"]
             )
             req("node_loss: resumed on 2 ranks from a checkpoint the 4 ranks committed", ok, e["resumed_from_step"])
+        if memory and e["trigger"] in ("worker_crash", "node_loss"):
+            req(
+                f"{e['trigger']}: at most 1 step replayed, restored from memory, 0 bytes read from the root",
+                e["steps_replayed"] <= 1 and e.get("tier") == "memory" and e.get("bytes_read_from_root") == 0,
+                [e["steps_replayed"], e.get("tier"), e.get("bytes_read_from_root")],
+            )
     req(
         f"reached step {steps}",
         summary["final_step"] == steps and summary["returncode"] == 0,
@@ -299,18 +355,44 @@ def check(summary: dict[str, Any], steps: int, tolerance: float, expect: list[st
     return reqs
 
 
-def _first_step_at(timeline: Timeline, world_size: int) -> int:
-    """The first step completed at ``world_size`` (a checkpoint of it or later was written by
-    those ranks)."""
-    return next(r["step"] for r in timeline.records if r["world_size"] == world_size)
+def _between_checkpoints(
+    out: Path, timeline: Timeline, last: dict[str, Any] | None, interval: int, world_size: int
+) -> bool:
+    """At ``world_size``, strictly between two checkpoints, after one committed by this worker round."""
+    if last is None or last["world_size"] != world_size or last["step"] % interval != interval // 2:
+        return False
+    first = next(
+        r["step"]
+        for r in timeline.records
+        if r["world_size"] == world_size and r.get("worker_start") == last.get("worker_start")
+    )
+    return any(
+        e["event"] == "checkpoint" and e["step"] % interval == 0 and first <= e["step"] < last["step"]
+        for e in read_jsonl(out / "events.jsonl")
+    )
 
 
 def run_elastic(
-    out: Path, train_args: list[str], *, interval: int, steps: int, join_at: int, lose_node: bool, timeout_s: float
-) -> tuple[Timeline, list[tuple[str, float]], int | None]:
+    out: Path,
+    train_args: list[str],
+    *,
+    interval: int,
+    steps: int,
+    join_at: int,
+    lose_node: bool,
+    timeout_s: float,
+    memory_root: Path | None = None,
+    worker_crash: bool | None = None,
+    nproc: int = 2,
+) -> tuple[Timeline, list[tuple[str, float]], int | None, dict[str, float]]:
     """Node A alone, node B joins once A reached ``join_at``; with ``lose_node``, B is SIGKILLed
-    strictly between two checkpoints after one was committed at world size 4. Returns the
-    timeline, the triggers and node A's agent's exit code (``None``: did not finish).
+    strictly between two checkpoints after one was committed at world size 4. With
+    ``memory_root`` (the memory tier on), each agent is a node of its own (``DISTCKPT_NODE_ID``,
+    memory directory ``memory_root/<node>``), a worker of A is SIGKILLed first under the same
+    condition (``worker_crash``; ``worker_crash=False`` skips it, ``True`` does it without the
+    tier too) and the node loss deletes B's memory directory. ``nproc``: workers per node (the
+    world sizes are then ``nproc``, ``2 * nproc``, ``nproc``). Returns the timeline, the triggers,
+    node A's agent's exit code (``None``: did not finish) and each trigger's wall time.
 
     Raises:
         TimeoutError: past ``timeout_s`` (every agent and worker is killed first).
@@ -318,8 +400,15 @@ def run_elastic(
     port, run_id = free_port(), f"distckpt-elastic-{uuid.uuid4().hex[:8]}"
     timeline = Timeline(out / "metrics.jsonl")
     triggers: list[tuple[str, float]] = []
+    wall: dict[str, float] = {}
+    crash = memory_root is not None if worker_crash is None else worker_crash
+    lost = ["node_join"] + (["worker_crash"] if crash else [])  # done before the node loss
     t0 = time.monotonic()
-    a = start_agent("node_a", out, port, run_id, train_args)
+    # A node id per agent; sample ids recorded before each save too (kept_samples(presave=True)).
+    nodes = memory_root is not None or crash
+    presave = {"LAUNCH_CHAOS_PRESAVE_SAMPLES": "1"}
+    env = recovery.node_env("node_a") | presave if nodes else {}
+    a = start_agent("node_a", out, port, run_id, train_args, nproc=nproc, env=env)
     b: Agent | None = None
     agents = [a]
     try:
@@ -330,26 +419,39 @@ def run_elastic(
             last = timeline.records[-1] if timeline.records else None
             if b is None and last is not None and last["step"] >= join_at:
                 print(f"[elastic] step {last['step']}: starting node B's agent", flush=True)
-                b = start_agent("node_b", out, port, run_id, train_args)
+                wall["node_join"] = time.time()
+                b = start_agent(
+                    "node_b",
+                    out,
+                    port,
+                    run_id,
+                    train_args,
+                    nproc=nproc,
+                    env=recovery.node_env("node_b") | presave if nodes else None,
+                )
                 agents.append(b)
                 triggers.append(("node_join", b.started))
             elif (
-                lose_node
+                crash
                 and b is not None
                 and len(triggers) == 1
+                and _between_checkpoints(out, timeline, last, interval, 2 * nproc)
+            ):
+                assert last is not None
+                print(f"[elastic] step {last['step']}: SIGKILL one worker of node A", flush=True)
+                triggers.append(("worker_crash", time.monotonic()))
+                wall["worker_crash"] = recovery.crash_worker(a.proc, local_rank=nproc - 1)
+            elif (
+                lose_node
+                and b is not None
+                and len(triggers) == len(lost)
                 and last is not None
-                and last["world_size"] == 4
-                and last["step"] % interval == interval // 2
-                and any(
-                    e["event"] == "checkpoint"
-                    and e["step"] % interval == 0
-                    and _first_step_at(timeline, 4) <= e["step"] < last["step"]
-                    for e in read_jsonl(out / "events.jsonl")
-                )
+                and (not crash or last.get("worker_start", 0) > wall["worker_crash"])
+                and _between_checkpoints(out, timeline, last, interval, 2 * nproc)
             ):
                 print(f"[elastic] step {last['step']}: SIGKILL node B (agent and workers)", flush=True)
                 triggers.append(("node_loss", time.monotonic()))
-                kill_job(b.proc)
+                wall["node_loss"] = recovery.lose_node(b.proc, None if memory_root is None else memory_root / "node_b")
             time.sleep(0.02)
         if b is not None and b.proc.poll() is None:  # node B ends with A (exit barrier), or is killed
             try:
@@ -362,7 +464,7 @@ def run_elastic(
                 kill_job(agent.proc)
         raise
     timeline.poll()
-    return timeline, triggers, a.proc.returncode
+    return timeline, triggers, a.proc.returncode, wall
 
 
 def print_table(summary: dict[str, Any]) -> None:
@@ -377,6 +479,13 @@ def print_table(summary: dict[str, Any]) -> None:
     ]
     heads = ["event", "before", "after", "saved on SIGTERM", "resumed", "replayed", "s to resume"]
     table = [heads] + [[str(e[c]) for c in cols] for e in summary["events"]]
+    if any("tier" in e for e in summary["events"]):  # --memory
+        cols += ["tier", "from root", *recovery.PHASES]
+        table[0] += ["tier", "MiB from root", *(f"{p} s" for p in recovery.PHASES)]
+        for row, e in zip(table[1:], summary["events"]):
+            mib = e["bytes_read_from_root"]
+            row += [str(e["tier"]), "-" if mib is None else f"{mib / 2**20:.1f}"]
+            row += [str((e["breakdown_s"] or {}).get(p)) for p in recovery.PHASES]
     widths = [max(len(r[i]) for r in table) for i in range(len(cols))]
     for n, row in enumerate(table):
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
@@ -412,6 +521,17 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="section.key=value",
         help="extra override (repeatable), e.g. --set model.d_model=64",
     )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="memory tier on (a snapshot every step, a replica on the other node), a worker crash "
+        "before the node loss, a recovery breakdown per event",
+    )
+    p.add_argument(
+        "--memory-root",
+        default=None,
+        help="the nodes' memory directories go under it (default /dev/shm/distckpt-elastic-<id>, removed at the end)",
+    )
     p.add_argument("--tolerance", type=float, default=1e-4, help="max |loss diff| vs the baseline")
     p.add_argument("--timeout-s", type=float, default=300.0, help="timeout of each phase (seconds)")
     return p.parse_args(argv)
@@ -442,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(path, ignore_errors=True)  # only what an earlier run in --out made
     (out / "summary.json").unlink(missing_ok=True)
     config = str(REPO / args.config)
+    memory_root = None
+    if args.memory:
+        memory_root = Path(args.memory_root or recovery.default_memory_root(f"distckpt-elastic-{uuid.uuid4().hex[:8]}"))
     baseline = Run("baseline", 2, base_dir, base_dir / "checkpoints")
     try:
         print("[elastic] baseline: 2 ranks ...", flush=True)
@@ -457,8 +580,10 @@ def main(argv: list[str] | None = None) -> int:
             f"train.out={el_dir}",
             f"checkpoint.root={el_dir / 'checkpoints'}",
         ]
+        if memory_root is not None:
+            train_args += recovery.memory_overrides(memory_root)
         t_el = time.monotonic()
-        timeline, triggers, rc = run_elastic(
+        timeline, triggers, rc, wall = run_elastic(
             el_dir,
             train_args,
             interval=interval,
@@ -466,11 +591,15 @@ def main(argv: list[str] | None = None) -> int:
             join_at=args.join_at,
             lose_node=not args.no_node_loss,
             timeout_s=args.timeout_s,
+            memory_root=memory_root,
         )
         el_seconds = time.monotonic() - t_el
-    except (TimeoutError, OSError) as e:
+    except (TimeoutError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        if memory_root is not None and args.memory_root is None:
+            shutil.rmtree(memory_root, ignore_errors=True)  # our own /dev/shm directory
     start = baseline.event("start") or {}
     info = {
         "global_batch_size": cfg.data.global_batch_size,
@@ -478,10 +607,10 @@ def main(argv: list[str] | None = None) -> int:
         "dataset_len": start.get("dataset_len", 0),
         "steps_per_epoch": start.get("steps_per_epoch", 1),
     }
-    summary = analyze(el_dir, timeline, triggers, baseline, info, n)
+    summary = analyze(el_dir, timeline, triggers, baseline, info, n, wall=wall if args.memory else None)
     summary["returncode"] = rc
-    expect = ["node_join"] + ([] if args.no_node_loss else ["node_loss"])
-    reqs = check(summary, n, args.tolerance, expect)
+    expect = ["node_join"] + (["worker_crash"] if args.memory else []) + ([] if args.no_node_loss else ["node_loss"])
+    reqs = check(summary, n, args.tolerance, expect, memory=args.memory)
     total = time.monotonic() - t_start
     summary.update(
         {
@@ -498,6 +627,12 @@ def main(argv: list[str] | None = None) -> int:
             "rdzv_conf": RDZV_CONF,
         }
     )
+    if args.memory:
+        summary["memory"] = {"dir": f"{memory_root}/{{node}}", "interval_steps": 1, "replicas": 1}
+        stalls = [r["snapshot_stall_s"] for r in timeline.records if "snapshot_stall_s" in r]
+        steps_s = [r["step_seconds"] for r in timeline.records]
+        summary["snapshot_stall_s_median"] = sorted(stalls)[len(stalls) // 2] if stalls else None
+        summary["step_seconds_median"] = sorted(steps_s)[len(steps_s) // 2] if steps_s else None
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print()
     print_table(summary)

@@ -17,6 +17,16 @@ a run resumed into the same ``out`` appends the steps it replays again):
   trained on at that step.
 * ``events.jsonl`` (rank 0): ``start``, ``resumed``, ``checkpoint``, ``preempted``, ``end``.
 
+Recovery timing (``launch/elastic_demo.py``, ``benchmarks/bench_recovery.py``): every metrics
+record also carries ``time`` (wall clock, ``time.time()`` s), ``worker_start`` (when this worker
+process started: it names the worker round) and, with the memory tier on, ``snapshot_stall_s``
+(``manager.memory.last_stall_s``). ``resumed`` carries ``tier`` (``"memory"`` or ``"durable"``),
+``bytes_read_from_root`` (memory: 0; durable: the size of the loaded checkpoint's files, which a
+full load reads once over all ranks -- a proxy, distckpt does not expose its reader's count),
+``bytes_between_nodes`` (a memory restore: bytes all ranks received from other nodes) and the
+wall times ``worker_start``, ``group_ready`` (``init_process_group`` returned), ``load_start``
+and ``load_end`` (around ``manager.load()``).
+
 SIGTERM (preemption, with ``checkpoint.preemption.enabled`` on and ``preemption.exit`` off as in
 the shipped configs): every rank saves at the next step boundary, records it and exits 0.
 
@@ -60,6 +70,20 @@ from launch.model import GPT, SampleSeedStream, lr_lambda_warmup_cosine, num_par
 __all__ = ["main", "Job", "build_job", "train"]
 
 logger = logging.getLogger("launch.train")
+
+
+def process_start_time(pid: int | str = "self") -> float:
+    """When process ``pid`` started, wall clock (s; Linux, ~10 ms resolution): its start time in
+    clock ticks after boot (``/proc/<pid>/stat``, field 22) plus the boot's wall time (now minus
+    ``/proc/uptime``; ``/proc/stat``'s ``btime`` has whole seconds only)."""
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    boot = time.time() - float(Path("/proc/uptime").read_text().split()[0])
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+# When this worker process started and its process group was ready (wall clock, s): a restart's
+# detection phase ends at the first, its rendezvous phase spans both (docs/memory.md, "Measured").
+TIMES: dict[str, float] = {"worker_start": process_start_time()}
 
 # Chaos-testing hooks (tests/chaos); both are off unless their variable is set.
 CHAOS_PAUSE_ENV = "LAUNCH_CHAOS_PAUSE_S"
@@ -345,7 +369,9 @@ def train(job: Job) -> int:
         **job_info,
     )
     t_start = time.perf_counter()
+    load_start = time.time()
     state = manager.load()
+    load_end = time.time()
     step = samples = epoch = 0
     if state is not None:
         _check_resumable(
@@ -372,6 +398,7 @@ def train(job: Job) -> int:
             probe_loss_saved=state.probe_loss,
             probe_loss_loaded=state.probe_loss_loaded,
             batch_change=state.batch_change,
+            **_recovery_fields(manager, state.checkpoint_path, load_start, load_end),
         )
     if step >= cfg.train.steps:
         logger.info("checkpoint step %d >= train.steps=%d: nothing to train", step, cfg.train.steps)
@@ -405,6 +432,9 @@ def train(job: Job) -> int:
                 step_seconds=step_seconds,
                 checkpoint_seconds=ckpt_seconds,
                 epoch=epoch,
+                time=time.time(),
+                worker_start=TIMES["worker_start"],
+                **({} if manager.memory is None else {"snapshot_stall_s": manager.memory.last_stall_s}),
             )
             if step % cfg.train.log_every == 0 or step == cfg.train.steps or step == pass_start + 1:
                 logger.info(
@@ -437,6 +467,34 @@ def train(job: Job) -> int:
     if presave is not None:
         presave.close()
     return step
+
+
+def _recovery_fields(manager: CheckpointManager, path: str, load_start: float, load_end: float) -> dict[str, Any]:
+    """The ``resumed`` event's recovery fields (module doc). Collective when a memory restore served
+    (every rank then has ``manager.loader.restored``): the ranks' received bytes are summed."""
+    tier, restored = manager.loader.tier, manager.loader.restored
+    between = None
+    if tier == "memory" and restored is not None:
+        received = torch.tensor([restored.bytes_received], dtype=torch.int64)
+        dist.all_reduce(received)
+        between = int(received.item())
+    from_root = 0 if tier == "memory" else _checkpoint_bytes(path)
+    return {
+        "tier": tier,
+        "bytes_read_from_root": from_root,
+        "bytes_between_nodes": between,
+        "worker_start": TIMES["worker_start"],
+        "group_ready": TIMES.get("group_ready"),
+        "load_start": load_start,
+        "load_end": load_end,
+    }
+
+
+def _checkpoint_bytes(path: str) -> int | None:
+    """Bytes of the files of the checkpoint directory ``path`` (``None``: not a local directory)."""
+    if not os.path.isdir(path):
+        return None
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 def probe_on_fixed_batch(job: Job, windows: int = 8) -> Callable[[nn.Module], torch.Tensor]:
@@ -536,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rank, world_size, device = _init_distributed(cfg.train.dist_timeout_s)
+    TIMES["group_ready"] = time.time()
     _setup_logging(rank)
     try:
         job = build_job(cfg, rank, world_size, device)
@@ -556,6 +615,15 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("rank %d: %s", rank, e)
         dist.destroy_process_group()
         return 1
+    except Exception:
+        # A peer died (a crash, a lost node): torchrun restarts the workers once this one exits. A
+        # normal exit tears the process groups down, which waits until dist_timeout_s for sends
+        # still queued to the dead peer (the memory tier's replication round); leave at once.
+        logger.exception("rank %d: training failed; exiting now so that torchrun restarts the workers", rank)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     # Every rank got here: leave together (a gloo group torn down while a peer still uses it, or
     # left to the interpreter's exit, has aborted a rank with -6 here).
     dist.barrier()

@@ -5,11 +5,16 @@ A correctness harness (not a benchmark). Usage (from the repository root)::
     python -m tests.chaos --kills 30 --out runs/chaos            # ~5 min on 2 cores
     python -m tests.chaos --kills 5 --out /tmp/chaos             # the CI size, ~1 min
 
+With the memory tier on (``python -m tests.chaos --memory --kills 4``, ``tests/chaos/nodes.py``):
+one elastic job of two simulated nodes, random worker crashes and node losses (agent, workers
+and memory directory), each recovered from memory; see that module's docstring.
+
 Library code: ``from tests.chaos import main; main([...]) -> int`` (0 when every
 requirement holds, 1 when one fails, 2 on bad arguments). Modules: ``aim`` (where to kill,
 what a kill hit), ``runner`` (one segment: start, tail the event log, kill), ``report``
 (parameter comparison, requirements, ``report.json``), ``driver`` (the command line and the
-run). ``tests/chaos/report.json`` is the report of the 30-kill run quoted in README.
+run), ``nodes`` (the ``--memory`` run). ``tests/chaos/report.json`` is the report of the 30-kill
+run quoted in README.
 
 What it runs (every job is ``torchrun --standalone -m launch.train`` under a timeout, with a small
 model, a checkpoint every ``--interval`` steps, ``keep_last=--keep-last`` so retention deletes

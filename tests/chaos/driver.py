@@ -79,6 +79,19 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "on loopback (the reference run stays on local disk)",
     )
     p.add_argument(
+        "--memory",
+        action="store_true",
+        help="the memory tier on: one elastic job of two simulated nodes, random worker crashes and "
+        "node losses, each recovered from memory (tests/chaos/nodes.py)",
+    )
+    p.add_argument("--nproc-per-node", type=int, default=1, help="--memory: workers per node (default 1)")
+    p.add_argument(
+        "--param-tolerance",
+        type=float,
+        default=1e-3,
+        help="--memory: max |param - reference| of a committed checkpoint (default 1e-3; see tests/chaos/nodes.py)",
+    )
+    p.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -92,6 +105,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the chaos test; returns 0 when every requirement holds, 1 when one fails, 2 on bad input."""
     args = _parse_args(argv)
+    if args.memory:
+        from tests.chaos.nodes import run_memory
+
+        return run_memory(args, SMALL_MODEL)
     if args.storage != "s3":
         return _run(args)
     from launch.s3_server import S3Server

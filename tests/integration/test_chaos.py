@@ -117,3 +117,24 @@ def test_chaos_five_kills(tmp_path: pathlib.Path) -> None:
         assert k["resume_ok"] and k["phase_hit"] and k["world_size_after"] is not None, k
     # Kills land inside saves, not only between them.
     assert set(report["phases_hit"]) - {"train"}
+
+
+@pytest.mark.slow  # ~2-3 min here: a reference job and an elastic job with four restarts
+@pytest.mark.timeout(600)
+def test_chaos_memory_tier_worker_crashes_and_node_losses(tmp_path: pathlib.Path) -> None:
+    """--memory: random worker crashes and node losses (agent, workers and memory directory) of
+    one elastic job of two nodes, each resumed from memory with at most one step replayed."""
+    out = tmp_path / "chaos"
+    cmd = [sys.executable, "-m", "tests.chaos", "--memory", "--kills", "4", "--seed", "0", "--out", str(out)]
+    cmd += ["--run-timeout-s", "120"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=570)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["ok"] and all(r["ok"] for r in report["requirements"]), report["requirements"]
+    assert len(report["failures"]) == 4 and report["worker_crashes"] >= 1 and report["node_losses"] >= 1
+    for f in report["failures"]:
+        assert f["tier"] == "memory" and f["steps_replayed"] <= 1 and f["bytes_read_from_root"] == 0, f
+    assert report["lost_committed_checkpoints"] == 0 and report["corrupt_checkpoints"] == 0
+    assert report["duplicated_samples"] == 0 and report["skipped_samples"] == 0
+    assert report["max_abs_loss_diff"] <= 1e-4 and report["max_abs_param_diff"] <= 1e-3
+    assert 1 in report["world_sizes"] and 2 in report["world_sizes"]  # the node losses shrank the job
