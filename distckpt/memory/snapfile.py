@@ -103,6 +103,7 @@ class SlotFile:
         """
         if nbytes <= self.size:
             return
+        nbytes += nbytes // 16  # slack: a snapshot that grows a little (loss history) keeps its mapping
         os.posix_fallocate(self.fd, 0, nbytes)
         if self.mm is not None:
             self.mm.close()

@@ -20,9 +20,10 @@ import io
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
@@ -115,7 +116,6 @@ class MemoryTier:
         self._own = [SlotFile(self._partial("own", self.rank, k)) for k in range(2)]
         self._replica = {s: [SlotFile(self._partial("replica", s, k)) for k in range(2)] for s in self.sources}
         self._newest: dict[int, int] = {}  # rank -> slot index of its last complete snapshot
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="distckpt-memory")
         self._pending: Future | None = None
         self._reclaimed = False
         self.last_stall_s = 0.0
@@ -199,7 +199,7 @@ class MemoryTier:
         except OSError as e:
             logger.warning("memory tier: snapshot of step %d skipped on rank %d: %s", step, self.rank, e)
         self.last_stall_s = time.perf_counter() - t0
-        self._pending = self._pool.submit(self._finish, step, slot_index if header else None, header)
+        self._pending = _in_background(self._finish, step, slot_index if header else None, header)
 
     def _copy(self, step: int, planner: DefaultSavePlanner, items: list, slot: SlotFile) -> SnapshotHeader:
         data: list[tuple[Any, int, int]] = []
@@ -229,14 +229,15 @@ class MemoryTier:
             )
             offset += -(-nbytes // ALIGN) * ALIGN
         slot.rename(self._partial("own", self.rank, self._own.index(slot)))  # no longer complete
-        slot.reserve(offset)
+        slot.reserve(offset + 64 * len(rows) + 4096)  # room for the header: the mapping is never redone
         for value, at, nbytes in data:
             if isinstance(value, bytes):
                 view = slot.view(at, nbytes)
                 view[:] = value
                 view.release()
             elif nbytes:
-                slot.tensor(at, nbytes).view(value.dtype).view(value.shape).copy_(value)
+                with torch.no_grad():
+                    slot.tensor(at, nbytes).view(value.dtype).view(value.shape).copy_(value)
         return SnapshotHeader(
             self.job, self.gen, step, self.rank, self.world_size, self.wrapper, offset - PREAMBLE, "", rows, self.run
         )
@@ -320,10 +321,26 @@ class MemoryTier:
         """Wait for the background work; with ``free``, delete this rank's snapshots and the replicas it
         keeps (their memory is freed) and the node's other generations. ``free=False`` (leaving on an
         exception) keeps them for the restart. Idempotent."""
-        self.wait()
-        self._pool.shutdown(wait=True)
+        if free:  # leaving on an exception: the round may wait on a dead peer; its daemon thread dies with us
+            self.wait()
         for slot in [*self._own, *(s for slots in self._replica.values() for s in slots)]:
             slot.close(delete=free and slot.path.endswith((".snap", ".partial")))
         self._own, self._replica = [], {}
         if free:
             self.reclaim()
+
+
+def _in_background(fn: Callable[..., None], *args: Any) -> Future:
+    """Run ``fn(*args)`` on a new daemon thread: one blocked on a dead peer never holds up the exit."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            future.set_exception(e)
+        else:
+            future.set_result(None)
+
+    threading.Thread(target=run, name="distckpt-memory", daemon=True).start()
+    return future

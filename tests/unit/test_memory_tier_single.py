@@ -127,7 +127,7 @@ def test_a_crashed_runs_snapshots_are_reclaimed_and_another_jobs_kept(tmp_path) 
     (other_job / snapshot_name(9, 0, 1, "feed")).write_bytes(b"another job's")
     foreign = Path(crashed.memory.dir) / "notes.txt"
     foreign.write_text("not distckpt's")
-    crashed.memory._pool.shutdown()  # the process "dies": no close(), its files stay
+    crashed.memory.wait()  # the process "dies" here: no close(), its files stay
     release_workers(parts[5])
 
     parts = _manager(tmp_path, mem)
@@ -151,7 +151,7 @@ def test_another_launchs_snapshots_are_not_restored(tmp_path, monkeypatch) -> No
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-1")
     parts = _manager(tmp_path, tmp_path / "mem")
     _train(*parts, start=0, until=5)  # durable step 3, memory 5
-    parts[0].memory._pool.shutdown()  # dies without close()
+    parts[0].memory.wait()  # dies without close()
     release_workers(parts[5])
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-2")
     parts = _manager(tmp_path, tmp_path / "mem")
