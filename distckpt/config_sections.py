@@ -361,15 +361,13 @@ class CoordinationConfig:
     ``None``: ``timeout_s / 2``."""
     arrival_timeout_s: float | None = None
     """How long the entry check of ``save`` and ``load`` (also of a ``maybe_save`` that saves)
-    waits for every rank to make the same call (seconds). A rank that skipped the call, passed
-    another step or made another call then gives ``CollectiveMismatchError`` naming the ranks,
-    instead of a hang of ``timeout_s`` ending in a gloo error. It bounds that check only:
-    ``maybe_save`` first runs its own collectives (the preemption all-reduce with
-    ``preemption.enabled``, the schedule's broadcast with ``schedule.interval_seconds``), which
-    wait up to ``timeout_s`` for a rank that is merely late. Raise it when a rank does long work of
-    its own (evaluation on rank 0 only) before a direct ``save``/``load``, or before
-    ``maybe_save`` without those collectives. Must be below ``timeout_s``. Default ``None``:
-    ``timeout_s / 5``."""
+    waits for a rank that has not made the call yet (seconds); rank 0 logs the missing ranks every
+    30 s meanwhile. A rank that made another call at that point (another step, ``save`` vs
+    ``load``) makes every rank raise ``CollectiveMismatchError`` within about a second of both
+    calls, whatever this is; a rank still missing after it gives the same error naming it. The
+    check uses the default group's store, not a collective, so the process groups stay usable.
+    Set it lower to name a rank that skipped a call sooner. At most ``timeout_s``. Default
+    ``None``: ``timeout_s`` (earlier versions: ``timeout_s / 5``)."""
     lock: bool = True
     """Hold ``<root>/.lock`` while the manager is open, so a second job on the same root fails at
     construction (``CheckpointLockedError``). Without the lock the manager does not remove pending
@@ -385,15 +383,15 @@ class CoordinationConfig:
     def __post_init__(self) -> None:
         check_positive("coordination.timeout_s", self.timeout_s)
         check_positive("coordination.lock_lease_s", self.lock_lease_s)
-        for name, why in (
-            ("write_timeout_s", "the other ranks wait for a slow writer at most timeout_s"),
-            ("arrival_timeout_s", "it exists to fail before the collectives time out"),
+        for name, relation, why in (
+            ("write_timeout_s", "below", "the other ranks wait for a slow writer at most timeout_s"),
+            ("arrival_timeout_s", "at most", "it bounds the wait for a late rank, which timeout_s bounds"),
         ):
             value = getattr(self, name)
             check_positive(f"coordination.{name}", value, allow_none=True)
-            if value is not None and value >= self.timeout_s:
+            if value is not None and (value > self.timeout_s or (value == self.timeout_s and relation == "below")):
                 raise ConfigError(
-                    f"CheckpointConfig.coordination.{name}={value!r} must be below "
+                    f"CheckpointConfig.coordination.{name}={value!r} must be {relation} "
                     f"coordination.timeout_s={self.timeout_s!r}: {why}"
                 )
 
@@ -404,8 +402,8 @@ class CoordinationConfig:
 
     @property
     def effective_arrival_timeout_s(self) -> float:
-        """``arrival_timeout_s``, or ``timeout_s / 5`` when unset (seconds)."""
-        return self.arrival_timeout_s if self.arrival_timeout_s is not None else self.timeout_s / 5
+        """``arrival_timeout_s``, or ``timeout_s`` when unset (seconds)."""
+        return self.arrival_timeout_s if self.arrival_timeout_s is not None else self.timeout_s
 
 
 @dataclass(kw_only=True)
