@@ -151,6 +151,7 @@ class CheckpointLoader:
                 thread_count=streams,
                 block_digests=blocks,
             )
+            reader.use_metadata(metadata)  # parsed and checked above: not again
             run_load(target, reader, process_group=self.collective.group, directory=path)
             train_state = self.collective.agree(
                 lambda: self.state.restore(target, saved_world_size=manifest.world_size),
