@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from .torch_internals import StorageInfo
 
-__all__ = ["RecordTemplates", "BUFFER_BYTES", "write_plan_files", "zip_crc32_off"]
+__all__ = ["RecordTemplates", "BUFFER_BYTES", "TEMPLATES", "write_files", "zip_crc32_off"]
 
 BUFFER_BYTES = (1 << 20) - 1
 """Small records are gathered up to this many bytes per write (just below
@@ -91,6 +91,46 @@ def _storage_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(raw.numpy()).cast("B")  # type: ignore[arg-type]
 
 
+class _Sink:
+    """``torch.save`` target that keeps each write, except the storage's (one write of exactly
+    ``nbytes``, over 4 KiB: kept as ``None``), so learning a large layout costs no copy of it."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.parts: list[bytes | None] = []
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.parts.append(None if len(view) == self.nbytes > 4096 else bytes(view))
+        return len(view)
+
+    def flush(self) -> None:
+        pass
+
+
+def _writes_of(tensor: torch.Tensor, nbytes: int) -> list[bytes | None]:
+    sink = _Sink(nbytes)
+    with zip_crc32_off():
+        torch.save(tensor, sink)  # type: ignore[arg-type]  # write() is all torch.save needs
+    return sink.parts
+
+
+def _split_at_data(zeros: list[bytes | None], ones: list[bytes | None], nbytes: int) -> tuple[bytes, bytes] | None:
+    """``(head, tail)`` around the storage's write, found as the only write that differs between
+    a storage of ``0x00`` and one of ``0xff`` (or the only one not kept); ``None`` unless exactly
+    one write differs and it is the storage, all ``0x00`` resp. ``0xff``."""
+    if len(zeros) != len(ones):
+        return None
+    differ = [i for i, (a, b) in enumerate(zip(zeros, ones)) if a is None or b is None or a != b]
+    if len(differ) != 1:
+        return None
+    i = differ[0]
+    a, b = zeros[i], ones[i]
+    if not ((a is None and b is None) or (a == bytes(nbytes) and b == b"\xff" * nbytes)):
+        return None
+    return b"".join(p for p in zeros[:i] if p is not None), b"".join(p for p in zeros[i + 1 :] if p is not None)
+
+
 def _torch_save(tensor: torch.Tensor) -> bytes:
     out = io.BytesIO()
     with zip_crc32_off():
@@ -100,23 +140,20 @@ def _torch_save(tensor: torch.Tensor) -> bytes:
 
 class RecordTemplates:
     """Per-layout templates of ``torch.save``'s bytes (module docstring). Thread-safe; one per
-    writer, reused across its saves (a structure that does not change learns nothing new).
+    process (:data:`TEMPLATES`), so a structure that does not change learns nothing new.
+
+    Args:
+        max_layouts: the cache starts over past this many layouts.
 
     Attributes:
         learnt: layouts learnt so far; ``fallbacks``: items written by ``torch.save``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_layouts: int = 4096) -> None:
         self._templates: dict[tuple[Any, ...], tuple[bytes, bytes] | None] = {}
         self._lock = threading.Lock()
+        self.max_layouts = max_layouts
         self.fallbacks = 0
-
-    def __getstate__(self) -> dict[str, Any]:
-        # The process executor pickles the writer; a lock does not pickle, templates are relearnt.
-        return {}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()  # type: ignore[misc]
 
     @property
     def learnt(self) -> int:
@@ -130,19 +167,18 @@ class RecordTemplates:
         template = None
         nbytes = key[4]
         probe = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
-        if probe.untyped_storage().nbytes() == nbytes and tensor.storage_offset() == 0:
+        if 0 < nbytes == probe.untyped_storage().nbytes() and tensor.storage_offset() == 0:
             probe.requires_grad_(tensor.requires_grad)
             raw = torch.empty(0, dtype=torch.uint8).set_(probe.untyped_storage())
             with torch.no_grad():
                 raw.fill_(0)
-                zeros = _torch_save(probe)
+                zeros = _writes_of(probe, nbytes)
                 raw.fill_(255)
-                ones = _torch_save(probe)
-            start = next((i for i, (a, b) in enumerate(zip(zeros, ones)) if a != b), len(zeros))
-            if len(zeros) == len(ones) and zeros[start + nbytes :] == ones[start + nbytes :] and nbytes > 0:
-                if zeros[:start] == ones[:start] and zeros[start : start + nbytes] == bytes(nbytes):
-                    template = (zeros[:start], zeros[start + nbytes :])
+                ones = _writes_of(probe, nbytes)
+            template = _split_at_data(zeros, ones, nbytes)
         with self._lock:
+            if len(self._templates) >= self.max_layouts:
+                self._templates.clear()  # a structure that keeps changing: start over
             self._templates[key] = template
         return template
 
@@ -161,6 +197,10 @@ class RecordTemplates:
         return template[0], _storage_bytes(tensor), template[1]
 
 
+TEMPLATES = RecordTemplates()
+"""The process's templates, shared by every writer (a training job saves the same layouts)."""
+
+
 class GatheringWriter:
     """Writes records to ``stream``, gathering small ones (module docstring); tracks the offset.
 
@@ -171,7 +211,8 @@ class GatheringWriter:
 
     def __init__(self, stream: Any, offset: int = 0) -> None:
         self._stream = stream
-        self._buf = bytearray()
+        self._buf = bytearray(BUFFER_BYTES)  # one allocation per file, reused: no heap churn
+        self._used = 0
         self.offset = offset  # bytes written or gathered so far
 
     def write(self, *parts: bytes | memoryview) -> None:
@@ -182,37 +223,18 @@ class GatheringWriter:
                 self.flush()
                 self._stream.write(part)
             else:
-                if len(self._buf) + n > BUFFER_BYTES:
+                if self._used + n > BUFFER_BYTES:
                     self.flush()
-                self._buf += part
+                self._buf[self._used : self._used + n] = part
+                self._used += n
             self.offset += n
 
     def flush(self) -> None:
         """Write what was gathered."""
-        if self._buf:
-            self._stream.write(self._buf)
-            self._buf = bytearray()
-
-
-def _item_bytes(item: WriteItem) -> int:
-    """A tensor item's size in bytes, from its plan entry."""
-    assert item.tensor_data is not None  # tensor items carry it
-    return item.tensor_data.size.numel() * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
-
-
-def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
-    """Items per file, as ``FileSystemWriter`` splits them: bytes items round-robin, tensor
-    items largest first, each to the file with the fewest bytes so far."""
-    buckets: list[list[WriteItem]] = [[] for _ in range(max(bins, 1))]
-    sizes = [0] * len(buckets)
-    tensors = [wi for wi in items if wi.type != WriteItemType.BYTE_IO]
-    for i, wi in enumerate(wi for wi in items if wi.type == WriteItemType.BYTE_IO):
-        buckets[i % len(buckets)].append(wi)
-    for wi in sorted(tensors, key=_item_bytes, reverse=True):
-        k = min(range(len(buckets)), key=sizes.__getitem__)
-        buckets[k].append(wi)
-        sizes[k] += _item_bytes(wi)
-    return buckets
+        if self._used:
+            with memoryview(self._buf) as view:
+                self._stream.write(view[: self._used])
+            self._used = 0
 
 
 def _write_file(
@@ -257,20 +279,17 @@ def _write_file(
     return results
 
 
-def write_plan_files(
-    plan_items: list[WriteItem],
+def write_files(
+    jobs: list[tuple[str, str, list[WriteItem]]],
     planner: SavePlanner,
     *,
-    directory: str,
-    prefix: str,
     create_stream: Callable[..., Any],
-    thread_count: int,
     sync_files: bool,
     templates: RecordTemplates,
 ) -> list[WriteResult]:
-    """Write one rank's items into ``thread_count`` files ``<prefix><i>.distcp`` under
-    ``directory``, as ``FileSystemWriter.write_data`` lays them out (same file names and item
-    split, bytes items first, each tensor a ``torch.save`` record), one thread per file.
+    """Write each ``(path, file name, items)`` of ``jobs`` -- the files and item split
+    ``FileSystemWriter.write_data`` chose -- bytes items first, each tensor a ``torch.save``
+    record (module docstring), one thread per file.
 
     Returns:
         DCP's ``WriteResult`` per item (``StorageInfo``: file name, offset, length in bytes).
@@ -278,16 +297,12 @@ def write_plan_files(
     Raises:
         OSError, TimeoutError: the first failure of any file (the stream records it too).
     """
-    jobs = [
-        (os.path.join(directory, f"{prefix}{i}.distcp"), f"{prefix}{i}.distcp", bucket)
-        for i, bucket in enumerate(split_items(plan_items, thread_count))
-    ]
 
     def run(job: tuple[str, str, list[WriteItem]]) -> list[WriteResult]:
         return _write_file(create_stream, job[0], job[1], job[2], planner, templates, sync_files)
 
-    if len(jobs) == 1:
-        return run(jobs[0])
+    if len(jobs) <= 1:
+        return run(jobs[0]) if jobs else []
     results: list[WriteResult] = []
     with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="distckpt-write") as pool:
         futures = [pool.submit(run, job) for job in jobs]
