@@ -215,6 +215,12 @@ class LoadConfig:
     destination tensors; README "Benchmarks" has the figures) instead of DCP's item-by-item
     ``FileSystemReader``. ``False`` falls back to DCP's reader (the checkpoint format is the same
     either way). Default ``True``."""
+    read_once: bool = True
+    """With ``fast_reader``, read each stored item that every rank loads whole (DDP state,
+    replicated buffers, a FULL checkpoint on every rank) once per job -- whole files spread over the
+    ranks, hashes checked as read -- and broadcast it over distckpt's process group, instead of
+    every rank reading it from the root (see docs/resume.md). Below 16 MiB of such items every rank
+    reads for itself. Default ``True``."""
     streams_per_node: int = 2
     """With ``fast_reader``, parallel sequential read streams per node (count), divided among the
     node's ranks (at least one per rank). Deeper storage queues (NVMe arrays) usually want more
@@ -237,6 +243,8 @@ class LoadConfig:
             )
         if not isinstance(self.read_only, bool):
             raise ConfigError(f"CheckpointConfig.load.read_only={self.read_only!r}: must be true or false")
+        if not isinstance(self.read_once, bool):
+            raise ConfigError(f"CheckpointConfig.load.read_once={self.read_once!r}: must be true or false")
         if self.read_only and (not self.enabled or self.on_existing == "archive"):
             raise ConfigError(
                 "CheckpointConfig.load.read_only=true only loads: it needs load.enabled: true and no "

@@ -37,13 +37,15 @@ import torch.serialization
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ..ondisk import integrity
 from .torch_internals import StorageInfo
 
 __all__ = ["RecordTemplates", "BUFFER_BYTES", "TEMPLATES", "write_files", "zip_crc32_off"]
 
-BUFFER_BYTES = (1 << 20) - 1
+BUFFER_BYTES = integrity.MIN_BLOCK_BYTES - 1
 """Small records are gathered up to this many bytes per write (just below
-``integrity.MIN_BLOCK_BYTES``, so a gathered write never starts blocks of its own)."""
+``integrity.MIN_BLOCK_BYTES``, read when a file starts: a gathered write never starts blocks of
+its own, and every storage of at least that size is its own write, where a block starts)."""
 
 
 @contextlib.contextmanager
@@ -211,7 +213,8 @@ class GatheringWriter:
 
     def __init__(self, stream: Any, offset: int = 0) -> None:
         self._stream = stream
-        self._buf = bytearray(BUFFER_BYTES)  # one allocation per file, reused: no heap churn
+        self._limit = integrity.MIN_BLOCK_BYTES - 1
+        self._buf = bytearray(self._limit)  # one allocation per file, reused: no heap churn
         self._used = 0
         self.offset = offset  # bytes written or gathered so far
 
@@ -219,11 +222,11 @@ class GatheringWriter:
         """Append ``parts`` (one record) to the file."""
         for part in parts:
             n = len(part)
-            if n >= BUFFER_BYTES:
+            if n >= self._limit:
                 self.flush()
                 self._stream.write(part)
             else:
-                if self._used + n > BUFFER_BYTES:
+                if self._used + n > self._limit:
                     self.flush()
                 self._buf[self._used : self._used + n] = part
                 self._used += n

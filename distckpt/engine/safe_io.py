@@ -12,6 +12,7 @@ import io
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -110,6 +111,10 @@ class SafeFileSystemReader(FileSystemReader):
         self.expected_files = expected_files
         self._checked: set[str] = set()
         self.known_metadata: Metadata | None = None
+
+    def share_over(self, group: Any, *, min_bytes: int | None = None) -> None:
+        """Readers that cannot share what they read among ranks ignore this (see
+        :class:`~distckpt.engine.read.shared_read.SharingReader`)."""
 
     def use_metadata(self, metadata: Metadata) -> None:
         """Serve ``read_metadata`` from ``metadata``, already parsed (and checked) by the caller

@@ -152,6 +152,8 @@ class CheckpointLoader:
                 block_digests=blocks,
             )
             reader.use_metadata(metadata)  # parsed and checked above: not again
+            if self.config.load.read_once:
+                reader.share_over(self.collective.group)
             run_load(target, reader, process_group=self.collective.group, directory=path)
             train_state = self.collective.agree(
                 lambda: self.state.restore(target, saved_world_size=manifest.world_size),
