@@ -152,7 +152,8 @@ class CheckpointLoader:
                 block_digests=blocks,
             )
             reader.use_metadata(metadata)  # parsed and checked above: not again
-            if self.config.load.read_once:
+            once = self.config.load.read_once  # "auto": across nodes only (a node shares its page cache)
+            if once is True or (once == "auto" and self.local_world_size < self.collective.world_size):
                 reader.share_over(self.collective.group)
             run_load(target, reader, process_group=self.collective.group, directory=path)
             train_state = self.collective.agree(

@@ -124,3 +124,12 @@ def test_a_corrupt_byte_in_a_shared_file_is_named_on_every_rank(tmp_path):
     for r in out:
         assert r["error"] is not None and not r["bitwise"]
         assert r["corrupted"] in r["error"] and "does not match" in r["error"], r["error"]
+
+
+def test_read_once_is_true_false_or_auto():
+    from distckpt import ConfigError, LoadConfig
+
+    assert LoadConfig().read_once == "auto" and LoadConfig(read_once=True).read_once is True
+    for bad in ("yes", 1, None):
+        with pytest.raises(ConfigError, match="load.read_once"):
+            LoadConfig(read_once=bad)
