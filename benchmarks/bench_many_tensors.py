@@ -139,7 +139,8 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _exponent(points: list[tuple[int, float]]) -> float:
+def growth_exponent(points: list[tuple[int, float]]) -> float:
+    """Least-squares slope of log(seconds) against log(N) over ``(N, seconds)`` points."""
     xs, ys = [math.log(n) for n, _ in points], [math.log(t) for _, t in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         same = [r for r in rows if r["impl"] == impl and r["world_size"] == 1 and r["scenario"] == "same"]
         fit = [r for r in same if r["params"] >= 1_000]
         growth[impl] = {
-            f"{kind}_exponent": _exponent([(r["params"], r[f"{kind}_s"]) for r in fit]) if len(fit) >= 2 else None
+            f"{kind}_exponent": growth_exponent([(r["params"], r[f"{kind}_s"]) for r in fit]) if len(fit) >= 2 else None
             for kind in ("save", "load")
         }
     if args.data_dir is None:
