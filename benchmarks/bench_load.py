@@ -31,7 +31,10 @@ Cells (one line each in ``results.md``):
 
 * ``same``: saved at W, loaded at W (FSDP2), for W in ``--world-sizes`` and every reshard target;
 * ``reshard``: saved at ``--reshard-from`` (FSDP2), loaded at each of ``--reshard-to`` (FSDP2);
-* ``ddp_to_fsdp2``: saved by DDP at ``--reshard-from``, loaded by FSDP2 at the same world size.
+* ``ddp_to_fsdp2``: saved by DDP at ``--reshard-from``, loaded by FSDP2 at the same world size;
+* ``replicated``: a DDP-style state of each of ``--replicated-sizes-mib`` loaded by every rank at
+  each of ``--replicated-world-sizes``, ``load.read_once`` on and off (``benchmarks/_replicated.py``;
+  ``--only-replicated`` runs this cell alone).
 
 Readers (rotated within each round so drift hits them alike; cells with the same load world
 size run back to back per reader, so paired samples are close in time): ``stock`` (torch's
@@ -99,6 +102,8 @@ from benchmarks._load_ranks import _data_files, _evict, _load_worker, _save_work
 from benchmarks._load_report import _cell_key, _median, _plot, _rows, _verdicts, render_markdown
 from benchmarks._output import machine_info, prepare_dirs, write_outputs
 from benchmarks._ranks import BenchError, run_ranks
+from benchmarks._replicated import plot_replicated as _plot_replicated
+from benchmarks._replicated import render_replicated, run_replicated
 from distckpt.config import SaveConfig
 
 __all__ = ["main", "READERS", "render_markdown"]
@@ -342,6 +347,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-reshard", action="store_true", help="skip the reshard cells")
     p.add_argument("--no-ddp", action="store_true", help="skip the DDP -> FSDP2 cell")
+    p.add_argument(
+        "--replicated-sizes-mib", type=float, nargs="*", default=[256, 1024], help="replicated cell sizes (none: skip)"
+    )
+    p.add_argument("--replicated-world-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--only-replicated", action="store_true", help="run the replicated cell only")
     p.add_argument("--readers", nargs="+", default=list(READERS), choices=READERS)
     p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every reader once per cell (default: 3)")
     p.add_argument(
@@ -388,21 +398,23 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     load_start = os.getloadavg()
-    cells = _cells(args)
+    cells = [] if args.only_replicated else _cells(args)
     ckpts: dict[str, tuple[str, int]] = {}
     for c in cells:
         wrapper = "ddp" if c["ckpt"].startswith("ddp") else "fsdp2"
         ckpts[c["ckpt"]] = (wrapper, c["saved_world_size"])
     rows: list[dict[str, Any]] = []
+    replicated: list[dict[str, Any]] = []
     notes: list[str] = []
     rc = 0
     guest: dict[str, Any] = {}
     try:
         with hold_page_reporting(not args.leave_page_reporting) as guest:
             _log(f"guest free page reporting: {guest['state']}")
-            saved = _save_all(args, data_dir, ckpts)
-            samples, disk, errors = _run_loads(args, saved, cells)
-        rows = _rows(args, saved, cells, samples, disk, errors)
+            saved = _save_all(args, data_dir, ckpts) if cells else {}
+            samples, disk, errors = _run_loads(args, saved, cells) if cells else ({}, {}, {})
+            replicated = run_replicated(args, data_dir, _log)
+        rows = (_rows(args, saved, cells, samples, disk, errors) if cells else []) + replicated
         if errors:
             rc = 1
             notes += [f"{k}: {v.splitlines()[0][:300]}" for k, v in errors.items()]
@@ -436,9 +448,15 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - t_start,
         "notes": notes,
     }
-    meta["verdicts"] = _verdicts(rows, args)
+    plain = [r for r in rows if r.get("scenario") != "replicated"]
+    meta["verdicts"] = _verdicts(plain, args) if plain else {}
     results = {"meta": meta, "results": rows}
-    write_outputs(out, results, render_markdown, _plot)
+    write_outputs(
+        out,
+        results,
+        lambda res: (render_markdown(dict(res, results=plain)) if plain else "") + render_replicated(rows),
+        lambda res, path: _plot(dict(res, results=plain), path) if plain else _plot_replicated(rows, path),
+    )
     return rc
 
 

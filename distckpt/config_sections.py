@@ -52,9 +52,8 @@ class ScheduleConfig:
     is chosen from this job's measured save cost and failure rate (Young/Daly; ``mtbf_s``,
     ``min_interval_s``, ``max_overhead``; docs/interval.md), rank 0 deciding. Default ``100``."""
     interval_seconds: float | None = None
-    """Save when this many seconds (wall clock on rank 0) passed since the last save; rank 0
-    decides and broadcasts, so skewed clocks never split the ranks. Default ``None`` (no time
-    interval)."""
+    """Save when this many seconds (rank 0's wall clock) passed since the last save; rank 0 decides
+    and broadcasts, so skewed clocks never split the ranks. Default ``None`` (no time interval)."""
     save_at_end: bool = True
     """``maybe_save(..., last_step=True)`` always saves. Default ``True``."""
     full_at_end: bool = False
@@ -243,13 +242,20 @@ class LoadConfig:
     ``event_log`` is still appended to where it points. Default ``False``."""
     verify: bool = True
     """Each rank checks size and xxh3-128 hash of every file it reads against the manifest: with
-    ``fast_reader`` from the bytes as they are read (one pass), otherwise in a pass before DCP's
-    read. Default ``True``."""
+    ``fast_reader`` from the bytes read (one pass), else in a pass before DCP's. Default ``True``."""
     fast_reader: bool = True
     """Read with distckpt's ``FastFileSystemReader`` (large sequential reads straight into the
     destination tensors; README "Benchmarks" has the figures) instead of DCP's item-by-item
     ``FileSystemReader``. ``False`` falls back to DCP's reader (the checkpoint format is the same
     either way). Default ``True``."""
+    read_once: bool | str = "auto"
+    """With ``fast_reader``, read each stored item that every rank loads whole (DDP state,
+    replicated buffers, a FULL checkpoint on every rank) once per job -- whole files spread over the
+    ranks, hashes checked as read -- and broadcast it over distckpt's process group, instead of
+    every rank reading it from the root (see docs/resume.md). ``"auto"``: when the ranks span more
+    than one node (ranks of one node read through its shared page cache, measured faster than a
+    broadcast); ``true``: always; ``false``: never. Below 16 MiB of such items every rank reads for
+    itself. Default ``"auto"``."""
     streams_per_node: int = 2
     """With ``fast_reader``, parallel sequential read streams per node (count), divided among the
     node's ranks (at least one per rank). Deeper storage queues (NVMe arrays) usually want more
@@ -272,6 +278,8 @@ class LoadConfig:
             )
         if not isinstance(self.read_only, bool):
             raise ConfigError(f"CheckpointConfig.load.read_only={self.read_only!r}: must be true or false")
+        if not (isinstance(self.read_once, bool) or self.read_once == "auto"):
+            raise ConfigError(f"CheckpointConfig.load.read_once={self.read_once!r}: must be true, false or auto")
         if self.read_only and (not self.enabled or self.on_existing == "archive"):
             raise ConfigError(
                 "CheckpointConfig.load.read_only=true only loads: it needs load.enabled: true and no "
@@ -396,15 +404,13 @@ class CoordinationConfig:
     ``None``: ``timeout_s / 2``."""
     arrival_timeout_s: float | None = None
     """How long the entry check of ``save`` and ``load`` (also of a ``maybe_save`` that saves)
-    waits for every rank to make the same call (seconds). A rank that skipped the call, passed
-    another step or made another call then gives ``CollectiveMismatchError`` naming the ranks,
-    instead of a hang of ``timeout_s`` ending in a gloo error. It bounds that check only:
-    ``maybe_save`` first runs its own collectives (the preemption all-reduce with
-    ``preemption.enabled``, the schedule's broadcast with ``schedule.interval_seconds``), which
-    wait up to ``timeout_s`` for a rank that is merely late. Raise it when a rank does long work of
-    its own (evaluation on rank 0 only) before a direct ``save``/``load``, or before
-    ``maybe_save`` without those collectives. Must be below ``timeout_s``. Default ``None``:
-    ``timeout_s / 5``."""
+    waits for a rank that has not made the call yet (seconds); rank 0 logs the missing ranks every
+    30 s meanwhile. A rank that made another call at that point (another step, ``save`` vs
+    ``load``) makes every rank raise ``CollectiveMismatchError`` within about a second of both
+    calls, whatever this is; a rank still missing after it gives the same error naming it. The
+    check uses the default group's store, not a collective, so the process groups stay usable.
+    Set it lower to name a rank that skipped a call sooner. At most ``timeout_s``. Default
+    ``None``: ``timeout_s`` (earlier versions: ``timeout_s / 5``)."""
     lock: bool = True
     """Hold ``<root>/.lock`` while the manager is open, so a second job on the same root fails at
     construction (``CheckpointLockedError``). Without the lock the manager does not remove pending
@@ -420,15 +426,15 @@ class CoordinationConfig:
     def __post_init__(self) -> None:
         check_positive("coordination.timeout_s", self.timeout_s)
         check_positive("coordination.lock_lease_s", self.lock_lease_s)
-        for name, why in (
-            ("write_timeout_s", "the other ranks wait for a slow writer at most timeout_s"),
-            ("arrival_timeout_s", "it exists to fail before the collectives time out"),
+        for name, relation, why in (
+            ("write_timeout_s", "below", "the other ranks wait for a slow writer at most timeout_s"),
+            ("arrival_timeout_s", "at most", "it bounds the wait for a late rank, which timeout_s bounds"),
         ):
             value = getattr(self, name)
             check_positive(f"coordination.{name}", value, allow_none=True)
-            if value is not None and value >= self.timeout_s:
+            if value is not None and (value > self.timeout_s or (value == self.timeout_s and relation == "below")):
                 raise ConfigError(
-                    f"CheckpointConfig.coordination.{name}={value!r} must be below "
+                    f"CheckpointConfig.coordination.{name}={value!r} must be {relation} "
                     f"coordination.timeout_s={self.timeout_s!r}: {why}"
                 )
 
@@ -439,8 +445,8 @@ class CoordinationConfig:
 
     @property
     def effective_arrival_timeout_s(self) -> float:
-        """``arrival_timeout_s``, or ``timeout_s / 5`` when unset (seconds)."""
-        return self.arrival_timeout_s if self.arrival_timeout_s is not None else self.timeout_s / 5
+        """``arrival_timeout_s``, or ``timeout_s`` when unset (seconds)."""
+        return self.arrival_timeout_s if self.arrival_timeout_s is not None else self.timeout_s
 
 
 @dataclass(kw_only=True)
@@ -448,9 +454,8 @@ class StorageConfig:
     """Object storage of an ``s3://bucket/prefix`` root (YAML section ``storage:``)."""
 
     s3_endpoint_url: str | None = None
-    """S3 endpoint of an ``s3://bucket/prefix`` root (``None``: boto3's standard
-    ``AWS_ENDPOINT_URL`` or AWS). Credentials only ever come from the standard environment /
-    profiles, never from this config. Default ``None``."""
+    """S3 endpoint of an ``s3://`` root (``None``: boto3's ``AWS_ENDPOINT_URL`` or AWS). Credentials
+    come from the standard environment / profiles only, never from this config. Default ``None``."""
     s3_region: str | None = None
     """S3 region (``None``: ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, else ``us-east-1``). Default ``None``."""
 
@@ -462,20 +467,17 @@ class StorageConfig:
 
 @dataclass(kw_only=True)
 class MemoryConfig:
-    """The memory tier: a node-local snapshot every few steps plus a replica on another node,
-    restored before the durable root when newer (YAML section ``memory:``; docs/memory.md)."""
+    """The memory tier: node-local snapshots with replicas on other nodes (YAML ``memory:``; docs/memory.md)."""
 
     enabled: bool = False
     """Snapshot the training state into node-local shared memory. Default ``False``."""
     interval_steps: int = 1
     """Snapshot every N optimizer steps. Default ``1``."""
     replicas: int = 1
-    """Copies of each rank's snapshot kept on other nodes (0: the node's own memory only, which
-    survives a worker crash but not the node). Default ``1``."""
+    """Copies of each rank's snapshot on other nodes (0: own node only, lost with it). Default ``1``."""
     dir: str = "/dev/shm/distckpt"
-    """Node-local directory of the snapshots, on a tmpfs so that it outlives the worker processes;
-    ``{node}`` is replaced by the node's id (``$DISTCKPT_NODE_ID``, else the host name). distckpt
-    writes only under ``<dir>/<job>/``, ``<job>`` derived from ``root``. Default ``/dev/shm/distckpt``."""
+    """Node-local tmpfs directory (outlives the workers); ``{node}``: the node id (``$DISTCKPT_NODE_ID``,
+    else the host name); written only under ``<dir>/<job of root>/``. Default ``/dev/shm/distckpt``."""
 
     def __post_init__(self) -> None:
         check_positive("memory.interval_steps", self.interval_steps, integer=True)

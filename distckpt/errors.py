@@ -86,9 +86,10 @@ class CheckpointSaveError(DistCkptError, RuntimeError):
 
 class CollectiveMismatchError(DistCkptError, RuntimeError):
     """Not every rank entered the same collective ``CheckpointManager`` call (``save``,
-    ``load``) within ``CheckpointConfig.coordination.arrival_timeout_s``: a rank skipped the call, made it
-    with another step, or made another call. distckpt's process groups are not used by the
-    check, but the ranks are out of step: end the job and fix the calling code.
+    ``load``): a rank made it with another step or made another call (raised within about a second
+    of both calls), or skipped it (raised after ``CheckpointConfig.coordination.arrival_timeout_s``).
+    distckpt's process groups are not used by the check, but the ranks are out of step: end the
+    job and fix the calling code.
 
     Attributes:
         call: the call this rank made, e.g. ``"save(step=10)"``.

@@ -158,13 +158,14 @@ class ModelOptimState:
         for p in stateless:
             p.requires_grad_(False)
         try:
-            set_state_dict(
-                self.model,
-                self._optimizers(),
-                model_state_dict=model_sd,
-                optim_state_dict=optim_sd,
-                options=StateDictOptions(strict=True),
-            )
+            with _constant_time_param_lookup(self._optimizers()):
+                set_state_dict(
+                    self.model,
+                    self._optimizers(),
+                    model_state_dict=model_sd,
+                    optim_state_dict=optim_sd,
+                    options=StateDictOptions(strict=True),
+                )
         finally:
             for p in stateless:
                 p.requires_grad_(True)
@@ -186,3 +187,36 @@ class ModelOptimState:
             and any(f in listed for f in fqns)
             and not any(f in saved_state for f in fqns)
         ]
+
+
+class _ParamIds(list):
+    """A saved param group's ``params`` (ids) with a constant-time ``in``."""
+
+    def __init__(self, ids: Any) -> None:
+        super().__init__(ids)
+        self._members = set(self)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._members
+
+
+def _set_lookup(_optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    groups = [dict(g, params=_ParamIds(g["params"])) for g in state_dict.get("param_groups", [])]
+    return dict(state_dict, param_groups=groups)
+
+
+@contextlib.contextmanager
+def _constant_time_param_lookup(optimizers: Any) -> Iterator[None]:
+    """While the block runs, ``Optimizer.load_state_dict`` looks ids up in the saved param groups
+    in constant time (a load-state-dict pre-hook, torch's public seam).
+
+    Why: torch 2.13's ``load_state_dict`` finds each state value's group with ``param_id in
+    group["params"]``, a list scan, once per tensor: quadratic in the parameter count (5 s of
+    a 21 s load for 10,000 parameters with AdamW, 45 s at 30,000). The state loaded is the same.
+    """
+    handles = [o.register_load_state_dict_pre_hook(_set_lookup) for o in optimizers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
@@ -24,6 +25,11 @@ T = TypeVar("T")
 
 # Added to an arrival counter by a rank that stopped waiting: any later arrival sees it.
 _GAVE_UP = 1 << 40
+POLL_S = 1.0
+"""Seconds between a waiting rank's looks for a rank that made a different call."""
+LOG_EVERY_S = 30.0
+"""Seconds between rank 0's log lines naming the ranks an entry check still waits for."""
+_log = logging.getLogger(__name__)
 
 
 def _check_single_process(process_group: dist.ProcessGroup | None) -> None:
@@ -77,14 +83,25 @@ class Collective:
 
     def arrive(self, call: str, *, timeout_s: float) -> None:
         """Entry check of a collective call: every rank must make the same ``call`` (e.g.
-        ``"save(step=10)"``) within ``timeout_s`` seconds of each other.
+        ``"save(step=10)"``) at this point.
 
-        Uses the default group's key-value store, not a process group, so a rank that never
-        comes costs the others ``timeout_s`` (not the groups' timeout) and leaves every
-        process group usable. Cost when all ranks arrive: four small store requests per rank.
+        A rank that is merely late is waited for up to ``timeout_s`` seconds (rank 0 logs the
+        ranks still missing every :data:`LOG_EVERY_S` seconds); a rank that made a different
+        call at this point (another step, ``save`` vs ``load``) makes every rank raise within
+        about :data:`POLL_S` seconds of both having arrived, whatever ``timeout_s`` is.
+
+        Protocol, on the default group's key-value store (not a process group, so a rank that
+        never comes costs the others ``timeout_s`` and leaves every process group usable): the
+        ``gen``-th check of each rank records its call under ``gen/rank<r>`` and puts it into
+        ``gen/call`` with compare-and-set; the first call there is the reference and a rank
+        whose call differs sets ``gen/mismatch`` and raises. The others count themselves into
+        ``gen/<call>/arrived`` and wait for ``gen/<call>/done`` (set by the last to arrive) in
+        slices of ``POLL_S``, looking for ``gen/mismatch`` between slices. Cost when all ranks
+        arrive together: five small store requests per rank, plus two per ``POLL_S`` waited.
 
         Raises:
-            CollectiveMismatchError: some rank did not make ``call`` in time; names the ranks
+            CollectiveMismatchError: some rank made a different call (within ``POLL_S`` of
+                both calls), or some rank made no call within ``timeout_s``; names the ranks
                 that made no call and the calls the others made instead (on every rank that
                 waited; a rank arriving after the others gave up raises at once).
         """
@@ -99,18 +116,14 @@ class Collective:
         gen, self._arrivals = self._arrivals, self._arrivals + 1
         self._calls[gen] = call
         store.set(f"{gen}/rank{self.rank}", call)
+        if store.compare_set(f"{gen}/call", "", call).decode() != call:
+            store.set(f"{gen}/mismatch", "")  # the ranks waiting on the first call see it
+            raise self._mismatch(store, gen, call, timeout_s)
         arrived = store.add(f"{gen}/{call}/arrived", 1)
         if arrived == self.world_size:
             store.set(f"{gen}/{call}/done", "")
         elif arrived < _GAVE_UP:
-            try:
-                store.wait([f"{gen}/{call}/done"], datetime.timedelta(seconds=timeout_s))
-                arrived = 0
-            except RuntimeError:  # DistStoreError: "Wait timeout"
-                # Give up, atomically with the arrivals: a rank arriving later sees it and raises.
-                arrived = store.add(f"{gen}/{call}/arrived", _GAVE_UP)
-                if arrived % _GAVE_UP == self.world_size:
-                    arrived = 0  # the last rank arrived just before we gave up
+            arrived = self._wait(store, gen, call, timeout_s)
         if arrived >= _GAVE_UP:
             raise self._mismatch(store, gen, call, timeout_s)
         if gen >= 2:  # every rank is past call gen - 1, so past gen - 2: its keys are unused
@@ -118,8 +131,42 @@ class Collective:
             store.delete_key(f"{old}/rank{self.rank}")
             old_call = self._calls.pop(old)
             if self.rank == 0:
-                store.delete_key(f"{old}/{old_call}/arrived")
-                store.delete_key(f"{old}/{old_call}/done")
+                for key in ("call", "mismatch", f"{old_call}/arrived", f"{old_call}/done"):
+                    store.delete_key(f"{old}/{key}")
+
+    def _wait(self, store: Any, gen: int, call: str, timeout_s: float) -> int:
+        """Wait for the last rank of ``call``: 0 once every rank made it, ``>= _GAVE_UP`` on a
+        mismatch or after ``timeout_s`` (then recorded in the arrival counter, atomically with
+        the arrivals, so a rank arriving later raises at once)."""
+        start = time.monotonic()
+        next_log = start + LOG_EVERY_S
+        while (left := start + timeout_s - time.monotonic()) > 0:
+            try:
+                store.wait([f"{gen}/{call}/done"], datetime.timedelta(seconds=min(POLL_S, left)))
+                return 0
+            except RuntimeError:  # DistStoreError: "Wait timeout"
+                pass
+            if store.check([f"{gen}/mismatch"]):
+                return _GAVE_UP
+            if self.rank == 0 and time.monotonic() >= next_log:
+                next_log += LOG_EVERY_S
+                missing = self._ranks_without(store, gen)
+                _log.warning(
+                    "%s: waited %.0f s of coordination.arrival_timeout_s=%g s for rank(s) %s to make the same call",
+                    call,
+                    time.monotonic() - start,
+                    timeout_s,
+                    missing,
+                )
+        arrived = store.add(f"{gen}/{call}/arrived", _GAVE_UP)
+        return 0 if arrived % _GAVE_UP == self.world_size else arrived  # 0: the last came just in time
+
+    def _ranks_without(self, store: Any, gen: int) -> list[int]:
+        """Global ranks that have not made their ``gen``-th entry check yet."""
+        assert self.group is not None  # enabled
+        return [
+            dist.get_global_rank(self.group, r) for r in range(self.world_size) if not store.check([f"{gen}/rank{r}"])
+        ]
 
     def _mismatch(self, store: Any, gen: int, call: str, timeout_s: float) -> errors.CollectiveMismatchError:
         assert self.group is not None  # only arrive() calls it, when enabled
@@ -134,18 +181,19 @@ class Collective:
                 others[global_rank] = theirs
         me = dist.get_global_rank(self.group, self.rank)
         parts = []
-        if missing:
-            parts.append(f"rank(s) {missing} did not make this call (nor any other manager call at this point)")
         if others:
             parts.append("; ".join(f"rank {r} called {c} instead" for r, c in sorted(others.items())))
+        if missing:
+            when = "yet" if others else f"within coordination.arrival_timeout_s={timeout_s:g} s"
+            parts.append(f"rank(s) {missing} did not make this call (nor any other manager call) {when}")
         if not parts:
-            parts.append("every rank arrived, but only after the others had given up")
+            parts.append(f"the others gave up waiting for it after coordination.arrival_timeout_s={timeout_s:g} s")
         return errors.CollectiveMismatchError(
-            f"rank {me} called CheckpointManager.{call}, but within arrival_timeout_s={timeout_s:g} s "
+            f"rank {me} called CheckpointManager.{call}, but "
             + ", ".join(parts)
             + ". Every rank must call the manager's collective methods (save, load, "
-            "maybe_save, wait, close) in the same order with the same step; a rank doing long work "
-            "of its own before the call (evaluation on rank 0) needs a larger arrival_timeout_s. "
+            "maybe_save, wait, close) in the same order with the same step; a rank that is only "
+            "slow is waited for coordination.arrival_timeout_s (default: coordination.timeout_s). "
             "The ranks are now out of step: end the job.",
             call=call,
             missing_ranks=missing,

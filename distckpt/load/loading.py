@@ -162,6 +162,10 @@ class CheckpointLoader:
                 thread_count=streams,
                 block_digests=blocks,
             )
+            reader.use_metadata(metadata)  # parsed and checked above: not again
+            once = self.config.load.read_once  # "auto": across nodes only (a node shares its page cache)
+            if once is True or (once == "auto" and self.local_world_size < self.collective.world_size):
+                reader.share_over(self.collective.group)
             run_load(target, reader, process_group=self.collective.group, directory=path)
             train_state = self.collective.agree(
                 lambda: self.state.restore(target, saved_world_size=manifest.world_size),

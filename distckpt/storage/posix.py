@@ -105,9 +105,9 @@ class PosixStore(CheckpointStore):
         block_digests: dict[str, BlockDigests] | None = None,
     ) -> Any:
         if fast:
-            from ..engine.read.fast_reader import FastFileSystemReader
+            from ..engine.read.shared_read import SharingReader
 
-            return FastFileSystemReader(
+            return SharingReader(
                 location, expected_files=expected_files, thread_count=thread_count, block_digests=block_digests
             )
         return SafeFileSystemReader(location, expected_files=expected_files)

@@ -300,6 +300,8 @@ class S3Reader(SafeFileSystemReader):
 
     @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if self.known_metadata is not None:
+            return super().read_metadata(*args, **kwargs)
         url = f"{os.fspath(self.path).rstrip('/')}/.metadata"
         with self.fs.create_stream(url, "rb") as f:
             metadata = parse_dcp_metadata(f, url)

@@ -201,13 +201,21 @@ def test_bench_load_smoke(tmp_path):
             "fast_verify",
             "--timeout-s",
             "120",
+            "--replicated-sizes-mib",
+            "4",
+            "--replicated-world-sizes",
+            "2",
             "--out",
             str(out),
         ]
     )
     assert rc == 0
     results = json.loads((out / "results.json").read_text())
-    rows = results["results"]
+    replicated = [r for r in results["results"] if r.get("scenario") == "replicated"]
+    assert sorted(r["read_once"] for r in replicated) == [False, True]  # side by side
+    assert all(r["bitwise_equal"] and r["bytes_read"] >= r["checkpoint_bytes"] > 0 for r in replicated), replicated
+    assert "## Replicated" in (out / "results.md").read_text()
+    rows = [r for r in results["results"] if r.get("scenario") != "replicated"]
     cells = {(r["cell"], r["reader"], r["cache"]) for r in rows}
     assert len(cells) == len(rows) == 3 * 3 * 2  # same 1, same 2, reshard 2->1; 3 readers; cold+warm
     for r in rows:

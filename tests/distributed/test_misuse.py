@@ -133,4 +133,87 @@ def test_arrival_timeout_bounds_the_entry_check_not_a_late_rank_in_maybe_save(tm
     results = values(run_ranks(late_rank, 2, {"root": str(tmp_path)}, timeout_s=150))
     for r in results:
         assert r["preemption"] is True  # both ranks saved step 1
-        assert "within arrival_timeout_s=1.5 s" in r["no preemption"]
+        assert "coordination.arrival_timeout_s=1.5 s" in r["no preemption"]
+
+
+def slow_rank(rank, world_size, opts):
+    """timeout_s 6 (the old arrival_timeout_s default: 1.2 s): rank 1 reaches save(1) and then
+    load() 4 s after rank 0; rank 0 logs the missing rank (log interval shortened to 1.5 s)."""
+    import logging
+
+    import torch
+
+    from distckpt import CheckpointConfig, CheckpointManager, CoordinationConfig, ScheduleConfig
+    from distckpt.coord import collective
+    from tests.distributed.trainer import Net
+
+    collective.LOG_EVERY_S = 1.5
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("distckpt.coord.collective").addHandler(handler)
+    config = CheckpointConfig(
+        root=opts["root"], schedule=ScheduleConfig(interval_steps=None), coordination=CoordinationConfig(timeout_s=6.0)
+    )
+    torch.manual_seed(7)
+    model = Net()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    out: dict = {}
+    with CheckpointManager(config, model=model, optimizer=None) as manager:
+        for name, call in (("save", lambda: manager.save(1)), ("load", manager.load)):
+            with torch.no_grad():  # load() must bring the saved values back
+                for p in model.parameters():
+                    p.add_(1.0) if name == "load" else None
+            if rank == 1:
+                time.sleep(4.0)  # the lateness under test: 3.3x the old default arrival timeout
+            t0 = time.monotonic()
+            call()
+            out[f"{name}_s"] = time.monotonic() - t0
+    out["bitwise"] = all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    out["log"] = lines
+    return out
+
+
+def test_a_rank_late_by_three_old_arrival_timeouts_is_waited_for_and_named_in_the_log(tmp_path):
+    r0, r1 = values(run_ranks(slow_rank, 2, {"root": str(tmp_path)}, timeout_s=120))
+    assert r0["bitwise"] and r1["bitwise"]
+    assert r0["save_s"] > 3.6 and r0["load_s"] > 3.6  # rank 0 waited, then both went on
+    missing = [line for line in r0["log"] if "for rank(s) [1] to make the same call" in line]
+    assert any(line.startswith("save(step=1): waited") for line in missing), r0["log"]
+    assert any(line.startswith("load(): waited") for line in missing), r0["log"]
+    assert not r1["log"]  # only rank 0 logs
+
+
+def different_calls(rank, world_size, opts):
+    """Default timeouts (600 s): rank 0 saves step 2 while rank 1 saves step 3, then a second
+    manager where rank 1 loads while rank 0 saves 3 s later."""
+    from distckpt import CheckpointConfig, CheckpointManager, CollectiveMismatchError, ScheduleConfig
+    from tests.distributed.trainer import Net
+
+    out = {}
+    for name, (call0, call1) in {"steps": ("save2", "save3"), "save_vs_load": ("save2", "load")}.items():
+        config = CheckpointConfig(root=f"{opts['root']}/{name}", schedule=ScheduleConfig(interval_steps=None))
+        manager = CheckpointManager(config, model=Net(), optimizer=None)
+        call = call0 if rank == 0 else call1
+        if name == "save_vs_load" and rank == 0:
+            time.sleep(3.0)  # the mismatch is named within seconds of the second call, not at once
+        t0 = time.monotonic()
+        try:
+            manager.load() if call == "load" else manager.save(int(call[-1]))
+            out[name] = "no error"
+        except CollectiveMismatchError as e:
+            out[name] = {"other_calls": e.other_calls, "missing": e.missing_ranks, "message": str(e)}
+        out[f"{name}_s"] = time.monotonic() - t0
+    return out
+
+
+def test_a_different_call_fails_fast_with_the_default_timeouts(tmp_path):
+    r0, r1 = values(run_ranks(different_calls, 2, {"root": str(tmp_path)}, timeout_s=120))
+    assert r0["steps"]["other_calls"] == {1: "save(step=3)"} and r1["steps"]["other_calls"] == {0: "save(step=2)"}
+    assert r0["save_vs_load"]["other_calls"] == {1: "load()"}
+    assert r1["save_vs_load"]["other_calls"] == {0: "save(step=2)"}
+    assert r0["steps"]["missing"] == [] and r1["save_vs_load"]["missing"] == []
+    assert "rank 1 called save(step=3) instead" in r0["steps"]["message"]
+    assert r0["steps_s"] < 10 and r1["steps_s"] < 10
+    assert r0["save_vs_load_s"] < 3  # rank 0 came last: it sees the difference at once
+    assert 2.5 < r1["save_vs_load_s"] < 10  # rank 1 waited for rank 0's call, then raised within seconds

@@ -175,12 +175,12 @@ def storage_fault(rank, world_size, opts):
     train_steps(model, optimizer, scheduler, scaler, loader, 2)
     original = FileSystem.create_stream
 
-    class SlowStream:  # a disk writing ~100x slower than it should
+    class SlowStream:  # a disk taking 2 s per write call (distckpt gathers small records: few calls)
         def __init__(self, raw):
             self.raw = raw
 
         def write(self, data):
-            time.sleep(0.25)
+            time.sleep(2.0)
             return self.raw.write(data)
 
         def __getattr__(self, name):

@@ -95,7 +95,7 @@ def test_new_form_instances_and_mappings():
     assert cfg.retention.keep_best == KeepBest(metric="val_loss", mode="min", k=2)
     assert cfg.async_save.mode == "thread" and cfg.load_selection == frozenset({"model"})
     assert cfg.preemption.enabled is False and not cfg.effective_preemption
-    assert cfg.coordination.effective_write_timeout_s == 30.0 and cfg.coordination.effective_arrival_timeout_s == 12.0
+    assert cfg.coordination.effective_write_timeout_s == 30.0 and cfg.coordination.effective_arrival_timeout_s == 60.0
     default = CheckpointConfig(root="/tmp/x")
     assert default.schedule == ScheduleConfig() and default.save == SaveConfig() and default.elastic == ElasticConfig()
     assert default.storage == StorageConfig() and default.preemption == PreemptionConfig()

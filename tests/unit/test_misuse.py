@@ -81,9 +81,10 @@ def test_overwrite_error_names_only_the_option_of_its_context(tmp_path, capsys):
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
 
 
-def test_arrival_timeout_defaults_to_a_fifth_of_the_group_timeout_and_stays_below_it():
-    assert CoordinationConfig(timeout_s=60.0).effective_arrival_timeout_s == 12.0
+def test_arrival_timeout_defaults_to_the_group_timeout_and_stays_within_it():
+    assert CoordinationConfig(timeout_s=60.0).effective_arrival_timeout_s == 60.0
     assert CoordinationConfig(arrival_timeout_s=5.0).effective_arrival_timeout_s == 5.0
-    for bad in (0, -1.0, 600.0, float("nan")):
+    assert CoordinationConfig(arrival_timeout_s=600.0).effective_arrival_timeout_s == 600.0
+    for bad in (0, -1.0, 600.5, float("nan")):
         with pytest.raises(ConfigError, match="arrival_timeout_s"):
             CheckpointConfig(root="/tmp/x", coordination=CoordinationConfig(arrival_timeout_s=bad))

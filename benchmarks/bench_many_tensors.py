@@ -1,0 +1,310 @@
+"""Many small tensors: save and load time against the number of parameters, distckpt vs stock DCP.
+
+``python -m benchmarks.bench_many_tensors --out DIR`` (defaults: N = 100, 1,000, 10,000, 30,000
+parameters of 256 float32 with AdamW, world sizes 1 and 2, one round; CPU-heavy: about 15-25
+minutes here at N = 30,000) writes ``DIR/results.json``, ``DIR/results.md`` (also printed) and
+``DIR/plot.png``.
+
+How it measures: per N and world size, one set of gloo ranks (``benchmarks._ranks``) builds the
+same model (seeded: ``N`` parameters of ``--numel`` floats in a ``ParameterList``, replicated on
+every rank as under DDP) and an AdamW with one step taken, so the state holds ``N`` parameters
+plus ``step``, ``exp_avg``, ``exp_avg_sq`` per parameter (``tensors`` = 4N). Then, for each
+implementation in turn (the order alternates with N): a timed blocking save into a fresh
+directory, the live state perturbed, a timed load, and a bitwise comparison with the saved
+values. ``distckpt`` = ``CheckpointManager.save``/``load`` (commit, manifest, hashes, verified
+load included); ``stock`` = ``get_state_dict`` + ``dcp.save`` and ``dcp.load`` +
+``set_state_dict`` (torch's own API, no distckpt code). The world-size-2 checkpoints are then
+loaded by one process (``"scenario": "reshard 2->1"``). Times are each rank set's slowest rank.
+``growth`` is the least-squares slope of log(seconds) against log(N) over N >= 1,000, per
+implementation (world size 1, same-world rows). Timings on this shared 2-core machine are noisy
+(the load average is recorded): the ratios within one run are what counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import math
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from benchmarks._output import machine_info, prepare_dirs, pyplot, write_outputs
+from benchmarks._ranks import run_ranks
+
+IMPLS = ("distckpt", "stock")
+GOAL_EXPONENT, GOAL_SAVE_S, GOAL_LOAD_S, GOAL_SPEEDUP = 1.1, 10.0, 5.0, 3.0
+
+
+def _build(spec: dict[str, Any]) -> tuple[Any, Any]:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.p = nn.ParameterList([nn.Parameter(torch.randn(spec["numel"])) for _ in range(spec["params"])])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return model, opt
+
+
+def _snapshot(model: Any, opt: Any) -> list[Any]:
+    return [p.detach().clone() for p in model.parameters()] + [
+        v.clone() for s in opt.state.values() for v in s.values()
+    ]
+
+
+def _perturb(model: Any, opt: Any) -> None:
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+        for s in opt.state.values():
+            s["exp_avg"].zero_()
+
+
+def _save(impl: str, path: str, model: Any, opt: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if impl == "stock":
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        return
+    from distckpt import CheckpointConfig, CheckpointManager, CoordinationConfig, RetentionConfig, ScheduleConfig
+
+    config = CheckpointConfig(
+        root=path,
+        schedule=ScheduleConfig(interval_steps=None),
+        retention=RetentionConfig(keep_last=None),
+        coordination=CoordinationConfig(lock=False),
+    )
+    with CheckpointManager(config, model=model, optimizer=opt) as manager:
+        manager.save(1)
+
+
+def _load(impl: str, path: str, model: Any, opt: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if impl == "stock":
+        msd, osd = get_state_dict(model, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        return
+    from distckpt import CheckpointConfig, CheckpointManager, CoordinationConfig, LoadConfig, ScheduleConfig
+
+    config = CheckpointConfig(
+        root=path,
+        schedule=ScheduleConfig(interval_steps=None),
+        coordination=CoordinationConfig(lock=False),
+        load=LoadConfig(read_only=True),
+    )
+    with CheckpointManager(config, model=model, optimizer=opt) as manager:
+        assert manager.load() is not None
+
+
+def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """One rank: save and load with each implementation (or, ``spec["reshard"]``, load only)."""
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("distckpt").setLevel(logging.WARNING)
+    model, opt = _build(spec)
+    expected = _snapshot(model, opt)
+    out: dict[str, Any] = {}
+    for impl in spec["order"]:
+        path = f"{spec['dir']}/{impl}"
+        if not spec["reshard"]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            _save(impl, path, model, opt)
+            dist.barrier()
+            out[f"{impl}_save_s"] = time.perf_counter() - t0
+        _perturb(model, opt)
+        dist.barrier()
+        t0 = time.perf_counter()
+        _load(impl, path, model, opt)
+        dist.barrier()
+        out[f"{impl}_load_s"] = time.perf_counter() - t0
+        out[f"{impl}_bitwise"] = all(torch.equal(a, b) for a, b in zip(_snapshot(model, opt), expected, strict=True))
+    return out
+
+
+def growth_exponent(points: list[tuple[int, float]]) -> float:
+    """Least-squares slope of log(seconds) against log(N) over ``(N, seconds)`` points."""
+    xs, ys = [math.log(n) for n, _ in points], [math.log(t) for _, t in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="runs/bench_many_tensors")
+    p.add_argument("--data-dir", default=None, help="where checkpoints are written (default OUT/data)")
+    p.add_argument("--params", type=int, nargs="+", default=[100, 1_000, 10_000, 30_000])
+    p.add_argument("--numel", type=int, default=256, help="floats per parameter")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="per rank set")
+    args = p.parse_args(argv)
+    out, data = prepare_dirs(args)
+    started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for i, n in enumerate(args.params):
+        order = list(IMPLS) if i % 2 == 0 else list(reversed(IMPLS))
+        for ws in args.world_sizes:
+            cell = data / f"n{n}-w{ws}"
+            shutil.rmtree(cell, ignore_errors=True)
+            spec = {"params": n, "numel": args.numel, "dir": str(cell), "order": order, "reshard": False}
+            runs = [(ws, "same", spec)]
+            if ws == 2 and 1 in args.world_sizes:
+                runs.append((1, "reshard 2->1", dict(spec, reshard=True)))
+            for world_size, scenario, s in runs:
+                values = run_ranks(
+                    "benchmarks.bench_many_tensors:_rank",
+                    world_size,
+                    s,
+                    timeout_s=args.timeout_s,
+                    preload=("torch", "torch.distributed", "torch.distributed.checkpoint", "distckpt"),
+                    label=f"N={n} W={world_size} {scenario}",
+                )
+                for impl in IMPLS:
+                    row = {
+                        "impl": impl,
+                        "params": n,
+                        "tensors": 4 * n,
+                        "world_size": world_size,
+                        "scenario": scenario,
+                        "save_s": None if s["reshard"] else max(v[f"{impl}_save_s"] for v in values),
+                        "load_s": max(v[f"{impl}_load_s"] for v in values),
+                        "bitwise": all(v[f"{impl}_bitwise"] for v in values),
+                        "loadavg": os.getloadavg()[0],
+                    }
+                    rows.append(row)
+                    print(row, flush=True)
+            shutil.rmtree(cell, ignore_errors=True)
+    growth: dict[str, dict[str, float | None]] = {}
+    for impl in IMPLS:
+        same = [r for r in rows if r["impl"] == impl and r["world_size"] == 1 and r["scenario"] == "same"]
+        fit = [r for r in same if r["params"] >= 1_000]
+        growth[impl] = {
+            f"{kind}_exponent": growth_exponent([(r["params"], r[f"{kind}_s"]) for r in fit]) if len(fit) >= 2 else None
+            for kind in ("save", "load")
+        }
+    if args.data_dir is None:
+        shutil.rmtree(data, ignore_errors=True)
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "args": vars(args),
+        "machine": machine_info(out),
+        "loadavg_end": os.getloadavg(),
+        "seconds": time.perf_counter() - started,
+    }
+    results = {"results": rows, "growth": growth, "meta": meta}
+    write_outputs(out, results, render_markdown, plot)
+    return 0 if all(r["bitwise"] for r in rows) else 1
+
+
+def _row(rows: list[dict[str, Any]], impl: str, n: int, ws: int, scenario: str) -> dict[str, Any] | None:
+    return next(
+        (r for r in rows if (r["impl"], r["params"], r["world_size"], r["scenario"]) == (impl, n, ws, scenario)),
+        None,
+    )
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    meta, rows = results["meta"], results["results"]
+    lines = [
+        f"# Many tensors ({meta['date']}, {meta['args']['numel']} floats per parameter + AdamW, "
+        f"{meta['seconds']:.0f} s, load average at the end {meta['loadavg_end'][0]:.1f})",
+        "",
+        "| params | tensors | world | scenario | distckpt save s | stock save s | save x | "
+        "distckpt load s | stock load s | load x | bitwise |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    keys = sorted(
+        {(r["params"], r["world_size"], r["scenario"]) for r in rows}, key=lambda k: (k[0], k[2] != "same", k[1])
+    )
+    for n, ws, scenario in keys:
+        d, s = _row(rows, "distckpt", n, ws, scenario), _row(rows, "stock", n, ws, scenario)
+        if d is None or s is None:
+            continue
+
+        def cell(key: str, d: dict[str, Any] = d, s: dict[str, Any] = s) -> tuple[str, str, str]:
+            if d[key] is None:
+                return "-", "-", "-"
+            return f"{d[key]:.2f}", f"{s[key]:.2f}", f"{s[key] / d[key]:.1f}"
+
+        lines.append(
+            f"| {n:,} | {d['tensors']:,} | {ws} | {scenario} | "
+            + " | ".join(cell("save_s"))
+            + " | "
+            + " | ".join(cell("load_s"))
+            + f" | {d['bitwise'] and s['bitwise']} |"
+        )
+    lines.append("")
+    for impl, g in results["growth"].items():
+        if g["save_exponent"] is not None:
+            lines.append(
+                f"- growth from N = 1,000 up ({impl}, world size 1): save N^{g['save_exponent']:.2f}, "
+                f"load N^{g['load_exponent']:.2f}"
+            )
+    d, s = _row(rows, "distckpt", 10_000, 1, "same"), _row(rows, "stock", 10_000, 1, "same")
+    g = results["growth"]["distckpt"]
+    if g["save_exponent"] is not None:
+        ok = max(g["save_exponent"], g["load_exponent"]) <= GOAL_EXPONENT
+        lines.append(f"- goal: distckpt growth exponent <= {GOAL_EXPONENT}: **{'met' if ok else 'missed'}**")
+    if d is not None and s is not None:
+        lines.append(
+            f"- goal at N = 10,000: save <= {GOAL_SAVE_S:g} s ({d['save_s']:.2f}), load <= {GOAL_LOAD_S:g} s "
+            f"({d['load_s']:.2f}), >= {GOAL_SPEEDUP:g}x stock on both ({s['save_s'] / d['save_s']:.1f}x, "
+            f"{s['load_s'] / d['load_s']:.1f}x): **"
+            + (
+                "met"
+                if d["save_s"] <= GOAL_SAVE_S
+                and d["load_s"] <= GOAL_LOAD_S
+                and min(s["save_s"] / d["save_s"], s["load_s"] / d["load_s"]) >= GOAL_SPEEDUP
+                else "missed"
+            )
+            + "**"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], path: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax, kind in zip(axes, ("save", "load")):
+        for impl, style in (("distckpt", "-o"), ("stock", "--s")):
+            for ws in sorted({r["world_size"] for r in results["results"]}):
+                pts = [
+                    (r["params"], r[f"{kind}_s"])
+                    for r in results["results"]
+                    if r["impl"] == impl and r["world_size"] == ws and r["scenario"] == "same"
+                ]
+                if pts:
+                    ax.plot(*zip(*sorted(pts)), style, label=f"{impl}, world size {ws}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("parameters (x4 tensors with AdamW)")
+        ax.set_ylabel(f"{kind} seconds")
+        ax.set_title(f"{kind} ({results['meta']['date']})")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
