@@ -214,6 +214,12 @@ class CheckpointConfig:
 
     def _check(self) -> None:
         """The checks that need ``root`` or span sections (each section checks its own fields)."""
+        for name in SECTIONS:  # YAML's "false" is a string; a truth test of it would pass
+            section = getattr(self, name)
+            for f in dataclasses.fields(section):
+                value = getattr(section, f.name)
+                if f.type in ("bool", bool) and not isinstance(value, bool):
+                    raise ConfigError(f"CheckpointConfig.{name}.{f.name}={value!r}: must be true or false")
         if not self.root:
             raise ConfigError("CheckpointConfig.root must be a non-empty directory path")
         check_root_scheme(self.root, "CheckpointConfig.root")

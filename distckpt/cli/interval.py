@@ -42,7 +42,10 @@ def journal_of(path: str) -> dict[str, Any] | None:
         data = json.loads(text) if text else None
     except (OSError, ValueError, DistCkptError):
         return None
-    return data if isinstance(data, dict) else None
+    try:  # a journal with invalid fields is skipped like an unreadable one
+        return data if isinstance(data, dict) and IntervalStats.from_dict(data) is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 def report(location: str, journal: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -33,9 +33,11 @@ def run_id() -> str:
 
 
 def job_key(root: str) -> str:
-    """``job-<16 hex>`` from the checkpoint root: one job per root (the root's lock), the same key
-    on every node and across restarts, and another job's key differs."""
-    return "job-" + hashlib.sha256(root.rstrip("/").encode()).hexdigest()[:16]
+    """``job-<16 hex>`` from the checkpoint root, resolved (a relative path, ``./`` or a symlink name
+    the same root once): one job per root (the root's lock), the same key on every node and across
+    restarts, and another job's key differs."""
+    where = root if "://" in root else os.path.realpath(root)
+    return "job-" + hashlib.sha256(where.rstrip("/").encode()).hexdigest()[:16]
 
 
 def memory_dir(template: str, node: str, root: str) -> str:

@@ -14,14 +14,16 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .._version import __version__
+from ..adapters import tensor_specs
 from ..coord.collective import Collective
 from ..engine.blocking import run_load
 from ..errors import DistCkptError, IncompatibleCheckpointError
-from ..ondisk.manifest import Manifest
+from ..ondisk.manifest import Manifest, TensorSpec, check_model_fits
 from ..state.training_state import CheckpointState, TrainState
-from .restore import MemoryReader, fetch_chunks, find_cut, inventory, memory_metadata, plan_needed, verify
+from .restore import Cut, MemoryReader, fetch_chunks, find_cut, inventory, memory_metadata, plan_needed, verify
 from .tier import MemoryTier
 
 __all__ = ["MemoryRestore", "restore_from_memory"]
@@ -64,8 +66,9 @@ def restore_from_memory(
         one, or a failed memory restore: each logged on rank 0 with its reason).
 
     Raises:
-        IncompatibleCheckpointError: never from memory: a snapshot that does not fit the live
-            model is left to the durable tier, whose load reports it.
+        IncompatibleCheckpointError: the snapshot does not fit the live model or components (every
+            difference named; the durable tier holds older states of the same model, so it is not
+            tried). Any other failure of the memory restore falls back to the durable tier.
     """
     t0 = time.perf_counter()
     rank = collective.rank
@@ -84,6 +87,13 @@ def restore_from_memory(
         return None
     location = f"memory://{tier.job}/step-{cut.step}"
     metadata, where = memory_metadata(cut)
+    manifest = _manifest(cut, metadata)
+    # A live model the snapshot does not fit (shape, dtype, keys) is the user's change: said, never cast.
+    collective.agree(
+        lambda: check_model_fits(manifest, location, tensor_specs(state.model_optim.model), state.model_optim.ties),
+        what=f"checking {location} against the live model",
+        error_type=IncompatibleCheckpointError,
+    )
     try:
         with state.model_optim.load_context():
             target = collective.agree(
@@ -102,21 +112,12 @@ def restore_from_memory(
                 what=f"restoring {location}",
                 error_type=IncompatibleCheckpointError,
             )
+    except IncompatibleCheckpointError:
+        raise  # the durable tier's checkpoints are older states of the same model: as incompatible
     except DistCkptError as e:
         if rank == 0:
             logger.warning("memory tier: restoring %s failed (%s) -> the durable tier serves", location, e)
         return None
-    header = cut.headers[0]
-    manifest = Manifest(
-        step=cut.step,
-        world_size=cut.world_size,
-        wrapper=header["wrapper"],
-        state_dict_type="sharded",
-        torch_version=torch.__version__,
-        distckpt_version=__version__,
-        model={},
-        model_fingerprint="",
-    )
     seconds = time.perf_counter() - t0
     total = sum(collective.all_gather(received))
     if rank == 0:
@@ -129,3 +130,23 @@ def restore_from_memory(
             seconds,
         )
     return MemoryRestore(location, train_state, manifest, received, seconds)
+
+
+def _manifest(cut: Cut, metadata: Metadata) -> Manifest:
+    """A manifest of the snapshot: its step, world size, wrapper, and the model's tensors (global
+    shape and dtype, from the DCP metadata) for :func:`~distckpt.ondisk.manifest.check_model_fits`."""
+    model = {
+        fqn.removeprefix("model."): TensorSpec(shape=list(md.size), dtype=str(md.properties.dtype))
+        for fqn, md in metadata.state_dict_metadata.items()
+        if fqn.startswith("model.") and isinstance(md, TensorStorageMetadata)
+    }
+    return Manifest(
+        step=cut.step,
+        world_size=cut.world_size,
+        wrapper=cut.headers[min(cut.headers)]["wrapper"],
+        state_dict_type="sharded",
+        torch_version=torch.__version__,
+        distckpt_version=__version__,
+        model=model,
+        model_fingerprint="",
+    )

@@ -18,7 +18,6 @@ All collective, on every rank of the new job:
 
 from __future__ import annotations
 
-import glob
 import io
 import logging
 import mmap
@@ -60,7 +59,7 @@ def inventory(directory: str, layout: NodeLayout, rank: int, *, run: str) -> lis
     ``run`` wrote (another launch's are left for reclaiming, never restored); headers checked, data
     not yet (:func:`verify`)."""
     local = layout.ranks_on(layout.nodes[rank])
-    names = sorted(n for n in map(os.path.basename, glob.glob(os.path.join(directory, "*.snap"))) if parse_name(n))
+    names = sorted(n for n in os.listdir(directory) if parse_name(n)) if os.path.isdir(directory) else []
     out: list[Entry] = []
     for name in names[local.index(rank) :: len(local)]:
         step, owner, world_size, gen = parse_name(name)  # type: ignore[misc]

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import glob
 import io
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -42,6 +42,7 @@ __all__ = ["MemoryTier", "estimate_bytes"]
 
 logger = logging.getLogger(__name__)
 
+_SLOT = re.compile(r"^slot-(?:own|replica)-\d+-[01]\.([0-9a-f]+)\.partial$")  # a slot file's name, its gen
 _KINDS = {WriteItemType.TENSOR: "tensor", WriteItemType.SHARD: "shard", WriteItemType.BYTE_IO: "bytes"}
 
 
@@ -307,13 +308,12 @@ class MemoryTier:
         Only distckpt's own file names in this job's directory are touched."""
         if self.rank != self.layout.ranks_on(self.node)[0]:
             return
-        for path in glob.glob(os.path.join(self.dir, "*")):
-            name = os.path.basename(path)
-            parsed = parse_name(name)
-            gen = parsed[3] if parsed else (name.split(".")[-2] if name.endswith(".partial") else None)
+        for name in os.listdir(self.dir):  # never a glob: the directory's name may hold [, *, ?
+            parsed, slot = parse_name(name), _SLOT.match(name)
+            gen = parsed[3] if parsed else (slot[1] if slot else None)
             if gen is not None and gen != self.gen:
                 try:
-                    os.unlink(path)
+                    os.unlink(os.path.join(self.dir, name))
                 except FileNotFoundError:
                     pass
 

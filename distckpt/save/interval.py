@@ -246,6 +246,25 @@ class IntervalStats:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "IntervalStats":
-        """Parse :meth:`to_dict`'s output; unknown keys (the decision) are ignored, missing ones default."""
+        """Parse :meth:`to_dict`'s output; unknown keys (the decision) are ignored, missing ones default.
+
+        Raises:
+            ValueError: a field of the wrong type or out of range (a hand-edited or foreign file).
+        """
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        stats = cls(**{k: v for k, v in data.items() if k in names})
+
+        def number(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+        counts = (stats.failures, stats.preemptions, stats.finishes)
+        if not (
+            all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts)
+            and number(stats.exposure_s)
+            and isinstance(stats.costs_s, list)
+            and all(number(c) for c in stats.costs_s)
+            and isinstance(stats.runs, list)
+            and (stats.step_s is None or number(stats.step_s))
+        ):
+            raise ValueError(f"interval statistics with invalid fields: {data!r:.300}")
+        return stats

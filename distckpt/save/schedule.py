@@ -134,7 +134,11 @@ class AutoInterval:
         except (OSError, DistCkptError, ValueError) as e:
             logger.warning("interval journal %s unreadable (%s): statistics from the checkpoint", self._where, e)
         if isinstance(saved, dict):
-            self.resumed(saved, source="journal")
+            try:
+                self.resumed(saved, source="journal")
+            except ValueError as e:  # wrong types or ranges: as an unreadable journal
+                logger.warning("interval journal %s invalid (%s): statistics from the checkpoint", self._where, e)
+                self.stats = IntervalStats()
         self.write_journal("running")
         self.log_change()
 
@@ -255,7 +259,11 @@ class SaveSchedule:
         clocks; ``auto`` takes over the statistics."""
         self.mark_saved()
         if self.auto is not None:
-            self.auto.resumed(saved_stats)
+            try:
+                self.auto.resumed(saved_stats)
+            except ValueError as e:  # a manifest's statistics of the wrong shape: start them over
+                logger.warning("interval statistics of the loaded checkpoint ignored: %s", e)
+                self.auto.resumed(None)
 
     def snapshot(self, ending: str) -> dict[str, Any] | None:
         """``auto``: the statistics a save of kind ``ending`` records in its manifest; else ``None``."""

@@ -283,3 +283,13 @@ def test_a_truth_test_of_a_section_that_was_a_bool_is_refused(name):
     with pytest.raises(TypeError, match=expected):
         bool(section)
     assert section.enabled is True
+
+
+@pytest.mark.parametrize(
+    "section, key",
+    [("memory", "enabled"), ("load", "enabled"), ("load", "fallback_to_older"), ("schedule", "save_at_end")],
+)
+def test_a_string_where_a_bool_belongs_is_refused(section: str, key: str) -> None:
+    """YAML's quoted "false" is a non-empty string: taken as a bool it would mean true."""
+    with pytest.raises(ConfigError, match=rf"CheckpointConfig\.{section}\.{key}='false': must be true or false"):
+        CheckpointConfig(root="/tmp/x", **{section: {key: "false"}})

@@ -118,7 +118,7 @@ RULES: dict[str, set[str]] = {
     "save": {"_version", "adapters", "config", "coord", "data", "engine", "errors", "ondisk", "state", "storage"},
     "load": {"_version", "adapters", "config", "coord", "data", "engine", "errors", "memory", "ondisk", "state"}
     | {"storage"},
-    "memory": {"_version", "config", "coord", "engine", "errors", "ondisk", "state"},
+    "memory": {"_version", "adapters", "config", "coord", "engine", "errors", "ondisk", "state"},
     "state": {"adapters", "config", "data", "engine", "errors", "ondisk"},
     "adapters": {"engine", "errors", "ondisk"},
     "data": {"errors"},

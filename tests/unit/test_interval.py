@@ -323,3 +323,21 @@ def test_demo_job_accepts_interval_steps_auto():
     assert job.checkpoint.schedule.interval_steps == "auto" and job.checkpoint.schedule.max_overhead is None
     with pytest.raises(ConfigError, match="interval_steps"):
         load_job_config("launch/configs/ddp.yaml", ["checkpoint.schedule.interval_steps=often"])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"failures": "x"},
+        {"costs_s": "abc"},
+        {"failures": -5},
+        {"exposure_s": -1e9},
+        {"costs_s": [-1.0, 1.0]},
+        {"costs_s": [float("inf")]},
+        {"failures": True},
+    ],
+)
+def test_statistics_of_the_wrong_type_or_range_are_refused(bad) -> None:
+    with pytest.raises(ValueError, match="invalid fields"):
+        IntervalStats.from_dict(bad)
+    assert IntervalStats.from_dict({"failures": 2, "costs_s": [1.5]}).failures == 2

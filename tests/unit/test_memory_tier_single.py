@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distckpt import CheckpointConfig, CheckpointManager, ConfigError
+from distckpt import CheckpointConfig, CheckpointManager, ConfigError, IncompatibleCheckpointError
 from distckpt.errors import CheckpointCorruptError
 from distckpt.memory.placement import NodeLayout, assign_replicated, job_key
 from distckpt.memory.snapfile import SlotFile, SnapshotHeader, parse_name, read_header, snapshot_name
@@ -158,3 +158,55 @@ def test_another_launchs_snapshots_are_not_restored(tmp_path, monkeypatch) -> No
     assert parts[0].load().step == 3 and parts[0].loader.tier == "durable"
     parts[0].close()
     release_workers(parts[5])
+
+
+def test_the_job_key_is_the_resolved_root(tmp_path, monkeypatch) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    in_a = job_key("ckpt")
+    monkeypatch.chdir(tmp_path / "b")
+    assert job_key("ckpt") != in_a  # two jobs with the same relative root never share snapshots
+    assert job_key(str(tmp_path / "a" / "ckpt")) == in_a == job_key(f"{tmp_path}/a/./ckpt/")
+
+
+def test_a_memory_dir_with_glob_characters_keeps_to_itself(tmp_path) -> None:
+    mem = tmp_path / "run[1]"
+    sibling = tmp_path / "run1" / job_key(str(tmp_path / "root"))  # what the glob run[1] would match
+    sibling.mkdir(parents=True)
+    foreign = [snapshot_name(1, 0, 1, "abc"), "slot-own-0-0.abc.partial", "my.data.partial"]
+    for name in foreign:
+        (sibling / name).write_bytes(b"not this job's")
+    parts = _manager(tmp_path, mem)
+    _train(*parts, start=0, until=4)
+    ref = {k: v.clone() for k, v in full_params(parts[1]).items()}
+    (Path(parts[0].memory.dir) / "my.data.partial").write_bytes(b"the user's")
+    parts[0].memory.wait()  # the process "dies"
+    release_workers(parts[5])
+    parts = _manager(tmp_path, mem)
+    assert parts[0].load().step == 4 and parts[0].loader.tier == "memory"
+    assert all(torch.equal(v, ref[k]) for k, v in full_params(parts[1]).items())
+    _train(*parts, start=4, until=5)
+    parts[0].close()
+    assert sorted(os.listdir(sibling)) == sorted(foreign)
+    assert os.listdir(parts[0].memory.dir) == ["my.data.partial"]
+    release_workers(parts[5])
+
+
+def test_a_snapshot_that_does_not_fit_the_live_model_is_refused_not_cast(tmp_path) -> None:
+    parts = _manager(tmp_path, tmp_path / "mem")
+    _train(*parts, start=0, until=2)  # memory only: the durable interval is 3
+    parts[0].memory.wait()
+    release_workers(parts[5])
+    model, optimizer, scheduler, scaler, loader = build(0, 1, {"dtype": torch.float64})
+    config = CheckpointConfig(
+        root=str(tmp_path / "root"),
+        memory={"enabled": True, "dir": str(tmp_path / "mem")},
+        schedule={"interval_steps": 3},
+    )
+    manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler, dataloader=loader)
+    with pytest.raises(IncompatibleCheckpointError) as e:
+        manager.load()
+    assert "memory://job-" in str(e.value) and "dtype" in str(e.value) and "torch.float32" in str(e.value)
+    manager.close()
+    release_workers(loader)
