@@ -74,12 +74,16 @@ def restore_from_memory(
     rank = collective.rank
     entries = [e for part in collective.all_gather(inventory(tier.dir, tier.layout, rank, run=tier.run)) for e in part]
     cut, why = find_cut(entries)
+    corrupt = 0
     while cut is not None:  # hash only the files of the newest candidate; without the corrupt ones, again
         bad = {tuple(b) for part in collective.all_gather(verify(tier.dir, entries, rank, cut)) for b in part}
         if not bad:
             break
+        corrupt += len(bad)
         entries = [e for e in entries if (e[0], e[1]) not in bad]
         cut, why = find_cut(entries)
+    if cut is None and corrupt:
+        why += f"; {corrupt} corrupt snapshot file(s) left out (warnings above name them)"
     if cut is None or (durable_step is not None and cut.step < durable_step):
         if rank == 0:
             reason = why if cut is None else f"its newest complete snapshot, step {cut.step}, is older"

@@ -182,6 +182,8 @@ class MemoryTier:
         """
         t0 = time.perf_counter()
         self.wait()
+        if not os.path.isdir(self.dir):
+            self._recreate()
         planner = DefaultSavePlanner()
         planner.set_up_planner(build(), is_coordinator=self.rank == 0)
         items = planner.create_local_plan().items
@@ -201,6 +203,17 @@ class MemoryTier:
             logger.warning("memory tier: snapshot of step %d skipped on rank %d: %s", step, self.rank, e)
         self.last_stall_s = time.perf_counter() - t0
         self._pending = _in_background(self._finish, step, slot_index if header else None, header)
+
+    def _recreate(self) -> None:
+        """The directory was removed under the running job (its snapshots are gone): make it and new
+        slot files again, so the next snapshots are written (a warning says so)."""
+        logger.warning("memory tier: %s was removed while the job ran; recreated (its snapshots are lost)", self.dir)
+        os.makedirs(self.dir, exist_ok=True)
+        for slot in [*self._own, *(s for slots in self._replica.values() for s in slots)]:
+            slot.close(delete=False)
+        self._own = [SlotFile(self._partial("own", self.rank, k)) for k in range(2)]
+        self._replica = {s: [SlotFile(self._partial("replica", s, k)) for k in range(2)] for s in self.sources}
+        self._newest = {}
 
     def _copy(self, step: int, planner: DefaultSavePlanner, items: list, slot: SlotFile) -> SnapshotHeader:
         data: list[tuple[Any, int, int]] = []

@@ -210,3 +210,34 @@ def test_a_snapshot_that_does_not_fit_the_live_model_is_refused_not_cast(tmp_pat
     assert "memory://job-" in str(e.value) and "dtype" in str(e.value) and "torch.float32" in str(e.value)
     manager.close()
     release_workers(loader)
+
+
+def test_a_memory_dir_removed_under_the_job_is_recreated(tmp_path, caplog) -> None:
+    import shutil
+
+    parts = _manager(tmp_path, tmp_path / "mem")
+    _train(*parts, start=0, until=2)
+    shutil.rmtree(parts[0].memory.dir)  # an operator's cleanup script, a tmpfs remount
+    with caplog.at_level(logging.WARNING, logger="distckpt"):
+        _train(*parts, start=2, until=4)
+    assert "was removed while the job ran; recreated" in caplog.text
+    assert [parse_name(n)[0] for n in sorted(os.listdir(parts[0].memory.dir)) if parse_name(n)] == [3, 4]
+    parts[0].close()
+    release_workers(parts[5])
+
+
+def test_every_snapshot_corrupt_is_said_and_the_durable_tier_serves(tmp_path, caplog) -> None:
+    parts = _manager(tmp_path, tmp_path / "mem")
+    _train(*parts, start=0, until=5)  # durable step 3, memory 4 and 5
+    mem_dir = Path(parts[0].memory.dir)
+    release_workers(parts[5])
+    for f in mem_dir.glob("*.snap"):
+        with open(f, "r+b") as fh:
+            fh.seek(100)
+            fh.write(b"\xff\xfe")
+    parts = _manager(tmp_path, tmp_path / "mem")
+    with caplog.at_level(logging.INFO, logger="distckpt"):
+        assert parts[0].load().step == 3 and parts[0].loader.tier == "durable"
+    assert "2 corrupt snapshot file(s) left out" in caplog.text
+    parts[0].close()
+    release_workers(parts[5])
