@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._guest_memory import describe_hold
-from benchmarks._output import pyplot
+from benchmarks._output import pyplot, save_figure
 
 _MIB = 1 << 20
 
@@ -279,7 +279,5 @@ def _plot(results: dict[str, Any], path: Path) -> bool:
     ax.set_ylabel("cold load, GB/s of state")
     ax.set_title(f"DCP load throughput, {results['meta'].get('size_mib')} MiB, cold page cache")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True

@@ -68,6 +68,15 @@ def pyplot() -> Any:
     return plt
 
 
+def save_figure(fig: Any, path: Any) -> None:
+    """Lay out ``fig``, write it to ``path`` (PNG, 110 dpi, as every benchmark's plot) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_outputs(
     out: Path,
     results: dict[str, Any],

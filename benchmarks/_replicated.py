@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks._output import save_figure
 from benchmarks._ranks import run_ranks
 
 __all__ = ["plot_replicated", "render_replicated", "run_replicated"]
@@ -209,7 +210,5 @@ def plot_replicated(rows: list[dict[str, Any]], path: Path) -> bool:
     for ax in axes:
         ax.set_xlabel("ranks (W)")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._guest_memory import describe_hold
-from benchmarks._output import pyplot
+from benchmarks._output import pyplot, save_figure
 from benchmarks._save_ranks import _MIB, _RSS_SLACK_BYTES, _TRAIN_MODEL, SAVE_MODES, TRAIN_MODES
 
 
@@ -279,7 +279,5 @@ def _plot(results: dict[str, Any], path: Path) -> bool:
         ax2.set_ylabel("steps/s relative to train_none")
         ax2.set_title("Training throughput with checkpointing")
         ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._output import machine_info, prepare_dirs, pyplot, write_outputs
+from benchmarks._output import machine_info, prepare_dirs, pyplot, save_figure, write_outputs
 from benchmarks._ranks import BenchError, run_ranks
 
 __all__ = ["main", "plan", "render_markdown", "SAVE_MODES", "LOAD_READERS"]
@@ -285,9 +285,7 @@ def _plot(results: dict[str, Any], path: Path) -> bool:
     ax2.bar([f"{r['reader']}\n{r['size_gib']:g} GiB" for r in loads], [r["cold_s"] for r in loads])
     ax2.set_ylabel("cold load into CUDA, s")
     ax2.set_title("fast reader vs stock dcp.load")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._output import machine_info, pyplot, write_outputs
+from benchmarks._output import machine_info, pyplot, save_figure, write_outputs
 from launch.hf_job import duplicates_and_skips, global_loss, run_job, sample_order, trajectory
 
 KILL_AT, LAST_CKPT, STEPS = 18, 15, 30
@@ -162,9 +162,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     b.set_yscale("log")
     b.set_ylabel("max |loss - reference| (1e-9 = exact)")
     fig.suptitle(f"HF Trainer resume after SIGKILL at step {KILL_AT} ({results['meta']['date']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

@@ -37,7 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from benchmarks._output import machine_info, prepare_dirs, pyplot, write_outputs
+from benchmarks._output import machine_info, prepare_dirs, pyplot, save_figure, write_outputs
 from distckpt import (
     CheckpointConfig,
     CheckpointManager,
@@ -244,9 +244,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     ax.set_ylabel("second save / first save")
     ax.set_title(f"Incremental checkpoints, {results['meta']['args']['size_mib']} MiB ({results['meta']['date']})")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

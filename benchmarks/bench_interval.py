@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._output import machine_info, pyplot, write_outputs
+from benchmarks._output import machine_info, pyplot, save_figure, write_outputs
 from distckpt import ScheduleConfig
 from distckpt.save.interval import daly_interval, young_interval
 from distckpt.save.schedule import JOURNAL_EVERY_S, AutoInterval
@@ -404,9 +404,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     for ax in axes[:, 0]:
         ax.set_ylabel("goodput", fontsize=8)
     fig.suptitle(f"Goodput of fixed intervals and of auto ({results['meta']['date']})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

@@ -33,7 +33,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from benchmarks._output import machine_info, prepare_dirs, pyplot, write_outputs
+from benchmarks._output import machine_info, prepare_dirs, pyplot, save_figure, write_outputs
 from benchmarks._ranks import run_ranks
 
 IMPLS = ("distckpt", "stock")
@@ -300,9 +300,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         ax.set_ylabel(f"{kind} seconds")
         ax.set_title(f"{kind} ({results['meta']['date']})")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
