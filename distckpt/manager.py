@@ -34,7 +34,7 @@ from .load.loading import CheckpointLoader
 from .load.resume import ProbeFn, ResumeExtras
 from .memory import MemoryTier
 from .save.grace import SaveDurations, agree_on_signal
-from .save.preemption import PreemptionWatcher
+from .save.preemption import PreemptionWatcher, StepVote
 from .save.schedule import SaveSchedule
 from .save.transaction import BackgroundSave, PhaseHook, SaveContext, SaveTransaction
 from .state.training_state import CheckpointState, TrainState
@@ -158,6 +158,7 @@ class CheckpointManager:
                 self.lock.release()
             raise
         self.preemption = PreemptionWatcher(self.collective.group) if config.effective_preemption else None
+        self.vote = StepVote(self.collective.group, watcher=self.preemption, schedule=self.schedule, rank=self.rank)
         self.preempted = False
         self._run_id = self.collective.broadcast(uuid.uuid4().hex[:8])
         self.local_world_size = local_world_size(self.collective)  # ranks sharing this node's disk
@@ -254,6 +255,9 @@ class CheckpointManager:
     ) -> bool:
         """Record ``loss`` for ``step`` and save if the policy says so. Call once per step.
 
+        With several ranks a SIGTERM or a clock-based save acts one step later, agreed by the step
+        vote (:class:`~distckpt.save.preemption.StepVote`), so a step with nothing due waits for no rank.
+
         Args:
             step: optimizer steps completed (global, the same on every rank).
             loss: this step's loss; pass the same (e.g. all-reduced) value on every rank.
@@ -276,17 +280,17 @@ class CheckpointManager:
         self._record(step, loss, counters, metrics)
         if self.memory is not None:  # the memory tier's snapshot, before any durable save
             self.memory.maybe_snapshot(step, self.state, self.train_state, explicit=self._explicit_counters)
-        if self.preemption is not None and self.preemption.agreed():
+        vote = self.vote.decide(step)  # the previous boundary's vote: normally done by now
+        if vote.preempt:
             return self._save_for_preemption(step)
-        due = self.schedule.is_due(step) or (last_step and self.config.schedule.save_at_end)
-        if not due or self.last_saved_step == step:
-            return False
-        self._save(step, full=last_step and self.config.schedule.full_at_end, kind="final" if last_step else "periodic")
-        return True
+        kind, full = ("final", self.config.schedule.full_at_end) if last_step else ("periodic", False)
+        if saved := (vote.due or (last_step and self.config.schedule.save_at_end)) and self.last_saved_step != step:
+            self._save(step, full=full, kind=kind)
+        self.vote.start_next(step)
+        return saved
 
     def _save_for_preemption(self, step: int) -> bool:
         t0 = time.perf_counter()
-        assert self.preemption is not None  # only reached once the watcher agreed on a signal
         plan = agree_on_signal(
             self.collective,
             self.preemption,
@@ -298,17 +302,11 @@ class CheckpointManager:
         if self.rank == 0:
             logger.warning("preempted (SIGTERM) at step %d: %s", step, plan.reason)
         self.wait()  # the in-flight save completes and commits first
-        saved = plan.action == "save" and self.last_saved_step != step
-        if saved:
+        if saved := plan.action == "save" and self.last_saved_step != step:
             self._save(step, blocking=True, kind="preempted")
         self.preempted = True
         if self.rank == 0:
-            logger.warning(
-                "preempted (SIGTERM): %s in %.2f s; %s",
-                f"saved step {step}" if saved else f"no save of step {step} (last saved: {self.last_saved_step})",
-                time.perf_counter() - t0,
-                "exiting" if self.config.preemption.exit else "manager.preempted is set",
-            )
+            logger.warning(plan.outcome(step, saved, self.last_saved_step, t0, self.config.preemption.exit))
         if self.config.preemption.exit:
             self.close()
             self.collective.tear_down_for_exit()
@@ -423,6 +421,8 @@ class CheckpointManager:
         if self._closed:
             return
         try:
+            if tear_down:  # every rank is here: the vote of the last boundary completes
+                self.vote.drain()
             self.wait()
         finally:
             self._closed = True

@@ -269,13 +269,14 @@ class Collective:
             logging.getLogger(__name__).warning("destroying distckpt's process group failed: %s", describe_exception(e))
 
     def tear_down_for_exit(self) -> None:
-        """Every rank is leaving together (a preemption exit): :meth:`close`, then destroy the
-        default group after a barrier, for the reason :meth:`close` gives. A failure is
+        """Every rank is leaving together (a preemption exit): :meth:`close` (its barrier on
+        distckpt's gloo group tells each rank that every rank is past its last collective),
+        then destroy the default group too, for the reason :meth:`close` gives. No barrier on the
+        default group: it may be NCCL, whose barrier without a device guesses one. A failure is
         logged, never raised: the caller exits anyway."""
         self.close()
         try:
             if dist.is_available() and dist.is_initialized():
-                dist.barrier()
                 dist.destroy_process_group()
         except Exception as e:  # noqa: BLE001 - the checkpoint is committed; exiting anyway
             logging.getLogger(__name__).warning(

@@ -57,6 +57,12 @@ class PreemptionPlan:
     action: Action
     reason: str
 
+    def outcome(self, step: int, saved: bool, last_saved: int | None, t0: float, exiting: bool) -> str:
+        """The log line of what the preemption at ``step`` did (``t0``: ``time.perf_counter()`` when acted on)."""
+        what = f"saved step {step}" if saved else f"no save of step {step} (last saved: {last_saved})"
+        then = "exiting" if exiting else "manager.preempted is set"
+        return f"preempted (SIGTERM): {what} in {time.perf_counter() - t0:.2f} s; {then}"
+
 
 def plan_preemption(
     *, grace_s: float, elapsed_s: float, predicted_s: float | None, inflight_left_s: float | None, step_saved: bool

@@ -215,9 +215,9 @@ class SaveSchedule:
     """Decides whether step ``step`` is a save step.
 
     ``interval_steps`` is a pure function of the step, so every rank computes the same answer.
-    ``interval_seconds`` and ``interval_steps: auto`` depend on a clock: rank 0 decides and
-    broadcasts, so ranks whose clocks disagree still save together (one small collective per
-    call when enabled).
+    ``interval_seconds`` and ``interval_steps: auto`` depend on a clock: rank 0's answer
+    (:meth:`propose`) travels in the step's vote and applies at the next step, so ranks whose
+    clocks disagree still save together without a collective of their own.
 
     Args:
         schedule: ``CheckpointConfig.schedule``: its ``interval_steps`` (save when ``step %
@@ -274,13 +274,29 @@ class SaveSchedule:
         if self.auto is not None:
             self.auto.saved(seconds, inflight)
 
-    def is_due(self, step: int) -> bool:
-        """All ranks must call this with the same ``step``."""
-        due = bool(self.interval_steps and step % self.interval_steps == 0)
+    @property
+    def clock_based(self) -> bool:
+        """Whether saves depend on rank 0's clock (``interval_seconds``, ``interval_steps: auto``):
+        then the ranks must vote on them (:class:`~distckpt.save.preemption.StepVote`)."""
+        return self.auto is not None or self.interval_seconds is not None
+
+    def propose(self, step: int) -> bool:
+        """This rank's clock-based answer after ``step`` (rank 0's is the one the ranks take):
+        ``interval_seconds`` passed since the last save, or ``auto``'s interval (which also
+        records the step time). ``False`` when saves do not depend on a clock."""
         if self.auto is not None:
-            due = self.collective.broadcast(self.auto.due(step))
-        elif self.interval_seconds is not None:
-            by_time = self.clock() - self.last_save_time >= self.interval_seconds
-            # Collective on every call so that all ranks always issue the same sequence.
-            due = self.collective.broadcast(due or by_time)
+            return self.auto.due(step)
+        return self.interval_seconds is not None and self.clock() - self.last_save_time >= self.interval_seconds
+
+    def is_due(self, step: int, voted: bool | None = None) -> bool:
+        """Whether ``step`` is a save step: ``interval_steps`` divides it, or the clock says so.
+
+        Args:
+            step: optimizer steps completed; the same on every rank.
+            voted: the clock's answer the ranks agreed on (rank 0's :meth:`propose` at the previous
+                step boundary); ``None``: one process, which asks its own clock now.
+        """
+        due = bool(self.interval_steps and step % self.interval_steps == 0)
+        if self.clock_based:
+            due = due or (self.propose(step) if voted is None else voted)
         return due

@@ -26,8 +26,9 @@ from tests.distributed.trainer import build, optimizer_step
 
 
 def _job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
-    """Train to ``until``; rank 1 gets SIGTERM at ``signal_at``; ``fake_s`` is injected as the
-    measured duration of the previous saves (a slow disk) just before the signal."""
+    """Train to ``until``; rank 1 gets SIGTERM at ``signal_at`` (every rank acts on it at the next
+    step boundary: the step vote is read one step later); ``fake_s`` is injected as the measured
+    duration of the previous saves (a slow disk) just before the signal."""
     model, optimizer, scheduler, scaler, loader = build(rank, world_size, {"wrapper": "ddp"})
     config = CheckpointConfig(
         root=opts["root"],
@@ -77,7 +78,7 @@ def _job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("fake_s, expect_committed", [(None, [3, 5]), (1000.0, [3])], ids=["fits", "too_slow"])
 def test_preemption_save_skipped_when_predicted_past_grace(tmp_path, fake_s, expect_committed) -> None:
     root = str(tmp_path / "ck")
-    first = values(run_ranks(_job, 2, {"root": root, "until": 9, "signal_at": 5, "fake_s": fake_s}, timeout_s=120))
+    first = values(run_ranks(_job, 2, {"root": root, "until": 9, "signal_at": 4, "fake_s": fake_s}, timeout_s=120))
     for r in first:
         assert r["stopped_at"] == 5 and r["committed"] == expect_committed
     log = "\n".join(first[0]["messages"])
@@ -104,7 +105,7 @@ def test_preemption_finishes_inflight_async_save_instead_of_a_new_one(tmp_path, 
         run_ranks(
             _job,
             2,
-            {"root": root, "until": 9, "signal_at": 5, "fake_s": fake_s, "interval": 4, "async_mode": "thread"},
+            {"root": root, "until": 9, "signal_at": 4, "fake_s": fake_s, "interval": 4, "async_mode": "thread"},
             timeout_s=120,
         )
     )

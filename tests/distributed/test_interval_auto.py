@@ -27,7 +27,9 @@ def auto_with_skewed_clocks(rank, world_size, opts):
     auto.run_start = auto.last_end = auto.clock()
     saved = []
     for step in range(1, 13):
-        ticks["t"] += 4.0  # 4 s per step on rank 0 -> a save every 3 steps
+        # 4 s per step on rank 0: the 10 s have passed after 3 steps, and the vote carrying rank 0's
+        # answer applies at the next step -> a save every 4 steps.
+        ticks["t"] += 4.0
         if manager.maybe_save(step):
             saved.append(step)
     decision = auto.decision.formula
@@ -37,9 +39,9 @@ def auto_with_skewed_clocks(rank, world_size, opts):
 
 def test_auto_interval_decided_by_rank0_despite_skewed_clocks(tmp_path):
     (saved0, decision0), (saved1, _) = values(run_ranks(auto_with_skewed_clocks, 2, {"root": str(tmp_path)}))
-    assert saved0 == saved1 == [3, 6, 9, 12]
+    assert saved0 == saved1 == [4, 8, 12]
     assert decision0 == "min_interval_s"
     recorded = json.loads((tmp_path / "step-000000012" / "distckpt.json").read_text())["interval"]
     assert recorded["decision_formula"] == "min_interval_s" and recorded["decision_interval_s"] == 10.0
     assert recorded["exposure_s"] == pytest.approx(48.0)  # rank 0's clock at step 12: 12 steps of 4 s
-    assert len(recorded["costs_s"]) == 3 and recorded["step_s"] == pytest.approx(4.0)
+    assert len(recorded["costs_s"]) == 2  # the saves of steps 4 and 8 and recorded["step_s"] == pytest.approx(4.0)

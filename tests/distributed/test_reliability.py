@@ -38,7 +38,7 @@ def test_sigterm_on_one_rank_saves_and_exits_0_then_resumes_exactly(tmp_path):
         "--until",
         "12",
         "--signal-at",
-        "5",
+        "4",  # every rank acts on it at the next step boundary (the step vote is read one step later)
         "--victim",
         "1",
     )
@@ -75,9 +75,10 @@ def test_sigterm_to_the_process_group_with_a_plain_stateful_dataloader_saves(tmp
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "killed by signal" not in run.stderr and "exited unexpectedly" not in run.stderr, run.stderr[-3000:]
-    assert "preempted (SIGTERM): saved step 3" in run.stderr
-    assert (tmp_path / "ck" / "latest").read_text().strip() == "step-000000003"
-    assert [r["step"] for r in losses(tmp_path / "run", 1)] == [1, 2, 3]
+    # signalled at step 3: every rank saves at the next boundary (the step vote is read one step later)
+    assert "preempted (SIGTERM): saved step 4" in run.stderr
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step-000000004"
+    assert [r["step"] for r in losses(tmp_path / "run", 1)] == [1, 2, 3, 4]
 
 
 def write_lock(root, host, pid):
