@@ -230,7 +230,24 @@ class Collective:
         A :class:`~distckpt.errors.DistCkptError` keeps its type on every rank; any other
         exception becomes ``error_type``. The message names the failing rank(s).
         """
-        result: T | None = None
+        return self._agree(fn, what=what, error_type=error_type, share=None)[0]
+
+    def agree_and_share(
+        self,
+        fn: Callable[[], T],
+        share: Callable[[T], Any],
+        *,
+        what: str,
+        error_type: type[errors.DistCkptError] = errors.DistCkptError,
+    ) -> tuple[T, list[Any]]:
+        """:meth:`agree`, and in the same exchange every rank's ``share(result)``: ``(this rank's
+        result, [share of each rank, in rank order])``. One collective where two would do."""
+        return self._agree(fn, what=what, error_type=error_type, share=share)
+
+    def _agree(
+        self, fn: Callable[[], Any], *, what: str, error_type: type[errors.DistCkptError], share: Any
+    ) -> tuple[Any, list[Any]]:
+        result: Any = None
         outcome: tuple[str, str] | None = None
         local_exc: BaseException | None = None
         try:
@@ -238,10 +255,12 @@ class Collective:
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             local_exc = e
             outcome = (type(e).__name__, f"{type(e).__name__}: {e}")
-        outcomes = self.all_gather(outcome)
+        shared = share(result) if share is not None and local_exc is None else None
+        gathered = self.all_gather((outcome, shared))
+        outcomes = [o for o, _ in gathered]
         failed = {r: o for r, o in enumerate(outcomes) if o is not None}
         if not failed:
-            return result  # type: ignore[return-value]
+            return result, [s for _, s in gathered]
         first_rank, (type_name, message) = next(iter(failed.items()))
         if first_rank == self.rank and isinstance(local_exc, errors.DistCkptError) and self.world_size == 1:
             raise local_exc

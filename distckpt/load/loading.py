@@ -89,8 +89,11 @@ class CheckpointLoader:
                 ", ".join(p for p in LOADABLE if p not in selected),
             )
         while True:
-            path = self.collective.agree(lambda: discovery.choose(rejected), what="finding a checkpoint")
-            path = self.collective.broadcast(path)
+            # rank 0 chooses; one exchange tells every rank its choice and whether any rank failed
+            _, chosen = self.collective.agree_and_share(
+                lambda: discovery.choose(rejected), lambda mine: mine, what="finding a checkpoint"
+            )
+            path = chosen[0]
             if self.memory is not None and not rejected and self.config.resolved_load_path is None:
                 durable = None if path is None else self.store.step_of(path)
                 got = restore_from_memory(self.memory, self.collective, self.state, selected, durable_step=durable)

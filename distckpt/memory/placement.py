@@ -11,9 +11,9 @@ along (the nodes ordered by their lowest rank).
 from __future__ import annotations
 
 import hashlib
+import heapq
 import os
 import socket
-from dataclasses import dataclass
 
 __all__ = ["NodeLayout", "assign_replicated", "job_key", "memory_dir", "node_id", "run_id"]
 
@@ -46,49 +46,81 @@ def memory_dir(template: str, node: str, root: str) -> str:
     return os.path.join(template.replace("{node}", safe), job_key(root))
 
 
-@dataclass(frozen=True)
 class NodeLayout:
-    """The job's ranks grouped by node.
+    """The job's ranks grouped by node, indexed once so that every query below costs O(ranks of a
+    node x replicas), not O(world size): at thousands of ranks each rank asks them at start-up.
 
     Args:
         nodes: the node id of each rank, indexed by rank.
     """
 
-    nodes: tuple[str, ...]
+    def __init__(self, nodes: tuple[str, ...]) -> None:
+        self.nodes = nodes
+        self._ranks: dict[str, list[int]] = {}
+        for r, n in enumerate(nodes):
+            self._ranks.setdefault(n, []).append(r)
+        self._order = list(self._ranks)  # by lowest rank: dicts keep insertion order
+        self._position = {n: i for i, n in enumerate(self._order)}
+        self._local = {r: i for ranks in self._ranks.values() for i, r in enumerate(ranks)}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NodeLayout) and other.nodes == self.nodes
+
+    def __hash__(self) -> int:
+        return hash(self.nodes)
+
+    def __repr__(self) -> str:
+        return f"NodeLayout(nodes={self.nodes!r})"
 
     @property
     def order(self) -> list[str]:
         """Node ids ordered by their lowest rank."""
-        return list(dict.fromkeys(self.nodes))
+        return list(self._order)
 
     def ranks_on(self, node: str) -> list[int]:
-        """The ranks on ``node``, ascending."""
-        return [r for r, n in enumerate(self.nodes) if n == node]
+        """The ranks on ``node``, ascending (empty for a node without ranks)."""
+        return list(self._ranks.get(node, ()))
+
+    def local_index(self, rank: int) -> int:
+        """``rank``'s index among the ranks of its node."""
+        return self._local[rank]
+
+    def _node_at(self, node: str, k: int) -> str:
+        """The node ``k`` places after ``node`` on the ring (negative: before)."""
+        return self._order[(self._position[node] + k) % len(self._order)]
 
     def targets(self, rank: int, replicas: int) -> list[int]:
         """The ranks that keep copies of ``rank``'s snapshot: one on each of the ``replicas`` next
-        nodes of the ring (fewer when the job has fewer other nodes)."""
-        order, node = self.order, self.nodes[rank]
-        local = self.ranks_on(node).index(rank)
+        nodes of the ring (fewer when the job has fewer other nodes), at the same local index
+        modulo that node's rank count."""
+        node, local, count = self.nodes[rank], self._local[rank], len(self._ranks)
         out = []
-        for k in range(1, min(replicas, len(order) - 1) + 1):
-            peers = self.ranks_on(order[(order.index(node) + k) % len(order)])
+        for k in range(1, min(replicas, count - 1) + 1):
+            peers = self._ranks[self._node_at(node, k)]
             out.append(peers[local % len(peers)])
         return out
 
     def sources(self, rank: int, replicas: int) -> list[int]:
-        """The ranks whose snapshots ``rank`` keeps a copy of."""
-        return [r for r in range(len(self.nodes)) if rank in self.targets(r, replicas)]
+        """The ranks whose snapshots ``rank`` keeps a copy of (the inverse of :meth:`targets`),
+        ascending: of the node ``k`` places back on the ring, the ranks whose local index is
+        ``rank``'s modulo the rank count of ``rank``'s node."""
+        node, local, count = self.nodes[rank], self._local[rank], len(self._ranks)
+        mine = len(self._ranks[node])
+        out: set[int] = set()
+        for k in range(1, min(replicas, count - 1) + 1):
+            out.update(s for s in self._ranks[self._node_at(node, -k)] if self._local[s] % mine == local)
+        return sorted(out)
 
 
 def assign_replicated(sizes: dict[str, int], world_size: int) -> dict[str, int]:
     """``{fqn: rank}`` storing each replicated tensor once per job: largest first to the rank with
     the fewest bytes so far (ties: the lower rank). Every rank computes the same answer from the
-    same ``sizes`` (bytes), as DCP's ``dedup_save_plans`` balances its writers."""
-    load = [0] * world_size
+    same ``sizes`` (bytes), as DCP's ``dedup_save_plans`` balances its writers. A heap of
+    ``(bytes so far, rank)`` makes it O(T log W) for T tensors and W ranks."""
+    heap = [(0, r) for r in range(world_size)]  # already a heap: sorted
     out = {}
     for fqn in sorted(sizes, key=lambda k: (-sizes[k], k)):
-        rank = min(range(world_size), key=lambda r: (load[r], r))
+        load, rank = heap[0]
         out[fqn] = rank
-        load[rank] += sizes[fqn]
+        heapq.heapreplace(heap, (load + sizes[fqn], rank))
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -23,7 +24,18 @@ from ..engine.blocking import run_load
 from ..errors import DistCkptError, IncompatibleCheckpointError
 from ..ondisk.manifest import Manifest, TensorSpec, check_model_fits
 from ..state.training_state import CheckpointState, TrainState
-from .restore import Cut, MemoryReader, fetch_chunks, find_cut, inventory, memory_metadata, plan_needed, verify
+from .restore import (
+    Cut,
+    Fetch,
+    MemoryReader,
+    fetch_chunks,
+    find_cut,
+    inventory,
+    memory_metadata,
+    plan_fetch,
+    plan_needed,
+    verify,
+)
 from .tier import MemoryTier
 
 __all__ = ["MemoryRestore", "restore_from_memory"]
@@ -72,12 +84,16 @@ def restore_from_memory(
     """
     t0 = time.perf_counter()
     rank = collective.rank
-    entries = [e for part in collective.all_gather(inventory(tier.dir, tier.layout, rank, run=tier.run)) for e in part]
+    mine, headers = inventory(tier.dir, tier.layout, rank, run=tier.run)
+    entries = [e for part in collective.all_gather(mine) for e in part]  # compact: no headers
     cut, why = find_cut(entries)
     corrupt = 0
     while cut is not None:  # hash only the files of the newest candidate; without the corrupt ones, again
-        bad = {tuple(b) for part in collective.all_gather(verify(tier.dir, entries, rank, cut)) for b in part}
+        parts = collective.all_gather(verify(tier.dir, rank, cut, headers))
+        bad = {tuple(b) for found, _ in parts for b in found}
         if not bad:
+            for _, theirs in parts:
+                cut.headers.update(theirs)
             break
         corrupt += len(bad)
         entries = [e for e in entries if (e[0], e[1]) not in bad]
@@ -92,29 +108,28 @@ def restore_from_memory(
     location = f"memory://{tier.job}/step-{cut.step}"
     metadata, where = memory_metadata(cut)
     manifest = _manifest(cut, metadata)
-    # A live model the snapshot does not fit (shape, dtype, keys) is the user's change: said, never cast.
-    collective.agree(
-        lambda: check_model_fits(manifest, location, tensor_specs(state.model_optim.model), state.model_optim.ties),
-        what=f"checking {location} against the live model",
-        error_type=IncompatibleCheckpointError,
-    )
+
+    def plan() -> tuple[dict[str, Any], Fetch]:
+        # A live model the snapshot does not fit (shape, dtype, keys) is the user's change: said, never cast.
+        check_model_fits(manifest, location, tensor_specs(state.model_optim.model), state.model_optim.ties)
+        target = state.for_load(set(metadata.state_dict_metadata), cut.world_size, select, metadata=metadata)
+        needed = plan_needed(target, metadata, is_coordinator=rank == 0)
+        return target, plan_fetch(cut, where, needed, layout=tier.layout, rank=rank)
+
+    def load(target: dict[str, Any], chunks: dict) -> TrainState:
+        run_load(target, MemoryReader(metadata, where, chunks), process_group=None, directory=location)
+        return state.restore(target, saved_world_size=cut.world_size)
+
     try:
         with state.model_optim.load_context():
-            target = collective.agree(
-                lambda: state.for_load(set(metadata.state_dict_metadata), cut.world_size, select, metadata=metadata),
-                what=f"planning the restore of {location}",
+            # One exchange for the fit, the targets, the plan and the chunk requests, one for the
+            # reads, one for the load and restore (IncompatibleCheckpointError keeps its type).
+            (target, fetch), shared = collective.agree_and_share(
+                plan, lambda planned: planned[1].asks, what=f"planning the restore of {location}"
             )
-            needed = collective.agree(
-                lambda: plan_needed(target, metadata, is_coordinator=rank == 0), what=f"planning {location}"
-            )
-            chunks, received = fetch_chunks(
-                cut, where, needed, directory=tier.dir, layout=tier.layout, collective=collective
-            )
-            run_load(target, MemoryReader(metadata, where, chunks), process_group=collective.group, directory=location)
+            chunks, received, moved = fetch_chunks(fetch, shared, directory=tier.dir, collective=collective)
             train_state = collective.agree(
-                lambda: state.restore(target, saved_world_size=cut.world_size),
-                what=f"restoring {location}",
-                error_type=IncompatibleCheckpointError,
+                lambda: load(target, chunks), what=f"restoring {location}", error_type=IncompatibleCheckpointError
             )
     except IncompatibleCheckpointError:
         raise  # the durable tier's checkpoints are older states of the same model: as incompatible
@@ -123,14 +138,13 @@ def restore_from_memory(
             logger.warning("memory tier: restoring %s failed (%s) -> the durable tier serves", location, e)
         return None
     seconds = time.perf_counter() - t0
-    total = sum(collective.all_gather(received))
     if rank == 0:
         logger.info(
             "memory tier serves: %s (%s; newest durable commit: step %s), %.1f MiB moved between nodes, %.2f s",
             location,
             why,
             durable_step,
-            total / 2**20,
+            moved / 2**20,
             seconds,
         )
     return MemoryRestore(location, train_state, manifest, received, seconds)

@@ -47,20 +47,26 @@ from ..errors import CheckpointCorruptError
 from .placement import NodeLayout
 from .snapfile import parse_name, read_header
 
-__all__ = ["Cut", "MemoryReader", "fetch_chunks", "find_cut", "inventory", "memory_metadata"]
+__all__ = ["Cut", "Fetch", "MemoryReader", "fetch_chunks", "find_cut", "inventory", "memory_metadata", "plan_fetch"]
 
 logger = logging.getLogger(__name__)
 
-Entry = tuple[int, str, int, int, int, str, dict[str, Any]]  # server rank, file, step, rank, world size, gen, header
+Entry = tuple[int, str, int, int, int, str]  # serving rank, file, step, saved rank, world size, generation
 
 
-def inventory(directory: str, layout: NodeLayout, rank: int, *, run: str) -> list[Entry]:
+def inventory(directory: str, layout: NodeLayout, rank: int, *, run: str) -> tuple[list[Entry], dict[str, Any]]:
     """This rank's share of its node's snapshot files (the node's ranks split them) that launch
     ``run`` wrote (another launch's are left for reclaiming, never restored); headers checked, data
-    not yet (:func:`verify`)."""
+    not yet (:func:`verify`).
+
+    Returns:
+        ``(entries, {file name: header dict})``: the compact entries are what the ranks exchange;
+        the headers stay here until a cut needs them (:func:`verify`).
+    """
     local = layout.ranks_on(layout.nodes[rank])
     names = sorted(n for n in os.listdir(directory) if parse_name(n)) if os.path.isdir(directory) else []
     out: list[Entry] = []
+    headers: dict[str, Any] = {}
     for name in names[local.index(rank) :: len(local)]:
         step, owner, world_size, gen = parse_name(name)  # type: ignore[misc]
         try:
@@ -74,22 +80,35 @@ def inventory(directory: str, layout: NodeLayout, rank: int, *, run: str) -> lis
         if (header.step, header.rank, header.world_size, header.gen) != (step, owner, world_size, gen):
             logger.warning("memory tier: %s: its header disagrees with its name; not used", name)
             continue
-        out.append((rank, name, step, owner, world_size, gen, header.__dict__))
-    return out
+        out.append((rank, name, step, owner, world_size, gen))
+        headers[name] = header.__dict__
+    return out, headers
 
 
-def verify(directory: str, entries: list[Entry], rank: int, cut: Cut) -> list[tuple[int, str]]:
-    """``(rank, name)`` of each file of ``cut`` this rank serves whose data hash does not match (a
-    warning each). A replica has its original's name, on another node."""
-    bad = []
-    for server, name, *_ in entries:
-        if server == rank and name in {n for held in cut.holders.values() for _, n in held}:
+def verify(
+    directory: str, rank: int, cut: Cut, headers: dict[str, Any]
+) -> tuple[list[tuple[int, str]], dict[int, dict[str, Any]]]:
+    """Hash the files of ``cut`` this rank serves (``headers``: from :func:`inventory`).
+
+    Returns:
+        ``([(rank, name)] of each whose data hash does not match (a warning each), {saved rank:
+        header}`` of each saved rank whose first holder in ``cut`` is this rank): so the cut's
+        headers cross the network once each, not every header of every file to every rank.
+    """
+    bad, mine = [], {}
+    for owner, held in cut.holders.items():
+        for i, (server, name) in enumerate(held):
+            if server != rank:
+                continue
             try:
                 read_header(os.path.join(directory, name), verify=True)
             except CheckpointCorruptError as e:
                 logger.warning("memory tier: %s -- not used; a replica or the durable tier serves instead", e)
                 bad.append((rank, name))
-    return bad
+                continue
+            if i == 0:
+                mine[owner] = headers[name]
+    return bad, mine
 
 
 @dataclass
@@ -99,7 +118,7 @@ class Cut:
     Attributes:
         step, world_size, gen: the snapshot's step, the world size and generation that wrote it.
         holders: ``{saved rank: [(serving rank now, file name)]}`` (own copies and replicas).
-        headers: ``{saved rank: header dict}``.
+        headers: ``{saved rank: header dict}``, once verified.
     """
 
     step: int
@@ -110,12 +129,12 @@ class Cut:
 
 
 def find_cut(entries: list[Entry]) -> tuple[Cut | None, str]:
-    """The newest complete snapshot among all ranks' ``entries``, and why (for the log)."""
+    """The newest complete snapshot among all ranks' ``entries``, and why (for the log); its
+    ``headers`` are filled once its files are verified (:func:`verify`)."""
     cuts: dict[tuple[int, int, str], Cut] = {}
-    for server, name, step, owner, world_size, gen, header in entries:
+    for server, name, step, owner, world_size, gen in entries:
         cut = cuts.setdefault((step, world_size, gen), Cut(step, world_size, gen))
         cut.holders.setdefault(owner, []).append((server, name))
-        cut.headers[owner] = header
     if not cuts:
         return None, "no snapshot in any node's memory"
     complete = [c for c in cuts.values() if len(c.holders) == c.world_size]
@@ -151,42 +170,61 @@ def memory_metadata(cut: Cut) -> tuple[Metadata, dict[MetadataIndex, list[tuple[
     return Metadata(state_dict_metadata=sd_md, storage_data=where), where
 
 
-def fetch_chunks(
+@dataclass
+class Fetch:
+    """Where each chunk a rank's load needs comes from (:func:`plan_fetch`).
+
+    Attributes:
+        local: ``{storage index: (file, offset, length)}`` held on this rank's node.
+        asks: ``{serving rank: [(file, offset, length)]}`` to request from other nodes.
+        remote: ``{serving rank: [storage index]}``, in the order of ``asks``.
+    """
+
+    local: dict[MetadataIndex, tuple[str, int, int]] = field(default_factory=dict)
+    asks: dict[int, list[tuple[str, int, int]]] = field(default_factory=dict)
+    remote: dict[int, list[MetadataIndex]] = field(default_factory=dict)
+
+
+def plan_fetch(
     cut: Cut,
     where: dict[MetadataIndex, list[tuple[int, list[Any]]]],
     needed: list[MetadataIndex],
     *,
-    directory: str,
     layout: NodeLayout,
-    collective: Collective,
-) -> tuple[dict[MetadataIndex, torch.Tensor], int]:
-    """The stored bytes of each ``needed`` chunk (``uint8`` tensors): read from this node's memory
-    when it holds them, else sent by a rank on a node that does. Collective.
-
-    Returns:
-        ``({storage index: bytes}, bytes received over the network)``.
-    """
-    rank, node = collective.rank, layout.nodes[collective.rank]
-    local: dict[MetadataIndex, tuple[str, int, int]] = {}  # held on this node: (file, offset, length)
-    asks: dict[int, list[tuple[str, int, int]]] = {}  # server -> [(file, offset, length)]
-    remote: dict[int, list[MetadataIndex]] = {}
+    rank: int,
+) -> Fetch:
+    """Where rank ``rank`` gets each ``needed`` chunk: its node's memory when it holds the chunk, else
+    a rank on a node that does (the clients spread over the holders)."""
+    node, out = layout.nodes[rank], Fetch()
     for key in needed:
         owner, item = where[key][0]
-        held = [(s, name) for s, name in cut.holders[owner]]
+        held = cut.holders[owner]
         offset, length = item[6], item[7]
         here = next((name for s, name in held if layout.nodes[s] == node), None)
         if here is not None:
-            local[key] = (here, offset, length)
+            out.local[key] = (here, offset, length)
             continue
-        server, name = held[rank % len(held)]  # spread the clients over the holders
-        asks.setdefault(server, []).append((name, offset, length))
-        remote.setdefault(server, []).append(key)
-    all_asks = collective.all_gather(asks)
+        server, name = held[rank % len(held)]
+        out.asks.setdefault(server, []).append((name, offset, length))
+        out.remote.setdefault(server, []).append(key)
+    return out
 
+
+def fetch_chunks(
+    fetch: Fetch, all_asks: list[dict[int, list[tuple[str, int, int]]]], *, directory: str, collective: Collective
+) -> tuple[dict[MetadataIndex, torch.Tensor], int, int]:
+    """The stored bytes of each chunk of ``fetch`` (``uint8`` tensors): read from this node's memory,
+    or sent by the rank that serves it, which learnt it from ``all_asks`` (every rank's
+    ``Fetch.asks``, in rank order, exchanged with the plan). Collective.
+
+    Returns:
+        ``({storage index: bytes}, bytes this rank received, bytes all ranks moved between nodes)``.
+    """
+    rank = collective.rank
     mapped = _Mapped(directory)
 
     def read() -> tuple[dict[MetadataIndex, torch.Tensor], dict[int, torch.Tensor]]:
-        mine = {key: mapped(n, o, ln) for key, (n, o, ln) in local.items()}
+        mine = {key: mapped(n, o, ln) for key, (n, o, ln) in fetch.local.items()}
         sends = {
             client: torch.cat([mapped(n, o, ln) for n, o, ln in theirs[rank]])
             for client, theirs in enumerate(all_asks)
@@ -198,16 +236,17 @@ def fetch_chunks(
     chunks, sends = collective.agree(read, what="reading this node's snapshots", error_type=CheckpointCorruptError)
     works = [dist.isend(blob, group=collective.group, group_dst=client) for client, blob in sends.items()]
     received = 0
-    for server, keys in sorted(remote.items()):
-        lengths = [ln for _, _, ln in asks[server]]
-        buf = torch.empty(sum(lengths), dtype=torch.uint8)
+    for server, keys in sorted(fetch.remote.items()):
+        lengths = [ln for _, _, ln in fetch.asks[server]]
+        buf = torch.empty(sum(lengths), dtype=torch.uint8, device="cpu")
         dist.recv(buf, group=collective.group, group_src=server)
         received += buf.numel()
         chunks.update(zip(keys, torch.split(buf, lengths)))
     for w in works:
         if w is not None:
             w.wait()
-    return chunks, received
+    moved = sum(ln for theirs in all_asks for requests in theirs.values() for _, _, ln in requests)
+    return chunks, received, moved
 
 
 class _Mapped:

@@ -93,14 +93,16 @@ class MemoryTier:
         self.config, self.collective, self.wrapper = config.memory, collective, wrapper
         self.rank, self.world_size = collective.rank, collective.world_size
         self.node = node_id()
-        self.layout = NodeLayout(tuple(collective.all_gather(self.node)))
+        # One exchange at start-up: every rank's node and estimate, and rank 0's generation id.
+        gathered = collective.all_gather((self.node, estimate, uuid.uuid4().hex[:12]))
+        self.layout = NodeLayout(tuple(node for node, _, _ in gathered))
+        estimates = [e for _, e, _ in gathered]
+        self.gen = gathered[0][2]  # this run of the workers
         self.dir = memory_dir(self.config.dir, self.node, config.root)
         self.job = os.path.basename(self.dir)
-        self.gen = collective.broadcast(uuid.uuid4().hex[:12])  # this run of the workers
         self.run = run_id()
         self.targets = self.layout.targets(self.rank, self.config.replicas)
         self.sources = self.layout.sources(self.rank, self.config.replicas)
-        estimates = collective.all_gather(estimate)
         collective.agree(
             lambda: self._check_capacity(estimates), what="preparing the memory tier", error_type=ConfigError
         )
@@ -131,6 +133,8 @@ class MemoryTier:
         except OSError as e:
             raise ConfigError(f"memory tier: cannot create {self.dir} on node {self.node}: {e}") from e
         local = self.layout.ranks_on(self.node)
+        if self.rank != local[0]:  # the node's lowest rank checks for the node (agree tells the others)
+            return
         own = sum(estimates[r] for r in local)
         held = sum(estimates[s] for r in local for s in self.layout.sources(r, self.config.replicas))
         need, free = 2 * (own + held), shutil.disk_usage(self.dir).free
