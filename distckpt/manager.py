@@ -179,6 +179,7 @@ class CheckpointManager:
             write_timeout_s=coord.effective_write_timeout_s,
         )
         self.memory = MemoryTier.create(self.config, self.collective, model, optimizer, self.wrapper, read_only)
+        self.state.guard.add(self.memory and self.memory.wait_copied, self.async_writer and self.wait_staged)
         self.loader = CheckpointLoader(
             collective=self.collective,
             state=self.state,
@@ -388,8 +389,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ lifecycle
     def wait_staged(self) -> None:
-        """Block until the in-flight save's tensors are copied. With ``async_save.background_staging``, call
-        it before the state changes in place (``optimizer.step()``; a forward updating buffers)."""
+        """Block until the in-flight save's tensors are copied (``optimizer.step()`` waits for it by itself)."""
         if self.async_writer is not None:
             self.async_writer.wait_staged()
 
@@ -430,8 +430,8 @@ class CheckpointManager:
                 self.async_writer.close()
             if self.memory is not None:
                 self.memory.close(free=tear_down)  # after an exception: kept for the restart
-            if self.preemption is not None:
-                self.preemption.uninstall()
+            self.state.guard.remove()
+            self.vote.uninstall()  # the SIGTERM handler
             if self.lock is not None and self.rank == 0:
                 self.lock.release()
         for collective in filter(None, (self.background, self.collective) if tear_down else ()):

@@ -251,7 +251,7 @@ def _grad_sync(wrapped: nn.Module, enabled: bool) -> Iterator[None]:
 
 
 def train_step(
-    job: Job, batch: dict[str, torch.Tensor], seeds: torch.Tensor, manager: CheckpointManager | None = None
+    job: Job, batch: dict[str, torch.Tensor], seeds: torch.Tensor
 ) -> tuple[torch.Tensor, float | None, float]:
     """One optimizer step on this rank's ``G / W`` samples, split into micro-batches.
 
@@ -259,8 +259,6 @@ def train_step(
         job: the rank's training objects.
         batch: ``input_ids``/``targets`` int64 ``[G/W, T]``.
         seeds: int64 ``[G/W]`` per-sample dropout seeds.
-        manager: waited on (``wait_staged``) before the optimizer mutates the parameters,
-            in case an async save is still copying them.
 
     Returns:
         ``(local_loss, grad_norm, lr)``: the mean loss over this rank's samples (float32
@@ -284,8 +282,6 @@ def train_step(
         norm = nn.utils.clip_grad_norm_(job.wrapped.parameters(), job.cfg.train.grad_clip)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     lr = job.optimizer.param_groups[0]["lr"]
-    if manager is not None:
-        manager.wait_staged()
     if amp:
         job.scaler.step(job.optimizer)
         job.scaler.update()
@@ -408,7 +404,7 @@ def train(job: Job) -> int:
         pass_start = step  # a pass over the loader runs to the end of the current epoch
         for batch in job.loader:
             seeds = job.seed_stream.draw(g, rank=job.rank, world_size=job.world_size)
-            local_loss, grad_norm, lr = train_step(job, batch, seeds, manager)
+            local_loss, grad_norm, lr = train_step(job, batch, seeds)
             loss = global_mean(local_loss, job.world_size)
             step, samples = step + 1, samples + g
             step_seconds = time.perf_counter() - t_prev

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms as 
 
 __all__ = [
     "FakeTensorMode",
+    "own_persistent_buffers",
     "StorageInfo",
     "StorageReaderTransforms",
     "default_store",
@@ -48,3 +49,11 @@ def default_store() -> Any:
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+def own_persistent_buffers(module: Any) -> list[Any]:
+    """The buffers ``module`` registers itself (not its children's) that its state_dict holds:
+    torch keeps the names registered with ``persistent=False`` in the private
+    ``_non_persistent_buffers_set`` and has no public query for it."""
+    skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
+    return [b for n, b in module.named_buffers(recurse=False) if b is not None and n not in skip]

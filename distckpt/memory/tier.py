@@ -13,6 +13,7 @@ one and the one being written) and two per source it replicates.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import io
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from ..config import CheckpointConfig
 from ..coord.collective import Collective
 from ..errors import CheckpointCorruptError, ConfigError
+from ..state.guard import deferrable
 from ..state.training_state import CheckpointState, TrainState
 from .placement import NodeLayout, assign_replicated, memory_dir, node_id, run_id
 from .snapfile import ALIGN, PREAMBLE, SlotFile, SnapshotHeader, data_hash, parse_name, read_header, snapshot_name
@@ -120,6 +122,8 @@ class MemoryTier:
         self._replica = {s: [SlotFile(self._partial("replica", s, k)) for k in range(2)] for s in self.sources}
         self._newest: dict[int, int] = {}  # rank -> slot index of its last complete snapshot
         self._pending: Future | None = None
+        self._copied: threading.Event | None = None  # set once the in-flight snapshot's tensors are copied
+        self.protected: Callable[[], set[int]] = set  # the mutation guard's storages (deferrable); create() sets it
         self._reclaimed = False
         self.last_stall_s = 0.0
         self.snapshots = 0
@@ -159,9 +163,11 @@ class MemoryTier:
         """The tier ``config.memory`` asks for (``None`` when disabled or ``read_only``). Collective."""
         if not config.memory.enabled or read_only:
             return None
-        return cls(
+        tier = cls(
             config, collective, estimate=estimate_bytes(model, optimizer, collective.world_size), wrapper=wrapper
         )
+        tier.protected = lambda: deferrable(model, optimizer)
+        return tier
 
     def due(self, step: int) -> bool:
         """Whether a snapshot is due after ``step`` steps."""
@@ -186,6 +192,7 @@ class MemoryTier:
         """
         t0 = time.perf_counter()
         self.wait()
+        protected = self.protected()  # the tensors the mutation guard protects: copied in the background
         if not os.path.isdir(self.dir):
             self._recreate()
         planner = DefaultSavePlanner()
@@ -200,13 +207,17 @@ class MemoryTier:
         kept = [i for i in items if i.type != WriteItemType.TENSOR or owner[i.index.fqn] == self.rank]
         slot_index = 1 - self._newest.get(self.rank, 1)
         slot = self._own[slot_index]
-        header = None
+        header: SnapshotHeader | None = None
+        deferred: list[tuple[torch.Tensor, int, int]] = []
         try:
-            header = self._copy(step, planner, kept, slot)
+            header, deferred = self._copy(step, planner, kept, slot, protected)
         except OSError as e:
             logger.warning("memory tier: snapshot of step %d skipped on rank %d: %s", step, self.rank, e)
+        # The step's CUDA work must be done before the side stream copies what it computed.
+        event = torch.cuda.current_stream().record_event() if any(v.is_cuda for v, _, _ in deferred) else None
+        self._copied = threading.Event()
+        self._pending = _in_background(self._finish, step, slot_index if header else None, header, deferred, event)
         self.last_stall_s = time.perf_counter() - t0
-        self._pending = _in_background(self._finish, step, slot_index if header else None, header)
 
     def _recreate(self) -> None:
         """The directory was removed under the running job (its snapshots are gone): make it and new
@@ -219,7 +230,11 @@ class MemoryTier:
         self._replica = {s: [SlotFile(self._partial("replica", s, k)) for k in range(2)] for s in self.sources}
         self._newest = {}
 
-    def _copy(self, step: int, planner: DefaultSavePlanner, items: list, slot: SlotFile) -> SnapshotHeader:
+    def _copy(
+        self, step: int, planner: DefaultSavePlanner, items: list, slot: SlotFile, protected: set[int]
+    ) -> tuple[SnapshotHeader, list[tuple[torch.Tensor, int, int]]]:
+        """Lay out ``items`` in ``slot`` and copy all but the tensors whose storage is ``protected``
+        (the mutation guard's: returned as ``(tensor, offset, bytes)`` for the background copy)."""
         data: list[tuple[Any, int, int]] = []
         rows: list[list[Any]] = []
         offset = PREAMBLE
@@ -248,19 +263,42 @@ class MemoryTier:
             offset += -(-nbytes // ALIGN) * ALIGN
         slot.rename(self._partial("own", self.rank, self._own.index(slot)))  # no longer complete
         slot.reserve(offset + 64 * len(rows) + 4096)  # room for the header: the mapping is never redone
+        deferred: list[tuple[torch.Tensor, int, int]] = []
         for value, at, nbytes in data:
             if isinstance(value, bytes):
                 view = slot.view(at, nbytes)
                 view[:] = value
                 view.release()
+            elif nbytes and value.untyped_storage().data_ptr() in protected:
+                deferred.append((value, at, nbytes))
             elif nbytes:
-                with torch.no_grad():
-                    slot.tensor(at, nbytes).view(value.dtype).view(value.shape).copy_(value)
-        return SnapshotHeader(
+                _copy_tensors(slot, [(value, at, nbytes)], None)
+        header = SnapshotHeader(
             self.job, self.gen, step, self.rank, self.world_size, self.wrapper, offset - PREAMBLE, "", rows, self.run
         )
+        return header, deferred
 
-    def _finish(self, step: int, slot_index: int | None, header: SnapshotHeader | None) -> None:
+    def wait_copied(self) -> None:
+        """Block until the in-flight snapshot's tensors are copied (the mutation guard calls it before
+        ``optimizer.step()`` and before the forward of a module with buffers); at once when none is."""
+        copied = self._copied
+        if copied is not None:
+            copied.wait()
+
+    def _finish(
+        self,
+        step: int,
+        slot_index: int | None,
+        header: SnapshotHeader | None,
+        deferred: list[tuple[torch.Tensor, int, int]],
+        event: Any,
+    ) -> None:
+        try:
+            if slot_index is not None:
+                _copy_tensors(self._own[slot_index], deferred, event)
+        finally:
+            if self._copied is not None:
+                self._copied.set()
         length = 0
         if slot_index is not None and header is not None:
             slot = self._own[slot_index]
@@ -345,6 +383,20 @@ class MemoryTier:
         self._own, self._replica = [], {}
         if free:
             self.reclaim()
+
+
+def _copy_tensors(slot: SlotFile, data: list[tuple[torch.Tensor, int, int]], event: Any) -> None:
+    """Copy ``(tensor, offset, bytes)`` into ``slot``; CUDA tensors on a side stream once ``event``
+    (recorded on the training stream at the snapshot) has passed, so the training stream goes on."""
+    stream = None
+    if event is not None:
+        stream = torch.cuda.Stream(device=event.device if hasattr(event, "device") else None)
+        stream.wait_event(event)
+    with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for value, at, nbytes in data:
+            slot.tensor(at, nbytes).view(value.dtype).view(value.shape).copy_(value)
+    if stream is not None:
+        stream.synchronize()
 
 
 def _in_background(fn: Callable[..., None], *args: Any) -> Future:

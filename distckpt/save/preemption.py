@@ -134,6 +134,11 @@ class StepVote:
         self._flags.copy_(self._pairs[2 * self._requested + due])
         self._work = dist.all_reduce(self._flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
+    def uninstall(self) -> None:
+        """Put back the SIGTERM handler the watcher replaced (``close``)."""
+        if self.watcher is not None:
+            self.watcher.uninstall()
+
     def drain(self) -> None:
         """Wait for a vote still in flight and drop it (``close``: the group is destroyed next)."""
         work, self._work = self._work, None

@@ -32,6 +32,7 @@ from ..data.reshard import DataLoaderState
 from ..engine.torch_internals import flatten_state_dict
 from ..errors import IncompatibleCheckpointError
 from ..ondisk.safe_values import check_loadable, load_value
+from .guard import MutationGuard
 from .rebatch import apply_step_rule
 from .rng import capture_rng, derive_rng, restore_rng
 
@@ -187,6 +188,7 @@ class CheckpointState:
         elastic: ElasticConfig | None = None,
     ) -> None:
         self.model_optim = ModelOptimState(model, optimizer)
+        self.guard = MutationGuard(model, optimizer)  # copies in flight end before the state they copy changes
         self.lr_scheduler = lr_scheduler
         self.grad_scaler = grad_scaler
         self.data = DataLoaderState(dataloader, rank=rank) if dataloader is not None else None

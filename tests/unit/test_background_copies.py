@@ -1,0 +1,97 @@
+"""Copies of the state that run while the next step computes (issue 34, item 2): the memory tier's
+snapshot and async background staging. The training loop pays only for starting the copy, and
+``optimizer.step()`` waits for it by itself, so a snapshot or a checkpoint never mixes two steps,
+with no call from the user."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+from distckpt import CheckpointConfig, CheckpointManager
+from distckpt.memory import tier as tier_module
+from tests.distributed.trainer import build, full_optim, full_params, optimizer_step, release_workers
+
+SLOW_S = 0.4  # a background copy this slow: the next optimizer step would overtake it
+
+
+def _manager(tmp_path, **sections):
+    model, optimizer, scheduler, scaler, loader = build(0, 1, {})
+    config = CheckpointConfig(root=str(tmp_path / "root"), schedule={"interval_steps": 1000}, **sections)
+    manager = CheckpointManager(
+        config, model=model, optimizer=optimizer, lr_scheduler=scheduler, grad_scaler=scaler, dataloader=loader
+    )
+    return manager, (model, optimizer, scheduler, scaler, loader)
+
+
+def test_the_snapshot_copy_runs_off_the_step_and_optimizer_step_waits_for_it(tmp_path, monkeypatch):
+    real = tier_module._copy_tensors
+
+    def slow_copy(slot, data, event):
+        if data:  # the deferred copy on the background thread
+            time.sleep(SLOW_S)
+        real(slot, data, event)
+
+    monkeypatch.setattr(tier_module, "_copy_tensors", slow_copy)
+    memory = {"enabled": True, "dir": str(tmp_path / "mem"), "replicas": 0}
+    manager, (model, optimizer, scheduler, scaler, loader) = _manager(tmp_path, memory=memory)
+    it = iter(loader)
+    for step in (1, 2, 3):
+        optimizer_step(model, optimizer, scheduler, scaler, next(it))
+        manager.maybe_save(step)
+    stall = manager.memory.last_stall_s
+    expected = {"params": copy.deepcopy(full_params(model)), "optim": copy.deepcopy(full_optim(model, optimizer))}
+    t0 = time.perf_counter()
+    optimizer_step(model, optimizer, scheduler, scaler, next(it))  # step 4, not snapshotted: waits for the copy
+    waited = time.perf_counter() - t0
+    manager.memory.wait()
+    assert stall < SLOW_S / 2, stall  # the step paid for starting the copy, not for the copy
+    assert waited > SLOW_S / 2, waited  # optimizer.step() held back until the copy was done
+
+    restarted, (model2, optimizer2, *_rest, loader2) = _manager(tmp_path, memory=memory)
+    state = restarted.load()
+    assert state is not None and state.step == 3 and restarted.loader.tier == "memory"
+    got = {"params": full_params(model2), "optim": full_optim(model2, optimizer2)}
+    for k, v in expected["params"].items():
+        assert torch.equal(got["params"][k], v), k  # step 3's values, not step 4's
+    assert str(got["optim"]) == str(expected["optim"])
+    restarted.close()
+    manager.close()
+    release_workers(loader)
+    release_workers(loader2)
+
+
+@pytest.mark.timeout(120)
+def test_background_staging_needs_no_wait_staged_call(tmp_path, monkeypatch):
+    manager, (model, optimizer, scheduler, scaler, loader) = _manager(
+        tmp_path, async_save={"mode": "thread", "background_staging": True}
+    )
+    assert manager.async_writer is not None
+    waits = []
+    real = manager.async_writer.wait_staged
+
+    def counting() -> None:
+        waits.append(time.perf_counter())
+        real()
+
+    monkeypatch.setattr(manager.async_writer, "wait_staged", counting)
+    it = iter(loader)
+    optimizer_step(model, optimizer, scheduler, scaler, next(it))
+    manager.save(1)
+    expected = copy.deepcopy(full_params(model))
+    before = len(waits)
+    optimizer_step(model, optimizer, scheduler, scaler, next(it))  # no manager.wait_staged() here
+    assert len(waits) > before  # optimizer.step() waited for the staging by itself
+    manager.close()
+    release_workers(loader)
+
+    restarted, (model2, *_rest, loader2) = _manager(tmp_path)
+    state = restarted.load()
+    assert state is not None and state.step == 1
+    for k, v in expected.items():
+        assert torch.equal(full_params(model2)[k], v), k
+    restarted.close()
+    release_workers(loader2)
