@@ -15,6 +15,7 @@ from distckpt import (
     LoadConfig,
 )
 from distckpt.ondisk.manifest import TensorSpec, model_fingerprint
+from distckpt.tools.audit import audit_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -183,6 +184,9 @@ def test_growing_module_extra_state_resumes_exactly(tmp_path, kind):
     opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
     with CheckpointManager(cfg, model=model2, optimizer=opt2) as m:
         assert m.load().step == 5  # not set aside as corrupt for an older one
+    assert sorted(p.name for p in tmp_path.glob("*step-*")) == ["step-000000002", "step-000000005"]
+    for step in (2, 5):  # `distckpt verify` agrees
+        assert audit_checkpoint(tmp_path / f"step-{step:09d}").problems == []
     assert model2[0].amax == model[0].amax and len(model[0].amax) == 6
     assert_same(model2.state_dict(), model.state_dict(), "model")
     assert_same(opt2.state_dict(), opt.state_dict(), "optimizer")
