@@ -88,6 +88,48 @@ def test_lbfgs_resumes_bitwise(tmp_path, saved_at):
     assert_same(opt2.state_dict(), opt.state_dict(), "optimizer after two more steps")
 
 
+OPTIMIZERS = {  # every torch.optim optimizer but LBFGS (above) and SparseAdam (sparse gradients only)
+    "Adafactor": lambda p: torch.optim.Adafactor(p, lr=0.01),
+    "Adadelta": lambda p: torch.optim.Adadelta(p),
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+    "Adam": lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True),
+    "Adamax": lambda p: torch.optim.Adamax(p),
+    "AdamW": lambda p: torch.optim.AdamW(p, lr=0.01),
+    "ASGD": lambda p: torch.optim.ASGD(p, lr=0.01, t0=1),
+    "Muon": lambda p: torch.optim.Muon([q for q in p if q.dim() == 2], lr=0.01),
+    "NAdam": lambda p: torch.optim.NAdam(p),
+    "RAdam": lambda p: torch.optim.RAdam(p),
+    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.9, centered=True),
+    "Rprop": lambda p: torch.optim.Rprop(p),
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_every_other_torch_optimizer_resumes_bitwise(tmp_path, name):
+    model = _net(0)
+    opt = OPTIMIZERS[name](list(model.parameters()))
+    _plain_steps(model, opt, 1, 3)
+    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=opt) as m:
+        m.save(3)
+    model2 = _net(1)
+    opt2 = OPTIMIZERS[name](list(model2.parameters()))
+    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model2, optimizer=opt2) as m:
+        m.load()
+    assert_same(opt2.state_dict(), opt.state_dict(), "optimizer")
+    _plain_steps(model, opt, 4, 5)
+    _plain_steps(model2, opt2, 4, 5)
+    assert_same(model2.state_dict(), model.state_dict(), "model after two more steps")
+
+
+def _plain_steps(model, opt, first, last):
+    for step in range(first, last + 1):
+        x, y = _batch(step)
+        opt.zero_grad()
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+
+
 # ------------------------------------------------- item 2: param-group keys added in training
 
 
@@ -163,10 +205,7 @@ def _fp8_net(kind, seed):
 
 def _fp8_steps(model, opt, first, last):
     for step in range(first, last + 1):
-        x, y = _batch(step)
-        opt.zero_grad()
-        (model(x) - y).pow(2).mean().backward()
-        opt.step()
+        _plain_steps(model, opt, step, step)
         model[0].record()
 
 
