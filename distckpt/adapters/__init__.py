@@ -6,7 +6,7 @@ adds wrapper detection, the FULL/SHARDED choice, and guards around DCP's optimiz
 """
 
 from .model_optim import ModelOptimState, tensor_specs, tied_keys
-from .stateful import with_saved_keys
+from .stateful import as_saved, put_empty_dicts, with_saved_keys, with_saved_optim_keys, without_empty_dicts
 from .wrappers import ddp_rebuilds_buckets, ddp_resume_not_bitwise, wrapper_kind
 
 __all__ = [
@@ -17,4 +17,8 @@ __all__ = [
     "tensor_specs",
     "tied_keys",
     "with_saved_keys",
+    "with_saved_optim_keys",
+    "as_saved",
+    "without_empty_dicts",
+    "put_empty_dicts",
 ]

@@ -14,6 +14,10 @@ Guards against DCP helper behaviour seen on torch 2.13:
   save) is therefore applied as not requiring grad, and stays without state as it was.
 * Keys the checkpoint has and the live optimizer lacks (or the reverse) are reported by the
   caller as ``IncompatibleCheckpointError`` instead of being ignored.
+* DCP's dummy step passes no closure: ``torch.optim.LBFGS``, whose ``step`` needs one, is
+  initialised here with a closure returning a zero loss (zero gradients: LBFGS returns before
+  any update, with its counters set); the caller completes the load target with the rest of its
+  saved state (its history, one flat vector per kind, kept under the first parameter).
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ..ondisk.manifest import TensorSpec
-from .wrappers import unwrap
+from ..ondisk.manifest import TensorSpec, is_extra_state
+from .stateful import as_saved
+from .wrappers import unwrap, wrapper_kind
 
 __all__ = ["ModelOptimState", "tensor_specs", "tied_keys"]
 
@@ -42,10 +47,11 @@ _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_o
 
 
 def tensor_specs(model: nn.Module) -> dict[str, TensorSpec]:
-    """``{clean fqn: TensorSpec(global shape, dtype)}`` of the model's state_dict (no copies)."""
+    """``{clean fqn: TensorSpec(global shape, dtype)}`` of the model's parameters and buffers
+    (its state_dict without modules' extra state, whose shape may change: ``is_extra_state``)."""
     specs = {}
     for key, value in get_model_state_dict(model).items():
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and not is_extra_state(key):
             specs[key] = TensorSpec(shape=list(value.size()), dtype=str(value.dtype))
     return dict(sorted(specs.items()))
 
@@ -105,9 +111,20 @@ class ModelOptimState:
                 contribute nothing.
 
         Collective under FSDP (all ranks call it).
+
+        Raises:
+            TypeError: ``torch.optim.LBFGS`` under FSDP (its state cannot be saved exactly).
         """
         options = StateDictOptions(full_state_dict=full_state_dict, cpu_offload=full_state_dict)
+        if isinstance(self.optimizer, torch.optim.LBFGS) and wrapper_kind(self.model).startswith("fsdp"):
+            raise TypeError(
+                f"torch.optim.LBFGS under {wrapper_kind(self.model)} cannot be checkpointed: its state is one flat "
+                "vector per kind over this rank's shards, kept under the first parameter, which DCP can neither "
+                "gather nor reshard (the ranks' vectors differ and one would be kept). Use LBFGS with a plain or "
+                "DDP model, or a per-parameter optimizer (AdamW, SGD, ...) under FSDP."
+            )
         uninitialised = self.optimizer is not None and not self.optimizer.state
+        self._init_closure_optimizer()
         model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=options)
         if self.optimizer is None:
             return model_sd, {}
@@ -136,8 +153,29 @@ class ModelOptimState:
 
     def target_for_load(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Load targets in the live layout; call inside :meth:`load_context`. Collective."""
+        self._init_closure_optimizer()
         model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=StateDictOptions())
         return model_sd, (optim_sd if self.optimizer is not None else {})
+
+    def _init_closure_optimizer(self) -> None:
+        """Give a stateless LBFGS its state as DCP's dummy step would (which calls ``step()``
+        without the closure LBFGS needs): grads are ``None``, so the step changes no parameter."""
+        if isinstance(self.optimizer, torch.optim.LBFGS) and not self.optimizer.state:
+            grads = [(p, p.grad) for g in self.optimizer.param_groups for p in g["params"]]
+            for p, _ in grads:
+                p.grad = None
+            try:
+                self.optimizer.step(lambda: torch.zeros(()))
+            finally:
+                for p, grad in grads:
+                    p.grad = grad
+
+    def extra_state_as_saved(self, model_sd: dict[str, Any], metadata: Any) -> None:
+        """Make each module's ``_extra_state`` in the model load target (in place) the shape the
+        checkpoint holds (``as_saved``): an FP8 history may have grown since the module was
+        built. ``metadata``: the checkpoint's DCP ``Metadata`` (``None``: left as it is)."""
+        for key in [k for k in model_sd if is_extra_state(k)] if metadata is not None else ():
+            model_sd[key] = as_saved(model_sd[key], ("model", key), metadata, self.device())
 
     def model_target_for_load(self) -> dict[str, Any]:
         """Model load target only: the optimizer is left untouched (no DCP dummy step)."""

@@ -29,6 +29,7 @@ __all__ = [
     "check_model_fits",
     "structure_problems",
     "first_problem",
+    "is_extra_state",
 ]
 
 SCHEMA_VERSION = 6
@@ -227,6 +228,14 @@ def migrate(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def is_extra_state(fqn: str) -> bool:
+    """Whether a model state_dict key is (or lies under) a module's ``get_extra_state()`` value
+    (``_extra_state``, torch's key for it): module data such as FP8 scaling history, whose shape
+    may change during training. It is not part of the model's layout: the manifest's model, its
+    fingerprint and the checks against them leave it out."""
+    return "_extra_state" in fqn.split(".")
+
+
 def model_fingerprint(specs: dict[str, TensorSpec]) -> str:
     """sha256 (hex) of the sorted ``fqn shape dtype`` lines: equal iff the model layout is equal."""
     lines = [f"{k} {tuple(v.shape)} {v.dtype}" for k, v in sorted(specs.items())]
@@ -248,7 +257,8 @@ def check_model_fits(manifest: Manifest, path: str, live: dict[str, TensorSpec],
     """
     if manifest.model_fingerprint == model_fingerprint(live):
         return
-    saved = manifest.model
+    # A manifest written before extra state was left out may list it: not a layout difference.
+    saved = {k: v for k, v in manifest.model.items() if not is_extra_state(k)}
     missing = sorted(k for k in set(live) - set(saved) if not any(saved.get(t) == live[k] for t in ties.get(k, [])))
     unexpected = sorted(set(saved) - set(live))
     mismatched = []
@@ -292,7 +302,8 @@ def structure_problems(
         present: relative names of the files there; ``None``: not checked. A file present but not
             listed was added or renamed after the commit.
         metadata: the checkpoint's DCP ``Metadata``; ``None``: not checked. Every item must lie in
-            a listed file, within its size, and the model tensors must be the manifest's model.
+            a listed file, within its size, and the model tensors must be the manifest's model
+            (modules' extra state left out on both sides: :func:`is_extra_state`).
 
     Returns:
         Every problem found (empty when consistent), each naming its file in ``.path``.
@@ -337,9 +348,9 @@ def structure_problems(
     saved = {
         k[len("model.") :]: (list(v.size), str(v.properties.dtype))
         for k, v in metadata.state_dict_metadata.items()
-        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
+        if k.startswith("model.") and isinstance(v, TensorStorageMetadata) and not is_extra_state(k)
     }
-    recorded = {k: (list(v.shape), v.dtype) for k, v in manifest.model.items()}
+    recorded = {k: (list(v.shape), v.dtype) for k, v in manifest.model.items() if not is_extra_state(k)}
     if saved != recorded:
         diff = sorted(k for k in set(saved) | set(recorded) if saved.get(k) != recorded.get(k))
         problems.append(

@@ -7,6 +7,8 @@ Layout of the DCP state_dict (top-level keys; nested dicts are flattened by DCP 
     lr_scheduler   bytes   (all ranks equal; DCP keeps one copy)
     grad_scaler    bytes
     extra          {name: Stateful.state_dict() | bytes}
+    extra_empty_dicts  bytes  {name: [path, ...]}: the empty dicts of those state_dicts, saved as None
+                   (DCP would drop them); absent when there are none
     train_state    bytes   rank 0 only: counters + bounded loss history
     rank_state     {"rank<r>": {"rng": bytes, "dataloader": bytes}}   each rank its own key
 
@@ -26,11 +28,18 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..adapters import ModelOptimState, with_saved_keys
+from ..adapters import (
+    ModelOptimState,
+    put_empty_dicts,
+    with_saved_keys,
+    with_saved_optim_keys,
+    without_empty_dicts,
+)
 from ..config import LOADABLE, ElasticConfig
 from ..data.reshard import DataLoaderState
 from ..engine.torch_internals import flatten_state_dict
 from ..errors import IncompatibleCheckpointError
+from ..ondisk.manifest import is_extra_state
 from ..ondisk.safe_values import check_loadable, load_value
 from .guard import MutationGuard
 from .rebatch import apply_step_rule
@@ -40,6 +49,8 @@ __all__ = ["TrainState", "CheckpointState", "pack", "unpack", "WEIGHTS_ONLY_KEY"
 
 WEIGHTS_ONLY_KEY = "imported"
 """Key that ``distckpt import`` writes: the checkpoint holds model weights and counters only."""
+
+EMPTY_DICTS_KEY = "extra_empty_dicts"  # {extra_state name: [path, ...]}: the empty dicts of a Stateful's state
 
 logger = logging.getLogger(__name__)
 
@@ -231,15 +242,20 @@ class CheckpointState:
         if self.grad_scaler is not None and "grad_scaler" in select:
             sd["grad_scaler"] = b"" if for_load else pack(self.grad_scaler.state_dict(), "grad_scaler")
         if self.extra_state and "extra_state" in select:
-            sd["extra"] = {}
+            sd["extra"], empty = {}, {}
             for name, obj in self.extra_state.items():
                 what = f"extra_state[{name!r}]"
                 if isinstance(obj, Stateful):  # DCP saves its non-tensor leaves; load() must read them
                     sd["extra"][name] = obj.state_dict()
                     if not for_load:
                         check_loadable(sd["extra"][name], f"{what}.state_dict()")
+                        sd["extra"][name], paths = without_empty_dicts(sd["extra"][name], f"{what}.state_dict()")
+                        if paths:
+                            empty[name] = paths
                 else:
                     sd["extra"][name] = b"" if for_load else pack(obj, what)
+            if empty:
+                sd[EMPTY_DICTS_KEY] = pack(empty, check=False)  # str and int paths
         return sd
 
     def derive_counters(self, train_state: TrainState, *, explicit: set[str]) -> None:
@@ -306,13 +322,18 @@ class CheckpointState:
         sd = {}
         if "model" in select:
             self._read_tied_from_twins(model_sd, checkpoint_keys)
+            self.model_optim.extra_state_as_saved(model_sd, metadata)
             sd["model"] = model_sd
         else:
             self._live_model_sd = model_sd
         if load_optim:
             _prune_uninitialised_optim_state(optim_sd, checkpoint_keys)
+            if metadata is not None:  # group keys added in training, state a fresh optimizer lacks
+                with_saved_optim_keys(optim_sd, metadata, self.model_optim.device())
             sd["optim"] = optim_sd
         sd.update(self._global_parts(for_load=True, select=select))
+        if "extra" in sd and EMPTY_DICTS_KEY in checkpoint_keys:
+            sd[EMPTY_DICTS_KEY] = b""
         stateful = [name for name, obj in self.extra_state.items() if isinstance(obj, Stateful) and "extra" in sd]
         for name in stateful if metadata is not None else ():  # also the keys its fresh state_dict() lacks
             sd["extra"][name] = with_saved_keys(sd["extra"][name], ("extra", name), metadata, self.model_optim.device())
@@ -363,9 +384,11 @@ class CheckpointState:
         if "grad_scaler" in sd:
             assert self.grad_scaler is not None
             self.grad_scaler.load_state_dict(unpack(sd["grad_scaler"]))
+        empty = unpack(sd[EMPTY_DICTS_KEY]) if EMPTY_DICTS_KEY in sd else {}
         for name, obj in self.extra_state.items() if "extra" in sd else ():
             value = sd["extra"][name]
             if isinstance(obj, Stateful):
+                put_empty_dicts(value, empty.get(name, []))
                 obj.load_state_dict(value)
             else:
                 self.extra_state[name] = unpack(value)
@@ -457,7 +480,9 @@ def _check_keys(
         k for k in checkpoint_keys if k.startswith("optim.state.") and k not in flat and "optim" in target
     )
     unread = sorted(k for k in checkpoint_keys if k.startswith(stateful) and k not in flat)
-    if missing or unexpected or unread:
+    extra = sorted(k for k in checkpoint_keys if k.startswith("model.") and is_extra_state(k) and k not in flat)
+    extra = extra if "model" in target else []
+    if missing or unexpected or unread or extra:
         lines = [f"checkpoint does not match the live training state (rank {rank}):"]
         lines += [f"  missing in checkpoint: {k}" for k in missing[:50]]
         lines += [
@@ -465,8 +490,9 @@ def _check_keys(
             for k in unexpected[:50]
         ]
         lines += [f"  in checkpoint, not in the extra_state object's state_dict(): {k}" for k in unread[:50]]
+        lines += [f"  in checkpoint, not in the live model (a module's get_extra_state()): {k}" for k in extra[:50]]
         lines.append(
             "Pass the same components (optimizer, lr_scheduler, grad_scaler, dataloader, "
             "extra_state) as the run that saved, or start from a fresh root."
         )
-        raise IncompatibleCheckpointError("\n".join(lines), missing=missing, unexpected=unexpected + unread)
+        raise IncompatibleCheckpointError("\n".join(lines), missing=missing, unexpected=unexpected + unread + extra)
