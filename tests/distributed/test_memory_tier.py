@@ -73,7 +73,8 @@ def _job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
         os.kill(os.getpid(), signal.SIGKILL)
     out["files"] = sorted(os.listdir(manager.memory.dir)) if manager.memory else []
     manager.close()
-    out["files_after_close"] = sorted(os.listdir(manager.memory.dir)) if manager.memory else []
+    gone = not manager.memory or not os.path.isdir(manager.memory.dir)  # close() removes the emptied directory
+    out["files_after_close"] = [] if gone else sorted(os.listdir(manager.memory.dir))
     release_workers(loader)
     return out
 
@@ -189,3 +190,25 @@ def test_a_corrupt_snapshot_is_served_by_its_replica(tmp_path) -> None:
     warned = [line for a in after for line in a["logs"] if victim.name in line]
     assert warned and "data hash" in warned[0] and "a replica or the durable tier serves instead" in warned[0]
     assert sum(a["resumed"]["received"] for a in after[:2]) > 0  # node a's ranks fetched rank 0's shard from b
+
+
+@pytest.mark.timeout(240)
+def test_the_jobs_end_reclaims_the_memory_of_a_node_that_never_came_back(tmp_path) -> None:
+    """Issue 35 item 5 (a, b): both nodes die, only node a comes back, the job ends cleanly: its
+    close() deletes node b's snapshots of this job (reachable here through ``{node}``) and both job
+    directories; another job's directory and a file that is not distckpt's are kept."""
+    opts = {"wrapper": "ddp", "ddp_fixed_buckets": True, "no_dropout": True}
+    _die(tmp_path, 2, ["a", "b"], until=6, **opts)
+    mem = tmp_path / "mem"
+    (job,) = os.listdir(mem / "b")
+    assert sum(f.endswith(".snap") for f in os.listdir(mem / "b" / job)) == 4  # steps 5, 6: own + a's replica
+    other = mem / "b" / "job-0123456789abcdef"
+    other.mkdir()
+    (other / "step-000000003.rank-00000-of-1.feed.snap").write_bytes(b"another job's")
+    (mem / "b" / "notes.txt").write_text("the operator's")
+    (after,) = _run(tmp_path, 1, ["a"], until=8, **opts)
+    assert after["resumed"]["step"] == 6 and after["resumed"]["tier"] == "memory"
+    assert os.listdir(mem / "a") == []
+    assert sorted(os.listdir(mem / "b")) == ["job-0123456789abcdef", "notes.txt"]
+    assert os.listdir(other) == ["step-000000003.rank-00000-of-1.feed.snap"]
+    assert (other / "step-000000003.rank-00000-of-1.feed.snap").read_bytes() == b"another job's"
