@@ -56,8 +56,9 @@ def estimate_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     every rank. Collective (FSDP1)."""
     sharded = replicated = 0
     for t in get_model_state_dict(model).values():
-        if hasattr(t, "local_shards"):  # FSDP1's ShardedTensor: this rank's shards
-            sharded += sum(s.tensor.numel() * s.tensor.element_size() for s in t.local_shards())
+        local_shards = getattr(t, "local_shards", None)
+        if callable(local_shards):  # FSDP1's ShardedTensor: this rank's shards
+            sharded += sum(s.tensor.numel() * s.tensor.element_size() for s in local_shards())
         elif isinstance(t, DTensor):  # FSDP2
             sharded += t.to_local().numel() * t.element_size()
         elif isinstance(t, torch.Tensor):
