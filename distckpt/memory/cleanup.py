@@ -4,7 +4,7 @@ memory of a node that never came back (docs/memory.md, "Cleanup").
 
 Only the tier's own file names (:func:`~distckpt.memory.snapfile.file_gen`) inside a directory
 named like a job key (``job-<16 hex>``) are ever deleted; any other file is left, and with it
-the directory. Never a glob over a user's name: a directory's name may hold ``[``, ``*``, ``?``.
+the directory. A user's names are escaped before any glob: they may hold ``[``, ``*``, ``?``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import CheckpointCorruptError
-from .placement import job_key
+from .placement import job_key, node_id
 from .snapfile import file_gen, parse_name, read_header
 
 __all__ = ["JobMemory", "clean", "open_files", "job_dirs", "reclaim_dir", "remove_if_empty", "scan"]
@@ -125,7 +125,7 @@ def scan(template: str) -> list[JobMemory]:
         pattern = glob.escape(head) + "*" + glob.escape(tail.replace("{node}", "*"))
         nodes = {p: p[len(head) :].split(os.sep)[0] for p in glob.glob(pattern) if os.path.isdir(p)}
     else:
-        nodes = {template: os.uname().nodename} if os.path.isdir(template) else {}
+        nodes = {template: node_id()} if os.path.isdir(template) else {}
     if not nodes:
         raise FileNotFoundError(f"memory directory {template}: no such directory")
     out, held = [], open_files()

@@ -353,12 +353,17 @@ class MemoryTier:
         self._own, self._replica = [], {}
         if not free:
             return
-        if self._first_on_node:  # this generation's files elsewhere are their live owners' to delete
-            for directory in {self.dir, *job_dirs(self.config.dir, self.root)}:
-                reclaim_dir(directory, keep_gen=self.gen)
-                if directory != self.dir:
-                    remove_if_empty(directory)
-        remove_if_empty(self.dir)  # by whichever of the node's ranks deletes its files last
+        try:
+            if self._first_on_node:  # this generation's files elsewhere are their live owners' to delete
+                for directory in sorted({self.dir, *job_dirs(self.config.dir, self.root)}):
+                    freed = reclaim_dir(directory, keep_gen=self.gen)
+                    if directory != self.dir and (remove_if_empty(directory) or freed):
+                        logger.info(
+                            "memory tier: freed %.1f MiB of this job's snapshots in %s", freed / 2**20, directory
+                        )
+            remove_if_empty(self.dir)  # by whichever of the node's ranks deletes its files last
+        except OSError as e:  # the job's end is not failed by the memory left: `distckpt memory clean` frees it
+            logger.warning("memory tier: cleaning up %s on rank %d failed: %s", self.dir, self.rank, e)
 
 
 def _in_background(fn: Callable[..., None], *args: Any) -> Future:

@@ -212,6 +212,8 @@ def test_the_jobs_end_reclaims_the_memory_of_a_node_that_never_came_back(tmp_pat
     (mem / "b" / "notes.txt").write_text("the operator's")
     (after,) = _run(tmp_path, 1, ["a"], until=8, **opts)
     assert after["resumed"]["step"] == 6 and after["resumed"]["tier"] == "memory"
+    freed = [line for line in after["logs"] if line.startswith("memory tier: freed")]
+    assert len(freed) == 1 and freed[0].endswith(f"MiB of this job's snapshots in {mem / 'b' / job}"), freed
     assert os.listdir(mem / "a") == []
     assert sorted(os.listdir(mem / "b")) == ["job-0123456789abcdef", "notes.txt"]
     assert os.listdir(other) == ["step-000000003.rank-00000-of-1.feed.snap"]
