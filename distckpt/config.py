@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -65,6 +66,10 @@ READ_ONLY_SAVE = (
     "save() and maybe_save() are refused. Build the manager without read_only to train and save."
 )
 """The ``ConfigError`` message of a save asked of a ``read_only`` manager."""
+
+MAX_THREAD_COUNT = 64
+"""The most writer threads per rank ``save.thread_count`` accepts: each is a file per rank per save,
+and more than the cores and the disk's queues only adds files and contention."""
 
 INITIAL_LOAD = ("load_path", "load_step", "load_only", "exclude_from_loading")
 """The options that say how a run starts (``load.path``, ``load.step``, ``load.only``,
@@ -223,6 +228,12 @@ class CheckpointConfig:
         if not self.root:
             raise ConfigError("CheckpointConfig.root must be a non-empty directory path")
         check_root_scheme(self.root, "CheckpointConfig.root")
+        if self.save.thread_count > MAX_THREAD_COUNT:  # section checks: config_sections is at its line cap
+            raise ConfigError(
+                f"CheckpointConfig.save.thread_count={self.save.thread_count}: at most {MAX_THREAD_COUNT} "
+                "(writer threads, and files, per rank per save; 4 is the default, `make bench` measures 1 and 4)"
+            )
+        self._check_memory_dir()
         if self.root.startswith("s3://"):
             if len(self.root[5:].split("/", 1)[0]) < 3:
                 raise ConfigError(
@@ -244,6 +255,25 @@ class CheckpointConfig:
                 f"CheckpointConfig.save.incremental=true with root={self.root!r}: incremental checkpoints refer "
                 "to earlier checkpoints' files by relative file-system paths, so they need a local (POSIX) root; "
                 "set save.incremental: false for this root"
+            )
+
+    def _check_memory_dir(self) -> None:
+        """``memory.dir``: ``{node}`` its only placeholder; with ``memory.enabled``, not inside a
+        local root (retention, ``ls`` and ``prune`` own the root's entries, and it is not a tmpfs)."""
+        template = self.memory.dir
+        unknown = sorted(set(re.findall(r"\{([^{}/]*)\}", template)) - {"node"})
+        if unknown:
+            raise ConfigError(
+                f"CheckpointConfig.memory.dir={template!r}: unknown placeholder(s) "
+                f"{', '.join('{' + u + '}' for u in unknown)}; the only one is {{node}} (the node id)"
+            )
+        if not self.memory.enabled or "://" in self.root:
+            return
+        root, where = os.path.realpath(self.root), os.path.realpath(template.replace("{node}", "node"))
+        if where == root or where.startswith(root.rstrip(os.sep) + os.sep):
+            raise ConfigError(
+                f"CheckpointConfig.memory.dir={template!r} is inside the checkpoint root {self.root!r}: "
+                "point it at a node-local tmpfs outside the root (the default is /dev/shm/distckpt)"
             )
 
     @property

@@ -12,13 +12,13 @@ import logging
 import os
 import sys
 
-from . import bench, diff, export, import_, inspect_, interval, ls, prune, release, verify
+from . import bench, diff, export, import_, inspect_, interval, ls, memory, prune, release, verify
 from ._common import add_common
 from ._errors import EXIT_ERROR, describe
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
-COMMANDS = [ls, inspect_, interval, verify, diff, export, release, import_, prune, bench]
+COMMANDS = [ls, inspect_, interval, verify, diff, export, release, import_, prune, memory, bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     taking ``--json`` and ``--debug``."""
     parser = argparse.ArgumentParser(
         prog="distckpt",
-        description="Inspect, verify, compare, export and prune distckpt checkpoints.",
+        description="Inspect, verify, compare, export and prune distckpt checkpoints; clean the memory tier's.",
         epilog="example: distckpt ls runs/demo/ckpt    (run `distckpt COMMAND --help` for each command)",
     )
     parser.add_argument("--debug", dest="debug_all", action="store_true", help="show tracebacks")

@@ -13,9 +13,10 @@ from __future__ import annotations
 import hashlib
 import heapq
 import os
+import re
 import socket
 
-__all__ = ["NodeLayout", "assign_replicated", "job_key", "memory_dir", "node_id", "run_id"]
+__all__ = ["NodeLayout", "assign_replicated", "file_system_type", "job_key", "memory_dir", "node_id", "run_id"]
 
 NODE_ENV = "DISTCKPT_NODE_ID"
 
@@ -44,6 +45,26 @@ def memory_dir(template: str, node: str, root: str) -> str:
     """``<template with {node} replaced>/<job key>``: the only directory this job writes in."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in node)
     return os.path.join(template.replace("{node}", safe), job_key(root))
+
+
+def file_system_type(path: str) -> str | None:
+    """The type (``tmpfs``, ``ext4``, ...) of the file system holding ``path``, from the mount
+    table (``/proc/self/mounts``: the longest mount point above ``path``); ``None`` without one."""
+    where, best, kind = os.path.realpath(path), "", None
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1])  # a space is written \040
+        inside = where == point or where.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
 
 
 class NodeLayout:

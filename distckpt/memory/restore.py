@@ -266,7 +266,7 @@ class _Mapped:
             path = os.path.join(self.directory, name)
             raise CheckpointCorruptError(f"memory snapshot {path}: {length} bytes at {offset} past its end", path=path)
         if not length:
-            return torch.empty(0, dtype=torch.uint8)
+            return torch.empty(0, dtype=torch.uint8, device="cpu")
         return torch.frombuffer(mm, dtype=torch.uint8, count=length, offset=offset)
 
 
@@ -319,7 +319,7 @@ class MemoryReader(StorageReader):
                 continue
             item = self.where[req.storage_index][0][1]
             dtype = getattr(torch, item[5].removeprefix("torch."))
-            tensor = raw.view(dtype).view(item[3]) if raw.numel() else torch.empty(item[3], dtype=dtype)
+            tensor = raw.view(dtype).view(item[3]) if raw.numel() else torch.empty(item[3], dtype=dtype, device="cpu")
             tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             target.copy_(tensor)

@@ -30,13 +30,23 @@ import xxhash
 
 from ..errors import CheckpointCorruptError
 
-__all__ = ["ALIGN", "PREAMBLE", "SlotFile", "SnapshotHeader", "parse_name", "read_header", "snapshot_name"]
+__all__ = [
+    "ALIGN",
+    "PREAMBLE",
+    "SlotFile",
+    "SnapshotHeader",
+    "file_gen",
+    "parse_name",
+    "read_header",
+    "snapshot_name",
+]
 
 MAGIC = b"DCKMEM01"
 PREAMBLE = 64
 ALIGN = 64
 _PREAMBLE = struct.Struct("<8sQQQ")  # magic, header offset, header length, xxh3-64 of the header
 _NAME = re.compile(r"^step-(\d+)\.rank-(\d+)-of-(\d+)\.([0-9a-f]+)\.snap$")
+_SLOT = re.compile(r"^slot-(?:own|replica)-\d+-[01]\.([0-9a-f]+)\.partial$")  # a slot being written
 
 
 def snapshot_name(step: int, rank: int, world_size: int, gen: str) -> str:
@@ -48,6 +58,13 @@ def parse_name(name: str) -> tuple[int, int, int, str] | None:
     """``(step, rank, world size, gen)`` of a complete snapshot's file name, else ``None``."""
     m = _NAME.match(name)
     return None if m is None else (int(m[1]), int(m[2]), int(m[3]), m[4])
+
+
+def file_gen(name: str) -> str | None:
+    """The generation in ``name`` when it is one of the memory tier's own file names (a complete
+    snapshot or a slot being written), else ``None``: the only files distckpt ever deletes there."""
+    parsed, slot = parse_name(name), _SLOT.match(name)
+    return parsed[3] if parsed else (slot[1] if slot else None)
 
 
 @dataclass

@@ -19,7 +19,6 @@ import datetime
 import io
 import logging
 import os
-import re
 import shutil
 import threading
 import time
@@ -31,20 +30,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from ..config import CheckpointConfig
 from ..coord.collective import Collective
 from ..errors import CheckpointCorruptError, ConfigError
 from ..state.guard import deferrable
 from ..state.training_state import CheckpointState, TrainState
-from .placement import NodeLayout, assign_replicated, memory_dir, node_id, run_id
-from .snapfile import ALIGN, PREAMBLE, SlotFile, SnapshotHeader, data_hash, parse_name, read_header, snapshot_name
+from .cleanup import job_dirs, reclaim_dir, remove_if_empty
+from .placement import NodeLayout, assign_replicated, file_system_type, memory_dir, node_id, run_id
+from .snapfile import ALIGN, PREAMBLE, SlotFile, SnapshotHeader, data_hash, read_header, snapshot_name
 
 __all__ = ["MemoryTier", "estimate_bytes"]
 
 logger = logging.getLogger(__name__)
 
-_SLOT = re.compile(r"^slot-(?:own|replica)-\d+-[01]\.([0-9a-f]+)\.partial$")  # a slot file's name, its gen
 _KINDS = {WriteItemType.TENSOR: "tensor", WriteItemType.SHARD: "shard", WriteItemType.BYTE_IO: "bytes"}
 
 
@@ -52,17 +53,18 @@ def estimate_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     """Bytes one rank's snapshot is expected to take: its shards of the model's state plus its share
     of the replicated tensors, times ``1 +`` the optimizer's state per parameter byte (measured when
     the optimizer has state, else 2 for the Adam family and 1 otherwise), plus 1 MiB for the
-    non-tensor items."""
+    non-tensor items. Reads the sharded state_dict a durable save writes (DCP's
+    ``get_model_state_dict``): never FSDP1's default full one, which gathers the whole model on
+    every rank. Collective (FSDP1)."""
     sharded = replicated = 0
-    for t in model.state_dict().values():
-        if not isinstance(t, torch.Tensor):
-            continue
-        local = t.to_local() if hasattr(t, "to_local") else t
-        n = local.numel() * local.element_size()
-        if local is t:
-            replicated += n
-        else:
-            sharded += n
+    for t in get_model_state_dict(model).values():
+        local_shards = getattr(t, "local_shards", None)
+        if callable(local_shards):  # FSDP1's ShardedTensor: this rank's shards
+            sharded += sum(s.tensor.numel() * s.tensor.element_size() for s in local_shards())
+        elif isinstance(t, DTensor):  # FSDP2
+            sharded += t.to_local().numel() * t.element_size()
+        elif isinstance(t, torch.Tensor):
+            replicated += t.numel() * t.element_size()
     params = sharded + replicated
     factor = 2.0 if optimizer is not None and "adam" in type(optimizer).__name__.lower() else 1.0
     if optimizer is not None and optimizer.state and params:
@@ -100,6 +102,7 @@ class MemoryTier:
         self.layout = NodeLayout(tuple(node for node, _, _ in gathered))
         estimates = [e for _, e, _ in gathered]
         self.gen = gathered[0][2]  # this run of the workers
+        self.root = config.root
         self.dir = memory_dir(self.config.dir, self.node, config.root)
         self.job = os.path.basename(self.dir)
         self.run = run_id()
@@ -118,6 +121,16 @@ class MemoryTier:
             ranks = dist.get_process_group_ranks(collective.group)
             timeout = datetime.timedelta(seconds=config.coordination.timeout_s)
             self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        if self._first_on_node:  # slots earlier generations were writing when they died: never restorable
+            reclaim_dir(self.dir, keep_gen=self.gen, partial_only=True)
+            fs = file_system_type(self.dir)
+            if fs not in (None, "tmpfs", "ramfs"):
+                logger.warning(
+                    "memory tier: memory.dir %s is on a %s file system, not a tmpfs or ramfs: every snapshot is "
+                    "written to disk (slower steps, disk wear); point memory.dir at a tmpfs such as /dev/shm",
+                    self.dir,
+                    fs,
+                )
         self._own = [SlotFile(self._partial("own", self.rank, k)) for k in range(2)]
         self._replica = {s: [SlotFile(self._partial("replica", s, k)) for k in range(2)] for s in self.sources}
         self._newest: dict[int, int] = {}  # rank -> slot index of its last complete snapshot
@@ -127,6 +140,11 @@ class MemoryTier:
         self._reclaimed = False
         self.last_stall_s = 0.0
         self.snapshots = 0
+
+    @property
+    def _first_on_node(self) -> bool:
+        """Whether this rank is its node's lowest: the one that reclaims the node's directory."""
+        return self.rank == self.layout.ranks_on(self.node)[0]
 
     def _partial(self, kind: str, rank: int, k: int) -> str:
         return os.path.join(self.dir, f"slot-{kind}-{rank}-{k}.{self.gen}.partial")
@@ -317,14 +335,14 @@ class MemoryTier:
 
     def _replicate(self, slot_index: int | None, length: int) -> None:
         """One round: send this rank's file to each target, receive each source's into its slot."""
-        meta = torch.tensor([length], dtype=torch.int64)
+        meta = torch.tensor([length], dtype=torch.int64, device="cpu")  # gloo, whatever the default device
         works = []
         for t in self.targets:
             works.append(dist.isend(meta, group=self.group, group_dst=t, tag=1))
             if length and slot_index is not None:
                 works.append(dist.isend(self._own[slot_index].tensor(0, length), group=self.group, group_dst=t, tag=2))
         for s in self.sources:
-            size = torch.zeros(1, dtype=torch.int64)
+            size = torch.zeros(1, dtype=torch.int64, device="cpu")
             dist.recv(size, group=self.group, group_src=s, tag=1)
             if not size.item():
                 continue
@@ -361,28 +379,33 @@ class MemoryTier:
         """Delete the snapshots other generations of this job left in this node's directory (the
         lowest rank of the node does it, after its first snapshot of this generation is complete).
         Only distckpt's own file names in this job's directory are touched."""
-        if self.rank != self.layout.ranks_on(self.node)[0]:
-            return
-        for name in os.listdir(self.dir):  # never a glob: the directory's name may hold [, *, ?
-            parsed, slot = parse_name(name), _SLOT.match(name)
-            gen = parsed[3] if parsed else (slot[1] if slot else None)
-            if gen is not None and gen != self.gen:
-                try:
-                    os.unlink(os.path.join(self.dir, name))
-                except FileNotFoundError:
-                    pass
+        if self._first_on_node:
+            reclaim_dir(self.dir, keep_gen=self.gen)
 
     def close(self, *, free: bool = True) -> None:
         """Wait for the background work; with ``free``, delete this rank's snapshots and the replicas it
-        keeps (their memory is freed) and the node's other generations. ``free=False`` (leaving on an
+        keeps (their memory is freed), the other generations' snapshots of this job on this node and on
+        every node whose memory directory this machine reaches (``{node}`` in ``memory.dir``: a node
+        that never came back), then the job's directory once empty. ``free=False`` (leaving on an
         exception) keeps them for the restart. Idempotent."""
         if free:  # leaving on an exception: the round may wait on a dead peer; its daemon thread dies with us
             self.wait()
         for slot in [*self._own, *(s for slots in self._replica.values() for s in slots)]:
             slot.close(delete=free and slot.path.endswith((".snap", ".partial")))
         self._own, self._replica = [], {}
-        if free:
-            self.reclaim()
+        if not free:
+            return
+        try:
+            if self._first_on_node:  # this generation's files elsewhere are their live owners' to delete
+                for directory in sorted({self.dir, *job_dirs(self.config.dir, self.root)}):
+                    freed = reclaim_dir(directory, keep_gen=self.gen)
+                    if directory != self.dir and (remove_if_empty(directory) or freed):
+                        logger.info(
+                            "memory tier: freed %.1f MiB of this job's snapshots in %s", freed / 2**20, directory
+                        )
+            remove_if_empty(self.dir)  # by whichever of the node's ranks deletes its files last
+        except OSError as e:  # the job's end is not failed by the memory left: `distckpt memory clean` frees it
+            logger.warning("memory tier: cleaning up %s on rank %d failed: %s", self.dir, self.rank, e)
 
 
 def _copy_tensors(slot: SlotFile, data: list[tuple[torch.Tensor, int, int]], event: Any) -> None:

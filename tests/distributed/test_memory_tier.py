@@ -14,13 +14,17 @@ import logging
 import os
 import shutil
 import signal
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import distckpt.memory.tier as tier_module
 from distckpt import CheckpointConfig, CheckpointManager
+from distckpt.memory.restore import fetch_chunks, find_cut, inventory, memory_metadata
+from distckpt.memory.tier import estimate_bytes
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.trainer import build, full_optim, full_params, optimizer_step, release_workers
 
@@ -73,7 +77,8 @@ def _job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
         os.kill(os.getpid(), signal.SIGKILL)
     out["files"] = sorted(os.listdir(manager.memory.dir)) if manager.memory else []
     manager.close()
-    out["files_after_close"] = sorted(os.listdir(manager.memory.dir)) if manager.memory else []
+    gone = not manager.memory or not os.path.isdir(manager.memory.dir)  # close() removes the emptied directory
+    out["files_after_close"] = [] if gone else sorted(os.listdir(manager.memory.dir))
     release_workers(loader)
     return out
 
@@ -95,9 +100,9 @@ def _die(tmp_path, world_size: int, nodes: list[str], **opts: Any) -> list[dict[
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
-def _run(tmp_path, world_size: int, nodes: list[str], **opts: Any) -> list[dict[str, Any]]:
+def _run(tmp_path, world_size: int, nodes: list[str], fn: Any = _job, **opts: Any) -> list[dict[str, Any]]:
     o = {"root": str(tmp_path / "root"), "mem": str(tmp_path / "mem"), "nodes": nodes}
-    return values(run_ranks(_job, world_size, {**o, **opts}, timeout_s=120))
+    return values(run_ranks(fn, world_size, {**o, **opts}, timeout_s=120))
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -189,3 +194,127 @@ def test_a_corrupt_snapshot_is_served_by_its_replica(tmp_path) -> None:
     warned = [line for a in after for line in a["logs"] if victim.name in line]
     assert warned and "data hash" in warned[0] and "a replica or the durable tier serves instead" in warned[0]
     assert sum(a["resumed"]["received"] for a in after[:2]) > 0  # node a's ranks fetched rank 0's shard from b
+
+
+@pytest.mark.timeout(240)
+def test_the_jobs_end_reclaims_the_memory_of_a_node_that_never_came_back(tmp_path) -> None:
+    """Issue 35 item 5 (a, b): both nodes die, only node a comes back, the job ends cleanly: its
+    close() deletes node b's snapshots of this job (reachable here through ``{node}``) and both job
+    directories; another job's directory and a file that is not distckpt's are kept."""
+    opts = {"wrapper": "ddp", "ddp_fixed_buckets": True, "no_dropout": True}
+    _die(tmp_path, 2, ["a", "b"], until=6, **opts)
+    mem = tmp_path / "mem"
+    (job,) = os.listdir(mem / "b")
+    assert sum(f.endswith(".snap") for f in os.listdir(mem / "b" / job)) == 4  # steps 5, 6: own + a's replica
+    other = mem / "b" / "job-0123456789abcdef"
+    other.mkdir()
+    (other / "step-000000003.rank-00000-of-1.feed.snap").write_bytes(b"another job's")
+    (mem / "b" / "notes.txt").write_text("the operator's")
+    (after,) = _run(tmp_path, 1, ["a"], until=8, **opts)
+    assert after["resumed"]["step"] == 6 and after["resumed"]["tier"] == "memory"
+    freed = [line for line in after["logs"] if line.startswith("memory tier: freed")]
+    assert len(freed) == 1 and freed[0].endswith(f"MiB of this job's snapshots in {mem / 'b' / job}"), freed
+    assert os.listdir(mem / "a") == []
+    assert sorted(os.listdir(mem / "b")) == ["job-0123456789abcdef", "notes.txt"]
+    assert os.listdir(other) == ["step-000000003.rank-00000-of-1.feed.snap"]
+    assert (other / "step-000000003.rank-00000-of-1.feed.snap").read_bytes() == b"another job's"
+
+
+def _inline(fn: Any, *args: Any) -> Future:
+    """:func:`distckpt.memory.tier._in_background`, run on the calling thread (the default device is per thread)."""
+    done: Future = Future()
+    fn(*args)
+    done.set_result(None)
+    return done
+
+
+def _on_meta_by_default(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot, its replication round and a restore's chunk transfer under ``set_default_device("meta")``:
+    a tensor created without ``device=`` would be a meta tensor, which gloo refuses."""
+    os.environ["DISTCKPT_NODE_ID"] = ["a", "b"][rank]
+    model, optimizer, _, _, loader = build(rank, world_size, {"wrapper": "ddp"})
+    memory = {"enabled": True, "dir": os.path.join(opts["mem"], "{node}"), "replicas": 1}
+    manager = CheckpointManager(CheckpointConfig(root=opts["root"], memory=memory), model=model, optimizer=optimizer)
+    tier = manager.memory
+    state = {"a": torch.arange(4, dtype=torch.float32), "b": torch.arange(4, 8, dtype=torch.float32)}
+    tier_module._in_background = _inline
+    torch.set_default_device("meta")
+    try:
+        tier.snapshot(1, lambda: state)  # replicated tensors: "a" stored by rank 0, "b" by rank 1
+    finally:
+        torch.set_default_device(None)
+    entries = [
+        e for part in manager.collective.all_gather(inventory(tier.dir, tier.layout, rank, run="")) for e in part
+    ]
+    own = [e for e in entries if e[3] == e[0]]  # without the replicas, rank 0 must fetch "b" from rank 1
+    cut, _ = find_cut(own)
+    metadata, where = memory_metadata(cut)
+    torch.set_default_device("meta")
+    try:
+        chunks, received = fetch_chunks(
+            cut, where, sorted(where, key=str), directory=tier.dir, layout=tier.layout, collective=manager.collective
+        )
+    finally:
+        torch.set_default_device(None)
+    out = {
+        "values": {k.fqn: chunks[k].view(torch.float32).tolist() for k in chunks},
+        "devices": sorted({str(c.device) for c in chunks.values()}),
+        "received": received,
+        "replicas": len(entries) - len(own),
+    }
+    manager.close()
+    release_workers(loader)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_tensors_sent_through_gloo_are_on_cpu_whatever_the_default_device(tmp_path) -> None:
+    """Issue 35 item 8: with ``torch.set_default_device("cuda")`` a size or receive buffer made
+    without ``device=`` was a CUDA tensor handed to gloo; here "meta" stands in for "cuda"."""
+    out = _run(tmp_path, 2, ["a", "b"], fn=_on_meta_by_default)
+    for r in range(2):
+        assert out[r]["values"] == {"a": [0.0, 1.0, 2.0, 3.0], "b": [4.0, 5.0, 6.0, 7.0]}
+        assert out[r]["devices"] == ["cpu"] and out[r]["replicas"] == 2  # each rank's file went to the other node
+        assert out[r]["received"] == 16  # the other rank's 4 float32 arrived over gloo
+
+
+def _fsdp1_memory(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """The memory tier on FSDP1 (CPU, gloo): what every ``model.state_dict()`` it took returned."""
+    os.environ["DISTCKPT_NODE_ID"] = ["a", "b"][rank]
+    model, optimizer, scheduler, scaler, loader = build(rank, world_size, {"wrapper": "fsdp1"})
+    seen: list[set[str]] = []
+    state_dict = model.state_dict
+
+    def spy(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        sd = state_dict(*args, **kwargs)
+        seen.append({type(v).__name__ for v in sd.values()})
+        return sd
+
+    model.state_dict = spy  # type: ignore[method-assign]
+    estimate = estimate_bytes(model, optimizer, world_size)
+    memory = {"enabled": True, "dir": os.path.join(opts["mem"], "{node}")}
+    config = CheckpointConfig(root=opts["root"], schedule={"interval_steps": 100}, memory=memory)
+    manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler, dataloader=loader)
+    it = iter(loader)
+    for step in (1, 2):
+        optimizer_step(model, optimizer, scheduler, scaler, next(it))
+        manager.maybe_save(step)
+    manager.memory.wait()
+    files = sorted(os.listdir(manager.memory.dir))
+    manager.close()
+    release_workers(loader)
+    return {"seen": seen, "estimate": estimate, "files": files}
+
+
+@pytest.mark.timeout(180)
+def test_the_memory_tier_never_gathers_an_fsdp1_model(tmp_path) -> None:
+    """Issue 35 item 8: the tier sized its snapshot from FSDP1's default (full) ``state_dict()``,
+    which gathers the whole model on every rank (GPU OOM at start-up); it reads the sharded one."""
+    out = _run(tmp_path, 2, ["a", "b"], fn=_fsdp1_memory)
+    # Net's 433 float32 parameters: the sharded state_dict chunks each along dim 0, rank 0 holding 225 of
+    # them, rank 1 208 (a full one gave each rank the whole model, counted as 433 * 4 // 2 bytes); AdamW
+    # before its first step: 2 bytes of state per parameter byte; 1 MiB for the rest
+    assert [o["estimate"] for o in out] == [225 * 4 * 3 + 2**20, 208 * 4 * 3 + 2**20]
+    for o in out:
+        assert o["seen"] and all(kinds == {"ShardedTensor"} for kinds in o["seen"]), o["seen"]
+        assert sum(f.endswith(".snap") for f in o["files"]) == 4  # steps 1 and 2, own and the other's replica

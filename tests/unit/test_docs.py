@@ -322,7 +322,11 @@ def synopsis_problems(block: Block) -> list[str]:
         if parser is None:
             problems.append(f"{line}: no subcommand {words[1:2]}")
             continue
-        args = words[2 : words.index("--")] if "--" in words else words[2:]  # after "--": passed through
+        start = 2
+        nested = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if nested is not None and len(words) > 2 and words[2] in nested.choices:  # distckpt memory clean ...
+            parser, start = nested.choices[words[2]], 3
+        args = words[start : words.index("--")] if "--" in words else words[start:]  # after "--": passed through
         flags = {m.group(0) for w in args if (m := re.match(r"--[a-z][\w-]*", w.strip("[];")))}
         known = set(parser._option_string_actions)
         problems += [f"{line}: distckpt {words[1]} has no {f}" for f in sorted(flags - known)]

@@ -113,7 +113,7 @@ RULES: dict[str, set[str]] = {
     "manager": {"adapters", "config", "coord", "engine", "errors", "load", "memory", "save", "state", "storage"},
     "integrations": {"config", "config_sections", "data", "errors", "manager"},  # HF Trainer, torchtitan
     "dcp": {"engine", "errors", "ondisk", "storage"},  # drop-in DCP storage classes (distckpt.dcp)
-    "cli": {"_version", "config", "engine", "errors", "load", "ondisk", "save", "state", "storage", "tools"},
+    "cli": {"_version", "config", "engine", "errors", "load", "memory", "ondisk", "save", "state", "storage", "tools"},
     "tools": {"_version", "adapters", "config", "engine", "errors", "ondisk", "state", "storage"},
     "save": {"_version", "adapters", "config", "coord", "data", "engine", "errors", "ondisk", "state", "storage"},
     "load": {"_version", "adapters", "config", "coord", "data", "engine", "errors", "memory", "ondisk", "state"}

@@ -14,7 +14,7 @@ import torch
 
 from distckpt import CheckpointConfig, CheckpointManager, ConfigError, IncompatibleCheckpointError
 from distckpt.errors import CheckpointCorruptError
-from distckpt.memory.placement import NodeLayout, assign_replicated, job_key
+from distckpt.memory.placement import NodeLayout, assign_replicated, file_system_type, job_key
 from distckpt.memory.snapfile import SlotFile, SnapshotHeader, parse_name, read_header, snapshot_name
 from tests.distributed.trainer import build, full_params, optimizer_step, release_workers
 
@@ -241,3 +241,42 @@ def test_every_snapshot_corrupt_is_said_and_the_durable_tier_serves(tmp_path, ca
     assert "2 corrupt snapshot file(s) left out" in caplog.text
     parts[0].close()
     release_workers(parts[5])
+
+
+def test_a_crash_looping_job_leaves_one_set_of_slots_and_its_last_snapshots(tmp_path) -> None:
+    """Issue 35 item 5 (c): each run that dies before its first snapshot left its (empty) slot
+    files; the next run deletes the dead runs' slots at start-up, never their complete snapshots."""
+    parts = _manager(tmp_path, tmp_path / "mem")
+    _train(*parts, start=0, until=2)  # memory only: the durable interval is 3
+    release_workers(parts[5])  # dies without close()
+    for _ in range(3):  # three runs that die before their first snapshot
+        parts = _manager(tmp_path, tmp_path / "mem")
+        release_workers(parts[5])
+    mem_dir = parts[0].memory.dir
+    gen = parts[0].memory.gen
+    slots = sorted(n for n in os.listdir(mem_dir) if n.endswith(".partial"))
+    assert slots == [f"slot-own-0-{k}.{gen}.partial" for k in range(2)]  # only the newest run's
+    assert [parse_name(n)[0] for n in sorted(os.listdir(mem_dir)) if parse_name(n)] == [1, 2]
+    assert parts[0].load().step == 2 and parts[0].loader.tier == "memory"
+    parts[0].close()
+    assert not os.path.exists(mem_dir)  # close() removes the emptied job directory (item 5 b)
+    release_workers(parts[5])
+
+
+def test_a_memory_dir_not_on_a_tmpfs_is_warned_about(tmp_path, caplog) -> None:
+    """Issue 35 item 7: a memory.dir on a disk makes every snapshot a disk write: said at start-up."""
+    shm = "/dev/shm"
+    if file_system_type(str(tmp_path)) in ("tmpfs", "ramfs") or file_system_type(shm) != "tmpfs":
+        pytest.skip("needs tmp_path on a disk and /dev/shm on a tmpfs")
+    for where, warned in ((tmp_path / "mem", True), (Path(shm) / f"distckpt-test-{os.getpid()}", False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="distckpt"):
+            parts = _manager(tmp_path, where)
+        said = [r.getMessage() for r in caplog.records if "not a tmpfs or ramfs" in r.getMessage()]
+        assert len(said) == int(warned), said
+        if warned:
+            fs = file_system_type(str(tmp_path))
+            assert said[0].startswith(f"memory tier: memory.dir {parts[0].memory.dir} is on a {fs} file system")
+        parts[0].close()
+        release_workers(parts[5])
+        os.rmdir(where)
