@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import distckpt.memory.tier as tier_module
 from distckpt import CheckpointConfig, CheckpointManager
-from distckpt.memory.restore import fetch_chunks, find_cut, inventory, memory_metadata
+from distckpt.memory.restore import fetch_chunks, find_cut, inventory, memory_metadata, plan_fetch, verify
 from distckpt.memory.tier import estimate_bytes
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.trainer import build, full_optim, full_params, optimizer_step, release_workers
@@ -243,17 +243,18 @@ def _on_meta_by_default(rank: int, world_size: int, opts: dict[str, Any]) -> dic
         tier.snapshot(1, lambda: state)  # replicated tensors: "a" stored by rank 0, "b" by rank 1
     finally:
         torch.set_default_device(None)
-    entries = [
-        e for part in manager.collective.all_gather(inventory(tier.dir, tier.layout, rank, run="")) for e in part
-    ]
+    mine, headers = inventory(tier.dir, tier.layout, rank, run="")
+    entries = [e for part in manager.collective.all_gather(mine) for e in part]
     own = [e for e in entries if e[3] == e[0]]  # without the replicas, rank 0 must fetch "b" from rank 1
     cut, _ = find_cut(own)
+    for _, theirs in manager.collective.all_gather(verify(tier.dir, rank, cut, headers)):
+        cut.headers.update(theirs)
     metadata, where = memory_metadata(cut)
+    fetch = plan_fetch(cut, where, sorted(where, key=str), layout=tier.layout, rank=rank)
+    all_asks = manager.collective.all_gather(fetch.asks)
     torch.set_default_device("meta")
     try:
-        chunks, received = fetch_chunks(
-            cut, where, sorted(where, key=str), directory=tier.dir, layout=tier.layout, collective=manager.collective
-        )
+        chunks, received, _ = fetch_chunks(fetch, all_asks, directory=tier.dir, collective=manager.collective)
     finally:
         torch.set_default_device(None)
     out = {
