@@ -19,7 +19,7 @@ def run_with_skewed_clock(rank, world_size, opts):
     model, optimizer, *_ = build(rank, world_size, {"wrapper": "ddp"})
     config = CheckpointConfig(
         root=opts["root"],
-        schedule=ScheduleConfig(interval_steps=None, interval_seconds=10.0),
+        schedule=ScheduleConfig(interval_steps=None, interval_seconds=7.0),
         retention=RetentionConfig(keep_last=2, keep_every_steps=4),
     )
     manager = CheckpointManager(config, model=model, optimizer=optimizer)
@@ -29,7 +29,9 @@ def run_with_skewed_clock(rank, world_size, opts):
     manager.schedule.mark_saved()
     saved = []
     for step in range(1, 13):
-        ticks["t"] += 4.0  # 4 s per step on rank 0 -> a save every 3 steps
+        # 4 s per step on rank 0: 7 s have passed 2 steps after a save, and the vote carrying rank
+        # 0's answer applies at the next step -> a save every 3 steps
+        ticks["t"] += 4.0
         if manager.maybe_save(step):
             saved.append(step)
     manager.close()
