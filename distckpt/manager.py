@@ -158,7 +158,7 @@ class CheckpointManager:
                 self.lock.release()
             raise
         self.preemption = PreemptionWatcher(self.collective.group) if config.effective_preemption else None
-        self.vote = StepVote(self.collective.group, watcher=self.preemption, schedule=self.schedule, rank=self.rank)
+        self.vote = StepVote(self.collective, self.preemption, self.schedule, timeout_s=coord.timeout_s)
         self.preempted = False
         self._run_id = self.collective.broadcast(uuid.uuid4().hex[:8])
         self.local_world_size = local_world_size(self.collective)  # ranks sharing this node's disk
@@ -421,8 +421,7 @@ class CheckpointManager:
         if self._closed:
             return
         try:
-            if tear_down:  # every rank is here: the vote of the last boundary completes
-                self.vote.drain()
+            self.vote.close(tear_down=tear_down)  # every rank is here: the last boundary's vote completes
             self.wait()
         finally:
             self._closed = True

@@ -9,8 +9,11 @@ never waits for a round trip through every rank.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import datetime
 import logging
+import queue
 import signal
 import threading
 import time
@@ -18,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..errors import DistCkptError
 
 __all__ = ["PreemptionWatcher", "StepVote", "Vote"]
 
@@ -73,38 +78,55 @@ class Vote:
 
 
 class StepVote:
-    """The ranks' one agreement per step, paid for without a round trip on the step's path.
+    """The ranks' one agreement per step, kept off the training thread.
 
-    :meth:`start_next` launches a MAX all-reduce of two int32 flags (SIGTERM seen here, rank 0's
-    "a save is due") with ``async_op=True`` at the end of step ``s``'s boundary; :meth:`decide`
-    reads it at step ``s + 1``'s. The reduce runs in gloo's threads while step ``s + 1`` computes,
-    so a boundary pays for starting one collective and for a wait that finds it done unless the
-    step is shorter than the reduce (then it waits the difference, never more than the blocking
-    all-reduce it replaces). Every rank starts and reads the same votes in the same order, which
-    is what the collective needs; the price is that what a vote decides happens one step later
-    (a SIGTERM's save, a clock-based save), which the preemption grace window covers. Nothing is
-    started when nothing needs agreeing (preemption off and a step-count schedule): then
-    :meth:`decide` is the pure ``interval_steps`` rule.
-
-    Without a process group (one process) there is nothing to hide: :meth:`decide` reads this
-    process's own flags at once.
+    :meth:`start_next` hands two flags (SIGTERM seen here, rank 0's "a save is due") to a thread of
+    the vote's own, which runs a MAX all-reduce of them on a gloo group of its own while the next
+    step computes; :meth:`decide` reads the result at the next step boundary. So a boundary costs
+    a hand-over and a wait that finds the vote done unless the step is shorter than the
+    all-reduce (then it waits the difference, never more than the blocking all-reduce it
+    replaces). Every rank starts and reads the same votes in the same order, and the group
+    carries nothing else, so votes never interleave with the manager's other collectives; the
+    price is that what a vote decides happens one step later (a SIGTERM's save, a clock-based
+    save), which the preemption grace window covers. Nothing runs when nothing needs agreeing
+    (preemption off and a step-count schedule): :meth:`decide` is then the pure
+    ``interval_steps`` rule, as it is on one process, which reads its own flags at once.
 
     Args:
-        group: distckpt's gloo group of the training ranks, or ``None`` (one process).
+        collective: the training ranks' :class:`~distckpt.coord.collective.Collective` (its rank,
+            and its ranks for the vote's group; collective at construction when voting).
         watcher: the SIGTERM watcher, or ``None`` when preemption is off.
         schedule: the save schedule (``SaveSchedule``: ``is_due``, ``propose``, ``clock_based``).
-        rank: this rank in ``group`` (rank 0's clock decides).
+        timeout_s: the vote group's collective timeout (seconds).
     """
 
-    def __init__(self, group: Any, *, watcher: PreemptionWatcher | None, schedule: Any, rank: int) -> None:
-        self.group, self.watcher, self.schedule, self.rank = group, watcher, schedule, rank
-        self.voting = group is not None and (watcher is not None or schedule.clock_based)
-        # One reused int32 buffer (at most one vote is in flight) and the four flag pairs to copy
-        # into it: cheaper per step than building a tensor. device="cpu" explicitly: under
-        # torch.set_default_device("cuda") gloo would otherwise get CUDA tensors.
-        self._flags = torch.zeros(2, dtype=torch.int32, device="cpu")
-        self._pairs = [torch.tensor([p, d], dtype=torch.int32, device="cpu") for p in (0, 1) for d in (0, 1)]
-        self._work: Any = None
+    def __init__(self, collective: Any, watcher: PreemptionWatcher | None, schedule: Any, *, timeout_s: float) -> None:
+        self.watcher, self.schedule, self.rank = watcher, schedule, collective.rank
+        self.voting = collective.group is not None and (watcher is not None or schedule.clock_based)
+        self.group: Any = None
+        self._requests: queue.SimpleQueue | None = None
+        if self.voting:  # the same on every rank (the config is rank 0's): new_group is collective
+            ranks = dist.get_process_group_ranks(collective.group)
+            self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            self._requests = queue.SimpleQueue()
+            # A daemon thread: one blocked on a dead peer never holds up the process's exit.
+            threading.Thread(
+                target=self._serve, args=(self._requests, self.group), name="distckpt-vote", daemon=True
+            ).start()
+        self._future: concurrent.futures.Future | None = None
+
+    @staticmethod
+    def _serve(requests: queue.SimpleQueue, group: Any) -> None:
+        while (request := requests.get()) is not None:
+            preempt, due, future = request
+            try:
+                # device="cpu" explicitly: under torch.set_default_device("cuda") gloo would get a CUDA tensor.
+                flags = torch.tensor([int(preempt), int(due)], dtype=torch.int32, device="cpu")
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+                p, d = flags.tolist()
+                future.set_result(Vote(preempt=bool(p), due=bool(d)))
+            except BaseException as e:  # noqa: BLE001 - handed to decide()
+                future.set_exception(e)
 
     @property
     def _requested(self) -> bool:
@@ -113,34 +135,46 @@ class StepVote:
     def decide(self, step: int) -> Vote:
         """What every rank does at ``step``'s boundary: preempt, else whether ``step`` is a save
         step (``interval_steps``, or the clock's answer voted at the previous boundary). Waits
-        only while the previous boundary's vote is still running."""
+        only while the previous boundary's vote is still running.
+
+        Raises:
+            DistCkptError: the previous vote's all-reduce failed (a rank gone, the group's timeout).
+        """
         if not self.voting:
             return Vote(preempt=self._requested, due=self.schedule.is_due(step))
-        voted = Vote()
-        if self._work is not None:
-            work, self._work = self._work, None
-            work.wait()
-            preempt, due = self._flags.tolist()
-            voted = Vote(preempt=bool(preempt), due=bool(due))
+        voted, future, self._future = Vote(), self._future, None
+        if future is not None:
+            try:
+                voted = future.result()
+            except Exception as e:  # noqa: BLE001 - named and raised as distckpt's error
+                raise DistCkptError(f"the step vote of step {step - 1} failed ({e}): a rank is gone or stuck") from e
         return Vote(preempt=voted.preempt, due=self.schedule.is_due(step, voted.due))
 
     def start_next(self, step: int) -> None:
         """Start the vote the next boundary reads (every rank, after :meth:`decide` and any save
         of ``step``: rank 0's clock then proposes from the state after that save)."""
-        if not self.voting:
+        if self._requests is None:
             return
-        assert self._work is None, "StepVote.decide() must read the previous vote first"
+        assert self._future is None, "StepVote.decide() must read the previous vote first"
         due = self.rank == 0 and self.schedule.propose(step)
-        self._flags.copy_(self._pairs[2 * self._requested + due])
-        self._work = dist.all_reduce(self._flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._future = concurrent.futures.Future()
+        self._requests.put((self._requested, due, self._future))
 
     def uninstall(self) -> None:
         """Put back the SIGTERM handler the watcher replaced (``close``)."""
         if self.watcher is not None:
             self.watcher.uninstall()
 
-    def drain(self) -> None:
-        """Wait for a vote still in flight and drop it (``close``: the group is destroyed next)."""
-        work, self._work = self._work, None
-        if work is not None:
-            work.wait()
+    def close(self, *, tear_down: bool) -> None:
+        """Stop voting. ``tear_down`` (every rank is closing): wait for the vote in flight and
+        destroy the vote's group; else (leaving on an exception) let the thread go, as a peer may
+        never join its all-reduce. Idempotent."""
+        future, requests, group = self._future, self._requests, self.group
+        self._future, self._requests, self.group = None, None, None
+        if requests is None:
+            return
+        requests.put(None)  # the thread ends after the vote in flight
+        if tear_down:
+            if future is not None:
+                future.exception()  # its failure is moot: every rank is closing
+            dist.destroy_process_group(group)
