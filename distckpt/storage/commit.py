@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import CheckpointCorruptError
+from ..ondisk.digests import attach_blocks
 from ..ondisk.integrity import check_file
 from ..ondisk.layout import (
     DEFERRED_MANIFEST,
@@ -128,6 +129,8 @@ def validate(checkpoint_dir: str | os.PathLike, *, check_hashes: bool = False) -
     """
     checkpoint_dir = Path(checkpoint_dir)
     manifest = Manifest.read(checkpoint_dir)
+    if check_hashes:  # the blocks are only compared with the bytes when these are read
+        attach_blocks(manifest, lambda name: (checkpoint_dir / name).read_bytes(), location=str(checkpoint_dir))
     for entry in manifest.files:
         check_file(
             checkpoint_dir / entry.path,
@@ -163,7 +166,12 @@ def verify(checkpoint_dir: str | os.PathLike) -> list[CheckpointCorruptError]:
         manifest = Manifest.read(checkpoint_dir)
     except CheckpointCorruptError as e:
         return [e]
-    problems = []
+    problems: list[CheckpointCorruptError] = []
+    digests_problem = None
+    try:
+        attach_blocks(manifest, lambda name: (checkpoint_dir / name).read_bytes(), location=str(checkpoint_dir))
+    except CheckpointCorruptError as e:  # the files are still checked whole
+        digests_problem = e
     for entry in manifest.files:
         try:
             check_file(
@@ -171,6 +179,8 @@ def verify(checkpoint_dir: str | os.PathLike) -> list[CheckpointCorruptError]:
             )
         except CheckpointCorruptError as e:
             problems.append(e)
+    if digests_problem is not None and digests_problem.path not in {p.path for p in problems}:
+        problems.insert(0, digests_problem)  # not already named by its size or hash
     return problems
 
 

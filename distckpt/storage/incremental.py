@@ -27,6 +27,7 @@ from typing import Callable
 from ..engine import read_dcp_metadata
 from ..engine.incremental_writer import ReuseIndex, read_item_records
 from ..errors import CheckpointCorruptError
+from ..ondisk.digests import is_digests_name
 from ..ondisk.layout import DEFERRED_MANIFEST, MANIFEST, checkpoint_dirs, checkpoint_name, is_deferred
 from ..ondisk.manifest import FileEntry, Manifest
 from .commit import delete_checkpoint, validate
@@ -113,6 +114,12 @@ def reference_entries(checkpoint_dir: str | os.PathLike) -> list[FileEntry]:
                 block_hashes=entry.block_hashes,
             )
         )
+    for owner, files in owners.items():  # the owners' digest files hold the referenced files' blocks
+        entries += [
+            FileEntry(path=f"../{owner}/{f.path}", size_bytes=f.size_bytes, hash=f.hash)
+            for f in files.values()
+            if is_digests_name(f.path) and not f.path.startswith("../")
+        ]
     return entries
 
 
