@@ -113,7 +113,7 @@ class Collective:
             store_of_group = default_store()
         except (RuntimeError, ValueError):  # a group without a store: the collectives' timeout applies
             return
-        store = dist.PrefixStore(f"distckpt/{self.group.group_name}/", store_of_group)
+        store: Any = dist.PrefixStore(f"distckpt/{self.group.group_name}/", store_of_group)  # stubs lack append
         gen, self._arrivals = self._arrivals, self._arrivals + 1
         self._calls[gen] = call
         store.append(f"{gen}/ranks", f"{self.rank} {call}\n")
@@ -235,6 +235,7 @@ class Collective:
         which receive nothing; ``[obj]`` on one process)."""
         if not self.enabled:
             return [obj]
+        assert self.group is not None  # enabled
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
         return out
