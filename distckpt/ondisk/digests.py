@@ -3,8 +3,8 @@ wrote, kept out of the manifest so that it stays small as the job grows (docs/fo
 
 Each rank writes its own into the pending directory after its write; the manifest lists it like a
 data file, with its size and xxh3-128, so a changed byte in it is found like one in any other file.
-A reader (load, ``distckpt verify``) reads the ones it needs and attaches the blocks to the
-manifest's entries (:func:`attach_blocks`). The block digests of a file are cut where
+A reader (load, ``distckpt verify``) reads them and looks the blocks up by file
+(:func:`read_blocks`). The block digests of a file are cut where
 :class:`~distckpt.ondisk.integrity.BlockHasher` cuts them.
 
 Content (JSON)::
@@ -27,7 +27,7 @@ from ..errors import CheckpointCorruptError
 from .integrity import BlockDigests, new_hasher
 from .manifest import Manifest
 
-__all__ = ["DIGESTS_FORMAT", "digests_name", "is_digests_name", "encode_digests", "attach_blocks"]
+__all__ = ["DIGESTS_FORMAT", "digests_name", "is_digests_name", "encode_digests", "read_blocks"]
 
 DIGESTS_FORMAT = 1
 _NAME_RE = re.compile(r"^\.digests-rank-\d{5,}\.json$")
@@ -56,21 +56,26 @@ def encode_digests(rank: int, blocks: dict[str, BlockDigests]) -> tuple[bytes, s
     return data, hasher.hexdigest()
 
 
-def attach_blocks(manifest: Manifest, read: Callable[[str], bytes], *, location: str) -> None:
-    """Set the block digests of ``manifest``'s entries from the digest files it lists, in place.
+def read_blocks(manifest: Manifest, read: Callable[[str], bytes], *, location: str) -> dict[str, BlockDigests]:
+    """The block digests of ``manifest``'s files: those its entries hold (schemas 4-6) and those
+    of the digest files it lists (the manifest is not changed).
 
     Every digest file is checked against its manifest entry (size and xxh3-128) before it is used.
 
     Args:
-        manifest: a parsed manifest; entries already holding blocks (older schemas) are kept.
+        manifest: a parsed manifest.
         read: ``read(relative path)`` -> the file's bytes (``OSError`` when unreadable).
         location: the checkpoint, for messages.
+
+    Returns:
+        ``{relative path: BlockDigests}`` of every listed file whose blocks are known.
 
     Raises:
         CheckpointCorruptError: a digest file is missing, unreadable, changed after the commit
             (size or hash), malformed, or its blocks do not tile a file the manifest lists.
     """
     by_path = {f.path: f for f in manifest.files}
+    found = {f.path: b for f in manifest.files if (b := f.blocks()) is not None}
     for entry in manifest.files:
         if not is_digests_name(entry.path):
             continue
@@ -99,6 +104,7 @@ def attach_blocks(manifest: Manifest, read: Callable[[str], bytes], *, location:
                 blocks = BlockDigests(tuple(b["block_ends"]), tuple(b["block_hashes"]))
                 if not blocks.valid_for(target.size_bytes):
                     raise ValueError(f"the blocks of {name} do not tile its {target.size_bytes} bytes")
-                target.block_ends, target.block_hashes = list(blocks.ends), list(blocks.hashes)
+                found[target.path] = blocks
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointCorruptError(f"{where}: malformed digest file ({e})", path=where) from e
+    return found

@@ -16,7 +16,7 @@ from ..engine import SafeFileSystemReader, read_dcp_metadata
 from ..engine.blocking import hashing_writer
 from ..engine.incremental_writer import ReuseIndex
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
-from ..ondisk.digests import attach_blocks, digests_name, encode_digests
+from ..ondisk.digests import digests_name, encode_digests, read_blocks
 from ..ondisk.integrity import BlockDigests, check_file, hash_file
 from ..ondisk.layout import (
     LATEST,
@@ -163,8 +163,7 @@ class PosixStore(CheckpointStore):
 
     @override
     def block_digests(self, location: str, manifest: Manifest) -> dict[str, BlockDigests]:
-        attach_blocks(manifest, lambda name: (Path(location) / name).read_bytes(), location=location)
-        return {f.path: b for f in manifest.files if (b := f.blocks()) is not None}
+        return read_blocks(manifest, lambda name: (Path(location) / name).read_bytes(), location=location)
 
     @override
     def committed_steps(self) -> list[int]:
