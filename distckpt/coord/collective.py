@@ -92,12 +92,13 @@ class Collective:
 
         Protocol, on the default group's key-value store (not a process group, so a rank that
         never comes costs the others ``timeout_s`` and leaves every process group usable): the
-        ``gen``-th check of each rank records its call under ``gen/rank<r>`` and puts it into
+        ``gen``-th check of each rank appends ``<r> <call>`` to ``gen/ranks`` and puts its call into
         ``gen/call`` with compare-and-set; the first call there is the reference and a rank
         whose call differs sets ``gen/mismatch`` and raises. The others count themselves into
         ``gen/<call>/arrived`` and wait for ``gen/<call>/done`` (set by the last to arrive) in
         slices of ``POLL_S``, looking for ``gen/mismatch`` between slices. Cost when all ranks
-        arrive together: five small store requests per rank, plus two per ``POLL_S`` waited.
+        arrive together: five small store requests per rank, plus two per ``POLL_S`` waited; a
+        failing check adds one per rank (reading ``gen/ranks``): O(W) requests in all.
 
         Raises:
             CollectiveMismatchError: some rank made a different call (within ``POLL_S`` of
@@ -112,10 +113,10 @@ class Collective:
             store_of_group = default_store()
         except (RuntimeError, ValueError):  # a group without a store: the collectives' timeout applies
             return
-        store = dist.PrefixStore(f"distckpt/{self.group.group_name}/", store_of_group)
+        store: Any = dist.PrefixStore(f"distckpt/{self.group.group_name}/", store_of_group)  # stubs lack append
         gen, self._arrivals = self._arrivals, self._arrivals + 1
         self._calls[gen] = call
-        store.set(f"{gen}/rank{self.rank}", call)
+        store.append(f"{gen}/ranks", f"{self.rank} {call}\n")
         if store.compare_set(f"{gen}/call", "", call).decode() != call:
             store.set(f"{gen}/mismatch", "")  # the ranks waiting on the first call see it
             raise self._mismatch(store, gen, call, timeout_s)
@@ -128,10 +129,9 @@ class Collective:
             raise self._mismatch(store, gen, call, timeout_s)
         if gen >= 2:  # every rank is past call gen - 1, so past gen - 2: its keys are unused
             old = gen - 2
-            store.delete_key(f"{old}/rank{self.rank}")
             old_call = self._calls.pop(old)
             if self.rank == 0:
-                for key in ("call", "mismatch", f"{old_call}/arrived", f"{old_call}/done"):
+                for key in ("ranks", "call", "mismatch", f"{old_call}/arrived", f"{old_call}/done"):
                     store.delete_key(f"{old}/{key}")
 
     def _wait(self, store: Any, gen: int, call: str, timeout_s: float) -> int:
@@ -161,19 +161,27 @@ class Collective:
         arrived = store.add(f"{gen}/{call}/arrived", _GAVE_UP)
         return 0 if arrived % _GAVE_UP == self.world_size else arrived  # 0: the last came just in time
 
+    @staticmethod
+    def _calls_made(store: Any, gen: int) -> dict[int, str]:
+        """``{group rank: call}`` of the ranks that made their ``gen``-th entry check (one request)."""
+        made: dict[int, str] = {}
+        for line in store.get(f"{gen}/ranks").decode().splitlines():
+            rank, _, theirs = line.partition(" ")
+            made[int(rank)] = theirs
+        return made
+
     def _ranks_without(self, store: Any, gen: int) -> list[int]:
         """Global ranks that have not made their ``gen``-th entry check yet."""
         assert self.group is not None  # enabled
-        return [
-            dist.get_global_rank(self.group, r) for r in range(self.world_size) if not store.check([f"{gen}/rank{r}"])
-        ]
+        made = self._calls_made(store, gen)
+        return [dist.get_global_rank(self.group, r) for r in range(self.world_size) if r not in made]
 
     def _mismatch(self, store: Any, gen: int, call: str, timeout_s: float) -> errors.CollectiveMismatchError:
         assert self.group is not None  # only arrive() calls it, when enabled
         missing, others = [], {}
+        made = self._calls_made(store, gen)  # this rank's own line is there: the key exists
         for r in range(self.world_size):
-            key = f"{gen}/rank{r}"
-            theirs = store.get(key).decode() if store.check([key]) else None
+            theirs = made.get(r)
             global_rank = dist.get_global_rank(self.group, r)
             if theirs is None:
                 missing.append(global_rank)
@@ -221,6 +229,48 @@ class Collective:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0, in the group's rank order (``None`` on the other ranks,
+        which receive nothing; ``[obj]`` on one process)."""
+        if not self.enabled:
+            return [obj]
+        assert self.group is not None  # enabled
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        return out
+
+    def lead(
+        self, fn: Callable[[], T], *, what: str, error_type: type[errors.DistCkptError] = errors.DistCkptError
+    ) -> T:
+        """Run ``fn`` on rank 0 only and hand its result to every rank (one broadcast); if it
+        raised, raise on every rank, as :meth:`agree` does (a ``DistCkptError`` keeps its type,
+        anything else becomes ``error_type``)."""
+        result: T | None = None
+        outcome: tuple[str, str, str | None] | None = None
+        local_exc: BaseException | None = None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                local_exc = e
+                outcome = (type(e).__name__, f"{type(e).__name__}: {e}", getattr(e, "path", None))
+        if self.world_size == 1:
+            if local_exc is not None and isinstance(local_exc, errors.DistCkptError):
+                raise local_exc
+        else:
+            result, outcome = self.broadcast((result, outcome))
+        if outcome is None:
+            return result  # type: ignore[return-value]
+        type_name, message, path = outcome
+        cls = getattr(errors, type_name, None)
+        if not (isinstance(cls, type) and issubclass(cls, errors.DistCkptError)):
+            cls = error_type
+        text = f"{what} failed on rank 0: {message}"
+        exc = cls(text, path=path) if issubclass(cls, errors.CheckpointCorruptError) else cls(text)
+        if local_exc is not None:
+            raise exc from local_exc
+        raise exc
 
     def agree(
         self, fn: Callable[[], T], *, what: str, error_type: type[errors.DistCkptError] = errors.DistCkptError

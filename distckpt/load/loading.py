@@ -20,6 +20,7 @@ from ..coord.events import EventLog
 from ..engine.blocking import run_load
 from ..errors import CheckpointCorruptError, IncompatibleCheckpointError
 from ..memory import MemoryRestore, MemoryTier, restore_from_memory
+from ..ondisk.integrity import BlockDigests
 from ..ondisk.layout import parse_step
 from ..ondisk.manifest import Manifest, TensorSpec, check_model_fits, first_problem, structure_problems
 from ..state.training_state import CheckpointState, TrainState
@@ -133,20 +134,21 @@ class CheckpointLoader:
         """
         store = store_of(path, self.store)  # load_path may name a checkpoint of another root
 
-        def read_plan_inputs() -> tuple[Manifest, Any]:
-            manifest = store.read_manifest(path)
-            check_model_fits(manifest, path, self.model_specs, self.state.model_optim.ties)
+        def read_plan_inputs() -> tuple[Any, dict[str, BlockDigests] | None]:
             if self.config.load.verify:  # every rank plans from .metadata: check it first
                 for f in manifest.files:
                     if f.path == ".metadata":
                         store.check_file(path, f.path, size_bytes=f.size_bytes, digest=f.hash)
-            return manifest, checked_metadata(store, path, manifest)
+            metadata = checked_metadata(store, path, manifest)
+            return metadata, store.block_digests(path, manifest) if self.config.load.verify else None
 
-        # Every rank reads these files itself (one node may see an I/O error the others do
-        # not): agree, so all ranks raise together, and fall back together.
-        manifest, metadata = self.collective.agree(
-            read_plan_inputs, what=f"reading {path}", error_type=CheckpointCorruptError
-        )
+        # Rank 0 alone reads the manifest, .metadata and the digest files and hands them to every
+        # rank (one read per job, not one per rank); an error there raises on every rank, so all
+        # ranks fall back together.
+        what = f"reading {path}"
+        manifest = self.collective.lead(lambda: store.read_manifest(path), what=what, error_type=CheckpointCorruptError)
+        check_model_fits(manifest, path, self.model_specs, self.state.model_optim.ties)
+        metadata, blocks = self.collective.lead(read_plan_inputs, what=what, error_type=CheckpointCorruptError)
         keys = set(metadata.state_dict_metadata)
         with self.state.model_optim.load_context():
             select = self.config.load.selection
@@ -155,7 +157,6 @@ class CheckpointLoader:
                 what=f"planning the load of {path}",
             )
             expected = {f.path: (f.size_bytes, f.hash) for f in manifest.files} if self.config.load.verify else None
-            blocks = {f.path: b for f in manifest.files if (b := f.blocks()) is not None} if expected else None
             self.events.emit("load", manifest.step, path=str(path))
             streams = max(1, self.config.load.streams_per_node // self.local_world_size)
             reader = store.dcp_reader(

@@ -32,7 +32,7 @@ __all__ = [
     "is_extra_state",
 ]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # v1 -> v2: files gained "hash" (xxh3_128 hex), the manifest gained "hash_algorithm".
 # v2 -> v3: a file path may name another checkpoint's file ("../step-N/__0_0.distcp", an
 # incremental checkpoint's reference): an older distckpt would delete referenced checkpoints.
@@ -43,6 +43,9 @@ SCHEMA_VERSION = 6
 # manifest without them is written as v4 (or v3), which older distckpt reads.
 # v5 -> v6: "interval", the statistics of ``schedule.interval_steps: auto`` (save/interval.py); a
 # manifest without them is written as v5 or older.
+# v6 -> v7: files may include per-rank digest files (".digests-rank-N.json", digests.py) holding the
+# block digests the manifest no longer carries; an older distckpt would verify its data files whole
+# only, and its tools would report no block digests. A manifest without them is written as v6 or older.
 
 
 @dataclass(kw_only=True)
@@ -147,7 +150,10 @@ class Manifest:
                 del f["block_ends"], f["block_hashes"]
         if data["schema_version"] == SCHEMA_VERSION:  # the oldest schema that holds it, which older distckpt reads
             blocks = any("block_ends" in f for f in data["files"])
-            data["schema_version"] = 6 if "interval" in data else 5 if "initial_load" in data else 4 if blocks else 3
+            digests = any(f["path"].rsplit("/", 1)[-1].startswith(".digests-rank-") for f in data["files"])
+            data["schema_version"] = (
+                7 if digests else 6 if "interval" in data else 5 if "initial_load" in data else 4 if blocks else 3
+            )
         return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod
@@ -225,6 +231,8 @@ def migrate(data: dict[str, Any]) -> dict[str, Any]:
         data["schema_version"] = 5  # nothing to change: a v4 run started without initial-load options
     if data["schema_version"] == 5:
         data["schema_version"] = 6  # nothing to change: a v5 run had no interval statistics
+    if data["schema_version"] == 6:
+        data["schema_version"] = 7  # nothing to change: a v6 manifest carries its block digests itself
     return data
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..config import KeepBest
+from ..errors import CheckpointCorruptError
+from ..ondisk.manifest import Manifest
+from ..storage import CheckpointStore
 
-__all__ = ["steps_to_delete", "best_steps"]
+__all__ = ["steps_to_delete", "best_steps", "KnownCheckpoints"]
 
 
 def steps_to_delete(
@@ -56,3 +59,27 @@ def best_steps(metrics: dict[int, dict[str, float]], keep_best: KeepBest) -> lis
     sign = 1.0 if keep_best.mode == "min" else -1.0
     ranked = sorted((sign * v, s) for s, m in metrics.items() if (v := m.get(keep_best.metric)) is not None and v == v)
     return [s for _, s in ranked[: keep_best.k]]
+
+
+class KnownCheckpoints:
+    """Rank 0's memory of the root's committed checkpoints, each validated once: at its commit
+    (this run's) or at the first retention that finds it (any other), so retention costs one
+    listing per save, not a look at every file of every kept checkpoint (docs/design.md).
+    A checkpoint found damaged stays ignored, as :meth:`CheckpointStore.find_committed` reports it."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, Manifest | CheckpointCorruptError] = {}
+
+    def committed(self, store: CheckpointStore, *, new: tuple[int, Manifest] | None = None) -> dict[int, Manifest]:
+        """``{step: manifest}`` of the valid committed checkpoints of ``store``.
+
+        Args:
+            new: ``(step, manifest)`` of the checkpoint just committed (already validated).
+        """
+        if new is not None:
+            self._known[new[0]] = new[1]
+        steps = store.committed_steps()
+        if any(s not in self._known for s in steps):  # another process's, or this run's first save
+            self._known.update({s: r for s, _, r in store.find_committed()})
+        self._known = {s: self._known[s] for s in steps if s in self._known}  # forget deleted ones
+        return {s: r for s, r in self._known.items() if isinstance(r, Manifest)}

@@ -2,7 +2,7 @@
 
 A :class:`SaveTransaction` owns the whole sequence for one step, on every rank::
 
-    stage -> write (blocking, or started in the background) -> all-rank outcome
+    stage -> write (blocking, or started in the background) -> outcomes gathered on rank 0
           -> rank 0: manifest -> rename -> latest -> retention -> final barrier
 
 Blocking and async saves run the same object: a blocking save calls :meth:`write` then
@@ -41,7 +41,7 @@ from ..ondisk.manifest import Manifest, TensorSpec, model_fingerprint
 from ..state.training_state import TrainState
 from ..storage import CheckpointStore
 from .purge import Purger
-from .retention import best_steps, steps_to_delete
+from .retention import KnownCheckpoints, best_steps, steps_to_delete
 
 __all__ = ["BackgroundSave", "PHASES", "PhaseHook", "RankOutcome", "SaveContext", "SaveTransaction"]
 
@@ -60,14 +60,15 @@ class PhaseHook(Protocol):
 
 @dataclasses.dataclass
 class RankOutcome:
-    """What one rank reports after its write phase; gathered on every rank.
+    """What one rank reports after its write phase; gathered on rank 0 only.
 
     Attributes:
         error: ``None`` on success, else a one-line description of what failed on this rank.
         stage_s: seconds from the save call until the state was handed to the writer.
         write_s: seconds of the write phase (for async: until the background write finished).
         files: ``{path relative to the checkpoint: (size_bytes, xxh3-128 hex digest)}`` this
-            rank wrote.
+            rank wrote, its digest file included (the block digests stay in that file:
+            :meth:`~distckpt.storage.base.CheckpointStore.write_digests`).
     """
 
     error: str | None
@@ -98,6 +99,7 @@ class SaveContext:
         purger: removes the files of checkpoints retention deleted, in the background (rank 0,
             POSIX); joined before the next retention, by ``BackgroundSave`` and the manager's ``wait``.
         initial_load: the run's initial-load options, recorded in every manifest (:mod:`distckpt.load.restart`).
+        known: rank 0's validated committed checkpoints, kept between saves for retention.
     """
 
     store: CheckpointStore
@@ -113,6 +115,7 @@ class SaveContext:
     before_commit: Callable[[], None] | None = None
     purger: Purger = dataclasses.field(default_factory=Purger)
     initial_load: dict[str, Any] | None = None
+    known: KnownCheckpoints = dataclasses.field(default_factory=KnownCheckpoints)
 
 
 class SaveTransaction:
@@ -159,6 +162,7 @@ class SaveTransaction:
                 write_timeout_s=self.ctx.write_timeout_s,
                 writer=self._writer(),
             )
+            files = self.store.write_digests(self.pending, self.ctx.rank, files)
             return RankOutcome(None, t_stage, time.perf_counter() - self.t0 - t_stage, files)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -230,6 +234,7 @@ class SaveTransaction:
         try:
             upload.result()
             files = async_writer.written_files(self.pending, self.ctx.rank)
+            files = self.store.write_digests(self.pending, self.ctx.rank, files)
             return dataclasses.replace(started, write_s=time.perf_counter() - self.t0 - started.stage_s, files=files)
         except BaseException as e:  # noqa: BLE001 - DCP raises BaseException subclasses
             return dataclasses.replace(
@@ -238,22 +243,25 @@ class SaveTransaction:
 
     # ------------------------------------------------------------------ commit
     def finish(self, collective: Collective, outcome: RankOutcome) -> None:
-        """Gather every rank's outcome; abort, or commit on rank 0; final barrier.
+        """Gather every rank's outcome on rank 0; abort, or commit on rank 0; final barrier.
 
         Raises:
             CheckpointSaveError: on every rank, when any rank's write or rank 0's commit
                 failed; nothing of this save is committed and the previous checkpoints are
                 intact.
         """
-        outcomes: list[RankOutcome] = collective.all_gather(outcome)
-        failures = {r: o.error for r, o in enumerate(outcomes) if o.error is not None}
+        outcomes: list[RankOutcome] | None = collective.gather(outcome)  # rank 0 only: no rank gets every file
+        failures: dict[int, str] = {}
+        commit_error, timings = None, {"stage": 0.0, "write": 0.0}
+        if outcomes is not None:
+            failures = {r: o.error for r, o in enumerate(outcomes) if o.error is not None}
+            timings = {"stage": max(o.stage_s for o in outcomes), "write": max(o.write_s for o in outcomes)}
+            if not failures:
+                commit_error = self._commit(timings, {name: e for o in outcomes for name, e in o.files.items()})
+        failures, commit_error = collective.broadcast((failures, commit_error))
         if failures:
             self._abort(collective)
             raise self.error(failures)
-        timings = {"stage": max(o.stage_s for o in outcomes), "write": max(o.write_s for o in outcomes)}
-        files = {name: entry for o in outcomes for name, entry in o.files.items()}
-        commit_error = self._commit(timings, files) if self.ctx.rank == 0 else None
-        commit_error = collective.broadcast(commit_error)
         if commit_error is not None:
             self._abort(collective)
             raise self.error({0: f"commit: {commit_error}"})
@@ -318,14 +326,14 @@ class SaveTransaction:
         except Exception as e:  # noqa: BLE001 - broadcast to every rank
             return describe_exception(e)
         try:
-            self._apply_retention()
+            self._apply_retention(manifest)
         except OSError as e:  # a failed delete never fails the save that just committed
             logger.error("retention failed in %s: %s", self.store.root, e)
         return None
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, manifest: Manifest) -> None:
         root = self.store.root
-        manifests = {s: r for s, _, r in self.store.find_committed() if isinstance(r, Manifest)}
+        manifests = self.ctx.known.committed(self.store, new=(self.step, manifest))
         committed = list(manifests)
         best, kb = [], self.ctx.retention.keep_best
         if kb is not None and (best := best_steps({s: m.metrics for s, m in manifests.items() if s <= self.step}, kb)):

@@ -130,6 +130,35 @@ class CheckpointStore(Protocol):
         """Every file of a written save with sizes and the writers' hashes (rank 0)."""
         ...
 
+    def write_digests(self, pending: str, rank: int, files: dict[str, tuple[int, str]]) -> dict[str, tuple[int, str]]:
+        """Every rank, after its write: keep the block digests of the files it wrote (``files``, the
+        writer's ``{name: (size_bytes, xxh3_128)}``, :class:`~distckpt.ondisk.integrity.WrittenFile`
+        with ``.blocks``) out of the manifest, in this rank's digest file (:mod:`distckpt.ondisk.digests`).
+
+        Returns:
+            ``{name: (size_bytes, xxh3_128)}`` to report for the manifest: ``files`` as plain pairs,
+            plus the digest file when one was written. This default (object storage, whose reads
+            fetch whole objects) writes none and drops the blocks.
+
+        Raises:
+            OSError: the digest file could not be written.
+        """
+        return {name: (int(entry[0]), str(entry[1])) for name, entry in files.items()}
+
+    def block_digests(self, location: str, manifest: Manifest) -> dict[str, BlockDigests]:
+        """``{relative path: BlockDigests}`` of a committed checkpoint's files: those in its
+        manifest (older schemas) and those in the digest files it lists, each checked first.
+
+        Raises:
+            CheckpointCorruptError: a digest file is missing, changed or malformed.
+        """
+        return {f.path: b for f in manifest.files if (b := f.blocks()) is not None}
+
+    def committed_steps(self) -> list[int]:
+        """Steps that have a manifest, oldest first, from one listing (nothing validated): what
+        retention compares with the checkpoints it already validated."""
+        return [s for s, _ in self.existing()]
+
     def commit(self, pending: str, step: int, manifest: Manifest, on_phase: Callable[[str], None] | None = None) -> str:
         """Make a fully written save a committed checkpoint (rank 0); returns its location.
         Raises ``FileExistsError`` when ``step`` is already committed."""

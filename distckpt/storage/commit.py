@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import CheckpointCorruptError
+from ..ondisk.digests import read_blocks
 from ..ondisk.integrity import check_file
 from ..ondisk.layout import (
     DEFERRED_MANIFEST,
@@ -128,12 +129,15 @@ def validate(checkpoint_dir: str | os.PathLike, *, check_hashes: bool = False) -
     """
     checkpoint_dir = Path(checkpoint_dir)
     manifest = Manifest.read(checkpoint_dir)
+    blocks = {}
+    if check_hashes:  # the blocks are only compared with the bytes when these are read
+        blocks = read_blocks(manifest, lambda name: (checkpoint_dir / name).read_bytes(), location=str(checkpoint_dir))
     for entry in manifest.files:
         check_file(
             checkpoint_dir / entry.path,
             size_bytes=entry.size_bytes,
             digest=entry.hash if check_hashes else None,
-            blocks=entry.blocks(),
+            blocks=blocks.get(entry.path),
         )
     problem = first_problem(
         structure_problems(
@@ -163,14 +167,24 @@ def verify(checkpoint_dir: str | os.PathLike) -> list[CheckpointCorruptError]:
         manifest = Manifest.read(checkpoint_dir)
     except CheckpointCorruptError as e:
         return [e]
-    problems = []
+    problems: list[CheckpointCorruptError] = []
+    digests_problem = None
+    try:
+        blocks = read_blocks(manifest, lambda name: (checkpoint_dir / name).read_bytes(), location=str(checkpoint_dir))
+    except CheckpointCorruptError as e:  # the files are still checked whole
+        blocks, digests_problem = {f.path: b for f in manifest.files if (b := f.blocks()) is not None}, e
     for entry in manifest.files:
         try:
             check_file(
-                checkpoint_dir / entry.path, size_bytes=entry.size_bytes, digest=entry.hash, blocks=entry.blocks()
+                checkpoint_dir / entry.path,
+                size_bytes=entry.size_bytes,
+                digest=entry.hash,
+                blocks=blocks.get(entry.path),
             )
         except CheckpointCorruptError as e:
             problems.append(e)
+    if digests_problem is not None and digests_problem.path not in {p.path for p in problems}:
+        problems.insert(0, digests_problem)  # not already named by its size or hash
     return problems
 
 

@@ -27,6 +27,7 @@ from typing import Callable
 from ..engine import read_dcp_metadata
 from ..engine.incremental_writer import ReuseIndex, read_item_records
 from ..errors import CheckpointCorruptError
+from ..ondisk.digests import is_digests_name
 from ..ondisk.layout import DEFERRED_MANIFEST, MANIFEST, checkpoint_dirs, checkpoint_name, is_deferred
 from ..ondisk.manifest import FileEntry, Manifest
 from .commit import delete_checkpoint, validate
@@ -113,6 +114,12 @@ def reference_entries(checkpoint_dir: str | os.PathLike) -> list[FileEntry]:
                 block_hashes=entry.block_hashes,
             )
         )
+    for owner, files in owners.items():  # the owners' digest files hold the referenced files' blocks
+        entries += [
+            FileEntry(path=f"../{owner}/{f.path}", size_bytes=f.size_bytes, hash=f.hash)
+            for f in files.values()
+            if is_digests_name(f.path) and not f.path.startswith("../")
+        ]
     return entries
 
 
@@ -126,8 +133,12 @@ def referenced_files(manifest: Manifest) -> dict[str, set[str]]:
     return out
 
 
+# {manifest path: ((inode, mtime), what it refers to)}: retention reads each manifest once, not at every save.
+_REFS_SEEN: dict[str, tuple[tuple[int, int], dict[str, set[str]]]] = {}
+
+
 class References:
-    """Who refers to whom in one root, read once from every directory's manifest (committed
+    """Who refers to whom in one root, from every directory's manifest (committed
     and set-aside checkpoints alike); deletes checkpoints nobody refers to, defers the others.
     Rank 0 (or ``distckpt prune``), holding the root's lock.
 
@@ -141,12 +152,29 @@ class References:
         self.root = Path(root)
         self._remove = remove
         self._refs: dict[str, dict[str, set[str]]] = {}  # referrer -> owner -> files
+        seen: dict[str, tuple[tuple[int, int], dict[str, set[str]]]] = {}
         for entry in os.scandir(self.root):
-            if entry.is_dir() and os.path.exists(os.path.join(entry.path, MANIFEST)):
+            try:
+                st = os.stat(os.path.join(entry.path, MANIFEST)) if entry.is_dir() else None
+            except FileNotFoundError:
+                continue
+            if st is None:
+                continue
+            key, path = (st.st_ino, st.st_mtime_ns), os.path.join(entry.path, MANIFEST)
+            cached = _REFS_SEEN.get(path)
+            if cached is not None and cached[0] == key:  # a manifest is replaced, never edited in place
+                refs = cached[1]
+            else:
                 try:
-                    self._refs[entry.name] = referenced_files(Manifest.read(entry.path))
+                    refs = referenced_files(Manifest.read(entry.path))
                 except CheckpointCorruptError:
                     continue  # an unreadable manifest refers to nothing loadable
+            seen[path] = (key, refs)
+            self._refs[entry.name] = refs
+        _REFS_SEEN.update(seen)
+        for gone in set(_REFS_SEEN) - set(seen):
+            if os.path.dirname(os.path.dirname(gone)) == str(self.root):
+                del _REFS_SEEN[gone]
 
     def referenced(self, name: str) -> set[str]:
         """Files of checkpoint ``name`` that some kept checkpoint refers to."""
@@ -222,6 +250,8 @@ def delete_or_defer(
     Raises:
         OSError: a rename failed (that checkpoint is then still committed and whole).
     """
+    if not steps:  # nothing deleted: no reference changed since the last retention
+        return []
     refs = References(root, remove=remove)
     done = []
     for step in steps:

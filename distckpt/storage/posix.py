@@ -16,6 +16,7 @@ from ..engine import SafeFileSystemReader, read_dcp_metadata
 from ..engine.blocking import hashing_writer
 from ..engine.incremental_writer import ReuseIndex
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from ..ondisk.digests import digests_name, encode_digests, read_blocks
 from ..ondisk.integrity import BlockDigests, check_file, hash_file
 from ..ondisk.layout import (
     LATEST,
@@ -144,6 +145,29 @@ class PosixStore(CheckpointStore):
             if isinstance(blocks, BlockDigests) and blocks.valid_for(entry.size_bytes):
                 entry.block_ends, entry.block_hashes = list(blocks.ends), list(blocks.hashes)
         return entries
+
+    @override
+    def write_digests(self, pending: str, rank: int, files: dict[str, tuple[int, str]]) -> dict[str, tuple[int, str]]:
+        out = {name: (int(entry[0]), str(entry[1])) for name, entry in files.items()}
+        blocks = {n: b for n, e in files.items() if isinstance(b := getattr(e, "blocks", None), BlockDigests)}
+        if not blocks:  # small files only: nothing to keep beside the manifest
+            return out
+        name = digests_name(rank)
+        data, digest = encode_digests(rank, blocks)
+        with open(Path(pending) / name, "wb") as f:  # durable before the commit, like DCP's files
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        out[name] = (len(data), digest)
+        return out
+
+    @override
+    def block_digests(self, location: str, manifest: Manifest) -> dict[str, BlockDigests]:
+        return read_blocks(manifest, lambda name: (Path(location) / name).read_bytes(), location=location)
+
+    @override
+    def committed_steps(self) -> list[int]:
+        return [s for s, _ in _commit.existing_checkpoints(self.path)]
 
     @override
     def commit(self, pending: str, step: int, manifest: Manifest, on_phase: Callable[[str], None] | None = None) -> str:

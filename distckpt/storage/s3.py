@@ -310,7 +310,8 @@ class S3Store(CheckpointStore):
                 problems.append(e)
         return problems
 
-    def _manifest_steps(self) -> list[int]:
+    @override
+    def committed_steps(self) -> list[int]:
         steps = []
         for name in self.objects.list_objects(self.key(MANIFESTS)):
             m = _MANIFEST_RE.match(name.rsplit("/", 1)[-1])
@@ -321,7 +322,7 @@ class S3Store(CheckpointStore):
     @override
     def find_committed(self) -> list[tuple[int, str, Manifest | CheckpointCorruptError]]:
         out: list[tuple[int, str, Manifest | CheckpointCorruptError]] = []
-        for step in reversed(self._manifest_steps()):
+        for step in reversed(self.committed_steps()):
             url = self.objects.url(self._manifest_key(step))
             try:
                 manifest = self._parse_manifest(step, self.objects.get(self._manifest_key(step)), url)
@@ -430,7 +431,7 @@ class S3Store(CheckpointStore):
             found = re.search(r"(step-\d{9,})", name.rsplit("/", 1)[-1])
             if found and not _MANIFEST_RE.match(name.rsplit("/", 1)[-1]):
                 unsure.add(found.group(1))
-        for step in self._manifest_steps():
+        for step in self.committed_steps():
             key = self._manifest_key(step)
             try:
                 referenced.add(self._parse_manifest(step, self.objects.get(key), "").data_prefix)
@@ -463,7 +464,7 @@ class S3Store(CheckpointStore):
         if name is None:
             return None
         step = parse_step(name)
-        if step is not None and step in self._manifest_steps():
+        if step is not None and step in self.committed_steps():
             return name
         for s, _, result in self.find_committed():
             if isinstance(result, Manifest):

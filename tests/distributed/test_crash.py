@@ -71,12 +71,13 @@ def test_bit_flip_found_while_reading_falls_back_on_every_rank(tmp_path, fast_lo
     assert (tmp_path / "corrupt-step-000000006-0").is_dir() and not (tmp_path / "step-000000006").exists()
 
 
-def load_with_metadata_error_on_rank_1(rank, world_size, opts):
-    """``.metadata`` of the newest checkpoint unreadable on rank 1 only (one node's I/O error)."""
+def load_with_metadata_error_on_rank_0(rank, world_size, opts):
+    """``.metadata`` of the newest checkpoint unreadable on rank 0, the one rank that reads it
+    for every rank (an I/O error on its node)."""
     import distckpt.storage.posix as manager_module  # where the load reads .metadata (POSIX store)
     from distckpt.errors import CheckpointCorruptError
 
-    if rank == 1:
+    if rank == 0:
         original = manager_module.read_dcp_metadata
 
         def failing(path):
@@ -99,13 +100,13 @@ def test_metadata_error_on_one_rank_fails_or_falls_back_on_every_rank(tmp_path, 
     values(run_ranks(save_after, 2, dict(opts, steps=3)))
     values(run_ranks(save_after, 2, dict(opts, steps=6)))
     out = values(
-        run_ranks(load_with_metadata_error_on_rank_1, 2, dict(opts, fallback_to_older=fallback), timeout_s=50)
+        run_ranks(load_with_metadata_error_on_rank_0, 2, dict(opts, fallback_to_older=fallback), timeout_s=50)
     )  # well below the 60 s collective timeout: no rank waits it out
     if fallback:
         assert out == [{"loaded": 3}, {"loaded": 3}]
     else:
         for r in out:
-            assert "rank 1" in r["error"] and "Input/output error" in r["error"], r
+            assert "rank 0" in r["error"] and "Input/output error" in r["error"], r
 
 
 def save_then_die_mid_background_delete(rank, world_size, opts):

@@ -1,5 +1,6 @@
-"""Block digests: recorded by the POSIX writer, kept in the manifest (schema 4), and used by the
-fast reader to read and verify only the blocks a partial load needs."""
+"""Block digests: recorded by the POSIX writer, kept in per-rank digest files the manifest lists
+(schema 7; in the manifest itself in schemas 4-6), and used by the fast reader to read and verify
+only the blocks a partial load needs."""
 
 from __future__ import annotations
 
@@ -149,8 +150,9 @@ def test_mispredicted_item_is_reread_with_verified_blocks(tmp_path, monkeypatch)
 
 
 def test_manifest_keeps_blocks_and_reads_v3(tmp_path):
-    """A manager's save records block digests (schema 4); a v3 manifest without them (an older
-    distckpt's) still loads, whole-file verified; malformed block lists are refused."""
+    """A manager's save records block digests in its digest file (schema 7); a v4 manifest holding
+    them itself and a v3 manifest without them (an older distckpt's) still load, whole-file
+    verified; malformed block lists are refused."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))
     opt = torch.optim.AdamW(model.parameters())
@@ -161,10 +163,17 @@ def test_manifest_keeps_blocks_and_reads_v3(tmp_path):
         m.save(1)
     path = tmp_path / "step-000000001" / "distckpt.json"
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 4
-    big = [f for f in data["files"] if f["size_bytes"] > MIN_BLOCK_BYTES]
-    assert big and all(f["block_ends"][-1] == f["size_bytes"] for f in big)
-    assert all("block_ends" not in f for f in data["files"] if f["size_bytes"] <= MIN_BLOCK_BYTES)
+    assert data["schema_version"] == 7
+    assert all("block_ends" not in f for f in data["files"])  # the manifest stays small
+    digests_file = path.parent / ".digests-rank-00000.json"
+    digests = json.loads(digests_file.read_bytes())["files"]
+    assert [f for f in data["files"] if f["path"] == digests_file.name] == [
+        {"path": digests_file.name, "size_bytes": digests_file.stat().st_size, "hash": hash_file(digests_file)[1]}
+    ]
+    big = {f["path"]: f["size_bytes"] for f in data["files"] if f["size_bytes"] > MIN_BLOCK_BYTES}
+    big.pop(digests_file.name, None)
+    assert big and sorted(digests) == sorted(big)
+    assert all(digests[name]["block_ends"][-1] == size for name, size in big.items())
     assert Manifest.from_dict(json.loads(Manifest.from_dict(data).to_json())) == Manifest.from_dict(data)
 
     # Only the model is loaded: the files also hold the optimizer's state, so the reader reads
@@ -195,6 +204,23 @@ def test_manifest_keeps_blocks_and_reads_v3(tmp_path):
             m2.load()
     assert all(torch.equal(a, b) for a, b in zip(mod.state_dict().values(), model.state_dict().values()))
     assert stats[-1]["ranged_files"] >= 1 and stats[-1]["read_bytes"] < 1.2 * stats[-1]["needed_bytes"]
+
+    # A v4 manifest (blocks in the manifest, no digest file) reads its blocks as before.
+    v4 = dict(data, schema_version=4)
+    v4["files"] = [dict(f, **digests.get(f["path"], {})) for f in data["files"] if f["path"] != digests_file.name]
+    digests_file.rename(tmp_path / "digests.json")
+    path.write_text(json.dumps(v4))
+    assert json.loads(Manifest.from_dict(v4).to_json())["schema_version"] == 4
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FastFileSystemReader, "read_data", spy)
+        mod, o = fresh()
+        only_model = LoadConfig(only=["model"])
+        cfg4 = CheckpointConfig(root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None), load=only_model)
+        with CheckpointManager(cfg4, model=mod, optimizer=o) as m4:
+            m4.load()
+    assert all(torch.equal(a, b) for a, b in zip(mod.state_dict().values(), model.state_dict().values()))
+    assert stats[-1]["ranged_files"] >= 1 and stats[-1]["read_bytes"] < 1.2 * stats[-1]["needed_bytes"]
+    data = v4
 
     old = dict(data, schema_version=3)
     old["files"] = [{k: v for k, v in f.items() if not k.startswith("block_")} for f in data["files"]]
@@ -265,13 +291,17 @@ def test_verify_checks_block_digests_too(tmp_path, capsys):
         m.save(1)
     ckpt = tmp_path / "step-000000001"
     assert main(["verify", str(ckpt)]) == 0
-    path = ckpt / "distckpt.json"
-    data = json.loads(path.read_text())
-    entry = next(f for f in data["files"] if f.get("block_hashes") and len(f["block_hashes"]) > 1)
+    path, digests_file = ckpt / "distckpt.json", ckpt / ".digests-rank-00000.json"
+    digests = json.loads(digests_file.read_bytes())
+    name, entry = next((n, f) for n, f in digests["files"].items() if len(f["block_hashes"]) > 1)
     entry["block_hashes"][1] = "0" * 32  # well formed, wrong
+    digests_file.write_text(json.dumps(digests))
+    data = json.loads(path.read_text())  # the manifest vouches for the edited digest file
+    listed = next(f for f in data["files"] if f["path"] == digests_file.name)
+    listed["size_bytes"], listed["hash"] = hash_file(digests_file)
     path.write_text(json.dumps(data))
     capsys.readouterr()
     assert main(["verify", str(ckpt)]) != 0
     out = capsys.readouterr()
     text = out.out + out.err
-    assert entry["path"] in text and "block 1 of" in text and "block list is wrong" in text
+    assert name in text and "block 1 of" in text and "block list is wrong" in text

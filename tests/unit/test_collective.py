@@ -108,3 +108,34 @@ def test_agree_on_two_ranks_raises_the_same_error_everywhere() -> None:
     for case, expect in CASES.items():
         if expect is not None:
             assert r0[case] == r1[case] == expect, case
+
+
+def _lead_on_two(rank: int, world_size: int) -> dict[str, Any]:
+    collective = Collective(None, timeout_s=30)
+    calls: list[str] = []
+
+    def read() -> str:
+        calls.append("read")
+        return f"read by rank {rank}"
+
+    def corrupt() -> str:
+        calls.append("corrupt")
+        raise errors.CheckpointCorruptError("x/.metadata: unreadable", path="x/.metadata")
+
+    out: dict[str, Any] = {"value": collective.lead(read, what="reading x")}
+    try:
+        collective.lead(corrupt, what="reading x", error_type=errors.CheckpointCorruptError)
+    except errors.CheckpointCorruptError as e:
+        out["error"] = (type(e).__name__, str(e), e.path)
+    out["calls"] = calls
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_lead_runs_on_rank_0_only_and_its_result_or_error_reaches_every_rank() -> None:
+    r0, r1 = values(run_ranks(_lead_on_two, 2, timeout_s=90))
+    assert r0["value"] == r1["value"] == "read by rank 0"
+    expect = ("CheckpointCorruptError", "reading x failed on rank 0: CheckpointCorruptError: x/.metadata: unreadable")
+    assert r0["error"] == r1["error"] == (*expect, "x/.metadata")
+    assert r0["calls"] == ["read", "corrupt"] and r1["calls"] == []

@@ -324,3 +324,28 @@ def test_kill_during_incremental_save_leaves_a_loadable_checkpoint(tmp_path, pha
         assert torch.equal(model.state_dict()[k], v), k
     if loaded_step == 2:
         assert references(root / S2)  # the loaded checkpoint is the incremental one
+
+
+def test_references_carry_their_owners_digest_files_and_blocks(tmp_path, capsys):
+    """An incremental checkpoint refers to its owner's digest file too (schema 7: the block
+    digests are no longer in the owner's manifest), so a partial read of a referenced file still
+    has its blocks; a deferred owner keeps the digest file."""
+    from distckpt.ondisk.manifest import Manifest
+    from distckpt.storage.posix import PosixStore
+
+    expected = run_saves(
+        tmp_path, frozen=30, save=SaveConfig(incremental=True, thread_count=1), retention=RetentionConfig(keep_last=1)
+    )
+    owner_digests = f"../{S1}/.digests-rank-00000.json"
+    manifest = Manifest.read(tmp_path / S2)
+    listed = {f.path: f for f in manifest.files}
+    assert owner_digests in listed and json.loads((tmp_path / S2 / "distckpt.json").read_text())["schema_version"] == 7
+    referenced = sorted(set(references(tmp_path / S2).values()))
+    blocks = PosixStore(str(tmp_path)).block_digests(str(tmp_path / S2), manifest)
+    assert referenced and all(blocks[r].ends[-1] == listed[r].size_bytes for r in referenced)
+    assert (tmp_path / S1 / "distckpt.deferred.json").exists() and (tmp_path / S1 / ".digests-rank-00000.json").exists()
+    assert main(["verify", str(tmp_path / S2)]) == 0
+    manager, model, optimizer = setup(tmp_path, seed=1, frozen=30)
+    assert manager.load().step == 2
+    manager.close()
+    assert_state_equal(model, optimizer, expected)
