@@ -231,9 +231,9 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         return False
     rows = results["rows"]
     ws = [r["world_size"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 4.8))
     for i, (label, key, how) in enumerate(PHASES):
-        ys = [value(r, key, how) for r in rows]
+        ys = [value(r, key, how) if value(r, key, how) > 0 else math.nan for r in rows]  # log axes
         style = {"color": plt.cm.tab20(i), "marker": "os^v"[i % 4], "markersize": 3, "label": label}
         axes[0].plot(ws, [y * 1e3 for y in ys], **style)
         axes[1].plot(ws, [y / r["plain_s"] for y, r in zip(ys, rows)], **style)
@@ -246,7 +246,8 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         ax.set_ylabel(ylabel)
     axes[0].set_title(f"Scale ({results['meta']['date']})")
     axes[1].set_title("divided by the plain collectives' cost")
-    axes[0].legend(fontsize=6)
+    handles, labels = axes[0].get_legend_handles_labels()
+    axes[1].legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     save_figure(fig, path)
     return True
 
