@@ -10,6 +10,7 @@ files) touches one place here.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import tempfile
@@ -42,10 +43,10 @@ def placement_probe(world_sizes: list[int], *, budget_s: float = 20.0, tensors: 
     for w in world_sizes:
         layout = NodeLayout(tuple(f"node{r // RANKS_PER_NODE}" for r in range(w)))
         rank = w - 1  # the last node: the ring's longest walk
-        calls = {
-            "targets_s": lambda layout=layout, rank=rank: layout.targets(rank, 1),
-            "sources_s": lambda layout=layout, rank=rank: layout.sources(rank, 1),
-            "assign_replicated_s": lambda w=w: assign_replicated(sizes, w),
+        calls: dict[str, Callable[[], Any]] = {
+            "targets_s": functools.partial(layout.targets, rank, 1),
+            "sources_s": functools.partial(layout.sources, rank, 1),
+            "assign_replicated_s": functools.partial(assign_replicated, sizes, w),
         }
         row: dict[str, Any] = {"world_size": w}
         for name, fn in calls.items():
@@ -109,7 +110,7 @@ def manifest_probe(world_sizes: list[int], *, bytes_per_rank: int = 8 << 30) -> 
             for name, entry in files.items():
                 with open(os.path.join(pending, name), "wb") as f:
                     f.truncate(entry[0])
-            build_s, manifest = _timed(lambda w=w, files=files, pending=pending: _manifest(w, files, pending))
+            build_s, manifest = _timed(functools.partial(_manifest, w, files, pending))
             json_s, text = _timed(manifest.to_json)
             rows.append(
                 {

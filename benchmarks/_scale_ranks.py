@@ -37,7 +37,7 @@ from typing import Any
 __all__ = ["rank_main"]
 
 RANKS_PER_NODE = 4
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "default": {"schedule": {"interval_steps": 1000}},
     "auto": {"schedule": {"interval_steps": "auto"}},
     "no_vote": {"schedule": {"interval_steps": 1000}, "preemption": {"enabled": False}},
@@ -169,13 +169,15 @@ def rank_main(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any
     out["construct_off_s"], out["construct_on_s"] = (statistics.median(times[k]) for k in ("off", "on"))
     try:
         with manager:
+            tier = manager.memory
+            assert tier is not None, "memory.enabled: the manager has a memory tier"
             stalls = []
             for step in range(1, spec["memory_steps"] + 1):
                 time.sleep(spec["step_s"])
                 manager.maybe_save(step)
-                stalls.append(manager.memory.last_stall_s)
+                stalls.append(tier.last_stall_s)
             out["stall_s"] = statistics.median(stalls[1:])
-            manager.memory.wait()
+            tier.wait()
             _timed_barrier(lambda: None)
             raise _Crash
     except _Crash:
