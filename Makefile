@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup demo demo-elastic demo-elastic-memory lint test test-fast test-slow test-gpu bench bench-gpu bench-recovery clean
+.PHONY: setup demo demo-elastic demo-elastic-memory lint test test-fast test-slow test-gpu bench bench-gpu bench-recovery bench-scale clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ demo-elastic-memory: $(VENV)/.installed
 # Recovery time from a kill to the first step, memory tier off vs on, 256 MiB and 1 GiB (~10 min).
 bench-recovery: $(VENV)/.installed
 	$(PY) -m benchmarks.bench_recovery --out runs/bench_recovery
+
+# Per-step and coordination costs at W = 2..32 forked ranks vs plain gloo collectives, and probes
+# of placement and manifest size up to W = 16,384 (~10 min; docs/benchmarks.md, "Scale").
+bench-scale: $(VENV)/.installed
+	$(PY) -m benchmarks.bench_scale --out runs/bench_scale
 
 # ruff (formatting, lint, import order, docstrings of distckpt's public names) and mypy, configured in pyproject.toml.
 lint: $(VENV)/.installed
