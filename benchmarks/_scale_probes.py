@@ -11,9 +11,6 @@ files) touches one place here.
 from __future__ import annotations
 
 import functools
-import os
-import secrets
-import tempfile
 import time
 from typing import Any, Callable
 
@@ -60,67 +57,22 @@ def placement_probe(world_sizes: list[int], *, budget_s: float = 20.0, tensors: 
     return rows
 
 
-def _rank_files(world_size: int, bytes_per_rank: int) -> dict[str, Any]:
-    """What the ranks' writers report for a save of ``bytes_per_rank`` per rank, as DCP writes it
-    with one writer thread: one data file per rank (``__<rank>_0.distcp``) with its block digests
-    cut as ``BlockHasher`` cuts one large write, plus ``.metadata``."""
-    from distckpt.ondisk.integrity import BLOCK_SPLIT, MAX_BLOCK_BYTES, MIN_BLOCK_BYTES, BlockDigests, WrittenFile
-
-    block = min(max(-(-bytes_per_rank // BLOCK_SPLIT), MIN_BLOCK_BYTES), MAX_BLOCK_BYTES)
-    ends = tuple(range(block, bytes_per_rank, block)) + (bytes_per_rank,)
-    digest = secrets.token_hex(16)
-    hashes = tuple(secrets.token_hex(16) for _ in ends)  # one set shared by every rank: only sizes matter
-    files: dict[str, Any] = {
-        f"__{r}_0.distcp": WrittenFile(bytes_per_rank, digest, BlockDigests(ends, hashes)) for r in range(world_size)
-    }
-    files[".metadata"] = WrittenFile(1024 * world_size, digest)
-    return files
-
-
-def _manifest(world_size: int, files: dict[str, Any], pending: str) -> Any:
-    """The manifest rank 0 commits for ``files`` (the store's ``list_files``, as a save builds it)."""
-    from distckpt import __version__
-    from distckpt.ondisk.manifest import Manifest, TensorSpec, model_fingerprint
-    from distckpt.storage import open_store
-
-    store = open_store(os.path.dirname(pending))
-    model = {f"layers.{i}.weight": TensorSpec(shape=[4096, 4096], dtype="torch.bfloat16") for i in range(64)}
-    return Manifest(
-        step=1000,
-        world_size=world_size,
-        wrapper="fsdp2",
-        state_dict_type="sharded",
-        torch_version="probe",
-        distckpt_version=__version__,
-        model=model,
-        model_fingerprint=model_fingerprint(model),
-        files=store.list_files(pending, files),
-    )
-
-
 def manifest_probe(world_sizes: list[int], *, bytes_per_rank: int = 8 << 30) -> list[dict[str, Any]]:
-    """Per W: the size (bytes) of the manifest a save of ``bytes_per_rank`` per rank commits, and
-    seconds to build and to serialise it. The data files are sparse (sizes only, no disk used)."""
+    """Per W: the size (bytes) of the manifest a save of ``bytes_per_rank`` per rank commits and the
+    seconds rank 0 takes to build and serialise it, by :func:`benchmarks.manifest_size.manifest_size`
+    (every rank's digest file, then the save's own ``list_files`` and ``to_json``; sparse files)."""
+    from benchmarks.manifest_size import manifest_size
+
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-scale-manifest-") as tmp:
-        for w in world_sizes:
-            pending = os.path.join(tmp, f"w{w}")
-            os.makedirs(pending)
-            files = _rank_files(w, bytes_per_rank)
-            for name, entry in files.items():
-                with open(os.path.join(pending, name), "wb") as f:
-                    f.truncate(entry[0])
-            build_s, manifest = _timed(functools.partial(_manifest, w, files, pending))
-            json_s, text = _timed(manifest.to_json)
-            rows.append(
-                {
-                    "world_size": w,
-                    "bytes_per_rank": bytes_per_rank,
-                    "manifest_bytes": len(text.encode()),
-                    "build_s": build_s,
-                    "to_json_s": json_s,
-                }
-            )
-            for name in files:
-                os.remove(os.path.join(pending, name))
+    for w in world_sizes:
+        got = manifest_size(w, bytes_per_rank)
+        rows.append(
+            {
+                "world_size": w,
+                "bytes_per_rank": bytes_per_rank,
+                "manifest_bytes": got["manifest_bytes"],
+                "digest_bytes": got["digest_bytes"],
+                "build_s": got["seconds"],
+            }
+        )
     return rows
