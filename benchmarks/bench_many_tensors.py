@@ -17,7 +17,15 @@ load included); ``stock`` = ``get_state_dict`` + ``dcp.save`` and ``dcp.load`` +
 loaded by one process (``"scenario": "reshard 2->1"``). Times are each rank set's slowest rank.
 ``growth`` is the least-squares slope of log(seconds) against log(N) over N >= 1,000, per
 implementation (world size 1, same-world rows). Timings on this shared 2-core machine are noisy
-(the load average is recorded): the ratios within one run are what counts.
+(the load average is recorded): the ratios within one run are what counts; ``--rounds R`` runs R
+interleaved rounds per cell and keeps each implementation's fastest save and load.
+
+``--peers`` adds the fastest single-process savers to the same-world cells, in the same ranks:
+``torch_checkpointing`` (the ``torch-checkpointing`` package, extra ``bench-peers``; skipped with
+a note when not installed), ``torch_save`` (one ``torch.save``/``torch.load`` of the module's and
+optimizer's ``state_dict()``, as Lightning and accelerate do) and ``raw`` (the same bytes
+written as one file and fsynced, then read back into the live tensors: the physical limit);
+``results.md`` gets a second table with each time over distckpt's and the goal line.
 """
 
 from __future__ import annotations
@@ -394,7 +402,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             )
             + "**"
         )
-    lines += render_peers(results)
+    lines += [""] * (lines[-1] != "") + render_peers(results)
     return "\n".join(lines) + "\n"
 
 
@@ -405,10 +413,10 @@ def render_peers(results: dict[str, Any]) -> list[str]:
     if not any(r["impl"] in PEERS for r in rows):
         return []
     lines = [
-        "",
         "| params | tensors | world | impl | save s | save x distckpt | load s | load x distckpt | bitwise |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    goals = [""]
     for n, ws in sorted({(r["params"], r["world_size"]) for r in rows}):
         d = _row(rows, "distckpt", n, ws, "same")
         if d is None:
@@ -424,13 +432,12 @@ def render_peers(results: dict[str, Any]) -> list[str]:
         tc, ts = _row(rows, "torch_checkpointing", n, ws, "same"), _row(rows, "torch_save", n, ws, "same")
         if tc is not None and ts is not None:
             ok = all(d[k] <= tc[k] and d[k] <= GOAL_TORCH_SAVE_FACTOR * ts[k] for k in ("save_s", "load_s"))
-            lines.append(
+            goals.append(
                 f"- goal at N = {n:,}, world size {ws}: save and load no slower than torch-checkpointing and "
                 f"within {GOAL_TORCH_SAVE_FACTOR:g}x of torch.save (save {d['save_s'] / ts['save_s']:.2f}x, "
                 f"load {d['load_s'] / ts['load_s']:.2f}x torch.save): **{'met' if ok else 'missed'}**"
             )
-    lines += [f"- {note}" for note in results["meta"].get("peer_notes", [])]
-    return lines
+    return lines + goals + [f"- {note}" for note in results["meta"].get("peer_notes", [])]
 
 
 def plot(results: dict[str, Any], path: Path) -> bool:
