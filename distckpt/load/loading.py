@@ -129,7 +129,7 @@ class CheckpointLoader:
             IncompatibleCheckpointError: it does not fit the live model or components.
         """
         # The cyclic GC paused for the whole read, not only DCP's part: unpickling .metadata and
-        # set_state_dict allocate an object or more per tensor (gen-2 scans: most of such a load).
+        # set_state_dict allocate objects per tensor (their collections: a third of such a load).
         with gc_paused():
             return self._read(path)
 
