@@ -17,7 +17,15 @@ load included); ``stock`` = ``get_state_dict`` + ``dcp.save`` and ``dcp.load`` +
 loaded by one process (``"scenario": "reshard 2->1"``). Times are each rank set's slowest rank.
 ``growth`` is the least-squares slope of log(seconds) against log(N) over N >= 1,000, per
 implementation (world size 1, same-world rows). Timings on this shared 2-core machine are noisy
-(the load average is recorded): the ratios within one run are what counts.
+(the load average is recorded): the ratios within one run are what counts; ``--rounds R`` runs R
+interleaved rounds per cell and keeps each implementation's fastest save and load.
+
+``--peers`` adds the fastest single-process savers to the same-world cells, in the same ranks:
+``torch_checkpointing`` (the ``torch-checkpointing`` package, extra ``bench-peers``; skipped with
+a note when not installed), ``torch_save`` (one ``torch.save``/``torch.load`` of the module's and
+optimizer's ``state_dict()``, as Lightning and accelerate do) and ``raw`` (the same bytes
+written as one file and fsynced, then read back into the live tensors: the physical limit);
+``results.md`` gets a second table with each time over distckpt's and the goal line.
 """
 
 from __future__ import annotations
@@ -37,7 +45,20 @@ from benchmarks._output import machine_info, prepare_dirs, pyplot, save_figure, 
 from benchmarks._ranks import run_ranks
 
 IMPLS = ("distckpt", "stock")
+# --peers: the fastest single-process savers, and the bytes alone (``raw``: the physical limit).
+PEERS = ("torch_checkpointing", "torch_save", "raw")
 GOAL_EXPONENT, GOAL_SAVE_S, GOAL_LOAD_S, GOAL_SPEEDUP = 1.1, 10.0, 5.0, 3.0
+# --peers goal: distckpt no slower than torch-checkpointing, within this factor of plain torch.save.
+GOAL_TORCH_SAVE_FACTOR = 1.5
+
+
+def peer_available(impl: str) -> bool:
+    """Whether ``impl`` can run here: torch-checkpointing is an optional extra (``bench-peers``)."""
+    if impl != "torch_checkpointing":
+        return True
+    import importlib.util
+
+    return importlib.util.find_spec("torch_checkpointing") is not None
 
 
 def _build(spec: dict[str, Any]) -> tuple[Any, Any]:
@@ -70,10 +91,86 @@ def _perturb(model: Any, opt: Any) -> None:
             s["exp_avg"].zero_()
 
 
+def _raw_tensors(model: Any, opt: Any) -> list[Any]:
+    return [p.detach() for p in model.parameters()] + [v for s in opt.state.values() for v in s.values()]
+
+
+def _raw_save(path: str, model: Any, opt: Any) -> None:
+    # The same bytes as one file: one write per tensor from its memory, then fsync (as distckpt).
+    import torch
+
+    os.makedirs(path, exist_ok=True)
+    with open(f"{path}/raw-{torch.distributed.get_rank()}.bin", "wb", buffering=0) as f:
+        for t in _raw_tensors(model, opt):
+            f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        os.fsync(f.fileno())
+
+
+def _raw_load(path: str, model: Any, opt: Any) -> None:
+    # One sequential read of the file straight into the live tensors' memory.
+    import torch
+
+    with open(f"{path}/raw-{torch.distributed.get_rank()}.bin", "rb", buffering=0) as f:
+        for t in _raw_tensors(model, opt):
+            f.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _tc_manager() -> Any:
+    from torch_checkpointing import CheckpointManager as TcManager
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    # Its default O_DIRECT writes fail on ext4 here (unaligned close: EINVAL); buffered I/O, no fsync.
+    config = TcManager.Config.with_sync_save()
+    config.storage_config = LocalFileSystemStorageConfig(use_direct_io=False)
+    return TcManager(config)
+
+
+def _peer_save(impl: str, path: str, model: Any, opt: Any) -> None:
+    import torch
+
+    if impl == "raw":
+        _raw_save(path, model, opt)
+    elif impl == "torch_save":
+        # What Lightning and accelerate do: one torch.save of the module's and optimizer's state_dict().
+        os.makedirs(path, exist_ok=True)
+        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        torch.save(sd, f"{path}/rank{torch.distributed.get_rank()}.pt")
+    else:
+        # Synchronous save (the blocking time, as for the others); its default layout is one
+        # torch.save file per item and rank.
+        manager = _tc_manager()
+        try:
+            manager.save(path, {"model": model.state_dict(), "optim": opt.state_dict()})
+        finally:
+            manager.close()
+
+
+def _peer_load(impl: str, path: str, model: Any, opt: Any) -> None:
+    import torch
+
+    if impl == "raw":
+        _raw_load(path, model, opt)
+    elif impl == "torch_save":
+        sd = torch.load(f"{path}/rank{torch.distributed.get_rank()}.pt", map_location="cpu")
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+    else:
+        # Its documented load: copy_ into the live state_dict() tensors (which alias the
+        # parameters and the optimizer's state), mmap-backed by default.
+        manager = _tc_manager()
+        try:
+            manager.load(path, into={"model": model.state_dict(), "optim": opt.state_dict()})
+        finally:
+            manager.close()
+
+
 def _save(impl: str, path: str, model: Any, opt: Any) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    if impl in PEERS:
+        _peer_save(impl, path, model, opt)
+        return
     if impl == "stock":
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
@@ -94,6 +191,9 @@ def _load(impl: str, path: str, model: Any, opt: Any) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    if impl in PEERS:
+        _peer_load(impl, path, model, opt)
+        return
     if impl == "stock":
         msd, osd = get_state_dict(model, opt)
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
@@ -121,21 +221,27 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     model, opt = _build(spec)
     expected = _snapshot(model, opt)
     out: dict[str, Any] = {}
-    for impl in spec["order"]:
-        path = f"{spec['dir']}/{impl}"
-        if not spec["reshard"]:
+    for _ in range(spec.get("rounds", 1)):  # rounds interleave the implementations; the best counts
+        for impl in spec["order"]:
+            if spec["reshard"] and impl not in IMPLS:
+                continue  # the peers write per-rank files with no resharding
+            path = f"{spec['dir']}/{impl}"
+            if not spec["reshard"]:
+                if rank == 0:
+                    shutil.rmtree(path, ignore_errors=True)  # the previous round's checkpoint
+                dist.barrier()
+                t0 = time.perf_counter()
+                _save(impl, path, model, opt)
+                dist.barrier()
+                out[f"{impl}_save_s"] = min(time.perf_counter() - t0, out.get(f"{impl}_save_s", math.inf))
+            _perturb(model, opt)
             dist.barrier()
             t0 = time.perf_counter()
-            _save(impl, path, model, opt)
+            _load(impl, path, model, opt)
             dist.barrier()
-            out[f"{impl}_save_s"] = time.perf_counter() - t0
-        _perturb(model, opt)
-        dist.barrier()
-        t0 = time.perf_counter()
-        _load(impl, path, model, opt)
-        dist.barrier()
-        out[f"{impl}_load_s"] = time.perf_counter() - t0
-        out[f"{impl}_bitwise"] = all(torch.equal(a, b) for a, b in zip(_snapshot(model, opt), expected, strict=True))
+            out[f"{impl}_load_s"] = min(time.perf_counter() - t0, out.get(f"{impl}_load_s", math.inf))
+            same = all(torch.equal(a, b) for a, b in zip(_snapshot(model, opt), expected, strict=True))
+            out[f"{impl}_bitwise"] = same and out.get(f"{impl}_bitwise", True)
     return out
 
 
@@ -154,16 +260,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--numel", type=int, default=256, help="floats per parameter")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per rank set")
+    p.add_argument("--rounds", type=int, default=1, help="save+load rounds per cell; the fastest of each counts")
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="also time torch-checkpointing (extra bench-peers; skipped with a note when absent), "
+        "plain torch.save/torch.load and a raw write/read of the same bytes",
+    )
     args = p.parse_args(argv)
     out, data = prepare_dirs(args)
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    peers = [impl for impl in PEERS if args.peers and peer_available(impl)]
+    if args.peers and len(peers) < len(PEERS):
+        notes.append("torch-checkpointing not installed (pip install -e .[bench-peers]): skipped")
+    impls = list(IMPLS) + peers
     for i, n in enumerate(args.params):
-        order = list(IMPLS) if i % 2 == 0 else list(reversed(IMPLS))
+        order = impls if i % 2 == 0 else list(reversed(impls))
         for ws in args.world_sizes:
             cell = data / f"n{n}-w{ws}"
             shutil.rmtree(cell, ignore_errors=True)
-            spec = {"params": n, "numel": args.numel, "dir": str(cell), "order": order, "reshard": False}
+            spec = {
+                "params": n,
+                "numel": args.numel,
+                "dir": str(cell),
+                "order": order,
+                "reshard": False,
+                "rounds": args.rounds,
+            }
             runs = [(ws, "same", spec)]
             if ws == 2 and 1 in args.world_sizes:
                 runs.append((1, "reshard 2->1", dict(spec, reshard=True)))
@@ -176,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                     preload=("torch", "torch.distributed", "torch.distributed.checkpoint", "distckpt"),
                     label=f"N={n} W={world_size} {scenario}",
                 )
-                for impl in IMPLS:
+                for impl in impls if not s["reshard"] else IMPLS:
                     row = {
                         "impl": impl,
                         "params": n,
@@ -207,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(out),
         "loadavg_end": os.getloadavg(),
         "seconds": time.perf_counter() - started,
+        "peer_notes": notes,
     }
     results = {"results": rows, "growth": growth, "meta": meta}
     write_outputs(out, results, render_markdown, plot)
@@ -276,7 +402,42 @@ def render_markdown(results: dict[str, Any]) -> str:
             )
             + "**"
         )
+    lines += [""] * (lines[-1] != "") + render_peers(results)
     return "\n".join(lines) + "\n"
+
+
+def render_peers(results: dict[str, Any]) -> list[str]:
+    """The ``--peers`` table (same-world cells): each implementation's seconds and its time over
+    distckpt's (``x distckpt``: below 1 is faster than distckpt), and the goal per cell."""
+    rows = [r for r in results["results"] if r["scenario"] == "same"]
+    if not any(r["impl"] in PEERS for r in rows):
+        return []
+    lines = [
+        "| params | tensors | world | impl | save s | save x distckpt | load s | load x distckpt | bitwise |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    goals = [""]
+    for n, ws in sorted({(r["params"], r["world_size"]) for r in rows}):
+        d = _row(rows, "distckpt", n, ws, "same")
+        if d is None:
+            continue
+        for impl in ("distckpt", "stock", *PEERS):
+            r = _row(rows, impl, n, ws, "same")
+            if r is not None:
+                lines.append(
+                    f"| {n:,} | {r['tensors']:,} | {ws} | {impl} | {r['save_s']:.3f} | "
+                    f"{r['save_s'] / d['save_s']:.2f} | {r['load_s']:.3f} | {r['load_s'] / d['load_s']:.2f} | "
+                    f"{r['bitwise']} |"
+                )
+        tc, ts = _row(rows, "torch_checkpointing", n, ws, "same"), _row(rows, "torch_save", n, ws, "same")
+        if tc is not None and ts is not None:
+            ok = all(d[k] <= tc[k] and d[k] <= GOAL_TORCH_SAVE_FACTOR * ts[k] for k in ("save_s", "load_s"))
+            goals.append(
+                f"- goal at N = {n:,}, world size {ws}: save and load no slower than torch-checkpointing and "
+                f"within {GOAL_TORCH_SAVE_FACTOR:g}x of torch.save (save {d['save_s'] / ts['save_s']:.2f}x, "
+                f"load {d['load_s'] / ts['load_s']:.2f}x torch.save): **{'met' if ok else 'missed'}**"
+            )
+    return lines + goals + [f"- {note}" for note in results["meta"].get("peer_notes", [])]
 
 
 def plot(results: dict[str, Any], path: Path) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 from ..config import LOADABLE, CheckpointConfig
 from ..coord.collective import Collective
 from ..coord.events import EventLog
-from ..engine.blocking import run_load
+from ..engine.blocking import gc_paused, run_load
 from ..errors import CheckpointCorruptError, IncompatibleCheckpointError
 from ..memory import MemoryRestore, MemoryTier, restore_from_memory
 from ..ondisk.integrity import BlockDigests
@@ -132,6 +132,12 @@ class CheckpointLoader:
             CheckpointCorruptError: its manifest, ``.metadata`` or a data file is bad (every rank).
             IncompatibleCheckpointError: it does not fit the live model or components.
         """
+        # The cyclic GC paused for the whole read, not only DCP's part: unpickling .metadata and
+        # set_state_dict allocate objects per tensor (their collections: a third of such a load).
+        with gc_paused():
+            return self._read(path)
+
+    def _read(self, path: str) -> tuple[TrainState, Manifest]:
         store = store_of(path, self.store)  # load_path may name a checkpoint of another root
 
         def read_plan_inputs() -> tuple[Any, dict[str, BlockDigests] | None]:

@@ -72,3 +72,40 @@ def test_process_mode_without_torch_distributed_is_a_config_error_at_constructio
     assert not torch.distributed.is_initialized()
     with pytest.raises(ConfigError, match="async_save.mode='process' needs torch.distributed initialised"):
         AsyncWriter("process", background_staging=False, process_group=None, thread_count=1)
+
+
+def test_a_blocking_load_parses_metadata_and_restores_without_cyclic_gc(tmp_path, monkeypatch):
+    # Unpickling .metadata and set_state_dict run outside dcp.load; with many tensors their
+    # generation-2 collections were a third of a load (docs/benchmarks.md#many-tensors).
+    from torch import nn
+
+    from distckpt import CheckpointConfig, CheckpointManager, RetentionConfig, ScheduleConfig
+    from distckpt.load import loading
+    from distckpt.state.training_state import CheckpointState
+
+    seen: dict[str, bool] = {}
+    checked, restore = loading.checked_metadata, CheckpointState.restore
+
+    def checked_metadata(*args, **kwargs):
+        seen["metadata"] = gc.isenabled()
+        return checked(*args, **kwargs)
+
+    def restore_seen(self, *args, **kwargs):
+        seen["restore"] = gc.isenabled()
+        return restore(self, *args, **kwargs)
+
+    monkeypatch.setattr(loading, "checked_metadata", checked_metadata)
+    monkeypatch.setattr(CheckpointState, "restore", restore_seen)
+    model = nn.Linear(4, 3)
+    config = CheckpointConfig(
+        root=str(tmp_path), schedule=ScheduleConfig(interval_steps=None), retention=RetentionConfig(keep_last=2)
+    )
+    with CheckpointManager(config, model=model, optimizer=None) as manager:
+        manager.save(1)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    with CheckpointManager(config, model=model, optimizer=None) as manager:
+        assert manager.load() is not None
+    assert seen == {"metadata": False, "restore": False} and gc.isenabled()
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
