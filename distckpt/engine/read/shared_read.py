@@ -259,7 +259,7 @@ class SharingReader(FastFileSystemReader):
     def _send_bucket(
         self, keys: list[_Key], dests: dict[_Key, list[torch.Tensor]], size: int, src: int, sending: bool
     ) -> None:
-        buf = torch.empty(size, dtype=torch.uint8)
+        buf = torch.empty(size, dtype=torch.uint8, device="cpu")
         pos = 0
         parts = []
         for key in keys:
