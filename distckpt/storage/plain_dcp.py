@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from ..engine.safe_io import SafeFileSystemReader
+from ..engine.torch_internals import format_tested
 from ..engine.writer import GuardedFileSystem
 from ..ondisk.integrity import BlockDigests
 from .base import is_s3_url
@@ -76,7 +77,7 @@ def dcp_reader(
             region=region,
             expected_source=expected_source,
         )
-    if fast:
+    if fast and format_tested():
         from ..engine.read.fast_reader import FastFileSystemReader
 
         reader = FastFileSystemReader(
