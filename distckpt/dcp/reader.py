@@ -14,9 +14,11 @@ non-tensor items are loaded the way the planner asks (``DefaultLoadPlanner``: as
 from __future__ import annotations
 
 import io
+import logging
 import os
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
@@ -32,6 +34,13 @@ from ..storage.plain_dcp import dcp_reader, read_bytes, valid_location
 
 __all__ = ["FileSystemReader"]
 
+_log = logging.getLogger(__name__)
+
+
+def _is_coordinator() -> bool:
+    """Rank 0 of the default group, or a process without one."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
 
 class FileSystemReader(StorageReader):
     """Drop-in for ``torch.distributed.checkpoint.FileSystemReader`` (module docstring). Use it
@@ -43,7 +52,8 @@ class FileSystemReader(StorageReader):
             transforms; ``None``: torch's default registry (``ZStandard``).
         verify: distckpt's: check each file this rank reads, and ``.metadata``, against the
             hash sidecar when the directory has one (``False``: never read it). A directory
-            without a sidecar (a stock ``FileSystemWriter``'s) is read unverified, as stock.
+            without a sidecar (a stock ``FileSystemWriter``'s) is read unverified, as stock,
+            with one WARNING per load (logger ``distckpt.dcp.reader``, rank 0).
         fast: distckpt's, POSIX only: the fast reader (default) or DCP's item-by-item reader.
         thread_count: distckpt's: parallel read streams of this rank (fast reader).
         endpoint_url, region: distckpt's, S3 only: the client's endpoint and region.
@@ -92,6 +102,7 @@ class FileSystemReader(StorageReader):
             thread_count=self.thread_count,
             endpoint_url=self.endpoint_url,
             region=self.region,
+            expected_source="hash sidecar",
         )
         if self._registry is not None:
             self._inner.transforms = StorageReaderTransforms(self._registry)
@@ -120,6 +131,15 @@ class FileSystemReader(StorageReader):
         data = read_bytes(self._inner, dcp_hashes.sidecar_name(name)) if self.verify else None
         if data is None:
             self._open(None)
+            if self.verify and _is_coordinator():
+                # Documented, but a user cannot see it happen otherwise: once per load (DCP reads the
+                # metadata once per load), on one rank.
+                _log.warning(
+                    "%s: no hash sidecar (%s), reading unverified (a stock FileSystemWriter's directory; "
+                    "distckpt.dcp.FileSystemWriter writes one)",
+                    os.fspath(self._inner.path),
+                    dcp_hashes.sidecar_name(name),
+                )
             return self._inner.read_metadata(*args, **kwargs)
         self._open(dcp_hashes.decode(data, self._where(dcp_hashes.sidecar_name(name))))
         raw = self._checked(name)

@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from ..errors import CheckpointCorruptError, DistCkptError, ReaderInvariantError, StorageError
 from .incremental_writer import IncrementalFileSystemWriter, ReuseIndex
 from .safe_io import SafeFileSystemReader, SafeLoadPlanner
+from .torch_internals import format_tested
 from .writer import CheckedFileSystemWriter
 
 __all__ = [
@@ -207,7 +208,7 @@ def dcp_load(
             the file (or the directory), on every rank.
     """
     reader: SafeFileSystemReader
-    if fast:
+    if fast and format_tested():
         from .read.fast_reader import FastFileSystemReader
 
         reader = FastFileSystemReader(os.fspath(directory), expected_files=expected_files, thread_count=thread_count)

@@ -89,7 +89,7 @@ def _layout_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
 
 def _storage_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's whole storage as bytes (no copy)."""
-    raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+    raw = torch.empty(0, dtype=torch.uint8, device="cpu").set_(tensor.untyped_storage())
     return memoryview(raw.numpy()).cast("B")  # type: ignore[arg-type]
 
 
@@ -168,10 +168,10 @@ class RecordTemplates:
             return found  # type: ignore[return-value]
         template = None
         nbytes = key[4]
-        probe = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+        probe = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
         if 0 < nbytes == probe.untyped_storage().nbytes() and tensor.storage_offset() == 0:
             probe.requires_grad_(tensor.requires_grad)
-            raw = torch.empty(0, dtype=torch.uint8).set_(probe.untyped_storage())
+            raw = torch.empty(0, dtype=torch.uint8, device="cpu").set_(probe.untyped_storage())
             with torch.no_grad():
                 raw.fill_(0)
                 zeros = _writes_of(probe, nbytes)

@@ -102,7 +102,14 @@ class SafeFileSystemReader(FileSystemReader):
     Args:
         path: checkpoint directory.
         expected_files: ``{relative path: (size_bytes, digest or None)}``; ``None`` skips checks.
+
+    Attributes:
+        expected_source: the record ``expected_files`` comes from, named in error messages:
+            ``"manifest"`` (a distckpt checkpoint) or ``"hash sidecar"`` (a plain DCP directory,
+            :class:`distckpt.dcp.FileSystemReader`).
     """
+
+    expected_source = "manifest"
 
     def __init__(
         self, path: str | os.PathLike, expected_files: dict[str, tuple[int, str | None]] | None = None
@@ -129,11 +136,12 @@ class SafeFileSystemReader(FileSystemReader):
                     continue
                 if name not in self.expected_files:
                     raise CheckpointCorruptError(
-                        f"{Path(self.path) / name}: DCP metadata refers to a file the manifest does not list",
+                        f"{Path(self.path) / name}: DCP metadata refers to a file the {self.expected_source} "
+                        "does not list",
                         path=str(Path(self.path) / name),
                     )
                 size, digest = self.expected_files[name]
-                check_file(Path(self.path) / name, size_bytes=size, digest=digest)
+                check_file(Path(self.path) / name, size_bytes=size, digest=digest, source=self.expected_source)
                 self._checked.add(name)
         return super().read_data(plan, planner)
 

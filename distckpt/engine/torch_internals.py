@@ -6,7 +6,10 @@ one to change. Each is used for the reason given beside it.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+import torch
 
 # Weights-only unpickler over a raw stream (the fast reader decodes torch.save records itself).
 from torch import _weights_only_unpickler as weights_only_unpickler
@@ -28,12 +31,14 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms as StorageReaderTransforms
 
 __all__ = [
+    "FORMAT_TESTED_TORCH",
     "FakeTensorMode",
     "own_persistent_buffers",
     "StorageInfo",
     "StorageReaderTransforms",
     "default_store",
     "flatten_state_dict",
+    "format_tested",
     "narrow_tensor_by_index",
     "set_element",
     "weights_only_unpickler",
@@ -49,6 +54,41 @@ def default_store() -> Any:
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+FORMAT_TESTED_TORCH: tuple[tuple[int, int], ...] = ((2, 13), (2, 14))
+"""torch releases (major, minor) on which tests/unit/test_torch_format_contract.py passed (2.13.0
+in CI, 2.14.1 with ``make test-compat TORCH=2.14.1``). distckpt's fast reader reproduces
+``torch.save``'s private byte format and its record writer ``torch.save``'s bytes; on any other
+torch both step aside for torch's stock reader and writer (:func:`format_tested`). A torch whose
+contract test passes is added here."""
+
+_log = logging.getLogger(__name__)
+_untested_logged: list[str] = []
+
+
+def format_tested(version: str | None = None) -> bool:
+    """Whether distckpt's fast reader and record writer may run on this torch (``version``:
+    ``torch.__version__`` unless given): its (major, minor) is in :data:`FORMAT_TESTED_TORCH`.
+    When not, logs one INFO line per process saying that the stock paths are used."""
+    text = torch.__version__ if version is None else version
+    try:
+        major, minor = (int(part) for part in str(text).split("+")[0].split(".")[:2])
+    except ValueError:
+        major = minor = -1
+    if (major, minor) in FORMAT_TESTED_TORCH:
+        return True
+    if text not in _untested_logged:
+        _untested_logged.append(text)
+        tested = ", ".join(f"{a}.{b}" for a, b in FORMAT_TESTED_TORCH)
+        _log.info(
+            "torch %s: distckpt's fast reader and record writer are tested on torch %s only; using torch's "
+            "stock DCP reader and writer (`make test-compat TORCH=%s` runs the format contract test)",
+            text,
+            tested,
+            str(text).split("+")[0],
+        )
+    return False
 
 
 def own_persistent_buffers(module: Any) -> list[Any]:

@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from ..ondisk.integrity import HashingFileSystem
 from .record_writer import TEMPLATES, write_files, zip_crc32_off
+from .torch_internals import format_tested
 
 __all__ = ["CheckedFileSystemWriter", "WriteDeadlineExceeded"]
 
@@ -181,7 +182,11 @@ class CheckedFileSystemWriter(FileSystemWriter):
         DCP's) with :func:`~distckpt.engine.record_writer.write_files`. Overrides torch 2.13's
         private step under ``write_data``; were it renamed, DCP's own writer would run: slower,
         the same files. DCP's writer still runs for stream transforms and safetensors."""
-        if getattr(self.transforms, "extensions", ()) or getattr(self.serialization_format, "name", "") != "TORCH_SAVE":
+        if (
+            getattr(self.transforms, "extensions", ())
+            or getattr(self.serialization_format, "name", "") != "TORCH_SAVE"
+            or not format_tested()  # another torch's save format: DCP's own writer
+        ):
             return super()._write_data(planner, file_queue)
         jobs = []
         while not file_queue.empty():

@@ -37,7 +37,7 @@ def run_probe(probe: ProbeFn, model: nn.Module) -> float:
         Whatever the probe raises.
     """
     modes = [(m, m.training) for m in model.modules()]
-    rng = capture_rng()
+    rng = capture_rng(every_device=True)  # restored by this process: every device by index
     try:
         model.eval()
         with torch.no_grad():

@@ -185,10 +185,17 @@ def hash_blocks(path: str | os.PathLike, blocks: BlockDigests) -> tuple[str, int
 
 
 def check_file(
-    path: str | os.PathLike, *, size_bytes: int, digest: str | None, blocks: BlockDigests | None = None
+    path: str | os.PathLike,
+    *,
+    size_bytes: int,
+    digest: str | None,
+    blocks: BlockDigests | None = None,
+    source: str = "manifest",
 ) -> None:
     """Compare a file with its manifest entry: size, then (when ``digest`` is given) the
-    whole-file digest and, with ``blocks``, every block digest in the same pass.
+    whole-file digest and, with ``blocks``, every block digest in the same pass. ``source``
+    names the record the entry comes from in error messages (``"hash sidecar"`` for a plain
+    DCP directory).
 
     Raises:
         CheckpointCorruptError: missing file, wrong size, wrong hash (expected vs actual), or a
@@ -200,11 +207,11 @@ def check_file(
         actual_size = path.stat().st_size
     except FileNotFoundError:
         raise CheckpointCorruptError(
-            f"{describe_path(path)}: file listed in the manifest is missing", path=str(path)
+            f"{describe_path(path)}: file listed in the {source} is missing", path=str(path)
         ) from None
     if actual_size != size_bytes:
         raise CheckpointCorruptError(
-            f"{describe_path(path)}: size {actual_size} bytes, manifest expects {size_bytes} bytes (truncated?)",
+            f"{describe_path(path)}: size {actual_size} bytes, {source} expects {size_bytes} bytes (truncated?)",
             path=str(path),
         )
     if digest is None:
@@ -212,7 +219,7 @@ def check_file(
     actual, bad = hash_blocks(path, blocks) if blocks is not None else (hash_file(path)[1], None)
     if actual != digest:
         raise CheckpointCorruptError(
-            f"{describe_path(path)}: {HASH_ALGORITHM} {actual} does not match the manifest's {digest} "
+            f"{describe_path(path)}: {HASH_ALGORITHM} {actual} does not match the {source}'s {digest} "
             "(bytes changed after the commit)",
             path=str(path),
         )

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from ..engine.safe_io import SafeFileSystemReader
+from ..engine.torch_internals import format_tested
 from ..engine.writer import GuardedFileSystem
 from ..ondisk.integrity import BlockDigests
 from .base import is_s3_url
@@ -55,6 +56,7 @@ def dcp_reader(
     thread_count: int,
     endpoint_url: str | None,
     region: str | None,
+    expected_source: str = "manifest",
 ) -> SafeFileSystemReader:
     """A DCP ``StorageReader`` of the checkpoint at ``path`` that unpickles ``.metadata`` with
     the allow-list and checks each file it reads against ``expected_files`` (size, xxh3-128).
@@ -62,18 +64,29 @@ def dcp_reader(
     POSIX: the fast reader (``fast``; ``thread_count`` streams, verified ranged reads with
     ``block_digests``) or DCP's item-by-item reader after a whole-file check. S3: each object
     downloaded once and verified from the downloaded bytes (``fast`` does not apply).
+    ``expected_source`` names the record ``expected_files`` comes from in error messages.
     """
+    reader: SafeFileSystemReader
     if is_s3_url(os.fspath(path)):
         from .s3_dcp import S3Reader
 
-        return S3Reader(os.fspath(path), expected_files=expected_files, endpoint_url=endpoint_url, region=region)
-    if fast:
+        return S3Reader(
+            os.fspath(path),
+            expected_files=expected_files,
+            endpoint_url=endpoint_url,
+            region=region,
+            expected_source=expected_source,
+        )
+    if fast and format_tested():
         from ..engine.read.fast_reader import FastFileSystemReader
 
-        return FastFileSystemReader(
+        reader = FastFileSystemReader(
             local_path(path), expected_files=expected_files, thread_count=thread_count, block_digests=block_digests
         )
-    return SafeFileSystemReader(local_path(path), expected_files=expected_files)
+    else:
+        reader = SafeFileSystemReader(local_path(path), expected_files=expected_files)
+    reader.expected_source = expected_source
+    return reader
 
 
 def read_bytes(reader: Any, name: str) -> bytes | None:

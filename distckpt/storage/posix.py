@@ -15,6 +15,7 @@ from typing_extensions import override
 from ..engine import SafeFileSystemReader, read_dcp_metadata
 from ..engine.blocking import hashing_writer
 from ..engine.incremental_writer import ReuseIndex
+from ..engine.torch_internals import format_tested
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 from ..ondisk.digests import digests_name, encode_digests, read_blocks
 from ..ondisk.integrity import BlockDigests, check_file, hash_file
@@ -105,7 +106,7 @@ class PosixStore(CheckpointStore):
         thread_count: int,
         block_digests: dict[str, BlockDigests] | None = None,
     ) -> Any:
-        if fast:
+        if fast and format_tested():  # another torch: the stock reader (engine/torch_internals.py)
             from ..engine.read.shared_read import SharingReader
 
             return SharingReader(

@@ -125,6 +125,7 @@ class S3ObjectFileSystem(FileSystem):
     Args:
         endpoint_url, region: as :func:`~distckpt.storage.s3_client.get_client`.
         expected: ``{file name: (size_bytes, digest)}`` to verify reads against (``None``: no check).
+        source: the record ``expected`` comes from, in error messages (``"manifest"``, ``"hash sidecar"``).
 
     Attributes:
         fsync_applies: ``False``: an uploaded object is durable and has no descriptor to fsync.
@@ -132,12 +133,18 @@ class S3ObjectFileSystem(FileSystem):
 
     fsync_applies = False
 
+    source = "manifest"
+
     def configure(
-        self, endpoint_url: str | None, region: str | None, expected: dict[str, tuple[int, str | None]] | None = None
+        self,
+        endpoint_url: str | None,
+        region: str | None,
+        expected: dict[str, tuple[int, str | None]] | None = None,
+        source: str = "manifest",
     ) -> None:
         """Set what the class's Args name: DCP builds file systems without arguments, and an unpickled
         one gets its client settings back here."""
-        self.endpoint_url, self.region, self.expected = endpoint_url, region, expected
+        self.endpoint_url, self.region, self.expected, self.source = endpoint_url, region, expected, source
 
     def _objects(self, path: str | os.PathLike) -> tuple[S3Objects, str]:
         bucket, key = split_url(os.fspath(path))
@@ -168,19 +175,19 @@ class S3ObjectFileSystem(FileSystem):
         name = url.rsplit("/", 1)[-1]
         if name not in self.expected:
             raise CheckpointCorruptError(
-                f"{url}: DCP metadata refers to an object the manifest does not list", path=url
+                f"{url}: DCP metadata refers to an object the {self.source} does not list", path=url
             )
         size, digest = self.expected[name]
         if len(data) != size:
             raise CheckpointCorruptError(
-                f"{url}: size {len(data)} bytes, manifest expects {size} bytes (truncated?)", path=url
+                f"{url}: size {len(data)} bytes, {self.source} expects {size} bytes (truncated?)", path=url
             )
         if digest is not None:
             hasher = new_hasher()
             hasher.update(data)
             if hasher.hexdigest() != digest:
                 raise CheckpointCorruptError(
-                    f"{url}: {HASH_ALGORITHM} {hasher.hexdigest()} does not match the manifest's {digest} "
+                    f"{url}: {HASH_ALGORITHM} {hasher.hexdigest()} does not match the {self.source}'s {digest} "
                     "(bytes changed after the commit)",
                     path=url,
                 )
@@ -278,6 +285,7 @@ class S3Reader(SafeFileSystemReader):
         url: ``s3://bucket/prefix`` of a committed checkpoint's data.
         expected_files: ``{file name: (size_bytes, digest)}`` from the manifest, or ``None``.
         endpoint_url, region: S3 client settings.
+        expected_source: the record ``expected_files`` comes from, in error messages.
     """
 
     def __init__(
@@ -287,10 +295,12 @@ class S3Reader(SafeFileSystemReader):
         expected_files: dict[str, tuple[int, str | None]] | None,
         endpoint_url: str | None,
         region: str | None,
+        expected_source: str = "manifest",
     ) -> None:
         super().__init__(url, expected_files=expected_files)
+        self.expected_source = expected_source
         fs = S3ObjectFileSystem()
-        fs.configure(endpoint_url, region, expected_files)
+        fs.configure(endpoint_url, region, expected_files, expected_source)
         self.fs = fs
         self.path = url
 

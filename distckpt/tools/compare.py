@@ -80,7 +80,7 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     for start in range(0, x.numel(), _CHUNK):
         xs, ys = x[start : start + _CHUNK].double(), y[start : start + _CHUNK].double()
         same = (xs == ys) | (xs.isnan() & ys.isnan())
-        d = torch.where(same, torch.zeros((), dtype=torch.float64), (xs - ys).abs())
+        d = torch.where(same, torch.zeros((), dtype=torch.float64, device=xs.device), (xs - ys).abs())
         d = torch.nan_to_num(d, nan=math.inf)
         worst = max(worst, d.max().item() if d.numel() else 0.0)
     return worst

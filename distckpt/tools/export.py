@@ -487,7 +487,7 @@ def _derived_rng_state(step: int) -> dict[str, Any]:
     changing this process's RNG."""
     from ..state.rng import capture_rng, derive_rng, restore_rng
 
-    saved = capture_rng()
+    saved = capture_rng(every_device=True)
     try:
         derive_rng(0, 0, step)
         return capture_rng()

@@ -130,7 +130,7 @@ def _catalogue(metadata: Metadata, path: Path | str) -> dict[str, ItemInfo]:
                     f"covering {covered} of {numel} elements",
                     path=f"{path}/.metadata",
                 )
-            itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
+            itemsize = torch.empty((), dtype=md.properties.dtype, device="cpu").element_size()
             items[key] = ItemInfo(
                 key=key,
                 group=item_group(key),
@@ -237,7 +237,7 @@ class CheckpointReader:
             info = self.items[key]
             if info.kind == "tensor":
                 assert info.shape is not None  # every tensor item records its shape
-                target[key] = torch.empty(info.shape, dtype=info.torch_dtype)
+                target[key] = torch.empty(info.shape, dtype=info.torch_dtype, device="cpu")
             else:
                 target[key] = b""
         if not target:

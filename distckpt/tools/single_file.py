@@ -58,7 +58,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def _nbytes(shape: list[int], dtype: torch.dtype) -> int:
-    n = torch.empty((), dtype=dtype).element_size()
+    n = torch.empty((), dtype=dtype, device="cpu").element_size()
     for d in shape:
         n *= d
     return n
@@ -158,7 +158,9 @@ class TorchZipWriter:
         self.path = os.fspath(path)
         self.order = _Ordered(entries)
         with FakeTensorMode():
-            layout: dict[str, Any] = {name: torch.empty(shape, dtype=dtype) for name, shape, dtype in entries}
+            layout: dict[str, Any] = {
+                name: torch.empty(shape, dtype=dtype, device="cpu") for name, shape, dtype in entries
+            }
         layout.update(values or {})
         with torch.serialization.skip_data(materialize_fake_tensors=True):
             torch.save(layout, self.path)

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.timeout(240)
 
 def read_once_load(rank, world_size, opts):
     """Save, perturb, load (bytes read per rank recorded); ``opts["corrupt"]``: one byte of the
-    largest data file flipped before the load."""
+    largest data file flipped before the load; ``opts["device"]``: ``"cuda"`` puts the model on
+    the rank's GPU; ``opts["stage"]``: every shared tensor goes through the CPU staging of
+    non-CPU destinations, with small buckets (the CUDA path's mechanism, on CPU)."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -23,6 +25,9 @@ def read_once_load(rank, world_size, opts):
     from distckpt.engine.read import shared_read
 
     shared_read.DEFAULT_MIN_BYTES = 0  # share even this small state (the default keeps 16 MiB)
+    if opts.get("stage"):
+        shared_read._staged = lambda tensor: True  # type: ignore[attr-defined]
+        shared_read.BUCKET_BYTES = 8192  # the weights (36 KiB) alone, the biases in buckets
     stats = []
     read_data = shared_read.SharingReader.read_data
 
@@ -42,6 +47,8 @@ def read_once_load(rank, world_size, opts):
 
     torch.manual_seed(0)
     model: nn.Module = Wide()
+    if opts.get("device") == "cuda":
+        model = model.to(torch.device("cuda", torch.cuda.current_device()))
     if opts["wrapper"] == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     else:
@@ -99,6 +106,15 @@ def test_a_ddp_load_reads_each_stored_byte_once_and_is_bitwise(tmp_path, world_s
     assert all(r["stats"]["shared_bytes"] == out[0]["stats"]["shared_bytes"] > 0.5 * data for r in out)
     assert sum(r["stats"]["shared_bytes_read"] for r in out) == out[0]["stats"]["shared_bytes"]
     assert max(r["stats"]["read_bytes"] for r in out) < data  # spread over the ranks
+
+
+def test_shared_tensors_staged_through_cpu_buffers_are_bitwise(tmp_path):
+    """The path of CUDA destinations (shared_read._broadcast_via_cpu and the buckets' copies),
+    forced for CPU ones: still read once per job, bitwise (on GPUs: tests/gpu/test_read_once_gpu.py)."""
+    opts = {"root": str(tmp_path), "wrapper": "ddp", "read_once": True, "stage": True}
+    out = values(run_ranks(read_once_load, 2, opts))
+    assert all(r["bitwise"] for r in out)
+    assert sum(r["stats"]["read_bytes"] for r in out) == out[0]["data_bytes"]
 
 
 def test_without_read_once_every_rank_reads_the_whole_checkpoint(tmp_path):

@@ -61,3 +61,4 @@ def test_drop_in_classes_on_s3_both_ways_and_a_changed_object_named(s3_server, s
     with pytest.raises(BaseException) as info:
         dcp.load(_zeros(), storage_reader=ddcp.FileSystemReader(url), no_dist=True)
     assert f"{url}/__0_" in str(info.value) and "does not match" in str(info.value)
+    assert "the hash sidecar's" in str(info.value) and "manifest" not in str(info.value)  # no manifest here

@@ -4,6 +4,7 @@ recorded while writing and verified while reading (issue 28, item 1). One proces
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from pathlib import Path
 
@@ -233,6 +234,8 @@ def test_a_flipped_byte_in_a_data_file_is_named(tmp_path, fast):
     err = _corrupt_error(info)
     assert err.path == str(tmp_path / "__0_0.distcp") and "__0_0.distcp" in str(err)
     assert "xxh3_128" in str(err) or "block" in str(err)
+    # A plain DCP directory has no manifest: the message names the record it has.
+    assert "the hash sidecar's" in str(err) and "manifest" not in str(err)
     # verify=False reads as stock does (the flip lands in a tensor: no error, wrong values).
     out = _load(None, ddcp.FileSystemReader(tmp_path, verify=False))
     assert not all(torch.equal(out[k], sd[k]) for k in ("w", "big", "ids", "half"))
@@ -264,6 +267,25 @@ def test_a_truncated_file_is_named(tmp_path):
     with pytest.raises(BaseException) as info:
         _load(None, ddcp.FileSystemReader(tmp_path))
     assert _corrupt_error(info).path == str(victim)
+    assert "hash sidecar expects" in str(_corrupt_error(info)) and "manifest" not in str(_corrupt_error(info))
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "item-by-item"])
+def test_a_directory_without_sidecar_warns_once_per_load(tmp_path, caplog, fast):
+    sd = _state()
+    dcp.save(sd, storage_writer=ddcp.FileSystemWriter(tmp_path))
+    caplog.set_level(logging.WARNING, logger="distckpt")
+    _assert_equal(_load(None, ddcp.FileSystemReader(tmp_path, fast=fast)), sd)
+    assert [r for r in caplog.records if "unverified" in r.getMessage()] == []  # verified: silent
+    (tmp_path / SIDECAR).unlink()
+    reader = ddcp.FileSystemReader(tmp_path, fast=fast)
+    for n in (1, 2):  # one line per load, with the directory and the file it looked for
+        _assert_equal(_load(None, reader), sd)
+        lines = [r.getMessage() for r in caplog.records if "unverified" in r.getMessage()]
+        assert len(lines) == n and lines[-1].startswith(f"{tmp_path}: no hash sidecar ({SIDECAR})")
+    caplog.clear()
+    _assert_equal(_load(None, ddcp.FileSystemReader(tmp_path, verify=False)), sd)  # asked for: silent
+    assert [r for r in caplog.records if "unverified" in r.getMessage()] == []
 
 
 def test_an_overwritten_directory_gets_fresh_hashes(tmp_path):

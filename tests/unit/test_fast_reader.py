@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import zlib
@@ -646,3 +647,29 @@ def test_distckpt_writer_skips_zip_crc_and_every_reader_still_loads(tmp_path):
     reader = FastFileSystemReader(path, direct_min_bytes=4096)
     _assert_same(_load(_empty_like(state), path, reader), state)
     assert reader.last_stats["fallback_items"] <= 1, reader.last_stats  # as with CRC on (see above)
+
+
+@contextlib.contextmanager
+def _default_device(device: str):
+    saved = torch.get_default_device()
+    torch.set_default_device(device)
+    try:
+        yield
+    finally:
+        torch.set_default_device(saved)
+
+
+@pytest.mark.parametrize("kw", CONFIGS)
+def test_reads_create_their_buffers_on_cpu_whatever_the_default_device(saved, kw, monkeypatch):
+    """Under ``torch.set_default_device("cuda")`` a buffer made without ``device=`` would be a
+    CUDA tensor (issue 35, item 8); "meta" stands in for it here: any such buffer breaks the read."""
+    real = FastFileSystemReader.read_data
+
+    def guarded(self, plan, planner):
+        with _default_device("meta"):
+            return real(self, plan, planner)
+
+    monkeypatch.setattr(FastFileSystemReader, "read_data", guarded)
+    test_bitwise_equal_to_stock_reader(saved, kw)
+    for planner_type in (_StubPlanner, _ViewsPlanner):  # resharding: ranged reads into buffers
+        test_partial_reads_match_stock(saved, kw, True, monkeypatch, planner_type)

@@ -120,3 +120,16 @@ def test_three_hundred_parameters_with_adamw_save_and_load_bitwise_and_plain_dcp
 @pytest.mark.slow
 def test_ten_thousand_parameters_with_adamw_save_and_load_bitwise_and_plain_dcp_reads_them(tmp_path):
     save_and_load_many(str(tmp_path), 10_000, 256, optimizer=True, plain_every=1)
+
+
+def test_templates_are_learnt_on_cpu_whatever_the_default_device():
+    """A template's probe tensors are made with ``device="cpu"``: under a default device of
+    "cuda" (here "meta", which breaks any tensor made without it) records are still torch.save's."""
+    templates, tensor = RecordTemplates(), torch.randn(3, 5)
+    saved = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        head, data, tail = templates.record(tensor)
+    finally:
+        torch.set_default_device(saved)
+    assert data is not None and head + bytes(data) + tail == _torch_save(tensor)

@@ -276,7 +276,8 @@ class FastFileSystemReader(SafeFileSystemReader):
             if self.expected_files is not None and name not in self._checked:
                 if name not in self.expected_files:
                     raise CheckpointCorruptError(
-                        f"{Path(self.path) / name}: DCP metadata refers to a file the manifest does not list",
+                        f"{Path(self.path) / name}: DCP metadata refers to a file the {self.expected_source} "
+                        "does not list",
                         path=str(Path(self.path) / name),
                     )
                 checks[name] = self.expected_files[name]
@@ -374,7 +375,11 @@ class FastFileSystemReader(SafeFileSystemReader):
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
-            what = "file listed in the manifest" if relpath in self._pending_checks else "checkpoint data file"
+            what = (
+                f"file listed in the {self.expected_source}"
+                if relpath in self._pending_checks
+                else "checkpoint data file"
+            )
             raise CheckpointCorruptError(f"{describe_path(path)}: {what} is missing", path=path) from None
         except OSError as e:
             raise CheckpointCorruptError(f"{describe_path(path)}: cannot open ({e})", path=path) from e
@@ -383,7 +388,8 @@ class FastFileSystemReader(SafeFileSystemReader):
             expected = self._pending_checks.get(relpath)
             if expected is not None and file_size != expected[0]:
                 raise CheckpointCorruptError(
-                    f"{describe_path(path)}: size {file_size} bytes, manifest expects {expected[0]} bytes (truncated?)",
+                    f"{describe_path(path)}: size {file_size} bytes, {self.expected_source} expects "
+                    f"{expected[0]} bytes (truncated?)",
                     path=path,
                 )
             need_end = max(st.end for st in items)
@@ -397,10 +403,10 @@ class FastFileSystemReader(SafeFileSystemReader):
             if verify:
                 assert expected is not None and expected[1] is not None  # verify: the manifest lists a digest
                 if relpath in self._ranged:
-                    check = BlockCheck(path, self.block_digests[relpath])
+                    check = BlockCheck(path, self.block_digests[relpath], self.expected_source)
                     results.count(ranged_files=1)
                 else:
-                    check = WholeFileCheck(path, file_size, expected[1])
+                    check = WholeFileCheck(path, file_size, expected[1], self.expected_source)
             stream = ReadStream(
                 path,
                 fd,

@@ -172,7 +172,7 @@ class ItemPlanner:
             if layout is not None and layout.data_offset + layout.nbytes > st.length:
                 layout = None
             if layout is None:  # the rest of the item into one buffer, then the stock decode
-                rest = torch.empty(st.length, dtype=torch.uint8)
+                rest = torch.empty(st.length, dtype=torch.uint8, device="cpu")
                 rest_mv = writable_view(rest)
                 rest_mv[:peek_len] = peek
 
@@ -200,14 +200,14 @@ class ItemPlanner:
                 wants.append((a, a + src.numel() * isz, req, None, src))
             else:
                 lo, hi = covering_range(src)
-                buf = torch.empty((hi - lo) * isz, dtype=torch.uint8)
+                buf = torch.empty((hi - lo) * isz, dtype=torch.uint8, device="cpu")
                 wants.append((data_abs + lo * isz, data_abs + hi * isz, req, buf, src))
         wants.sort(key=lambda w: w[0])
         overlapping = any(wants[i][0] < wants[i - 1][1] for i in range(1, len(wants)))
         if overlapping or any(w[0] < data_abs or w[1] > data_abs + layout.nbytes for w in wants):
             # Two requests read the same bytes: one buffer for the item's data.
             wants = []
-            buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+            buf = torch.empty(layout.nbytes, dtype=torch.uint8, device="cpu")
 
             def all_reqs(_t, _mv, st=st, buf=buf, layout=layout) -> None:
                 for req in st.reqs:

@@ -90,7 +90,7 @@ def typed_view(u8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             return u8.view(dtype)
         except RuntimeError:
             pass
-    out = torch.empty(u8.numel() // isz, dtype=dtype)
+    out = torch.empty(u8.numel() // isz, dtype=dtype, device="cpu")
     out.view(torch.uint8).copy_(u8)
     return out
 
@@ -148,7 +148,7 @@ def read_item(fd: int, path: str, st: StoredItem) -> tuple[torch.Tensor, memoryv
     Raises:
         CheckpointCorruptError: the file ends before the item does.
     """
-    buf = torch.empty(st.length, dtype=torch.uint8)
+    buf = torch.empty(st.length, dtype=torch.uint8, device="cpu")
     mv = writable_view(buf)
     done = 0
     while done < st.length:
@@ -332,12 +332,12 @@ class ReadStream:
     def _arena_for(self, n: int) -> torch.Tensor:
         if self._arena is None or self._arena.numel() < n:
             self._arena = None
-            self._arena = torch.empty(max(n, 64 * 1024), dtype=torch.uint8)
+            self._arena = torch.empty(max(n, 64 * 1024), dtype=torch.uint8, device="cpu")
         return self._arena
 
     def _junk_view(self) -> memoryview:
         if self._junk is None:
-            self._junk_t = torch.empty(self.chunk_bytes, dtype=torch.uint8)
+            self._junk_t = torch.empty(self.chunk_bytes, dtype=torch.uint8, device="cpu")
             self._junk = writable_view(self._junk_t)
         return self._junk
 

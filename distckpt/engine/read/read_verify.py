@@ -32,10 +32,11 @@ class WholeFileCheck:
 
     Args:
         path: the file (in error messages); ``file_size``: its size; ``digest``: the manifest's.
+        source: the record ``digest`` comes from, in error messages (``"hash sidecar"``).
     """
 
-    def __init__(self, path: str, file_size: int, digest: str) -> None:
-        self.path, self.file_size, self.digest = path, file_size, digest
+    def __init__(self, path: str, file_size: int, digest: str, source: str = "manifest") -> None:
+        self.path, self.file_size, self.digest, self.source = path, file_size, digest, source
         self._hasher = new_hasher()
         self._pos = 0
 
@@ -63,8 +64,8 @@ class WholeFileCheck:
         actual = self._hasher.hexdigest()
         if actual != self.digest:
             raise CheckpointCorruptError(
-                f"{describe_path(self.path)}: {HASH_ALGORITHM} {actual} does not match the manifest's {self.digest} "
-                "(bytes changed after the commit)",
+                f"{describe_path(self.path)}: {HASH_ALGORITHM} {actual} does not match the {self.source}'s "
+                f"{self.digest} (bytes changed after the commit)",
                 path=self.path,
             )
 
@@ -74,10 +75,11 @@ class BlockCheck:
 
     Args:
         path: the file (in error messages); ``blocks``: its block digests (they tile the file).
+        source: the record ``blocks`` come from, in error messages (``"hash sidecar"``).
     """
 
-    def __init__(self, path: str, blocks: BlockDigests) -> None:
-        self.path, self.blocks = path, blocks
+    def __init__(self, path: str, blocks: BlockDigests, source: str = "manifest") -> None:
+        self.path, self.blocks, self.source = path, blocks, source
         self._ends = blocks.ends
         self._hasher = new_hasher()
         self._cur: int | None = None  # block being hashed
@@ -123,7 +125,7 @@ class BlockCheck:
         if actual != self.blocks.hashes[b]:
             raise CheckpointCorruptError(
                 f"{describe_path(self.path)}: bytes [{start}, {end}) (block {b} of {len(self._ends)}): "
-                f"{HASH_ALGORITHM} {actual} does not match the manifest's {self.blocks.hashes[b]} (bytes changed "
+                f"{HASH_ALGORITHM} {actual} does not match the {self.source}'s {self.blocks.hashes[b]} (bytes changed "
                 "after the commit); load an older checkpoint (fallback_to_older) and run `distckpt verify` on "
                 "this one",
                 path=self.path,

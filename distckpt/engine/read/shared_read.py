@@ -7,7 +7,7 @@ W-rank load reads W times the checkpoint from shared storage. :class:`SharingRea
 (every rank calls it once per load):
 
 1. **Which items are shared**: each rank lists the stored tensor items it reads *whole* into a
-   contiguous CPU destination, keyed by ``(file, offset, length, dtype, shape)``; the ranks
+   contiguous CPU or CUDA destination, keyed by ``(file, offset, length, dtype, shape)``; the ranks
    compare a digest of their lists (one small all-gather) and exchange the lists only when they
    differ. An item is shared when every rank reads it so; everything else (FSDP2 shards,
    reshard slices, bytes items) is read per rank as before.
@@ -22,7 +22,9 @@ W-rank load reads W times the checkpoint from shared storage. :class:`SharingRea
    waits in a broadcast for bytes that failed verification). Then each owner broadcasts its
    items over the process group: tensors of at least ``BUCKET_BYTES`` straight from and into the
    destinations, smaller ones packed into buckets of up to ``BUCKET_BYTES`` (a few collectives
-   per bucket, not one per tensor).
+   per bucket, not one per tensor). The group is distckpt's gloo group, so CUDA destinations
+   (a DDP model on GPU) are shared through CPU: the owner copies its device tensor to a CPU
+   buffer, the others receive into one and copy it to their own device.
 
 When it does not apply (one rank, a planner that needs DCP's per-item order, less than
 ``min_bytes`` shared in all) the reader is the fast reader. Cost model (bytes, not seconds): a
@@ -144,7 +146,7 @@ class SharingReader(FastFileSystemReader):
     # -------------------------------------------------------------- which items
     def _whole_reads(self, plan: LoadPlan, planner: LoadPlanner) -> dict[int, _Key]:
         """``{id(read item): key}`` of the items this rank reads whole: bytes items, and tensor
-        items read into a contiguous CPU destination of the stored shape."""
+        items read into a contiguous CPU or CUDA destination of the stored shape."""
         out: dict[int, _Key] = {}
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
@@ -157,7 +159,11 @@ class SharingReader(FastFileSystemReader):
             if chunk is None or tuple(item.lengths) != tuple(chunk.sizes):
                 continue
             dest = planner.resolve_tensor(item)
-            if dest.device.type != "cpu" or not dest.is_contiguous() or tuple(dest.shape) != tuple(chunk.sizes):
+            if (
+                dest.device.type not in ("cpu", "cuda")
+                or not dest.is_contiguous()
+                or tuple(dest.shape) != tuple(chunk.sizes)
+            ):
                 continue
             md = self.storage_data[item.storage_index]
             out[id(item)] = (md.relative_path, md.offset, md.length, str(dest.dtype), tuple(dest.shape))
@@ -223,7 +229,7 @@ class SharingReader(FastFileSystemReader):
                 first, *more = dests[key]
                 nbytes = first.numel() * first.element_size()
                 if nbytes >= BUCKET_BYTES:
-                    dist.broadcast(_bytes_of(first), src=src_global, group=self.group)
+                    _broadcast_via_cpu(first, src_global, self.group, rank == src)
                     for other in more:
                         other.copy_(first)
                     continue
@@ -259,7 +265,7 @@ class SharingReader(FastFileSystemReader):
     def _send_bucket(
         self, keys: list[_Key], dests: dict[_Key, list[torch.Tensor]], size: int, src: int, sending: bool
     ) -> None:
-        buf = torch.empty(size, dtype=torch.uint8)
+        buf = torch.empty(size, dtype=torch.uint8, device="cpu")
         pos = 0
         parts = []
         for key in keys:
@@ -273,6 +279,24 @@ class SharingReader(FastFileSystemReader):
         for part, views in parts:
             for view in views[0 if not sending else 1 :]:
                 view.copy_(part)
+
+
+def _broadcast_via_cpu(tensor: torch.Tensor, src: int, group: Any, sending: bool) -> None:
+    """Broadcast ``tensor``'s bytes from global rank ``src`` over ``group`` (gloo): a CPU tensor
+    in place, any other through a CPU copy (the owner's) or buffer (the others', then copied to
+    their device)."""
+    if not _staged(tensor):
+        dist.broadcast(_bytes_of(tensor), src=src, group=group)
+        return
+    staging = tensor.to("cpu", copy=True) if sending else torch.empty_like(tensor, device="cpu")
+    dist.broadcast(_bytes_of(staging), src=src, group=group)
+    if not sending:
+        tensor.copy_(staging)
+
+
+def _staged(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` goes through a CPU buffer (it is not on the CPU)."""
+    return tensor.device.type != "cpu"
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
