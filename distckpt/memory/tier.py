@@ -395,6 +395,10 @@ class MemoryTier:
         self._own, self._replica = [], {}
         if not free:
             return
+        # Every rank of the job has deleted its own files before any rank deletes a directory: a
+        # node's directory removed while a slower rank of the node still creates its slots there
+        # failed that rank (found by bench_scale: a manager closed right after it was built).
+        self.collective.barrier()
         try:
             if self._first_on_node:  # this generation's files elsewhere are their live owners' to delete
                 for directory in sorted({self.dir, *job_dirs(self.config.dir, self.root)}):

@@ -94,3 +94,25 @@ def test_node_layout_queries_cost_the_node_not_the_job():
     assert node[0] == [6 * per_node, 7 * per_node] and layout.targets(W - 1, 1) == [per_node - 1]
     owners = assign_replicated({f"t{i}": 5000 - i for i in range(4000)}, W)
     assert sorted(owners.values()) == list(range(4000))  # 4,000 tensors over 65,536 ranks: one each
+
+
+def _build_and_close(rank: int, world_size: int, opts: dict[str, Any]) -> tuple[int, list[str]]:
+    os.environ["DISTCKPT_NODE_ID"] = "node0"  # every rank on one node: they share its directory
+    from distckpt import CheckpointConfig, CheckpointManager
+
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    memory = {"enabled": True, "dir": os.path.join(opts["mem"], "{node}"), "replicas": 1}
+    config = CheckpointConfig(root=opts["root"], schedule={"interval_steps": None}, memory=memory)
+    built = 0
+    for _ in range(6):  # a rank that closes first must not remove the directory a slower rank still fills
+        CheckpointManager(config, model=model, optimizer=optimizer).close()
+        built += 1
+    return built, os.listdir(os.path.join(opts["mem"], "node0"))
+
+
+def test_a_manager_closed_right_after_it_was_built_leaves_its_peers_directory_alone(tmp_path):
+    out = values(
+        run_ranks(_build_and_close, 2, {"root": str(tmp_path / "ck"), "mem": str(tmp_path / "mem")}, timeout_s=60)
+    )
+    assert out == [(6, [])] * 2  # every build succeeded; the job's directory is gone after the last close
