@@ -177,4 +177,8 @@ class StepVote:
         if tear_down:
             if future is not None:
                 future.exception()  # its failure is moot: every rank is closing
-            dist.destroy_process_group(group)
+            try:  # every rank past its last vote before any closes its end (gloo aborts otherwise)
+                dist.barrier(group=group)
+                dist.destroy_process_group(group)
+            except Exception as e:  # noqa: BLE001 - closing; nothing is left to agree on
+                logging.getLogger(__name__).warning("destroying the step vote's group failed: %s", e)
