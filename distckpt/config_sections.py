@@ -152,7 +152,7 @@ class SaveConfig:
     """A tensor whose bytes equal those of the same item (name, shard layout, dtype) in the
     previous committed checkpoint is not written again: the new checkpoint refers to the earlier
     file (plain ``dcp.load`` follows the reference). Local (POSIX) roots only. Retention defers
-    deleting a checkpoint while a kept one refers to it. README "Incremental checkpoints" has the
+    deleting a checkpoint while a kept one refers to it. docs/incremental.md has the
     measured cost. Default ``False``."""
     full_every: int | None = None
     """With ``incremental``, every ``full_every``-th save (count of saves) writes every tensor
@@ -245,7 +245,7 @@ class LoadConfig:
     ``fast_reader`` from the bytes read (one pass), else in a pass before DCP's. Default ``True``."""
     fast_reader: bool = True
     """Read with distckpt's ``FastFileSystemReader`` (large sequential reads straight into the
-    destination tensors; README "Benchmarks" has the figures) instead of DCP's item-by-item
+    destination tensors; docs/benchmarks.md, "Load" has the figures) instead of DCP's item-by-item
     ``FileSystemReader``. ``False`` falls back to DCP's reader (the checkpoint format is the same
     either way). Default ``True``."""
     read_once: bool | str = "auto"
@@ -332,14 +332,14 @@ class LoadConfig:
 
 @dataclass(kw_only=True)
 class ElasticConfig:
-    """A resume at another world size or global batch (YAML section ``elastic:``; README "Resharding")."""
+    """A resume at another world size or global batch (YAML section ``elastic:``; docs/resume.md, "Resharding")."""
 
     batch_policy: Literal["keep_global_batch", "keep_local_batch"] = "keep_global_batch"
     """What a resume does when the global batch size changed since the save (read from the
     saved ``ReshardableSampler`` state). ``"keep_global_batch"``: refuse
     (``IncompatibleCheckpointError``), the global batch must be held constant.
     ``"keep_local_batch"``: the data position carries over in samples (every sample of the epoch
-    is still handed out exactly once; README "Resharding"). Default ``"keep_global_batch"``."""
+    is still handed out exactly once; docs/resume.md, "Resharding"). Default ``"keep_global_batch"``."""
     step_rule: Literal["keep", "rescale"] = "keep"
     """With ``keep_local_batch``, what happens to the step counter when the global batch changed:
     ``"keep"`` (step and LR scheduler untouched) or ``"rescale"`` (``step = global_samples_seen //

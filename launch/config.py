@@ -77,7 +77,7 @@ class TrainConfig:
             (``find_unused_parameters=True``, which turns off DDP's one-time bucket rebuild
             after a process's first iteration). Without it, a same-world resume on 3+ ranks
             reduces its first step with a different layout than the uninterrupted run, so the
-            gradient sums differ in the last bits. See README "Exactness".
+            gradient sums differ in the last bits. See docs/resume.md, "Exactness".
         compile: wrap the model in ``torch.compile``.
         compile_backend: ``torch.compile`` backend (``inductor``, ``aot_eager``, ``eager``).
         amp: ``"none"`` or ``"fp16"`` (autocast + GradScaler; CUDA only, ignored with a

@@ -128,7 +128,7 @@ def elastic_store_warning(env: Mapping[str, str] | None = None, agent_argv: list
     torch 2.13's c10d rendezvous shares the agent's TCP store with its workers
     (``TORCHELASTIC_USE_AGENT_STORE=True``, torchrun's default); on scale-up the running agent
     then waits for the new node's ``role_info`` until the store timeout and the whole job ends
-    in ``DistStoreError`` (README "Elastic training"). Said when this process is a torchrun
+    in ``DistStoreError`` (docs/elastic.md). Said when this process is a torchrun
     worker (``TORCHELASTIC_RUN_ID`` set) whose agent shares its store and whose node count may
     change (``--nnodes MIN:MAX`` with ``MIN < MAX``, :func:`agent_nnodes`).
 

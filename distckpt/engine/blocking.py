@@ -82,7 +82,7 @@ def gc_paused() -> Iterator[None]:
 
     DCP's planning allocates many small containers (plans, metadata, pickled objects), which
     triggers generation-2 collections; each scans every object of the process (a large
-    fraction of a fast load's time, see README "Benchmarks"; 0.2-0.5 s per collection in a
+    fraction of a fast load's time, see docs/benchmarks.md, "Load"; 0.2-0.5 s per collection in a
     background save), and in a multi-rank save or load the stalled rank holds up every other
     rank at the next collective. Nothing a save or load allocates needs the cycle collector;
     reference counting frees it. Same idea as torchtitan's GC handler, which disables automatic

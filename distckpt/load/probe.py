@@ -1,7 +1,7 @@
 """The loss probe: one fixed forward pass whose loss, recorded at each save and measured again
 after ``load()``, proves that a resume restored what the model computes with.
 
-The probe is the user's ``probe(model) -> loss`` (a fixed batch; see README "Resume options").
+The probe is the user's ``probe(model) -> loss`` (a fixed batch; see docs/resume.md, "Resume options").
 :func:`run_probe` calls it so that it can never change the training trajectory: every module in
 eval mode, no autograd, and every RNG (python, numpy, torch CPU, every CUDA device) restored
 afterwards, as is each module's train/eval mode.

@@ -1,5 +1,5 @@
 """What a manager adds to every save and checks after every load beyond the training state
-itself: the experiment tracker's run id and the loss probe (README "Resume options").
+itself: the experiment tracker's run id and the loss probe (docs/resume.md, "Resume options").
 
 * ``run_id``: the one the user passes to ``CheckpointManager(run_id=...)``; else the loaded
   checkpoint's; else one generated at construction (rank 0's, broadcast). It is saved in every

@@ -1,5 +1,5 @@
 """Where the memory tier keeps what: node identity, the memory directory, replica peers, and which
-rank stores each replicated tensor (docs/memory.md, "Placement").
+rank stores each replicated tensor (docs/memory.md, "How it works").
 
 Node identity comes from ``$DISTCKPT_NODE_ID`` when the launcher sets it, else the host name,
 never from torchrun's ``GROUP_RANK`` (it renumbers the nodes at every rendezvous). Replicas follow

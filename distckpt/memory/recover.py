@@ -1,4 +1,4 @@
-"""Choosing the tier a restart resumes from, and the restore from memory (docs/memory.md, "Restore").
+"""Choosing the tier a restart resumes from, and the restore from memory (docs/memory.md, "How it works").
 
 :func:`restore_from_memory` runs the inventory and the consistent cut of
 :mod:`distckpt.memory.restore` and compares the cut with the durable tier's newest committed step:

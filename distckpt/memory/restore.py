@@ -1,5 +1,5 @@
 """The memory tier's read side: find the newest step whose every shard survives in some node's
-memory, and load it at any world size through DCP's planner (docs/memory.md, "Restore").
+memory, and load it at any world size through DCP's planner (docs/memory.md, "How it works").
 
 All collective, on every rank of the new job:
 

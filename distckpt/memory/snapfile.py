@@ -1,4 +1,4 @@
-"""One rank's snapshot as a file in node-local shared memory (docs/memory.md, "Format").
+"""One rank's snapshot as a file in node-local shared memory (docs/memory.md, "How it works").
 
 A snapshot file holds the items of one rank's DCP save plan for one step::
 

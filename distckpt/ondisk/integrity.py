@@ -2,7 +2,7 @@
 
 Hash: xxHash's XXH3-128 (https://xxhash.com): an order of magnitude faster than the write
 itself, where a cryptographic hash (blake2b, sha256) runs slower than the disk writes and
-would about double the save (README "Benchmarks" has the measured rates). It runs inside the
+would about double the save (docs/benchmarks.md, "Save" has the measured rates). It runs inside the
 writer threads. It detects corruption, it is not a defence against a forger (the trust model
 in README says so).
 """

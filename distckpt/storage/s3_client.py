@@ -37,7 +37,7 @@ from ..errors import ConfigError, StorageError
 __all__ = ["MAX_ATTEMPTS", "TRANSFER", "S3Objects", "client_hooks", "get_client", "reset_clients", "split_url"]
 
 MAX_ATTEMPTS = 5
-# Downloads: parallel ranged GETs of 32 MiB above 64 MiB, 8 in flight (README "Object storage"
+# Downloads: parallel ranged GETs of 32 MiB above 64 MiB, 8 in flight (docs/object-storage.md
 # has the measurements). Uploads stream their own multipart parts (s3_dcp).
 TRANSFER = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=32 << 20, max_concurrency=8)
 client_hooks: list[Callable[[Any], None]] = []
