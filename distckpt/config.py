@@ -179,8 +179,13 @@ class CheckpointConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "CheckpointConfig":
-        # Unknown keywords are a ConfigError naming the key to use, not the generated __init__'s
-        # TypeError; __new__ sees the same arguments and sets nothing.
+        """Check the keyword names before the generated ``__init__`` runs (it sets the fields):
+        an unknown one is a ``ConfigError`` naming the key to use (:data:`MOVED_KEYS`) instead of
+        a bare ``TypeError``.
+
+        Raises:
+            ConfigError: a keyword that is neither ``root`` nor a section.
+        """
         _check_keys(kwargs, ["root", *SECTIONS], "")
         return super().__new__(cls)
 
