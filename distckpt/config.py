@@ -305,6 +305,7 @@ class CheckpointConfig:
             ConfigError: an unknown key (a key of :data:`MOVED_KEYS` names its section key, others
                 the valid keys), a missing ``root``, or an invalid value.
         """
+        _check_keys(values, ["root", *SECTIONS], "")  # before cls(**values): YAML keys need not be strings
         if "root" not in values:
             raise ConfigError("CheckpointConfig: missing required key(s) ['root'] (e.g. root: runs/my_run/ckpt)")
         return cls(**values)
@@ -336,7 +337,7 @@ class CheckpointConfig:
 
 def _check_keys(keys: Mapping[str, Any], valid: list[str], section: str) -> None:
     """``ConfigError`` for the keys not in ``valid`` (of section ``section``, ``""``: the root's)."""
-    unknown = sorted(set(keys) - set(valid))
+    unknown = sorted(str(key) for key in set(keys) - set(valid))
     if not unknown:
         return
     dotted = [f"{section}.{key}" if section else key for key in unknown]

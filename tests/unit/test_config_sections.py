@@ -159,6 +159,10 @@ def test_unknown_keys_and_wrong_types_are_config_errors():
         CheckpointConfig(root="/tmp/x", retention=5)
     with pytest.raises(ConfigError, match=r"CheckpointConfig.schedule=.*expected a ScheduleConfig"):
         CheckpointConfig(root="/tmp/x", schedule=RetentionConfig())
+    with pytest.raises(ConfigError, match=r"unknown CheckpointConfig key\(s\) \['1'\]"):  # YAML's `1: x`
+        CheckpointConfig.from_dict({"root": "/tmp/x", 1: "x"})
+    with pytest.raises(ConfigError, match=r"unknown CheckpointConfig.save key\(s\) \['2'\]"):
+        CheckpointConfig.from_dict({"root": "/tmp/x", "save": {2: "x"}})
     with pytest.raises(ConfigError, match=r"missing required key\(s\) \['root'\]"):
         CheckpointConfig.from_dict({"schedule": {"interval_steps": 5}})
 
