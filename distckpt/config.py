@@ -8,9 +8,9 @@ retention=RetentionConfig(keep_last=2))``, or in YAML::
       schedule: {interval_steps: 10}
       retention: {keep_last: 2}
 
-The sections are :mod:`distckpt.config_sections`. The flat keys of earlier versions
-(``keep_last=2``, ``keep_last: 2``; :data:`DEPRECATED_KEYS`) still work, each with one
-``DeprecationWarning`` naming its new key.
+The sections are :mod:`distckpt.config_sections`. A key outside its section (``keep_last: 2``,
+``CheckpointConfig(keep_last=2)``) is a ``ConfigError`` naming the section key
+(:data:`MOVED_KEYS`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ import dataclasses
 import difflib
 import os
 import re
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .config_sections import (
     LOADABLE,
@@ -45,12 +44,12 @@ __all__ = [
     "AsyncSaveConfig",
     "CheckpointConfig",
     "CoordinationConfig",
-    "DEPRECATED_KEYS",
     "ElasticConfig",
     "INITIAL_LOAD",
     "KeepBest",
     "LOADABLE",
     "LoadConfig",
+    "MOVED_KEYS",
     "MemoryConfig",
     "PreemptionConfig",
     "READ_ONLY_SAVE",
@@ -62,10 +61,10 @@ __all__ = [
 ]
 
 READ_ONLY_SAVE = (
-    "CheckpointConfig.load.read_only=true: this manager only loads and never writes to its root, so "
-    "save() and maybe_save() are refused. Build the manager without read_only to train and save."
+    "CheckpointConfig.save.enabled=false: this manager only loads and never writes to its root, so "
+    "save() and maybe_save() are refused. Build the manager with save.enabled: true to train and save."
 )
-"""The ``ConfigError`` message of a save asked of a ``read_only`` manager."""
+"""The ``ConfigError`` message of a save asked of a manager built with ``save.enabled: false``."""
 
 MAX_THREAD_COUNT = 64
 """The most writer threads per rank ``save.thread_count`` accepts: each is a file per rank per save,
@@ -91,71 +90,68 @@ SECTIONS: dict[str, type] = {
 }
 """``{section: its dataclass}``: the keys of :class:`CheckpointConfig` besides ``root``."""
 
-DEPRECATED_KEYS: dict[str, tuple[str, str]] = {
-    "interval_steps": ("schedule", "interval_steps"),
-    "interval_seconds": ("schedule", "interval_seconds"),
-    "save_at_end": ("schedule", "save_at_end"),
-    "full_at_end": ("schedule", "full_at_end"),
-    "keep_last": ("retention", "keep_last"),
-    "keep_every_steps": ("retention", "keep_every_steps"),
-    "keep_best": ("retention", "keep_best"),
-    "state_dict_type": ("save", "state_dict_type"),
-    "thread_count": ("save", "thread_count"),
-    "incremental": ("save", "incremental"),
-    "full_every": ("save", "full_every"),
-    "loss_history_len": ("save", "loss_history_len"),
-    "async_mode": ("async_save", "mode"),
-    "background_staging": ("async_save", "background_staging"),
-    "load": ("load", "enabled"),
-    "load_path": ("load", "path"),
-    "load_step": ("load", "step"),
-    "load_only": ("load", "only"),
-    "exclude_from_loading": ("load", "exclude"),
-    "on_existing": ("load", "on_existing"),
-    "fallback_to_older": ("load", "fallback_to_older"),
-    "read_only": ("load", "read_only"),
-    "verify_on_load": ("load", "verify"),
-    "fast_load": ("load", "fast_reader"),
-    "load_streams_per_node": ("load", "streams_per_node"),
-    "probe_tolerance": ("load", "probe_tolerance"),
-    "probe_on_mismatch": ("load", "probe_on_mismatch"),
-    "batch_policy": ("elastic", "batch_policy"),
-    "step_rule": ("elastic", "step_rule"),
-    "seed": ("elastic", "seed"),
-    "preemption": ("preemption", "enabled"),
-    "exit_on_preemption": ("preemption", "exit"),
-    "preemption_grace_s": ("preemption", "grace_s"),
-    "timeout_s": ("coordination", "timeout_s"),
-    "write_timeout_s": ("coordination", "write_timeout_s"),
-    "arrival_timeout_s": ("coordination", "arrival_timeout_s"),
-    "lock": ("coordination", "lock"),
-    "lock_lease_s": ("coordination", "lock_lease_s"),
-    "event_log": ("coordination", "event_log"),
-    "s3_endpoint_url": ("storage", "s3_endpoint_url"),
-    "s3_region": ("storage", "s3_region"),
+MOVED_KEYS: dict[str, str] = {
+    "interval_steps": "schedule.interval_steps",
+    "interval_seconds": "schedule.interval_s",
+    "schedule.interval_seconds": "schedule.interval_s",
+    "save_at_end": "schedule.save_at_end",
+    "full_at_end": "schedule.full_at_end",
+    "keep_last": "retention.keep_last",
+    "keep_every_steps": "retention.keep_every_steps",
+    "keep_best": "retention.keep_best",
+    "state_dict_type": "save.state_dict_type",
+    "thread_count": "save.thread_count",
+    "incremental": "save.incremental",
+    "full_every": "save.full_every",
+    "loss_history_len": "save.loss_history_len",
+    "async_mode": "async_save.mode",
+    "background_staging": "async_save.background_staging",
+    "load_path": "load.path",
+    "load_step": "load.step",
+    "load_only": "load.only",
+    "exclude_from_loading": "load.exclude",
+    "on_existing": "load.on_existing",
+    "fallback_to_older": "load.fallback_to_older",
+    "read_only": "save.enabled: false",
+    "load.read_only": "save.enabled: false",
+    "verify_on_load": "load.verify",
+    "fast_load": "load.fast_reader",
+    "load_streams_per_node": "load.streams_per_node",
+    "probe_tolerance": "load.probe_tolerance",
+    "probe_on_mismatch": "load.probe_on_mismatch",
+    "batch_policy": "elastic.batch_policy",
+    "step_rule": "elastic.step_rule",
+    "seed": "elastic.seed",
+    "exit_on_preemption": "preemption.exit",
+    "preemption_grace_s": "preemption.grace_s",
+    "timeout_s": "coordination.timeout_s",
+    "write_timeout_s": "coordination.write_timeout_s",
+    "arrival_timeout_s": "coordination.arrival_timeout_s",
+    "lock": "coordination.lock",
+    "lock_lease_s": "coordination.lock_lease_s",
+    "event_log": "coordination.event_log",
+    "s3_endpoint_url": "storage.s3_endpoint_url",
+    "s3_region": "storage.s3_region",
 }
-"""``{flat key of earlier versions: (section, field)}``. A flat key still works, as a keyword
-(``CheckpointConfig(keep_last=2)``) or a YAML/dict key (``keep_last: 2``), with one
-``DeprecationWarning`` naming the new key. ``load`` and ``preemption`` are both: a bool is the
-flat key (``load.enabled``, ``preemption.enabled``), a mapping the section."""
+"""``{key of an unreleased draft: the section key to write instead}``, for error messages only: such
+a key sets nothing, it raises ``ConfigError`` naming its replacement (``load: false`` and
+``preemption: false``, the draft's bools, name ``load.enabled`` / ``preemption.enabled`` the same way)."""
 
 
-@dataclass(kw_only=True, init=False)
+@dataclass(kw_only=True)
 class CheckpointConfig:
     """What to save, when, and how many to keep: ``root`` and one section per concern.
 
     Each section is a kw-only dataclass of :mod:`distckpt.config_sections` (whose fields document
     their unit and default), given as an instance or a mapping of its fields, or left out for its
-    defaults. The flat keys of :data:`DEPRECATED_KEYS` are still accepted as keywords (one
-    ``DeprecationWarning`` each); a flat key and its section's field set to different values is a
-    ``ConfigError``.
+    defaults. ``from_dict`` / ``from_yaml`` build it from config data.
 
     Args:
         root: directory holding ``step-*`` checkpoints, ``latest`` and pending directories (saves
-            in progress), or ``s3://bucket/prefix``. Required.
+            in progress), or ``s3://bucket/prefix`` (a ``str`` or ``os.PathLike``). Required.
         schedule: when to save (:class:`ScheduleConfig`).
         retention: how many checkpoints to keep (:class:`RetentionConfig`).
-        save: what one save writes and how (:class:`SaveConfig`).
+        save: whether this manager saves, what one save writes and how (:class:`SaveConfig`).
         async_save: saves in the background (:class:`AsyncSaveConfig`).
         load: what ``load()`` resumes from, which parts, and how it reads (:class:`LoadConfig`).
         elastic: a resume at another world size or global batch (:class:`ElasticConfig`).
@@ -165,8 +161,9 @@ class CheckpointConfig:
         memory: the memory tier, node-local snapshots with replicas (:class:`MemoryConfig`).
 
     Raises:
-        ConfigError: an unknown keyword, an invalid value (the message names its dotted key), or a
-            flat key in conflict with its section.
+        ConfigError: an unknown keyword (a key of :data:`MOVED_KEYS` names its section key), a
+            section of the wrong type or with unknown fields, or an invalid value (the message
+            names its dotted key).
     """
 
     root: str
@@ -181,40 +178,23 @@ class CheckpointConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
-    def __init__(
-        self,
-        *,
-        root: str | os.PathLike[str],
-        schedule: ScheduleConfig | Mapping[str, Any] | None = None,
-        retention: RetentionConfig | Mapping[str, Any] | None = None,
-        save: SaveConfig | Mapping[str, Any] | None = None,
-        async_save: AsyncSaveConfig | Mapping[str, Any] | None = None,
-        load: LoadConfig | Mapping[str, Any] | bool | None = None,
-        elastic: ElasticConfig | Mapping[str, Any] | None = None,
-        preemption: PreemptionConfig | Mapping[str, Any] | bool | None = None,
-        coordination: CoordinationConfig | Mapping[str, Any] | None = None,
-        storage: StorageConfig | Mapping[str, Any] | None = None,
-        memory: MemoryConfig | Mapping[str, Any] | None = None,
-        **flat: Any,
-    ) -> None:
-        given = dict(
-            schedule=schedule,
-            retention=retention,
-            save=save,
-            async_save=async_save,
-            load=load,
-            elastic=elastic,
-            preemption=preemption,
-            coordination=coordination,
-            storage=storage,
-            memory=memory,
-        )
-        sections = _regroup(given, flat, lambda key: f"CheckpointConfig({key}=...)")
+    def __new__(cls, *args: Any, **kwargs: Any) -> "CheckpointConfig":
+        """Check the keyword names before the generated ``__init__`` runs (it sets the fields):
+        an unknown one is a ``ConfigError`` naming the key to use (:data:`MOVED_KEYS`) instead of
+        a bare ``TypeError``.
+
+        Raises:
+            ConfigError: a keyword that is neither ``root`` nor a section.
+        """
+        _check_keys(kwargs, ["root", *SECTIONS], "")
+        return super().__new__(cls)
+
+    def __post_init__(self) -> None:
         for name in SECTIONS:
-            setattr(self, name, sections[name])
-        if not isinstance(root, (str, os.PathLike)):
-            raise ConfigError(f"CheckpointConfig.root={root!r}: must be a directory path")
-        self.root = os.fspath(root)
+            setattr(self, name, _section(name, getattr(self, name)))
+        if not isinstance(self.root, (str, os.PathLike)):
+            raise ConfigError(f"CheckpointConfig.root={self.root!r}: must be a directory path")
+        self.root = os.fspath(self.root)
         self._check()
 
     def _check(self) -> None:
@@ -228,6 +208,11 @@ class CheckpointConfig:
         if not self.root:
             raise ConfigError("CheckpointConfig.root must be a non-empty directory path")
         check_root_scheme(self.root, "CheckpointConfig.root")
+        if not self.save.enabled and (not self.load.enabled or self.load.on_existing == "archive"):
+            raise ConfigError(
+                "CheckpointConfig.save.enabled=false only loads: it needs load.enabled: true and no "
+                f"load.on_existing: archive (enabled={self.load.enabled}, on_existing={self.load.on_existing!r})"
+            )
         if self.save.thread_count > MAX_THREAD_COUNT:  # section checks: config_sections is at its line cap
             raise ConfigError(
                 f"CheckpointConfig.save.thread_count={self.save.thread_count}: at most {MAX_THREAD_COUNT} "
@@ -309,31 +294,21 @@ class CheckpointConfig:
 
     @property
     def effective_preemption(self) -> bool:
-        """``preemption.enabled``, unless ``load.read_only``: a manager that never saves leaves SIGTERM alone."""
-        return self.preemption.enabled and not self.load.read_only
+        """``preemption.enabled``, unless ``save.enabled`` is false: a manager that never saves leaves SIGTERM alone."""
+        return self.preemption.enabled and self.save.enabled
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "CheckpointConfig":
-        """Build from a mapping: ``root`` and sections (mappings of their fields); the flat keys
-        of :data:`DEPRECATED_KEYS` still work, each with one ``DeprecationWarning``.
+    def from_dict(cls, values: Mapping[str, Any]) -> "CheckpointConfig":
+        """Build from config data: ``root`` and sections (mappings of their fields).
 
         Raises:
-            ConfigError: an unknown key (names the valid ones), a missing required key
-                (``root``), an invalid value, or a flat key in conflict with its section.
+            ConfigError: an unknown key (a key of :data:`MOVED_KEYS` names its section key, others
+                the valid keys), a missing ``root``, or an invalid value.
         """
-        valid = ["root", *SECTIONS]
-        unknown = sorted(set(values) - set(valid) - set(DEPRECATED_KEYS))
-        if unknown:
-            raise ConfigError(
-                f"unknown CheckpointConfig key(s) {unknown}{_suggest(unknown)}; valid keys: "
-                f"{', '.join(valid)} (each section a mapping of its fields)"
-            )
+        _check_keys(values, ["root", *SECTIONS], "")  # before cls(**values): YAML keys need not be strings
         if "root" not in values:
             raise ConfigError("CheckpointConfig: missing required key(s) ['root'] (e.g. root: runs/my_run/ckpt)")
-        given = {name: values.get(name) for name in SECTIONS}
-        flat = {key: value for key, value in values.items() if key != "root" and key not in given}
-        sections = _regroup(given, flat, lambda key: f"CheckpointConfig key {key!r}")
-        return cls(root=values["root"], **sections)
+        return cls(**values)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, *, section: str | None = "checkpoint") -> "CheckpointConfig":
@@ -360,73 +335,40 @@ class CheckpointConfig:
             raise ConfigError(f"{path}: {e}") from e
 
 
-def _regroup(given: dict[str, Any], flat: dict[str, Any], spelled: Callable[[str], str]) -> dict[str, Any]:
-    """``{section: instance}`` of every section, from ``given`` (``{section: instance, mapping or
-    None}``) and the flat keys in ``flat`` (one ``DeprecationWarning`` each, ``spelled(key)``
-    naming the flat key). ``load`` / ``preemption`` given as a bool are the flat keys.
-
-    Raises:
-        ConfigError: an unknown key, a section of the wrong type or with unknown fields, a flat key
-            set to another value than its section's field, or an invalid value.
-    """
-    given, flat = dict(given), dict(flat)
-    for name in ("load", "preemption"):
-        if name not in flat and given.get(name) is not None and not isinstance(given[name], (Mapping, SECTIONS[name])):
-            flat[name] = given.pop(name)
-    unknown = sorted(set(flat) - set(DEPRECATED_KEYS))
-    if unknown:
-        raise ConfigError(
-            f"unknown CheckpointConfig key(s) {unknown}{_suggest(unknown)}; valid keys: root, "
-            f"{', '.join(SECTIONS)} (each section a mapping or instance of its fields)"
-        )
-    updates: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-    for key, value in flat.items():
-        section, name = DEPRECATED_KEYS[key]
-        updates[section][name] = value
-    sections = {name: _section(name, given.get(name), updates[name]) for name in SECTIONS}
-    for key in flat:  # once the values are known to be valid and free of conflicts
-        warnings.warn(
-            f"{spelled(key)} is deprecated: use {'.'.join(DEPRECATED_KEYS[key])}", DeprecationWarning, stacklevel=3
-        )  # the caller of CheckpointConfig(...) / from_dict
-    return sections
+def _check_keys(keys: Mapping[str, Any], valid: list[str], section: str) -> None:
+    """``ConfigError`` for the keys not in ``valid`` (of section ``section``, ``""``: the root's)."""
+    unknown = sorted(str(key) for key in set(keys) - set(valid))
+    if not unknown:
+        return
+    dotted = [f"{section}.{key}" if section else key for key in unknown]
+    moved = [f"`{key}` is `{MOVED_KEYS[key]}`" for key in dotted if key in MOVED_KEYS]
+    if moved:
+        raise ConfigError(f"CheckpointConfig: {'; '.join(moved)} (set it in its section)")
+    where = f"CheckpointConfig.{section}" if section else "CheckpointConfig"
+    raise ConfigError(
+        f"unknown {where} key(s) {unknown}{_suggest(unknown)}; valid keys: {', '.join(valid)}"
+        + ("" if section else " (each section an instance or a mapping of its fields)")
+    )
 
 
-def _section(name: str, value: Any, updates: dict[str, Any]) -> Any:
-    """Section ``name`` from ``value`` (an instance, a mapping or ``None``) and the flat keys' ``updates``."""
+def _section(name: str, value: Any) -> Any:
+    """Section ``name`` from ``value``: an instance of its dataclass, or a mapping of its fields."""
     cls = SECTIONS[name]
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    if value is None:
-        value = {}
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - set(fields))
-        if unknown:
-            raise ConfigError(
-                f"unknown CheckpointConfig.{name} key(s) {unknown}{_suggest(unknown)}; valid keys: {', '.join(fields)}"
-            )
-        nested = dict(value)
-    elif isinstance(value, cls):  # a field left at its default may take the flat key's value
-        nested = {k: v for k, f in fields.items() if (v := getattr(value, k)) != _default(f)}
-    else:
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, bool) and name in ("load", "preemption"):
+        raise ConfigError(f"CheckpointConfig: `{name}: {str(value).lower()}` is `{name}.enabled: {str(value).lower()}`")
+    if not isinstance(value, Mapping):
         raise ConfigError(f"CheckpointConfig.{name}={value!r}: expected a {cls.__name__} or a mapping of its fields")
-    for key, new in updates.items():
-        if key in nested and nested[key] != new:
-            old = next(k for k, v in DEPRECATED_KEYS.items() if v == (name, key))
-            raise ConfigError(
-                f"CheckpointConfig: {old}={new!r} (deprecated) and {name}.{key}={nested[key]!r} "
-                f"conflict; set only {name}.{key}"
-            )
-    if isinstance(value, Mapping):
-        return cls(**{**value, **updates})
-    return cls(**{**{k: getattr(value, k) for k in fields}, **updates}) if updates else value
+    _check_keys(value, [f.name for f in dataclasses.fields(cls)], name)
+    return cls(**value)
 
 
 def _suggest(unknown: list[str]) -> str:
     """`` (did you mean schedule.interval_steps?)`` for misspelt or misplaced keys, or ``""``."""
-    dotted = {f.name: f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
-    dotted.update({key: ".".join(new) for key, new in DEPRECATED_KEYS.items()})
+    dotted: dict[str, str] = {}  # the first section's field of a name (schedule.interval_steps, not memory's)
+    for name, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            dotted.setdefault(f.name, f"{name}.{f.name}")
     near = [dotted[m[0]] for key in unknown if (m := difflib.get_close_matches(key, dotted, n=1, cutoff=0.75))]
     return f" (did you mean {', '.join(near)}?)" if near else ""
-
-
-def _default(f: dataclasses.Field) -> Any:
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

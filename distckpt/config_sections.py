@@ -51,7 +51,7 @@ class ScheduleConfig:
     """Save when ``step % interval_steps == 0`` (steps); ``None`` disables. ``"auto"``: the interval
     is chosen from this job's measured save cost and failure rate (Young/Daly; ``mtbf_s``,
     ``min_interval_s``, ``max_overhead``; docs/interval.md), rank 0 deciding. Default ``100``."""
-    interval_seconds: float | None = None
+    interval_s: float | None = None
     """Save when this many seconds (rank 0's wall clock) passed since the last save; rank 0 decides
     and broadcasts, so skewed clocks never split the ranks. Default ``None`` (no time interval)."""
     save_at_end: bool = True
@@ -73,12 +73,12 @@ class ScheduleConfig:
     def __post_init__(self) -> None:
         if self.interval_steps != "auto":
             check_positive("schedule.interval_steps", self.interval_steps, allow_none=True, integer=True)
-        elif self.interval_seconds is not None:
+        elif self.interval_s is not None:
             raise ConfigError(
                 "CheckpointConfig.schedule: interval_steps='auto' chooses the interval itself; "
-                f"remove interval_seconds={self.interval_seconds!r} (or set interval_steps to a number)"
+                f"remove interval_s={self.interval_s!r} (or set interval_steps to a number)"
             )
-        check_positive("schedule.interval_seconds", self.interval_seconds, allow_none=True)
+        check_positive("schedule.interval_s", self.interval_s, allow_none=True)
         check_positive("schedule.mtbf_s", self.mtbf_s)
         check_positive("schedule.min_interval_s", self.min_interval_s)
         if self.max_overhead is not None:
@@ -140,8 +140,14 @@ class RetentionConfig:
 
 @dataclass(kw_only=True)
 class SaveConfig:
-    """What one save writes and how (YAML section ``save:``)."""
+    """Whether this manager saves, what one save writes and how (YAML section ``save:``)."""
 
+    enabled: bool = True
+    """``False``: a manager that only loads and writes nothing to the root (an evaluation of a
+    read-only snapshot): no lock, no shared-root token file, no removal of leftovers, no set-aside
+    or rollback, no SIGTERM handler, no async writer; ``load.path`` / ``load.step`` / the selection
+    always apply; ``save`` and ``maybe_save`` raise ``ConfigError``. Needs ``load.enabled: true``.
+    An ``event_log`` is still appended to where it points. Default ``True``."""
     state_dict_type: Literal["sharded", "full"] = "sharded"
     """``"sharded"`` (each rank writes its shards) or ``"full"`` (model/optimizer gathered to
     rank 0 with CPU offload, rank 0 writes them). Default ``"sharded"``."""
@@ -234,12 +240,6 @@ class LoadConfig:
     fallback_to_older: bool = False
     """When the newest checkpoint is corrupt, load the next older committed one (with a warning)
     instead of raising ``CheckpointCorruptError``. Default ``False``."""
-    read_only: bool = False
-    """A manager that only loads and writes nothing to the root (an evaluation of a read-only
-    snapshot): no lock, no shared-root token file, no removal of leftovers, no set-aside or
-    rollback, no SIGTERM handler, no async writer; ``path`` / ``step`` / the selection always
-    apply; ``save`` and ``maybe_save`` raise ``ConfigError``. Needs ``enabled: true``. An
-    ``event_log`` is still appended to where it points. Default ``False``."""
     verify: bool = True
     """Each rank checks size and xxh3-128 hash of every file it reads against the manifest: with
     ``fast_reader`` from the bytes read (one pass), else in a pass before DCP's. Default ``True``."""
@@ -276,15 +276,8 @@ class LoadConfig:
                 "resumes from the root's checkpoints, so nothing would be archived. Set load.enabled: false "
                 "to start fresh and archive them, or drop on_existing"
             )
-        if not isinstance(self.read_only, bool):
-            raise ConfigError(f"CheckpointConfig.load.read_only={self.read_only!r}: must be true or false")
         if not (isinstance(self.read_once, bool) or self.read_once == "auto"):
             raise ConfigError(f"CheckpointConfig.load.read_once={self.read_once!r}: must be true, false or auto")
-        if self.read_only and (not self.enabled or self.on_existing == "archive"):
-            raise ConfigError(
-                "CheckpointConfig.load.read_only=true only loads: it needs load.enabled: true and no "
-                f"on_existing: archive (enabled={self.enabled}, on_existing={self.on_existing!r})"
-            )
         check_positive("load.streams_per_node", self.streams_per_node, integer=True)
         if self.step is not None:
             if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
@@ -325,8 +318,8 @@ class LoadConfig:
         return frozenset(LOADABLE) - frozenset(self.exclude or ())
 
     def __bool__(self) -> bool:
-        """Refused: ``load`` was a bool before it became a section; a truth test of the section
-        would always pass. Raises ``TypeError`` naming ``load.enabled``."""
+        """Refused: a truth test of the section would always pass. Raises ``TypeError`` naming
+        ``load.enabled``."""
         raise TypeError("CheckpointConfig.load is a section: test CheckpointConfig.load.enabled")
 
 
@@ -386,8 +379,8 @@ class PreemptionConfig:
         check_positive("preemption.grace_s", self.grace_s)
 
     def __bool__(self) -> bool:
-        """Refused: ``preemption`` was a bool before it became a section; a truth test of the section
-        would always pass. Raises ``TypeError`` naming ``preemption.enabled``."""
+        """Refused: a truth test of the section would always pass. Raises ``TypeError`` naming
+        ``preemption.enabled``."""
         raise TypeError("CheckpointConfig.preemption is a section: test CheckpointConfig.preemption.enabled")
 
 

@@ -121,7 +121,7 @@ class CheckpointManager:
         self.save_durations = SaveDurations()  # predicts the preemption save (grace window)
         self._closed = False
         self._inflight: BackgroundSave | None = None
-        coord, read_only, mode = config.coordination, config.load.read_only, config.async_save.mode
+        coord, read_only, mode = config.coordination, not config.save.enabled, config.async_save.mode
         self.background: Collective | None = None  # its own gloo group: never interleaves with the loop's
         self.async_writer: AsyncWriter | None = None
         if mode != "off" and not read_only:
@@ -439,7 +439,7 @@ class CheckpointManager:
     def _check_open(self, *, save: bool = False) -> None:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
-        if save and self.config.load.read_only:
+        if save and not self.config.save.enabled:
             raise ConfigError(READ_ONLY_SAVE)
 
     def __enter__(self) -> "CheckpointManager":

@@ -52,7 +52,7 @@ def check_shared_root(collective: Collective, store: Any, *, write: bool = True)
     Args:
         store: the root's ``CheckpointStore``; one whose storage is the same for every node by
             construction (``store.shared``: object storage) needs no check.
-        write: whether the manager writes to ``root``; ``False`` (``load.read_only``): no check, and
+        write: whether the manager writes to ``root``; ``False`` (``save.enabled: false``): no check, and
             no token file (each node may read its own copy of a snapshot).
 
     Raises:

@@ -25,7 +25,7 @@ load_step              ``load.step`` (``load(step)``'s argument wins)
 initial_load_path      ``load.path`` (applies at the run's first start only)
 initial_load_model_only  ``load.only: [model]`` with ``initial_load_path``
 exclude_from_loading   ``load.exclude`` (a key of ``states``: all of ``extra_state``)
-load_only              ``load.read_only`` (``save`` saves nothing)
+load_only              ``save.enabled: false`` (``save`` saves nothing)
 =====================  ====================================================================
 
 ``last_save_model_only`` (torchtitan's default ``True``) is not honoured: the last checkpoint
@@ -44,7 +44,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.components.checkpointer.base import BaseCheckpointManager
 
 from ..config import CheckpointConfig
-from ..config_sections import AsyncSaveConfig, LoadConfig, RetentionConfig, ScheduleConfig
+from ..config_sections import AsyncSaveConfig, LoadConfig, RetentionConfig, SaveConfig, ScheduleConfig
 from ..errors import ConfigError
 from ..manager import CheckpointManager
 
@@ -151,13 +151,13 @@ class DistckptCheckpointManager(BaseCheckpointManager):
             path=c.initial_load_path,
             only=only,
             exclude=None if only else exclude,
-            read_only=c.load_only,
             fallback_to_older=c.fallback_to_older,
         )
         return CheckpointConfig(
             root=self.root,
             schedule=ScheduleConfig(interval_steps=c.interval),
             retention=RetentionConfig(keep_last=c.keep_latest_k or None),
+            save=SaveConfig(enabled=not c.load_only),
             load=load,
             async_save=AsyncSaveConfig(mode=c.async_mode, background_staging=c.background_staging),
         )

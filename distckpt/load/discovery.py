@@ -10,7 +10,7 @@ checkpoints (rank 0's decisions; the manager broadcasts them).
 * Restarts: a root holding a checkpoint committed with the config's initial-load options
   (``load.path``, ``load.step``, the selection) is this run's; the options then no longer apply
   (:mod:`distckpt.load.restart`).
-* ``load.read_only``: nothing is written, claimed or set aside.
+* ``save.enabled: false``: nothing is written, claimed or set aside.
 
 The model check (a checkpoint's model specs against the live model's) is
 :func:`distckpt.ondisk.manifest.check_model_fits`.
@@ -52,15 +52,15 @@ class CheckpointDiscovery:
         self.root = store.root
 
     def prepare_root(self) -> None:
-        """Rank 0: create the root and check that it is writable (``load.read_only``: that it exists;
+        """Rank 0: create the root and check that it is writable (``save.enabled: false``: that it exists;
         nothing is written).
 
         Raises:
             ConfigError: the root cannot be created or written (names the OS error), the bucket
-                is missing or not accessible, or with ``load.read_only`` the root is not a directory.
+                is missing or not accessible, or with ``save.enabled: false`` the root is not a directory.
         """
         if self.rank == 0:
-            self.store.prepare(read_only=self.config.load.read_only)
+            self.store.prepare(read_only=not self.config.save.enabled)
 
     def _manifests(self) -> Iterator[tuple[str, Manifest | None]]:
         """``(name, manifest or None)`` of the root's checkpoints, newest first, read lazily."""
@@ -97,7 +97,7 @@ class CheckpointDiscovery:
         Raises:
             ConfigError: such a run, without ``load.on_existing: archive`` (or without the lock).
         """
-        if self.rank != 0 or self.config.load.read_only:  # a read-only manager writes nothing among them
+        if self.rank != 0 or not self.config.save.enabled:  # a read-only manager writes nothing among them
             return self.config
         if self.config.initial_load is not None and is_restart(self.config, self.root, self._manifests()):
             return self.config.for_restart()
@@ -138,7 +138,7 @@ class CheckpointDiscovery:
         Raises:
             ConfigError: there are newer checkpoints and this job does not hold the lock.
         """
-        if self.rank != 0 or self.config.load.read_only:
+        if self.rank != 0 or not self.config.save.enabled:
             return False  # never commits: nothing to set aside
         newer = [checkpoint_name(s) for s, _ in self.store.existing() if s > step]
         if not newer:

@@ -19,7 +19,7 @@ first commit sets them aside and records the options, and from then on a restart
 A fine-tune (``load.path`` in another root) restarts from its own checkpoints, never refused
 as "another run's" nor archived. Rolling back to the same checkpoint a second time therefore
 needs a changed option (``load.step: N`` in place of ``load.path: <root>/step-N`` counts as
-changed). A ``load.read_only`` manager never commits: for it the options always apply.
+changed). A ``save.enabled: false`` manager never commits: for it the options always apply.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def is_restart(config: CheckpointConfig, root: str, checkpoints: Iterable[tuple[
             checkpoints, newest first; read only until the first match.
     """
     options = config.initial_load
-    if options is None or config.load.read_only:
+    if options is None or not config.save.enabled:
         return False
     given = ", ".join(f"{k}={v!r}" for k, v in options.items() if v is not None)
     for name, manifest in checkpoints:

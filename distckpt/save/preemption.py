@@ -70,7 +70,7 @@ class Vote:
 
     Attributes:
         preempt: some rank had received SIGTERM.
-        due: rank 0's clock said a save is due (``interval_seconds``, ``interval_steps: auto``).
+        due: rank 0's clock said a save is due (``interval_s``, ``interval_steps: auto``).
     """
 
     preempt: bool = False

@@ -215,14 +215,14 @@ class SaveSchedule:
     """Decides whether step ``step`` is a save step.
 
     ``interval_steps`` is a pure function of the step, so every rank computes the same answer.
-    ``interval_seconds`` and ``interval_steps: auto`` depend on a clock: rank 0's answer
+    ``interval_s`` and ``interval_steps: auto`` depend on a clock: rank 0's answer
     (:meth:`propose`) travels in the step's vote and applies at the next step, so ranks whose
     clocks disagree still save together without a collective of their own.
 
     Args:
         schedule: ``CheckpointConfig.schedule``: its ``interval_steps`` (save when ``step %
             interval_steps == 0``; ``None`` disables; ``"auto"``: :class:`AutoInterval`) and
-            ``interval_seconds`` (save when this many seconds passed since the last save, rank
+            ``interval_s`` (save when this many seconds passed since the last save, rank
             0's clock; ``None`` disables).
         collective: agreement helper of the training ranks.
         clock: monotonic seconds; injectable for tests.
@@ -242,7 +242,7 @@ class SaveSchedule:
         auto = schedule.interval_steps == "auto"
         journal = store.root_file(JOURNAL) if auto and store is not None and collective.rank == 0 else None
         self.interval_steps: int | None = None if schedule.interval_steps == "auto" else schedule.interval_steps
-        self.interval_seconds = schedule.interval_seconds
+        self.interval_s = schedule.interval_s
         self.collective = collective
         self.clock = clock
         self.last_save_time = clock()
@@ -251,7 +251,7 @@ class SaveSchedule:
         )
 
     def mark_saved(self) -> None:
-        """Restart the ``interval_seconds`` clock (a save was just made)."""
+        """Restart the ``interval_s`` clock (a save was just made)."""
         self.last_save_time = self.clock()
 
     def resumed(self, saved_stats: dict[str, Any] | None) -> None:
@@ -276,17 +276,17 @@ class SaveSchedule:
 
     @property
     def clock_based(self) -> bool:
-        """Whether saves depend on rank 0's clock (``interval_seconds``, ``interval_steps: auto``):
+        """Whether saves depend on rank 0's clock (``interval_s``, ``interval_steps: auto``):
         then the ranks must vote on them (:class:`~distckpt.save.preemption.StepVote`)."""
-        return self.auto is not None or self.interval_seconds is not None
+        return self.auto is not None or self.interval_s is not None
 
     def propose(self, step: int) -> bool:
         """This rank's clock-based answer after ``step`` (rank 0's is the one the ranks take):
-        ``interval_seconds`` passed since the last save, or ``auto``'s interval (which also
+        ``interval_s`` passed since the last save, or ``auto``'s interval (which also
         records the step time). ``False`` when saves do not depend on a clock."""
         if self.auto is not None:
             return self.auto.due(step)
-        return self.interval_seconds is not None and self.clock() - self.last_save_time >= self.interval_seconds
+        return self.interval_s is not None and self.clock() - self.last_save_time >= self.interval_s
 
     def is_due(self, step: int, voted: bool | None = None) -> bool:
         """Whether ``step`` is a save step: ``interval_steps`` divides it, or the clock says so.

@@ -70,7 +70,7 @@ class PosixStore(CheckpointStore):
         a directory; nothing is written). Raises ``ConfigError`` naming the root and the OS error."""
         if read_only:
             if not self.path.is_dir():
-                raise ConfigError(f"CheckpointConfig.root={self.root!r} (load.read_only: true) is not a directory")
+                raise ConfigError(f"CheckpointConfig.root={self.root!r} (save.enabled: false) is not a directory")
             return
         try:
             self.path.mkdir(parents=True, exist_ok=True)

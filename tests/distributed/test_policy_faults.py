@@ -19,7 +19,7 @@ def run_with_skewed_clock(rank, world_size, opts):
     model, optimizer, *_ = build(rank, world_size, {"wrapper": "ddp"})
     config = CheckpointConfig(
         root=opts["root"],
-        schedule=ScheduleConfig(interval_steps=None, interval_seconds=7.0),
+        schedule=ScheduleConfig(interval_steps=None, interval_s=7.0),
         retention=RetentionConfig(keep_last=2, keep_every_steps=4),
     )
     manager = CheckpointManager(config, model=model, optimizer=optimizer)
@@ -38,7 +38,7 @@ def run_with_skewed_clock(rank, world_size, opts):
     return saved
 
 
-def test_interval_seconds_decided_by_rank0_despite_skewed_clocks(tmp_path):
+def test_interval_s_decided_by_rank0_despite_skewed_clocks(tmp_path):
     saved = values(run_ranks(run_with_skewed_clock, 2, {"root": str(tmp_path)}))
     assert saved[0] == saved[1] == [3, 6, 9, 12]
     # keep_last=2 keeps 9 and 12; keep_every_steps=4 keeps none of them except... 12 (multiple of 4)

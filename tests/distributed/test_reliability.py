@@ -116,7 +116,7 @@ def test_lock_of_another_host_is_respected(tmp_path):
     "kwargs,field",
     [
         ({"schedule": {"interval_steps": -5}}, "schedule.interval_steps"),
-        ({"schedule": {"interval_seconds": -1.0}}, "schedule.interval_seconds"),
+        ({"schedule": {"interval_s": -1.0}}, "schedule.interval_s"),
         ({"async_save": {"mode": "thread"}, "retention": {"keep_last": 1}}, "retention.keep_last"),
         ({"async_save": {"mode": "fork"}}, "async_save.mode"),
         ({"async_save": {"background_staging": True}}, "async_save.background_staging"),

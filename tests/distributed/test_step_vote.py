@@ -24,7 +24,7 @@ def late_peer(rank, world_size, opts):
     model, optimizer, *_ = build(rank, world_size, {"wrapper": "ddp"})
     config = CheckpointConfig(
         root=opts["root"],
-        schedule=ScheduleConfig(interval_steps=100, interval_seconds=3600.0),  # a clock to vote on too
+        schedule=ScheduleConfig(interval_steps=100, interval_s=3600.0),  # a clock to vote on too
         preemption=PreemptionConfig(exit=False),
     )
     manager = CheckpointManager(config, model=model, optimizer=optimizer)

@@ -136,3 +136,22 @@ def test_config_refuses_what_the_backend_does_not_do():
         dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={}, sd_adapter=None
     )
     assert disabled.load() is False and disabled.save(3) is False
+
+
+@pytest.mark.parametrize("load_only", [False, True])
+def test_load_only_is_save_enabled_false(tmp_path, load_only):
+    from distckpt.integrations.torchtitan import DistckptCheckpointManager
+
+    model = torch.nn.Linear(2, 1)
+    checkpointer = DistckptCheckpointManager.Config(enable=True, folder="ckpt", load_only=load_only).build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
+        base_folder=str(tmp_path),
+    )
+    config = checkpointer.checkpoint_config()
+    assert config.save.enabled is not load_only and config.effective_preemption is not load_only
+    assert config.root == str(tmp_path / "ckpt")

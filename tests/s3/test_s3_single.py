@@ -21,6 +21,7 @@ from distckpt import (
     CoordinationConfig,
     LoadConfig,
     RetentionConfig,
+    SaveConfig,
     ScheduleConfig,
 )
 from distckpt.storage import open_store
@@ -340,9 +341,9 @@ def test_a_read_only_manager_writes_no_object_to_an_s3_root(s3_server, s3_root):
     expected = full_params(objs[0])
     put(s3_server, s3_root, "data/step-000000009-abc123/__0_0.distcp", b"an interrupted save")
     before = {k: get(s3_server, s3_root, k) for k in keys(s3_server, s3_root)}
-    evaluation, (model, *_) = manager_for(s3_root, load=LoadConfig(read_only=True, step=3))
+    evaluation, (model, *_) = manager_for(s3_root, save=SaveConfig(enabled=False), load=LoadConfig(step=3))
     assert evaluation.load().step == 3 and evaluation.lock is None
-    with pytest.raises(ConfigError, match="read_only=true"):
+    with pytest.raises(ConfigError, match="save.enabled=false"):
         evaluation.save(4)
     evaluation.close()
     assert {k: get(s3_server, s3_root, k) for k in keys(s3_server, s3_root)} == before

@@ -29,7 +29,7 @@ def test_from_yaml_reads_section(tmp_path):
     "key,value",
     [
         ("schedule.interval_steps", -1),
-        ("schedule.interval_seconds", 0),
+        ("schedule.interval_s", 0),
         ("retention.keep_last", 0),
         ("save.state_dict_type", "FULLISH"),
         ("save.thread_count", 0),
@@ -39,7 +39,7 @@ def test_from_yaml_reads_section(tmp_path):
         ("save.thread_count", 2.5),
         ("coordination.timeout_s", float("nan")),
         ("coordination.timeout_s", float("inf")),
-        ("schedule.interval_seconds", float("nan")),
+        ("schedule.interval_s", float("nan")),
         ("load.streams_per_node", 1.5),
         ("retention.keep_last", True),
     ],

@@ -1,11 +1,10 @@
-"""CheckpointConfig's sections: the new form, the deprecated flat keys, YAML, conflicts, docstrings."""
+"""CheckpointConfig's sections: instances and mappings, YAML, keys outside their section, docstrings."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
 import pickle
-import warnings
 from pathlib import Path
 from types import MappingProxyType
 
@@ -26,59 +25,7 @@ from distckpt import (
     ScheduleConfig,
     StorageConfig,
 )
-from distckpt.config import DEPRECATED_KEYS, INITIAL_LOAD, SECTIONS
-
-# A valid value for every flat key, and what else its section needs for that value to be valid.
-SAMPLES: dict[str, tuple[object, dict]] = {
-    "interval_steps": (7, {}),
-    "interval_seconds": (5.0, {}),
-    "save_at_end": (False, {}),
-    "full_at_end": (True, {}),
-    "keep_last": (5, {}),
-    "keep_every_steps": (10, {}),
-    "keep_best": (KeepBest(metric="loss"), {}),
-    "state_dict_type": ("full", {}),
-    "thread_count": (2, {}),
-    "incremental": (True, {}),
-    "full_every": (3, {"save": {"incremental": True}}),
-    "loss_history_len": (10, {}),
-    "async_mode": ("thread", {}),
-    "background_staging": (True, {"async_save": {"mode": "thread"}}),
-    "load": (False, {}),
-    "load_path": ("/tmp/elsewhere/step-000000003", {}),
-    "load_step": (3, {}),
-    "load_only": (["model"], {}),
-    "exclude_from_loading": (["rng"], {}),
-    "on_existing": ("archive", {"load": {"enabled": False}}),
-    "fallback_to_older": (True, {}),
-    "read_only": (True, {}),
-    "verify_on_load": (False, {}),
-    "fast_load": (False, {}),
-    "load_streams_per_node": (4, {}),
-    "probe_tolerance": (0.5, {}),
-    "probe_on_mismatch": ("warn", {}),
-    "batch_policy": ("keep_local_batch", {}),
-    "step_rule": ("rescale", {"elastic": {"batch_policy": "keep_local_batch"}}),
-    "seed": (3, {}),
-    "preemption": (False, {}),
-    "exit_on_preemption": (False, {}),
-    "preemption_grace_s": (10.0, {}),
-    "timeout_s": (100.0, {}),
-    "write_timeout_s": (10.0, {}),
-    "arrival_timeout_s": (5.0, {}),
-    "lock": (False, {}),
-    "lock_lease_s": (60.0, {}),
-    "event_log": ("/tmp/events.jsonl", {}),
-    "s3_endpoint_url": ("http://localhost:1", {}),
-    "s3_region": ("eu-west-1", {}),
-}
-
-
-def test_every_flat_key_has_a_sample_and_maps_to_a_field():
-    assert set(SAMPLES) == set(DEPRECATED_KEYS)
-    for key, (section, name) in DEPRECATED_KEYS.items():
-        assert name in {f.name for f in dataclasses.fields(SECTIONS[section])}, key
-    assert len(DEPRECATED_KEYS) == 41  # every field of the flat config but root
+from distckpt.config import INITIAL_LOAD, MOVED_KEYS, SECTIONS
 
 
 def test_new_form_instances_and_mappings():
@@ -112,41 +59,6 @@ def test_the_public_api_exports_every_section():
     assert distckpt.KeepBest is KeepBest
 
 
-def _expected(key):
-    value, _ = SAMPLES[key]
-    return KeepBest(metric="loss") if key == "keep_best" else value
-
-
-@pytest.mark.parametrize("key", sorted(DEPRECATED_KEYS))
-def test_flat_keyword_maps_to_its_section_with_one_warning(key):
-    value, extra = SAMPLES[key]
-    section, name = DEPRECATED_KEYS[key]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        cfg = CheckpointConfig(root="/tmp/x", **extra, **{key: value})
-    deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
-    assert [str(w.message) for w in deprecations] == [
-        f"CheckpointConfig({key}=...) is deprecated: use {section}.{name}"
-    ]
-    assert deprecations[0].filename == __file__  # points at the caller
-    assert getattr(getattr(cfg, section), name) == _expected(key)
-
-
-@pytest.mark.parametrize("key", sorted(DEPRECATED_KEYS))
-def test_flat_yaml_key_maps_to_its_section_with_one_warning(key, tmp_path):
-    import yaml
-
-    value, extra = SAMPLES[key]
-    section, name = DEPRECATED_KEYS[key]
-    plain = {"metric": "loss"} if key == "keep_best" else value
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"checkpoint": {"root": "/tmp/x", **extra, key: plain}}))
-    with pytest.warns(DeprecationWarning) as caught:
-        cfg = CheckpointConfig.from_yaml(path)
-    assert [str(w.message) for w in caught] == [f"CheckpointConfig key {key!r} is deprecated: use {section}.{name}"]
-    assert getattr(getattr(cfg, section), name) == _expected(key)
-
-
 def test_yaml_sections(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(
@@ -155,9 +67,7 @@ def test_yaml_sections(tmp_path):
         "  load: {enabled: true, exclude: [optimizer, lr_scheduler]}\n"
         "  preemption: {enabled: true, exit: false, grace_s: 12}\n  storage: {s3_region: eu}\n"
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new form warns about nothing
-        cfg = CheckpointConfig.from_yaml(path)
+    cfg = CheckpointConfig.from_yaml(path)
     assert (cfg.schedule.interval_steps, cfg.schedule.save_at_end, cfg.retention.keep_last) == (5, False, 2)
     assert cfg.retention.keep_best == KeepBest(metric="acc", mode="max")
     assert cfg.load_selection == frozenset(distckpt.config.LOADABLE) - {"optimizer", "lr_scheduler"}
@@ -165,25 +75,69 @@ def test_yaml_sections(tmp_path):
     assert cfg.storage.s3_region == "eu"
 
 
-def test_load_and_preemption_as_a_bool_are_the_flat_keys_as_a_mapping_the_section():
-    with pytest.warns(DeprecationWarning, match="use preemption.enabled"):
-        assert CheckpointConfig.from_dict({"root": "/tmp/x", "preemption": True}).preemption.enabled is True
-    with pytest.warns(DeprecationWarning, match="use load.enabled"):
-        assert CheckpointConfig(root="/tmp/x", load=False).load.enabled is False
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        cfg = CheckpointConfig.from_dict({"root": "/tmp/x", "preemption": {"grace_s": 5}, "load": {"step": 2}})
-    assert cfg.preemption.grace_s == 5 and cfg.load.step == 2
+def _section_key(moved: str) -> tuple[str, str]:
+    """``("schedule", "interval_steps")`` of a :data:`MOVED_KEYS` value (``save.enabled: false``)."""
+    section, name = moved.split(":")[0].split(".")
+    return section, name
 
 
-def test_flat_and_nested_values_in_conflict_are_refused():
-    with pytest.raises(ConfigError, match=r"keep_last=2 \(deprecated\) and retention.keep_last=4 conflict"):
-        CheckpointConfig.from_dict({"root": "/tmp/x", "keep_last": 2, "retention": {"keep_last": 4}})
-    with pytest.raises(ConfigError, match=r"async_mode='thread' \(deprecated\) and async_save.mode='process'"):
-        CheckpointConfig(root="/tmp/x", async_mode="thread", async_save=AsyncSaveConfig(mode="process"))
-    with pytest.warns(DeprecationWarning):  # the same value twice, or a field the section left at its default
-        cfg = CheckpointConfig(root="/tmp/x", keep_last=2, keep_every_steps=5, retention=RetentionConfig(keep_last=2))
-    assert (cfg.retention.keep_last, cfg.retention.keep_every_steps) == (2, 5)
+def test_every_moved_key_names_a_section_field_and_no_field_is_moved():
+    fields = {(name, f.name) for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    assert len(MOVED_KEYS) == 41  # the draft's 39 flat keys but load/preemption, and 2 renamed fields
+    for old, new in MOVED_KEYS.items():
+        assert _section_key(new) in fields, old
+        assert tuple(old.split(".")) not in fields, old  # a moved key never shadows a field
+
+
+@pytest.mark.parametrize("old", ["interval_steps", "keep_last", "async_mode", "read_only", "timeout_s", "fast_load"])
+def test_a_flat_keyword_is_a_config_error_naming_its_section_key(old):
+    with pytest.raises(
+        ConfigError, match=rf"^CheckpointConfig: `{old}` is `{MOVED_KEYS[old]}` \(set it in its section\)$"
+    ):
+        CheckpointConfig(root="/tmp/x", **{old: 1})
+
+
+def test_every_flat_key_in_config_data_is_a_config_error_naming_its_section_key(tmp_path):
+    for old, new in MOVED_KEYS.items():
+        section, name = old.partition(".")[::2] if "." in old else ("", old)
+        data = {"root": "/tmp/x", **({section: {name: 1}} if section else {old: 1})}
+        with pytest.raises(ConfigError, match=rf"`{old}` is `{new}`") as caught:
+            CheckpointConfig.from_dict(data)
+        assert "\n" not in str(caught.value)
+    path = tmp_path / "c.yaml"
+    path.write_text("checkpoint:\n  root: /tmp/x\n  interval_steps: 100\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: CheckpointConfig: `interval_steps` is `schedule.interval_steps`"):
+        CheckpointConfig.from_yaml(path)
+
+
+def test_the_renamed_fields_name_their_new_keys():
+    with pytest.raises(ConfigError, match=r"`load.read_only` is `save.enabled: false`"):
+        CheckpointConfig(root="/tmp/x", load={"read_only": True})
+    with pytest.raises(ConfigError, match=r"`schedule.interval_seconds` is `schedule.interval_s`"):
+        CheckpointConfig.from_dict({"root": "/tmp/x", "schedule": {"interval_seconds": 5.0}})
+    assert CheckpointConfig(root="/tmp/x", schedule={"interval_s": 5.0}).schedule.interval_s == 5.0
+
+
+@pytest.mark.parametrize("name", ["load", "preemption"])
+@pytest.mark.parametrize("value", [True, False])
+def test_a_bool_for_a_section_names_its_enabled_key(name, value):
+    word = str(value).lower()
+    with pytest.raises(ConfigError, match=rf"`{name}: {word}` is `{name}.enabled: {word}`"):
+        CheckpointConfig.from_dict({"root": "/tmp/x", name: value})
+    with pytest.raises(ConfigError, match=rf"`{name}: {word}` is `{name}.enabled: {word}`"):
+        CheckpointConfig(root="/tmp/x", **{name: value})
+
+
+def test_save_enabled_false_only_loads():
+    cfg = CheckpointConfig(root="/tmp/x", save=SaveConfig(enabled=False), load={"step": 2})
+    assert cfg.save.enabled is False and cfg.preemption.enabled is True and cfg.effective_preemption is False
+    assert CheckpointConfig(root="/tmp/x").effective_preemption is True
+    with pytest.raises(ConfigError, match=r"save.enabled=false only loads: it needs load.enabled: true"):
+        CheckpointConfig(root="/tmp/x", save={"enabled": False}, load={"enabled": False})
+    with pytest.raises(ConfigError, match=r"save.enabled=false only loads: .*on_existing='archive'"):
+        CheckpointConfig(root="/tmp/x", save={"enabled": False}, load={"path": "/tmp/y", "on_existing": "archive"})
+    with pytest.raises(ConfigError, match=r"CheckpointConfig.save.enabled='no': must be true or false"):
+        CheckpointConfig(root="/tmp/x", save={"enabled": "no"})
 
 
 def test_unknown_keys_and_wrong_types_are_config_errors():
@@ -205,6 +159,10 @@ def test_unknown_keys_and_wrong_types_are_config_errors():
         CheckpointConfig(root="/tmp/x", retention=5)
     with pytest.raises(ConfigError, match=r"CheckpointConfig.schedule=.*expected a ScheduleConfig"):
         CheckpointConfig(root="/tmp/x", schedule=RetentionConfig())
+    with pytest.raises(ConfigError, match=r"unknown CheckpointConfig key\(s\) \['1'\]"):  # YAML's `1: x`
+        CheckpointConfig.from_dict({"root": "/tmp/x", 1: "x"})
+    with pytest.raises(ConfigError, match=r"unknown CheckpointConfig.save key\(s\) \['2'\]"):
+        CheckpointConfig.from_dict({"root": "/tmp/x", "save": {2: "x"}})
     with pytest.raises(ConfigError, match=r"missing required key\(s\) \['root'\]"):
         CheckpointConfig.from_dict({"schedule": {"interval_steps": 5}})
 
@@ -257,19 +215,14 @@ def test_launch_overrides_name_the_section():
     with pytest.raises(ConfigError, match="expected section.key=value"):
         parse_override("train.a.b=1")
     repo = Path(__file__).resolve().parents[2]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the shipped configs are in the new form
-        job = load_job_config(
-            repo / "launch" / "configs" / "ddp.yaml",
-            ["checkpoint.retention.keep_last=2", "checkpoint.coordination.timeout_s=60", "checkpoint.load.path=null"],
-        )
+    job = load_job_config(
+        repo / "launch" / "configs" / "ddp.yaml",
+        ["checkpoint.retention.keep_last=2", "checkpoint.coordination.timeout_s=60", "checkpoint.load.path=null"],
+    )
     assert job.checkpoint.retention.keep_last == 2 and job.checkpoint.coordination.timeout_s == 60.0
     assert job.checkpoint.preemption.exit is False  # from the file
-    with pytest.warns(DeprecationWarning, match="use retention.keep_every_steps"):
-        job = load_job_config(repo / "launch" / "configs" / "ddp.yaml", ["checkpoint.keep_every_steps=10"])
-    assert job.checkpoint.retention.keep_every_steps == 10
-    with pytest.raises(ConfigError, match=r"interval_steps=7 \(deprecated\) and schedule.interval_steps=50 conflict"):
-        load_job_config(repo / "launch" / "configs" / "ddp.yaml", ["checkpoint.interval_steps=7"])
+    with pytest.raises(ConfigError, match=r"`keep_every_steps` is `retention.keep_every_steps`"):
+        load_job_config(repo / "launch" / "configs" / "ddp.yaml", ["checkpoint.keep_every_steps=10"])
     with pytest.raises(ConfigError, match=r"checkpoint.retention.keep_last='x': expected an integer"):
         load_job_config(repo / "launch" / "configs" / "ddp.yaml", ["checkpoint.retention.keep_last=x"])
     with pytest.raises(ConfigError, match=r"unknown CheckpointConfig.schedule key\(s\) \['every'\]"):

@@ -101,7 +101,7 @@ def test_robust_cost_and_loss():
 @pytest.mark.parametrize(
     "kw,key",
     [
-        ({"interval_steps": "auto", "interval_seconds": 5.0}, "interval_seconds"),
+        ({"interval_steps": "auto", "interval_s": 5.0}, "interval_s"),
         ({"interval_steps": "every"}, "interval_steps"),
         ({"max_overhead": 1.5}, "max_overhead"),
         ({"min_interval_s": 0}, "min_interval_s"),

@@ -19,6 +19,7 @@ from distckpt import (
     IncompatibleCheckpointError,
     LoadConfig,
     RetentionConfig,
+    SaveConfig,
     ScheduleConfig,
 )
 from tests.distributed.trainer import Net, build, train_steps
@@ -424,19 +425,22 @@ def test_a_read_only_manager_loads_a_read_only_root_and_writes_nothing(tmp_path,
                 manager_for(view)  # what an evaluation job got
         for load_step, want in ((None, at6), (3, at3)):  # step 3: no rollback, nothing set aside
             evaluation, (model, *_) = manager_for(
-                view, load=LoadConfig(read_only=True, step=load_step), async_save=AsyncSaveConfig(mode="thread")
+                view,
+                save=SaveConfig(enabled=False),
+                load=LoadConfig(step=load_step),
+                async_save=AsyncSaveConfig(mode="thread"),
             )
             assert signal.getsignal(signal.SIGTERM) is handler and evaluation.lock is None
             assert evaluation.load().step == (load_step or 6)
             assert all(torch.equal(model.state_dict()[k], want[k]) for k in want)
-            with pytest.raises(ConfigError, match="read_only=true: this manager only loads"):
+            with pytest.raises(ConfigError, match="save.enabled=false: this manager only loads"):
                 evaluation.maybe_save(7, last_step=True)
-            with pytest.raises(ConfigError, match="read_only=true: this manager only loads"):
+            with pytest.raises(ConfigError, match="save.enabled=false: this manager only loads"):
                 evaluation.save(7)
             evaluation.close()
     assert _tree(root) == before  # no lock, token, probe file, leftover removal or latest repair
-    with pytest.raises(ConfigError, match="read_only=true only loads: it needs load.enabled: true"):
-        CheckpointConfig(root=str(root), load=LoadConfig(read_only=True, enabled=False))
+    with pytest.raises(ConfigError, match="save.enabled=false only loads: it needs load.enabled: true"):
+        CheckpointConfig(root=str(root), save=SaveConfig(enabled=False), load=LoadConfig(enabled=False))
 
 
 def test_unusable_event_log_fails_at_construction(tmp_path):
