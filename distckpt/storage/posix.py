@@ -201,11 +201,8 @@ class PosixStore(CheckpointStore):
 
     @override
     def others(self) -> Others:
-        unmanaged: list[str] = []
-        deferred: list[str] = []
-        for _, path in checkpoint_dirs(self.path):
-            if not (path / MANIFEST).exists():
-                (deferred if is_deferred(path) else unmanaged).append(str(path))
+        unmanaged = [str(p) for p in _commit.unmanaged_step_dirs(self.path)]
+        deferred = [str(p) for _, p in checkpoint_dirs(self.path) if is_deferred(p)]
         names = [e.name for e in os.scandir(self.path)] if self.path.is_dir() else []
         aside = sorted(n for n in names if parse_set_aside(n) is not None)
         return Others(unmanaged=unmanaged, deferred=deferred, set_aside=aside, latest=self._latest())
