@@ -274,9 +274,9 @@ def copy_root(server: S3Server, src: str, dst: str) -> None:
 def committed_locations(root: str) -> dict[int, str]:
     """``{step: data-prefix URL}`` of the committed checkpoints of an ``s3://`` root."""
     from distckpt.ondisk.manifest import Manifest
-    from distckpt.storage import open_store
+    from distckpt.storage import find_committed, open_store
 
-    return {s: loc for s, loc, r in open_store(root).find_committed() if isinstance(r, Manifest)}
+    return {s: loc for s, loc, r in find_committed(open_store(root)) if isinstance(r, Manifest)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,9 +17,10 @@ import argparse
 from typing import Any, Callable
 
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
-from ..ondisk.layout import MANIFEST, checkpoint_name, is_deleting, parse_set_aside
+from ..ondisk.layout import MANIFEST, checkpoint_name, is_deleting, parse_set_aside, parse_step
 from ..ondisk.manifest import Manifest, first_problem, structure_problems
-from ..storage import open_location
+from ..storage import find_committed, open_location, read_dcp_metadata
+from ..tools.store_queries import tool_store
 from ._common import fmt_bytes, fmt_float, fmt_time, print_json, print_table
 
 NAME = "ls"
@@ -69,14 +70,19 @@ def list_root(root: str) -> list[dict]:
         raise CheckpointNotFoundError(
             f"{root} is a checkpoint, not a root: run `distckpt inspect {root}` or `distckpt ls {store.root}`"
         )
-    store.check_tool_root()
-    latest = store.read_latest()
-    with_manifest = {loc for _, loc in store.existing()}
-    unmanaged = set(store.unmanaged())
+    tools = tool_store(store)
+    tools.check_tool_root()
+    others = store.others()
+    latest = others.latest
+    unmanaged, deferred = set(others.unmanaged), set(others.deferred)
+    found_all: list[tuple[int, str, Manifest | CheckpointCorruptError | None]] = list(find_committed(store))
+    found_all += [
+        (parse_step(loc.rstrip("/").rsplit("/", 1)[-1]) or 0, loc, None) for loc in others.unmanaged + others.deferred
+    ]
     rows = []
-    for step, found, result in reversed(store.find_committed()):
+    for step, found, result in sorted(found_all, key=lambda e: e[0]):
         if isinstance(result, Manifest):
-            result = with_metadata_checked(result, found, store.read_dcp_metadata)
+            result = with_metadata_checked(result, found, lambda loc: read_dcp_metadata(store, loc))
         row = {
             "name": found.rstrip("/").rsplit("/", 1)[-1],
             "step": step,
@@ -92,7 +98,7 @@ def list_root(root: str) -> list[dict]:
                 reason=f"no {MANIFEST}: not written by distckpt, ignored by the "
                 f"manager; `distckpt import {found} NEW_ROOT` to use it",
             )
-        elif found not in with_manifest:
+        elif found in deferred:
             row.update(
                 status="deferred",
                 reason="retired; kept (never loaded) while incremental checkpoints refer to its files",
@@ -100,13 +106,13 @@ def list_root(root: str) -> list[dict]:
         else:
             row.update(status="corrupt", reason=str(result))
         rows.append(row)
-    names = [rel.rsplit("/", 1)[-1] for rel in store.leftovers()]
+    names = [rel.rsplit("/", 1)[-1] for rel in tools.leftovers()]
     rows += [
         {"name": n, "step": None, "status": "deleting" if is_deleting(n) else "pending", "latest": False} for n in names
     ]
     rows += [
         {"name": n, "step": aside[1], "status": "set aside", "reason": aside[0], "latest": False}
-        for n in (name.rsplit("/", 1)[-1] for name in store.set_aside_names())
+        for n in (name.rsplit("/", 1)[-1] for name in others.set_aside)
         if (aside := parse_set_aside(n)) is not None
     ]
     return rows

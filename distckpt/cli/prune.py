@@ -17,9 +17,10 @@ import argparse
 from ..ondisk.layout import checkpoint_name
 from ..ondisk.manifest import Manifest
 from ..save.retention import steps_to_delete
-from ..storage import open_store
+from ..storage import find_committed, open_store
 from ..storage.lock import RootLock
 from ..tools.audit import audit_checkpoint
+from ..tools.store_queries import tool_store
 from ._common import print_json
 
 NAME = "prune"
@@ -49,17 +50,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--keep-last {args.keep_last}: must be >= 1 (the newest checkpoint is always kept)")
     if args.keep_every is not None and args.keep_every < 1:
         raise ValueError(f"--keep-every {args.keep_every}: must be >= 1")
-    store = open_store(args.root)
+    store = tool_store(open_store(args.root))
     store.check_tool_root()
     lock = None
     if not args.dry_run:
         lock = RootLock.of(store)
         lock.acquire()
     try:
-        found = store.find_committed()
-        listed = {loc for _, loc in store.existing()} | set(store.unmanaged())  # not deferred deletions
+        found = find_committed(store)  # those with a manifest: never a deferred deletion
         committed = sorted(s for s, _, r in found if isinstance(r, Manifest))
-        corrupt = sorted(checkpoint_name(s) for s, loc, r in found if not isinstance(r, Manifest) and loc in listed)
+        corrupt = [checkpoint_name(s) for s, _, r in found if not isinstance(r, Manifest)]
+        corrupt = sorted(corrupt + [loc.rstrip("/").rsplit("/", 1)[-1] for loc in store.others().unmanaged])
         where = {s: loc for s, loc, _ in found}
         good = 0
         for step in sorted(committed, reverse=True):  # verify newest first until K load

@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
-from ..ondisk.layout import is_deleting
-from ..storage import CheckpointStore, open_location
+from ..ondisk.layout import is_deleting, parse_step
+from ..storage import CheckpointStore, find_committed, open_location
 from ..tools.audit import AuditReport, audit_checkpoint
+from ..tools.store_queries import tool_store
 from ._common import fmt_bytes, print_json
 from ._errors import EXIT_FAILED, EXIT_OK
 
@@ -40,16 +41,16 @@ def targets(path: str) -> tuple[CheckpointStore, list[tuple[str, CheckpointCorru
     store, location = open_location(path)
     if location is not None:
         return store, [(location, None)], []
-    store.check_tool_root()
-    listed = {loc for _, loc in store.existing()} | set(store.unmanaged())  # deferred: checked through referrers
-    found = [
-        (loc, result if isinstance(result, CheckpointCorruptError) else None)
-        for _, loc, result in reversed(store.find_committed())
-        if loc in listed
-    ]
+    tools = tool_store(store)
+    tools.check_tool_root()
+    # Those with a manifest and the step-N directories without one (deferred deletions: checked
+    # through their referrers), oldest first.
+    listed = [(s, loc, r if isinstance(r, CheckpointCorruptError) else None) for s, loc, r in find_committed(store)]
+    listed += [(parse_step(loc.rstrip("/").rsplit("/", 1)[-1]) or 0, loc, None) for loc in store.others().unmanaged]
+    found = [(loc, why) for _, loc, why in sorted(listed, key=lambda e: e[0])]
     if not found:
         raise CheckpointNotFoundError(f"{store.root}: not a checkpoint and holds no committed checkpoint to verify")
-    return store, found, [n for n in store.leftovers() if not is_deleting(n.rsplit("/", 1)[-1])]
+    return store, found, [n for n in tools.leftovers() if not is_deleting(n.rsplit("/", 1)[-1])]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ from ..config import CheckpointConfig
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 from ..ondisk.layout import checkpoint_name, parse_set_aside
 from ..ondisk.manifest import Manifest
-from ..storage import CheckpointStore, store_of
+from ..storage import CheckpointStore, find_committed, step_of, store_of
 from ..storage.claims import refuse_or_archive
 from .restart import is_restart
 
@@ -64,9 +64,9 @@ class CheckpointDiscovery:
 
     def _manifests(self) -> Iterator[tuple[str, Manifest | None]]:
         """``(name, manifest or None)`` of the root's checkpoints, newest first, read lazily."""
-        for step, location in reversed(self.store.existing()):
+        for step in reversed(self.store.committed_steps()):
             try:
-                manifest: Manifest | None = self.store.read_manifest(location)
+                manifest: Manifest | None = self.store.read_manifest(self.store.location_of(step))
             except (CheckpointCorruptError, OSError):
                 manifest = None
             yield checkpoint_name(step), manifest
@@ -79,7 +79,7 @@ class CheckpointDiscovery:
         """
         if self.config.load.step is None:
             return None if self.config.load.path is None else str(self.config.load.path)
-        steps = [s for s, _ in self.store.existing()]
+        steps = self.store.committed_steps()
         if self.config.load.step not in steps:
             raise CheckpointNotFoundError(
                 f"CheckpointConfig.load.step={self.config.load.step}: no {checkpoint_name(self.config.load.step)} "
@@ -128,7 +128,7 @@ class CheckpointDiscovery:
         if resumed_step is not None and loaded_step is not None and resumed_step < loaded_step:
             return resumed_step
         location = self.load_location()
-        return None if location is None else self.store.step_of(location)
+        return None if location is None else step_of(self.store, location)
 
     def plan_rollback(self, step: int) -> bool:
         """Rank 0, after loading ``load.path`` = this root's checkpoint of ``step``: the root's
@@ -140,7 +140,7 @@ class CheckpointDiscovery:
         """
         if self.rank != 0 or not self.config.save.enabled:
             return False  # never commits: nothing to set aside
-        newer = [checkpoint_name(s) for s, _ in self.store.existing() if s > step]
+        newer = [checkpoint_name(s) for s in self.store.committed_steps() if s > step]
         if not newer:
             return False
         location = self.load_location()
@@ -170,10 +170,9 @@ class CheckpointDiscovery:
         checkpoints aside as ``rolledback-step-M-<n>`` so this run's steps and ``latest`` are its own."""
         moved = [
             f"{checkpoint_name(s)} -> {self.store.set_aside(s, 'rolledback')}"
-            for s, _ in self.store.existing()
+            for s in self.store.committed_steps()
             if s > step
         ]
-        self.store.repair_latest()
         if moved:
             again = (
                 "This run's checkpoints record load.path/load.step: a restart with the same config resumes "
@@ -226,8 +225,8 @@ class CheckpointDiscovery:
         if self.locked:
             for name in self.store.remove_leftovers():
                 logger.warning("removed %s/%s left by an interrupted save or delete", self.root, name)
-            self.store.repair_latest()
-        for ignored in self.store.unmanaged():
+        others = self.store.others()
+        for ignored in others.unmanaged:
             logger.warning(
                 "ignoring %s: it has no distckpt manifest (not written by distckpt, e.g. a plain "
                 "dcp.save); distckpt never loads or deletes it, and a save of its step fails while "
@@ -238,7 +237,7 @@ class CheckpointDiscovery:
         location = self.load_location()
         if location is not None:
             if self.config.load.step is not None:
-                newest = max((s for s, _ in self.store.existing()), default=None)
+                newest = max(self.store.committed_steps(), default=None)
                 logger.info(
                     "load.step=%d: loading %s (the root's newest is step %s)",
                     self.config.load.step,
@@ -248,10 +247,7 @@ class CheckpointDiscovery:
             self._check_load_location(location)
             return location
         newest_error: CheckpointCorruptError | None = None
-        with_manifest = {loc for _, loc in self.store.existing()}
-        for step, found, result in self.store.find_committed():
-            if found not in with_manifest:
-                continue  # not distckpt's (warned about above) or a deferred deletion: never loaded
+        for step, found, result in find_committed(self.store):  # those with a manifest only
             if found in rejected:
                 result = CheckpointCorruptError(f"{found}: failed to load", path=found)
             elif isinstance(result, Manifest):
@@ -261,7 +257,7 @@ class CheckpointDiscovery:
                         newest_error,
                         found,
                     )
-                self._warn_if_latest_differs(checkpoint_name(step), newest_error)
+                self._warn_if_latest_differs(checkpoint_name(step), newest_error, others.latest)
                 return found
             if not self.config.load.fallback_to_older:
                 raise CheckpointCorruptError(
@@ -273,7 +269,6 @@ class CheckpointDiscovery:
             newest_error = newest_error or result
             if self.locked:  # the run will save this step again: move it out of the way
                 logger.warning("set aside corrupt checkpoint %s as %s", found, self.store.set_aside(step))
-                self.store.repair_latest()
         if newest_error is not None:  # never start fresh silently over a run's checkpoints
             raise CheckpointCorruptError(
                 f"no committed checkpoint in {self.root} is loadable (newest problem: {newest_error}). "
@@ -281,14 +276,16 @@ class CheckpointDiscovery:
                 "fresh.",
                 path=newest_error.path,
             )
-        refuse_corrupt_only(self.root, self.store.set_aside_names())
+        refuse_corrupt_only(self.root, others.set_aside)
         return None
 
-    def _warn_if_latest_differs(self, name: str, newest_error: CheckpointCorruptError | None) -> None:
+    def _warn_if_latest_differs(
+        self, name: str, newest_error: CheckpointCorruptError | None, latest: str | None
+    ) -> None:
         """The newest checkpoint is not the one ``latest`` names: another run's, or a save
         without a load. Resuming the newest is right; the log says so."""
-        last = self.store.read_latest() or name
-        if newest_error is None and last != name and last in {checkpoint_name(s) for s, _ in self.store.existing()}:
+        last = latest or name
+        if newest_error is None and last != name and last in {checkpoint_name(s) for s in self.store.committed_steps()}:
             logger.warning(
                 "resuming from %s, the newest checkpoint in %s, although the last "
                 "commit was %s (named by latest): the newer one is another run's or "

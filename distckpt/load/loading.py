@@ -24,7 +24,7 @@ from ..ondisk.integrity import BlockDigests
 from ..ondisk.layout import parse_step
 from ..ondisk.manifest import Manifest, TensorSpec, check_model_fits, first_problem, structure_problems
 from ..state.training_state import CheckpointState, TrainState
-from ..storage import CheckpointStore, store_of
+from ..storage import CheckpointStore, block_digests, check_file, read_dcp_metadata, step_of, store_of
 from .discovery import CheckpointDiscovery
 
 __all__ = ["CheckpointLoader"]
@@ -96,7 +96,7 @@ class CheckpointLoader:
             )
             path = chosen[0]
             if self.memory is not None and not rejected and self.config.resolved_load_path is None:
-                durable = None if path is None else self.store.step_of(path)
+                durable = None if path is None else step_of(self.store, path)
                 got = restore_from_memory(self.memory, self.collective, self.state, selected, durable_step=durable)
                 if got is not None:
                     self.tier, self.restored = "memory", got
@@ -144,9 +144,9 @@ class CheckpointLoader:
             if self.config.load.verify:  # every rank plans from .metadata: check it first
                 for f in manifest.files:
                     if f.path == ".metadata":
-                        store.check_file(path, f.path, size_bytes=f.size_bytes, digest=f.hash)
+                        check_file(store, path, f.path, size_bytes=f.size_bytes, digest=f.hash)
             metadata = checked_metadata(store, path, manifest)
-            return metadata, store.block_digests(path, manifest) if self.config.load.verify else None
+            return metadata, block_digests(store, path, manifest) if self.config.load.verify else None
 
         # Rank 0 alone reads the manifest, .metadata and the digest files and hands them to every
         # rank (one read per job, not one per rank); an error there raises on every rank, so all
@@ -193,7 +193,7 @@ def checked_metadata(store: CheckpointStore, path: str, manifest: Manifest) -> A
     Raises:
         CheckpointCorruptError: the first problem (naming its file).
     """
-    metadata = store.read_dcp_metadata(path)
+    metadata = read_dcp_metadata(store, path)
     problem = first_problem(
         structure_problems(
             manifest, location=path, dir_step=parse_step(os.path.basename(path.rstrip("/"))), metadata=metadata

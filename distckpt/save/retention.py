@@ -7,7 +7,7 @@ from typing import Iterable
 from ..config import KeepBest
 from ..errors import CheckpointCorruptError
 from ..ondisk.manifest import Manifest
-from ..storage import CheckpointStore
+from ..storage import CheckpointStore, find_committed
 
 __all__ = ["steps_to_delete", "best_steps", "KnownCheckpoints"]
 
@@ -65,7 +65,7 @@ class KnownCheckpoints:
     """Rank 0's memory of the root's committed checkpoints, each validated once: at its commit
     (this run's) or at the first retention that finds it (any other), so retention costs one
     listing per save, not a look at every file of every kept checkpoint (docs/design.md).
-    A checkpoint found damaged stays ignored, as :meth:`CheckpointStore.find_committed` reports it."""
+    A checkpoint found damaged stays ignored, as :func:`~distckpt.storage.generic.find_committed` reports it."""
 
     def __init__(self) -> None:
         self._known: dict[int, Manifest | CheckpointCorruptError] = {}
@@ -80,6 +80,6 @@ class KnownCheckpoints:
             self._known[new[0]] = new[1]
         steps = store.committed_steps()
         if any(s not in self._known for s in steps):  # another process's, or this run's first save
-            self._known.update({s: r for s, _, r in store.find_committed()})
+            self._known.update({s: r for s, _, r in find_committed(store)})
         self._known = {s: self._known[s] for s in steps if s in self._known}  # forget deleted ones
         return {s: r for s, r in self._known.items() if isinstance(r, Manifest)}

@@ -21,7 +21,6 @@ raises or kills the process lands in it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -188,11 +187,11 @@ class SaveTransaction:
                 raise
             return None, RankOutcome(describe_exception(e), time.perf_counter() - self.t0)
 
-    def _reuse(self) -> Any:
-        """What this rank's write may reuse, read when the write starts (``None``: not incremental)."""
+    def _incremental(self) -> tuple[int, int | None] | None:
+        """``(step, full_every)`` of an incremental save (``None``: not incremental)."""
         if not self.ctx.save.incremental:
             return None
-        return functools.partial(self.store.reuse_index, self.step, full_every=self.ctx.save.full_every)
+        return self.step, self.ctx.save.full_every
 
     def _writer(self) -> Any:
         """The store's DCP writer for this save (incremental when configured)."""
@@ -200,7 +199,7 @@ class SaveTransaction:
             self.pending,
             thread_count=self.ctx.save.thread_count,
             write_timeout_s=self.ctx.write_timeout_s,
-            reuse=self._reuse(),
+            incremental=self._incremental(),
         )
 
     def agree_started(self, collective: Collective, outcome: RankOutcome) -> None:
@@ -301,8 +300,7 @@ class SaveTransaction:
             model_fingerprint=model_fingerprint(ctx.model_specs),
             loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == self.step else None,
             timings_s=timings,
-            files=self.store.list_files(self.pending, files)
-            + (self.store.reference_entries(self.pending) if ctx.save.incremental else []),
+            files=self.store.list_files(self.pending, files, references=ctx.save.incremental),
             run_id=ts.run_id,
             metrics=dict(ts.metrics),
             probe_loss=ts.probe_loss,

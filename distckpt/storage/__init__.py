@@ -13,10 +13,17 @@ import os
 from typing import Any
 
 from ..ondisk.layout import check_root_scheme
-from .base import CheckpointStore, is_s3_url, split_location
+from .base import CheckpointStore, Others, is_s3_url, split_location
+from .generic import block_digests, check_file, find_committed, read_dcp_metadata, step_of
 
 __all__ = [
     "CheckpointStore",
+    "Others",
+    "block_digests",
+    "check_file",
+    "find_committed",
+    "read_dcp_metadata",
+    "step_of",
     "is_s3_url",
     "open_store",
     "open_config_store",

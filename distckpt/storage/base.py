@@ -1,21 +1,22 @@
-"""The checkpoint-store protocol every storage backend implements.
+"""The checkpoint-store protocol every storage backend implements: the runtime contract.
 
 The seam is at the level of what distckpt does with a root, not of file calls: *locations*
 are strings (a directory path on POSIX, an ``s3://`` data prefix on S3) naming one checkpoint's
-DCP files; the store maps a location to its manifest, writes and commits saves, lists,
-validates and deletes checkpoints, and hands DCP a ``StorageWriter`` / ``StorageReader``.
+DCP files; the store maps a location to its manifest, writes and commits saves, lists, validates
+and deletes checkpoints, and hands DCP a ``StorageWriter`` / ``StorageReader``. What only the
+tools ask (``distckpt verify`` / ``ls`` / ``prune``) is :mod:`distckpt.tools.store_queries`'s;
+what every store gets from the contract is :mod:`distckpt.storage.generic`'s.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
-from ..errors import CheckpointCorruptError
 from ..ondisk.integrity import BlockDigests
 from ..ondisk.manifest import FileEntry, Manifest
 
-__all__ = ["CheckpointStore", "LockFile", "is_s3_url", "split_location"]
+__all__ = ["CheckpointStore", "LockFile", "Others", "is_s3_url", "split_location"]
 
 
 def is_s3_url(root: str) -> bool:
@@ -55,8 +56,50 @@ class LockFile(Protocol):
         ...
 
 
+class Others(NamedTuple):
+    """What a root holds besides its committed checkpoints (:meth:`CheckpointStore.others`).
+
+    Attributes:
+        unmanaged: locations of ``step-N`` names distckpt did not write (a plain ``dcp.save``):
+            never loaded, deleted or overwritten.
+        deferred: locations of checkpoints retention retired while a kept incremental checkpoint
+            refers to their files (POSIX): never loaded or counted.
+        set_aside: names, relative to the root, of the checkpoints set aside
+            (``<reason>-step-N-<n>``; ``manifests/...`` on S3).
+        latest: the name ``latest`` holds, or ``None``: a hint, never the truth.
+    """
+
+    unmanaged: list[str]
+    deferred: list[str]
+    set_aside: list[str]
+    latest: str | None
+
+
 class CheckpointStore(Protocol):
-    """One checkpoint root. Rank 0 alone commits, deletes and cleans; every rank reads.
+    """One checkpoint root: the runtime contract of a storage backend (what the manager's save,
+    load, discovery and retention call; the tools' extra queries are
+    :class:`distckpt.tools.store_queries.ToolStore`'s). Rank 0 alone commits, deletes and
+    cleans; every rank reads.
+
+    Call order, as the manager makes the calls:
+
+    1. construction: rank 0 :meth:`prepare`; the lock (``RootLock``) on :meth:`root_file`
+       ``(".lock")``; the interval journal on :meth:`root_file`.
+    2. a save (``save/transaction.py``), every rank: :meth:`pending_location`,
+       :meth:`final_location`, :meth:`begin_write`, :meth:`dcp_writer` (DCP writes through it),
+       :meth:`write_digests`; then rank 0: :meth:`list_files`, :meth:`commit` (or, when any
+       rank failed, :meth:`abort`).
+    3. retention, rank 0 right after its commit: :meth:`committed_steps` (one listing per save),
+       :func:`~distckpt.storage.generic.find_committed` (:meth:`location_of`, :meth:`validate`)
+       for steps it has not validated yet, then :meth:`delete_checkpoints`.
+    4. a load, rank 0 (``load/discovery.py``): holding the lock, :meth:`remove_leftovers`;
+       :meth:`others` (warnings, refusing a root of corrupt checkpoints only),
+       :meth:`committed_steps` / :meth:`location_of` / :meth:`read_manifest` (restarts, claims),
+       :func:`~distckpt.storage.generic.find_committed` (the newest valid one), :meth:`exists` /
+       :meth:`is_plain_dcp` / :meth:`validate` (``load.path``), :meth:`set_aside` (corrupt,
+       archived, rolled back); then every rank (``load/loading.py``): rank 0
+       :meth:`read_manifest` and :meth:`read_file` (``.metadata``, digest files), and
+       :meth:`dcp_reader`.
 
     Attributes:
         root: the root as the user wrote it (messages).
@@ -69,11 +112,19 @@ class CheckpointStore(Protocol):
     kind: str
     shared: bool
 
+    # ------------------------------------------------------------------ setup
     def prepare(self, *, read_only: bool = False) -> None:
         """Rank 0: create the root and check it is writable / check the bucket (``read_only``:
         only that it exists). Raises ``ConfigError`` naming the root."""
         ...
 
+    def root_file(self, name: str) -> LockFile:
+        """A small object ``name`` at the root with the lock's operations: the lock ``.lock``
+        (:class:`~distckpt.storage.lock.RootLock`) and the interval journal ``.interval.json``
+        (:mod:`distckpt.save.schedule`; written by rank 0 only)."""
+        ...
+
+    # ------------------------------------------------------------------ save
     def pending_location(self, step: int, save_id: str) -> str:
         """Where a save of ``step`` writes its DCP files before the commit."""
         ...
@@ -86,48 +137,23 @@ class CheckpointStore(Protocol):
         """Every rank, before DCP writes into ``pending`` (creates the directory on POSIX)."""
         ...
 
-    def dcp_writer(self, location: str, *, thread_count: int, write_timeout_s: float | None, reuse: Any = None) -> Any:
-        """A DCP ``StorageWriter`` whose ``fs.written`` maps each file it wrote to ``(size, xxh3_128)``;
-        with ``reuse`` (an ``engine.incremental_writer.ReuseIndex`` or a callable giving one), an
-        incremental save (POSIX only: ``ValueError`` elsewhere)."""
-        ...
-
-    def dcp_reader(
+    def dcp_writer(
         self,
         location: str,
         *,
-        expected_files: dict[str, tuple[int, str | None]] | None,
-        fast: bool,
         thread_count: int,
-        block_digests: dict[str, BlockDigests] | None = None,
+        write_timeout_s: float | None,
+        incremental: tuple[int, int | None] | None = None,
     ) -> Any:
-        """A DCP ``StorageReader`` that verifies each file it reads against ``expected_files``
-        (and, where the store reads ranges, the blocks it reads against ``block_digests``)."""
-        ...
+        """A DCP ``StorageWriter`` whose ``fs.written`` maps each file it wrote to ``(size, xxh3_128)``.
 
-    def read_dcp_metadata(self, location: str) -> Any:
-        """The checkpoint's DCP ``Metadata``, unpickled with the allow-list."""
-        ...
+        Args:
+            incremental: ``(step, full_every)`` for an incremental save of ``step`` (items
+                unchanged since the previous checkpoint are not written; POSIX only).
 
-    def object_sizes(self, location: str) -> dict[str, int]:
-        """``{relative name: size in bytes}`` of every file stored under a checkpoint's location."""
-        ...
-
-    def manifest_path(self, location: str) -> str | None:
-        """Where the manifest of ``location`` is, for messages (``None``: no separate name)."""
-        ...
-
-    def named_step(self, location: str) -> int | None:
-        """The step a checkpoint's name says, to check against its manifest (``None``: the
-        store checks it when it parses the manifest)."""
-        ...
-
-    def check_file(self, location: str, name: str, *, size_bytes: int, digest: str | None) -> None:
-        """Raise ``CheckpointCorruptError`` unless file ``name`` has that size (and digest)."""
-        ...
-
-    def list_files(self, pending: str, hashes: dict[str, tuple[int, str]]) -> list[FileEntry]:
-        """Every file of a written save with sizes and the writers' hashes (rank 0)."""
+        Raises:
+            ValueError: ``incremental`` on a store without incremental saves.
+        """
         ...
 
     def write_digests(self, pending: str, rank: int, files: dict[str, tuple[int, str]]) -> dict[str, tuple[int, str]]:
@@ -145,19 +171,12 @@ class CheckpointStore(Protocol):
         """
         return {name: (int(entry[0]), str(entry[1])) for name, entry in files.items()}
 
-    def block_digests(self, location: str, manifest: Manifest) -> dict[str, BlockDigests]:
-        """``{relative path: BlockDigests}`` of a committed checkpoint's files: those in its
-        manifest (older schemas) and those in the digest files it lists, each checked first.
-
-        Raises:
-            CheckpointCorruptError: a digest file is missing, changed or malformed.
-        """
-        return {f.path: b for f in manifest.files if (b := f.blocks()) is not None}
-
-    def committed_steps(self) -> list[int]:
-        """Steps that have a manifest, oldest first, from one listing (nothing validated): what
-        retention compares with the checkpoints it already validated."""
-        return [s for s, _ in self.existing()]
+    def list_files(
+        self, pending: str, hashes: dict[str, tuple[int, str]], *, references: bool = False
+    ) -> list[FileEntry]:
+        """Rank 0: every file of a written save with sizes and the writers' hashes; with
+        ``references`` (an incremental save), also the earlier checkpoints' files it refers to."""
+        ...
 
     def commit(self, pending: str, step: int, manifest: Manifest, on_phase: Callable[[str], None] | None = None) -> str:
         """Make a fully written save a committed checkpoint (rank 0); returns its location.
@@ -168,48 +187,22 @@ class CheckpointStore(Protocol):
         """Remove what a failed save wrote (rank 0; never anything committed)."""
         ...
 
-    def read_manifest(self, location: str) -> Manifest:
-        """The manifest of a committed checkpoint. Raises ``CheckpointCorruptError``."""
+    # ------------------------------------------------------------------ listing
+    def committed_steps(self) -> list[int]:
+        """Steps of every checkpoint with a manifest (committed, or damaged after its commit),
+        oldest first, from one listing (nothing validated): the checkpoints of whatever run wrote
+        the root."""
         ...
 
-    def validate(self, location: str, *, check_hashes: bool = False) -> Manifest:
-        """Manifest, after checking every listed file (size; hash with ``check_hashes``)."""
-        ...
-
-    def verify(self, location: str) -> list[CheckpointCorruptError]:
-        """Every problem of one checkpoint (manifest, sizes, hashes)."""
-        ...
-
-    def find_committed(self) -> list[tuple[int, str, Manifest | CheckpointCorruptError]]:
-        """Every checkpoint, newest first, with its manifest or why it is invalid."""
-        ...
-
-    def existing(self) -> list[tuple[int, str]]:
-        """``(step, location)`` of every checkpoint with a manifest (committed, or damaged after
-        its commit), oldest first: the checkpoints of whatever run wrote the root."""
-        ...
-
-    def unmanaged(self) -> list[str]:
-        """Locations of step names distckpt did not write (a plain ``dcp.save``): never loaded,
-        deleted or overwritten."""
-        ...
-
-    def set_aside(self, step: int, reason: str = "corrupt") -> str:
-        """Rename checkpoint ``step`` to ``<reason>-step-N-<n>`` (``reason``: ``corrupt``,
-        ``rolledback``, ``archived``): kept, never loaded, counted or deleted; its step can be
-        saved again. Returns the new name, relative to the root."""
-        ...
-
-    def set_aside_names(self) -> list[str]:
-        """Names of the set-aside checkpoints, relative to the root."""
-        ...
-
-    def step_of(self, location: str) -> int | None:
-        """The step of ``location`` when it is one of this root's checkpoints (``None``: another root's)."""
+    def others(self) -> Others:
+        """Everything else the root holds that a run or a tool must know of (:class:`Others`),
+        from one listing. Saves in progress and crash leftovers are not listed (see
+        :meth:`remove_leftovers`)."""
         ...
 
     def location_of(self, step: int) -> str:
-        """The location of this root's checkpoint of ``step`` (committed or not)."""
+        """The location of this root's checkpoint of ``step`` (committed or not); its last
+        component starts with ``step-<N>`` (:func:`~distckpt.storage.generic.step_of`)."""
         ...
 
     def exists(self, location: str) -> bool:
@@ -220,8 +213,45 @@ class CheckpointStore(Protocol):
         """Whether ``location`` holds DCP files without a distckpt manifest (``distckpt import`` it)."""
         ...
 
-    def delete_checkpoint(self, step: int) -> None:
-        """Retention: delete the committed checkpoint of ``step`` (crash-safe order)."""
+    # ------------------------------------------------------------------ read
+    def read_manifest(self, location: str) -> Manifest:
+        """The manifest of a committed checkpoint. Raises ``CheckpointCorruptError``."""
+        ...
+
+    def validate(self, location: str, *, check_hashes: bool = False) -> Manifest:
+        """Manifest, after checking every listed file (size; hash with ``check_hashes``).
+        Raises ``CheckpointCorruptError`` naming the first problem."""
+        ...
+
+    def read_file(self, location: str, name: str) -> bytes:
+        """The bytes of a small file of a checkpoint (``.metadata``, a digest file), ``name``
+        relative to ``location``. Raises ``FileNotFoundError`` when absent, ``OSError``."""
+        ...
+
+    def dcp_reader(
+        self,
+        location: str,
+        *,
+        expected_files: dict[str, tuple[int, str | None]] | None,
+        fast: bool,
+        thread_count: int,
+        block_digests: dict[str, BlockDigests] | None = None,
+    ) -> Any:
+        """A DCP ``StorageReader`` that verifies each file it reads against ``expected_files``
+        (and, where the store reads ranges, the blocks it reads against ``block_digests``)."""
+        ...
+
+    # ------------------------------------------------------------------ change (rank 0, holding the lock)
+    def set_aside(self, step: int, reason: str = "corrupt") -> str:
+        """Rename checkpoint ``step`` to ``<reason>-step-N-<n>`` (``reason``: ``corrupt``,
+        ``rolledback``, ``archived``): kept, never loaded, counted or deleted; its step can be
+        saved again. ``latest`` then names a committed checkpoint (or is removed). Returns the
+        new name, relative to the root."""
+        ...
+
+    def remove_leftovers(self) -> list[str]:
+        """At start: delete what interrupted saves/deletes left (only distckpt's own names); a
+        ``latest`` left naming nothing is repaired. Returns what was removed."""
         ...
 
     def delete_checkpoints(
@@ -235,49 +265,4 @@ class CheckpointStore(Protocol):
         ``steps``, oldest first, calling ``before(step)`` before each; on POSIX one an incremental
         checkpoint refers to is deferred, not deleted, and ``remove`` (the purger's ``submit``) removes the renamed
         directories' files in the background. Returns one line per action, for the log."""
-        ...
-
-    def deferred_by(self, steps: list[int]) -> list[str]:
-        """Names of the checkpoints of ``steps`` that :meth:`delete_checkpoints` would defer (a
-        kept incremental checkpoint refers to their files); changes nothing."""
-        ...
-
-    def check_tool_root(self) -> None:
-        """Raise ``CheckpointNotFoundError`` unless the root exists and is a root (not one checkpoint)."""
-        ...
-
-    def reuse_index(self, step: int, *, full_every: int | None) -> Any:
-        """What an incremental save of ``step`` may reuse (an ``engine.incremental_writer.ReuseIndex``;
-        every rank calls it). ``ValueError`` on a store without incremental saves."""
-        ...
-
-    def reference_entries(self, pending: str) -> list[FileEntry]:
-        """Manifest entries of earlier checkpoints' files a written incremental save refers to (rank 0)."""
-        ...
-
-    def remove_leftovers(self) -> list[str]:
-        """Rank 0 holding the lock, at start: delete what interrupted saves/deletes left (only
-        distckpt's own names). Returns what was removed."""
-        ...
-
-    def leftovers(self) -> list[str]:
-        """Names (relative to the root) of what :meth:`remove_leftovers` would remove: saves in
-        progress or interrupted. Changes nothing."""
-        ...
-
-    def read_latest(self) -> str | None:
-        """The name ``latest`` holds, or ``None``."""
-        ...
-
-    def repair_latest(self) -> str | None:
-        """Point ``latest`` at the newest committed checkpoint if it names a missing one."""
-        ...
-
-    def lock_file(self) -> LockFile:
-        """The root's lock object (:class:`~distckpt.storage.lock.RootLock` runs the protocol)."""
-        return self.root_file(".lock")
-
-    def root_file(self, name: str) -> LockFile:
-        """A small object ``name`` at the root, with the lock's operations (the interval journal
-        ``.interval.json``, :mod:`distckpt.save.schedule`; written by rank 0 only)."""
         ...

@@ -43,12 +43,12 @@ def refuse_or_archive(
         ConfigError: the root holds checkpoints and ``on_existing`` is ``"refuse"``, or archiving
             without the lock.
     """
-    existing = store.existing()
+    existing = store.committed_steps()
     if not existing:
         return []
     if on_existing != "archive":
         raise ConfigError(
-            f"{subject} already holds {len(existing)} checkpoint(s), newest {checkpoint_name(existing[-1][0])}, "
+            f"{subject} already holds {len(existing)} checkpoint(s), newest {checkpoint_name(existing[-1])}, "
             f"and {why}. Choose: {choices}; load.on_existing: archive to set them aside as archived-step-N-<n> "
             "(nothing is deleted); or another root."
         )
@@ -57,8 +57,7 @@ def refuse_or_archive(
             f"load.on_existing='archive' for {subject} needs coordination.lock: true: it renames "
             "checkpoints that another job could be writing"
         )
-    moved = [f"{checkpoint_name(step)} -> {store.set_aside(step, 'archived')}" for step, _ in existing]
-    store.repair_latest()
+    moved = [f"{checkpoint_name(step)} -> {store.set_aside(step, 'archived')}" for step in existing]
     logger.warning(
         "on_existing=archive (%s): set aside the %d checkpoint(s) in %s, nothing deleted: %s",
         why,

@@ -113,7 +113,7 @@ class RootLock:
         lease_s: a lock not renewed for this long (seconds) is taken over by another job.
         renew: renew the lease from a background thread every ``lease_s / 3`` while held
             (the manager does; short-lived holders such as ``distckpt prune`` need not).
-        lock_file: the lock object of a non-POSIX root (a store's ``lock_file()``); default
+        lock_file: the lock object of a non-POSIX root (a store's ``root_file(".lock")``); default
             ``<root>/.lock``.
     """
 
@@ -140,8 +140,8 @@ class RootLock:
 
     @classmethod
     def of(cls, store: Any, *, lease_s: float = 300.0, renew: bool = False) -> "RootLock":
-        """The lock of a :class:`~distckpt.storage.base.CheckpointStore`'s root (its ``lock_file()``)."""
-        return cls(store.root, lease_s=lease_s, renew=renew, lock_file=store.lock_file())
+        """The lock of a :class:`~distckpt.storage.base.CheckpointStore`'s root (its ``root_file(".lock")``)."""
+        return cls(store.root, lease_s=lease_s, renew=renew, lock_file=store.root_file(LOCK_NAME))
 
     def acquire(self) -> None:
         """Take the lock, or take over a stale one.

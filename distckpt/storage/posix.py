@@ -1,9 +1,11 @@
 """The POSIX store: today's on-disk layout and rename-based commit (docs/design.md, sections 3-4),
-reached through :class:`~distckpt.storage.base.CheckpointStore`. Every method delegates to
+reached through :class:`~distckpt.storage.base.CheckpointStore` (and the tools' queries,
+:class:`distckpt.tools.store_queries.ToolStore`). Every method delegates to
 :mod:`distckpt.storage.commit` / :mod:`distckpt.engine`; nothing on disk changes."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -12,17 +14,18 @@ from typing import Any, Callable
 
 from typing_extensions import override
 
-from ..engine import SafeFileSystemReader, read_dcp_metadata
+from ..engine import SafeFileSystemReader
 from ..engine.blocking import hashing_writer
-from ..engine.incremental_writer import ReuseIndex
 from ..engine.torch_internals import format_tested
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
-from ..ondisk.digests import digests_name, encode_digests, read_blocks
-from ..ondisk.integrity import BlockDigests, check_file, hash_file
+from ..ondisk.digests import digests_name, encode_digests
+from ..ondisk.integrity import BlockDigests, hash_file
 from ..ondisk.layout import (
     LATEST,
     MANIFEST,
+    checkpoint_dirs,
     checkpoint_name,
+    is_deferred,
     is_deleting,
     is_pending,
     parse_set_aside,
@@ -31,7 +34,7 @@ from ..ondisk.layout import (
 )
 from ..ondisk.manifest import FileEntry, Manifest
 from . import commit as _commit
-from .base import CheckpointStore
+from .base import CheckpointStore, Others
 from .incremental import References, delete_or_defer, reference_entries, reuse_for
 from .lock import PosixLockFile
 
@@ -60,8 +63,8 @@ class PosixStore(CheckpointStore):
         p = Path(path)
         return p.is_dir() and ((p / MANIFEST).exists() or (p / ".metadata").exists() or parse_step(p.name) is not None)
 
-    @override
     def leftovers(self) -> list[str]:
+        """Names of what :meth:`remove_leftovers` would remove (tools)."""
         names = [e.name for e in os.scandir(self.path)] if self.path.is_dir() else []
         return sorted(n for n in names if is_pending(n) or is_deleting(n))
 
@@ -93,7 +96,17 @@ class PosixStore(CheckpointStore):
         Path(pending).mkdir(parents=True, exist_ok=True)
 
     @override
-    def dcp_writer(self, location: str, *, thread_count: int, write_timeout_s: float | None, reuse: Any = None) -> Any:
+    def dcp_writer(
+        self,
+        location: str,
+        *,
+        thread_count: int,
+        write_timeout_s: float | None,
+        incremental: tuple[int, int | None] | None = None,
+    ) -> Any:
+        reuse = None  # an incremental save reads what it may reuse when its write starts
+        if incremental is not None:
+            reuse = functools.partial(reuse_for, self.path, incremental[0], full_every=incremental[1])
         return hashing_writer(location, thread_count=thread_count, write_timeout_s=write_timeout_s, reuse=reuse)
 
     @override
@@ -115,28 +128,26 @@ class PosixStore(CheckpointStore):
         return SafeFileSystemReader(location, expected_files=expected_files)
 
     @override
-    def read_dcp_metadata(self, location: str) -> Any:
-        return read_dcp_metadata(location)
+    def read_file(self, location: str, name: str) -> bytes:
+        return (Path(location) / name).read_bytes()
 
-    @override
     def object_sizes(self, location: str) -> dict[str, int]:
+        """``{relative name: size in bytes}`` of every file under a checkpoint directory (tools)."""
         root = Path(location)
         return {name: (root / name).stat().st_size for name in _commit.own_files(root)}
 
-    @override
     def manifest_path(self, location: str) -> str | None:
+        """The manifest's path, for messages (tools)."""
         return str(Path(location) / MANIFEST)
 
-    @override
     def named_step(self, location: str) -> int | None:
+        """The step the directory's name says (tools: checked against the manifest)."""
         return parse_step(Path(location).name)
 
     @override
-    def check_file(self, location: str, name: str, *, size_bytes: int, digest: str | None) -> None:
-        check_file(Path(location) / name, size_bytes=size_bytes, digest=digest)
-
-    @override
-    def list_files(self, pending: str, hashes: dict[str, tuple[int, str]]) -> list[FileEntry]:
+    def list_files(
+        self, pending: str, hashes: dict[str, tuple[int, str]], *, references: bool = False
+    ) -> list[FileEntry]:
         entries = _commit.list_files(pending, hashes)
         for entry in entries:  # the block digests the writers recorded (integrity.WrittenFile)
             if entry.hash is None:  # no writer reported it: hash it here
@@ -145,7 +156,7 @@ class PosixStore(CheckpointStore):
             blocks = getattr(hashes.get(entry.path), "blocks", None)
             if isinstance(blocks, BlockDigests) and blocks.valid_for(entry.size_bytes):
                 entry.block_ends, entry.block_hashes = list(blocks.ends), list(blocks.hashes)
-        return entries
+        return entries + (reference_entries(pending) if references else [])
 
     @override
     def write_digests(self, pending: str, rank: int, files: dict[str, tuple[int, str]]) -> dict[str, tuple[int, str]]:
@@ -161,10 +172,6 @@ class PosixStore(CheckpointStore):
             os.fsync(f.fileno())
         out[name] = (len(data), digest)
         return out
-
-    @override
-    def block_digests(self, location: str, manifest: Manifest) -> dict[str, BlockDigests]:
-        return read_blocks(manifest, lambda name: (Path(location) / name).read_bytes(), location=location)
 
     @override
     def committed_steps(self) -> list[int]:
@@ -188,36 +195,23 @@ class PosixStore(CheckpointStore):
     def validate(self, location: str, *, check_hashes: bool = False) -> Manifest:
         return _commit.validate(location, check_hashes=check_hashes)
 
-    @override
     def verify(self, location: str) -> list[CheckpointCorruptError]:
+        """Every problem of one checkpoint (tools)."""
         return _commit.verify(location)
 
     @override
-    def find_committed(self) -> list[tuple[int, str, Manifest | CheckpointCorruptError]]:
-        return [(s, str(p), r) for s, p, r in _commit.find_committed(self.path)]
-
-    @override
-    def existing(self) -> list[tuple[int, str]]:
-        return [(s, str(p)) for s, p in _commit.existing_checkpoints(self.path)]
-
-    @override
-    def unmanaged(self) -> list[str]:
-        return [str(p) for p in _commit.unmanaged_step_dirs(self.path)]
+    def others(self) -> Others:
+        unmanaged = [str(p) for p in _commit.unmanaged_step_dirs(self.path)]
+        deferred = [str(p) for _, p in checkpoint_dirs(self.path) if is_deferred(p)]
+        names = [e.name for e in os.scandir(self.path)] if self.path.is_dir() else []
+        aside = sorted(n for n in names if parse_set_aside(n) is not None)
+        return Others(unmanaged=unmanaged, deferred=deferred, set_aside=aside, latest=self._latest())
 
     @override
     def set_aside(self, step: int, reason: str = "corrupt") -> str:
-        return _commit.set_aside(self.path / checkpoint_name(step), reason).name
-
-    @override
-    def set_aside_names(self) -> list[str]:
-        names = [e.name for e in os.scandir(self.path)] if self.path.is_dir() else []
-        return sorted(n for n in names if parse_set_aside(n) is not None)
-
-    @override
-    def step_of(self, location: str) -> int | None:
-        p = Path(location)
-        step = parse_step(p.name)
-        return step if step is not None and p.resolve().parent == self.path.resolve() else None
+        name = _commit.set_aside(self.path / checkpoint_name(step), reason).name
+        _commit.repair_latest(self.path)
+        return name
 
     @override
     def location_of(self, step: int) -> str:
@@ -231,10 +225,6 @@ class PosixStore(CheckpointStore):
     def is_plain_dcp(self, location: str) -> bool:
         return not (Path(location) / MANIFEST).exists() and (Path(location) / ".metadata").exists()
 
-    @override
-    def delete_checkpoint(self, step: int) -> None:
-        _commit.delete_checkpoint(self.path / checkpoint_name(step))
-
     def delete_checkpoints(
         self,
         steps: list[int],
@@ -246,15 +236,15 @@ class PosixStore(CheckpointStore):
         (:func:`~distckpt.storage.incremental.delete_or_defer`)."""
         return delete_or_defer(self.path, steps, before=before, remove=remove)
 
-    @override
     def deferred_by(self, steps: list[int]) -> list[str]:
+        """Names of the checkpoints of ``steps`` that :meth:`delete_checkpoints` would defer (tools)."""
         refs = References(self.path)
         for step in steps:
             refs.forget(checkpoint_name(step))
         return [checkpoint_name(s) for s in steps if refs.referenced(checkpoint_name(s))]
 
-    @override
     def check_tool_root(self) -> None:
+        """Raise ``CheckpointNotFoundError`` unless the root is an existing directory, not one checkpoint."""
         if not self.path.exists():
             raise CheckpointNotFoundError(f"{self.root}: no such checkpoint root")
         if not self.path.is_dir():
@@ -263,31 +253,16 @@ class PosixStore(CheckpointStore):
             raise CheckpointNotFoundError(f"{self.root} is a checkpoint directory; pass its root {self.path.parent}")
 
     @override
-    def reuse_index(self, step: int, *, full_every: int | None) -> ReuseIndex:
-        return reuse_for(self.path, step, full_every=full_every)
-
-    @override
-    def reference_entries(self, pending: str) -> list[FileEntry]:
-        return reference_entries(pending)
-
-    @override
     def remove_leftovers(self) -> list[str]:
-        return _commit.remove_leftovers(self.path)
+        removed = _commit.remove_leftovers(self.path)
+        _commit.repair_latest(self.path)
+        return removed
 
-    @override
-    def read_latest(self) -> str | None:
+    def _latest(self) -> str | None:
         try:
             return (self.path / LATEST).read_text().strip() or None
         except OSError:
             return None
-
-    @override
-    def repair_latest(self) -> str | None:
-        return _commit.repair_latest(self.path)
-
-    @override
-    def lock_file(self) -> PosixLockFile:
-        return PosixLockFile(os.path.join(self.root, ".lock"))
 
     @override
     def root_file(self, name: str) -> PosixLockFile:

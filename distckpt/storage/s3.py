@@ -31,7 +31,8 @@ from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..ondisk.integrity import HASH_ALGORITHM, BlockDigests, new_hasher
 from ..ondisk.layout import LATEST, checkpoint_name, parse_step
 from ..ondisk.manifest import FileEntry, Manifest, first_problem, structure_problems
-from .base import CheckpointStore, LockFile, split_location
+from .base import CheckpointStore, LockFile, Others, split_location
+from .generic import find_committed
 from .s3_client import S3Objects, split_url
 from .s3_dcp import S3Reader, S3Writer
 
@@ -128,8 +129,15 @@ class S3Store(CheckpointStore):
         pass
 
     @override
-    def dcp_writer(self, location: str, *, thread_count: int, write_timeout_s: float | None, reuse: Any = None) -> Any:
-        if reuse is not None:  # CheckpointConfig refuses incremental on object storage
+    def dcp_writer(
+        self,
+        location: str,
+        *,
+        thread_count: int,
+        write_timeout_s: float | None,
+        incremental: tuple[int, int | None] | None = None,
+    ) -> Any:
+        if incremental is not None:  # CheckpointConfig refuses incremental on object storage
             raise ValueError("incremental saves need a POSIX root")
         return S3Writer(
             location,
@@ -153,26 +161,30 @@ class S3Store(CheckpointStore):
         return S3Reader(location, expected_files=expected_files, endpoint_url=self.endpoint_url, region=self.region)
 
     @override
-    def read_dcp_metadata(self, location: str) -> Any:
-        return S3Reader(
-            location, expected_files=None, endpoint_url=self.endpoint_url, region=self.region
-        ).read_metadata()
+    def read_file(self, location: str, name: str) -> bytes:
+        bucket, key = split_url(location)  # any prefix of this bucket: a plain dcp.save's too
+        data = self.objects.get(f"{key.rstrip('/')}/{name}") if bucket == self.bucket else None
+        if data is None:
+            raise FileNotFoundError(f"{location}/{name}: no such object")
+        return data
 
     def object_sizes(self, location: str) -> dict[str, int]:
-        """``{file name: size}`` of every object under a checkpoint's data prefix."""
+        """``{file name: size}`` of every object under a checkpoint's data prefix (tools)."""
         base = self.key(self._rel(location)) + "/"
         return {k[len(base) :]: size for k, size in self.objects.list_objects(base).items()}
 
-    @override
     def manifest_path(self, location: str) -> str | None:
-        return None  # the manifest's key names its step; parsing it checks that
+        """``None`` (tools): the manifest's key names its step; parsing it checks that."""
+        return None
 
-    @override
     def named_step(self, location: str) -> int | None:
+        """``None`` (tools): :meth:`read_manifest` checks the step."""
         return None
 
     @override
-    def list_files(self, pending: str, hashes: dict[str, tuple[int, str]]) -> list[FileEntry]:
+    def list_files(
+        self, pending: str, hashes: dict[str, tuple[int, str]], *, references: bool = False
+    ) -> list[FileEntry]:  # no incremental saves: no references
         entries = []
         for name, size in sorted(self.object_sizes(pending).items()):
             reported = hashes.get(name)
@@ -239,6 +251,13 @@ class S3Store(CheckpointStore):
     @override
     def read_manifest(self, location: str) -> Manifest:
         rel = self._rel(location)
+        named = _MANIFEST_RE.match(rel[len(MANIFESTS) :]) if rel.startswith(MANIFESTS) else None
+        if named is not None and (step := parse_step(named.group(1))) is not None:  # location_of: unreadable
+            found = self._parse_manifest(step, self.objects.get(self.key(rel)), location)  # raises its problem
+            raise CheckpointCorruptError(
+                f"{location}: a manifest, not a checkpoint (its checkpoint: {self.location(found.data_prefix or '')})",
+                path=location,
+            )
         m = _DATA_RE.match(rel[len(DATA) :]) if rel.startswith(DATA) else None
         step = parse_step(m.group(1)) if m else None
         if step is None:
@@ -254,8 +273,7 @@ class S3Store(CheckpointStore):
             )
         return manifest
 
-    @override
-    def check_file(
+    def _check_file(
         self, location: str, name: str, *, size_bytes: int, digest: str | None, sizes: dict[str, int] | None = None
     ) -> None:
         url = f"{location}/{name}"
@@ -283,7 +301,7 @@ class S3Store(CheckpointStore):
         manifest = self.read_manifest(location)
         sizes = self.object_sizes(location)
         for entry in manifest.files:
-            self.check_file(
+            self._check_file(
                 location,
                 entry.path,
                 size_bytes=entry.size_bytes,
@@ -295,8 +313,8 @@ class S3Store(CheckpointStore):
             raise problem
         return manifest
 
-    @override
     def verify(self, location: str) -> list[CheckpointCorruptError]:
+        """Every problem of one checkpoint: manifest, sizes, hashes (tools)."""
         try:
             manifest = self.read_manifest(location)
             sizes = self.object_sizes(location)
@@ -305,7 +323,7 @@ class S3Store(CheckpointStore):
         problems = []
         for entry in manifest.files:
             try:
-                self.check_file(location, entry.path, size_bytes=entry.size_bytes, digest=entry.hash, sizes=sizes)
+                self._check_file(location, entry.path, size_bytes=entry.size_bytes, digest=entry.hash, sizes=sizes)
             except CheckpointCorruptError as e:
                 problems.append(e)
         return problems
@@ -320,43 +338,21 @@ class S3Store(CheckpointStore):
         return sorted(steps)
 
     @override
-    def find_committed(self) -> list[tuple[int, str, Manifest | CheckpointCorruptError]]:
-        out: list[tuple[int, str, Manifest | CheckpointCorruptError]] = []
-        for step in reversed(self.committed_steps()):
-            url = self.objects.url(self._manifest_key(step))
-            try:
-                manifest = self._parse_manifest(step, self.objects.get(self._manifest_key(step)), url)
-            except CheckpointCorruptError as e:
-                out.append((step, url, e))
-                continue
-            location = self.location(manifest.data_prefix or "")
-            try:
-                out.append((step, location, self.validate(location)))
-            except CheckpointCorruptError as e:
-                out.append((step, location, e))
-        return out
-
-    @override
-    def existing(self) -> list[tuple[int, str]]:
-        return sorted((s, loc) for s, loc, _ in self.find_committed())
-
-    @override
-    def unmanaged(self) -> list[str]:
-        return []  # a data prefix no manifest names is a save's leftover: remove_leftovers' business
-
-    @override
-    def step_of(self, location: str) -> int | None:
-        for step, loc, _ in self.find_committed():
-            if loc == location.rstrip("/"):
-                return step
-        return None
+    def others(self) -> Others:
+        # No unmanaged or deferred names: a data prefix no manifest names is a save's leftover
+        # (remove_leftovers' business); nothing is incremental.
+        return Others(unmanaged=[], deferred=[], set_aside=self._set_aside_names(), latest=self._latest())
 
     @override
     def location_of(self, step: int) -> str:
-        for s, loc, _ in self.find_committed():
-            if s == step:
-                return loc
-        return self.objects.url(self._manifest_key(step))
+        """The data prefix its manifest names (one GET); the manifest's URL when there is none
+        or it does not parse (:meth:`read_manifest` of it then raises its problem)."""
+        key = self._manifest_key(step)
+        try:
+            manifest = self._parse_manifest(step, self.objects.get(key), self.objects.url(key))
+        except CheckpointCorruptError:
+            return self.objects.url(key)
+        return self.location(manifest.data_prefix or "")
 
     @override
     def exists(self, location: str) -> bool:
@@ -368,7 +364,7 @@ class S3Store(CheckpointStore):
         return split_location(location)[1] is None and self.exists(location)
 
     # ------------------------------------------------------------------ delete
-    def delete_checkpoint(self, step: int) -> None:
+    def _delete_checkpoint(self, step: int) -> None:
         """Manifest first (the checkpoint stops existing), then its data objects."""
         key = self._manifest_key(step)
         try:
@@ -385,31 +381,23 @@ class S3Store(CheckpointStore):
         before: Callable[[int], None] | None = None,
         remove: Callable[[Any], None] | None = None,
     ) -> list[str]:
-        """Retention: :meth:`delete_checkpoint` each (no incremental references on S3)."""
+        """Retention: each manifest, then its data (no incremental references on S3)."""
         done = []
         for step in steps:
             if before is not None:
                 before(step)
-            self.delete_checkpoint(step)
+            self._delete_checkpoint(step)
             done.append(f"deleted {checkpoint_name(step)} of {self.root}")
         return done
 
-    @override
     def deferred_by(self, steps: list[int]) -> list[str]:
-        return []  # no incremental references on S3
+        """None (tools): no incremental references on S3."""
+        return []
 
-    @override
     def check_tool_root(self) -> None:
+        """Raise ``CheckpointNotFoundError`` when the root is one checkpoint's data prefix (tools)."""
         if split_location(self.root)[1] is not None:
             raise CheckpointNotFoundError(f"{self.root} is a checkpoint; pass its root")
-
-    @override
-    def reuse_index(self, step: int, *, full_every: int | None) -> Any:
-        raise ValueError("incremental saves need a POSIX root")
-
-    @override
-    def reference_entries(self, pending: str) -> list[FileEntry]:
-        return []
 
     def remove_leftovers(self) -> list[str]:
         """Delete data prefixes no manifest references (interrupted saves and deletes). Only
@@ -417,10 +405,11 @@ class S3Store(CheckpointStore):
         removed = self.unreferenced()
         for rel in removed:
             self.objects.delete_prefix(self.key(f"{rel}/"))
+        self._repair_latest()
         return removed
 
-    @override
     def leftovers(self) -> list[str]:
+        """What :meth:`remove_leftovers` would remove (tools)."""
         return self.unreferenced()
 
     def unreferenced(self) -> list[str]:
@@ -453,20 +442,18 @@ class S3Store(CheckpointStore):
         return loose
 
     # ------------------------------------------------------------------ latest, lock
-    @override
-    def read_latest(self) -> str | None:
+    def _latest(self) -> str | None:
         data = self.objects.get(self.key(LATEST))
         return data.decode("utf-8", "replace").strip() or None if data is not None else None
 
-    @override
-    def repair_latest(self) -> str | None:
-        name = self.read_latest()
+    def _repair_latest(self) -> str | None:
+        name = self._latest()
         if name is None:
             return None
         step = parse_step(name)
         if step is not None and step in self.committed_steps():
             return name
-        for s, _, result in self.find_committed():
+        for s, _, result in find_committed(self):
             if isinstance(result, Manifest):
                 self.objects.put(self.key(LATEST), (checkpoint_name(s) + "\n").encode())
                 return checkpoint_name(s)
@@ -477,7 +464,7 @@ class S3Store(CheckpointStore):
     def root_file(self, name: str) -> S3LockFile:  # the lock (".lock") is one
         return S3LockFile(self.objects, self.key(name))
 
-    def set_aside_names(self) -> list[str]:
+    def _set_aside_names(self) -> list[str]:
         """Names (``manifests/<reason>-step-N-<n>``) of the set-aside manifests."""
         names = [k.rsplit("/", 1)[-1] for k in self.objects.list_objects(self.key(MANIFESTS))]
         return sorted(
@@ -486,7 +473,8 @@ class S3Store(CheckpointStore):
 
     def set_aside(self, step: int, reason: str = "corrupt") -> str:
         """Rename the manifest of ``step`` to ``manifests/<reason>-step-N-<n>.json`` (copy, then
-        delete): no longer a checkpoint (never loaded, counted or deleted), its data kept.
+        delete): no longer a checkpoint (never loaded, counted or deleted), its data kept;
+        ``latest`` is repaired.
 
         Returns:
             The new manifest name (``manifests/<reason>-step-N-<n>``).
@@ -497,4 +485,5 @@ class S3Store(CheckpointStore):
             n += 1
         self.objects.copy(self._manifest_key(step), self.key(MANIFESTS + name))
         self.objects.delete([self._manifest_key(step)])
+        self._repair_latest()
         return MANIFESTS + name[: -len(".json")]

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from ..errors import CheckpointCorruptError
 from ..ondisk.manifest import Manifest, structure_problems
-from ..storage import CheckpointStore, open_location
+from ..storage import CheckpointStore, open_location, read_dcp_metadata
+from .store_queries import tool_store
 
 __all__ = ["AuditReport", "audit_checkpoint"]
 
@@ -56,7 +57,7 @@ def audit_checkpoint(location: str | os.PathLike, *, store: CheckpointStore | No
     missing file (e.g. permission denied) propagates.
     """
     location = os.fspath(location)
-    store = store if store is not None else open_location(location)[0]
+    store = tool_store(store if store is not None else open_location(location)[0])
     problems = list(store.verify(location))
     try:
         manifest = store.read_manifest(location)
@@ -67,7 +68,7 @@ def audit_checkpoint(location: str | os.PathLike, *, store: CheckpointStore | No
     )
     metadata = None
     try:
-        metadata = store.read_dcp_metadata(location)
+        metadata = read_dcp_metadata(store, location)
     except (CheckpointCorruptError, OSError) as e:  # a missing listed .metadata is reported by verify
         if ".metadata" in {f.path for f in manifest.files} and not any(".metadata" in str(p) for p in problems):
             problems.append(

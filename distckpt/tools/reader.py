@@ -26,7 +26,7 @@ from ..engine.blocking import raise_as_corrupt
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..ondisk.layout import MANIFEST
 from ..ondisk.manifest import Manifest
-from ..storage import open_location
+from ..storage import find_committed, open_location, read_dcp_metadata
 
 __all__ = ["GROUPS", "ItemInfo", "CheckpointReader", "item_group", "resolve_checkpoint"]
 
@@ -105,7 +105,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> str:
         return location
     if not store.exists(store.root):
         raise CheckpointNotFoundError(f"{store.root}: no such checkpoint or root")
-    for _, found, result in store.find_committed():
+    for _, found, result in find_committed(store):
         if isinstance(result, Manifest):
             return found
     raise CheckpointNotFoundError(
@@ -187,7 +187,7 @@ class CheckpointReader:
         self.path: str = location if location is not None else os.fspath(checkpoint_dir)
         if not store.exists(self.path):
             raise CheckpointNotFoundError(f"{self.path}: no such checkpoint directory")
-        self.metadata = store.read_dcp_metadata(self.path)
+        self.metadata = read_dcp_metadata(store, self.path)
         read = None if store.is_plain_dcp(self.path) else functools.partial(store.read_manifest, self.path)
         expected = self._read_manifest(read, check_files)
         self._storage = store.dcp_reader(self.path, expected_files=expected, fast=False, thread_count=1)

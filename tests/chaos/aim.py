@@ -165,11 +165,12 @@ def inspect_s3_root(root: str) -> dict[str, Any]:
     """:func:`inspect_root` of an ``s3://`` root: ``valid``/``invalid`` by manifest, ``pending``
     = data prefixes no manifest references (``manifest``: always false, the manifest is the
     commit), ``deleting``: none (retention deletes the manifest first)."""
+    from distckpt.storage import find_committed as find_in_store
     from distckpt.storage import open_store
 
     store: Any = open_store(root)
     valid, invalid = [], {}
-    for step, _, result in store.find_committed():
+    for step, _, result in find_in_store(store):
         if isinstance(result, Manifest):
             valid.append(step)
         else:
@@ -191,7 +192,7 @@ def inspect_s3_root(root: str) -> dict[str, Any]:
         "valid": sorted(valid),
         "invalid": invalid,
         "pending": pending,
-        "latest": store.read_latest(),
+        "latest": store.others().latest,
         "other": [],
         "deleting": [],
     }

@@ -93,12 +93,12 @@ def test_archive_sets_them_aside_and_the_run_starts_fresh(root):
     manager.save(1)
     manager.close()
     store = open_store(root)
-    assert [s for s, _ in store.existing()] == [1]
-    assert [n.rsplit("/", 1)[-1] for n in store.set_aside_names()] == [
+    assert store.committed_steps() == [1]
+    assert [n.rsplit("/", 1)[-1] for n in store.others().set_aside] == [
         "archived-step-000000002-0",
         "archived-step-000000004-0",
     ]
-    assert store.read_latest() == "step-000000001"
+    assert store.others().latest == "step-000000001"
 
 
 def test_rollback_sets_aside_the_newer_checkpoints_at_the_first_save(root, caplog):
@@ -109,7 +109,7 @@ def test_rollback_sets_aside_the_newer_checkpoints_at_the_first_save(root, caplo
     assert state is not None and state.step == 2 and state.checkpoint_path == locations[2]
     assert all(torch.equal(v, params[2][k]) for k, v in full_params(model).items())
     store = open_store(root)
-    assert [s for s, _ in store.existing()] == [2, 4, 6]  # nothing set aside by a load alone
+    assert store.committed_steps() == [2, 4, 6]  # nothing set aside by a load alone
     warned = [
         generic(r.getMessage(), root, locations)
         for r in caplog.records
@@ -122,12 +122,12 @@ def test_rollback_sets_aside_the_newer_checkpoints_at_the_first_save(root, caplo
     ]
     manager.save(3)
     manager.close()
-    assert [s for s, _ in store.existing()] == [2, 3]
-    assert [n.rsplit("/", 1)[-1] for n in store.set_aside_names()] == [
+    assert store.committed_steps() == [2, 3]
+    assert [n.rsplit("/", 1)[-1] for n in store.others().set_aside] == [
         "rolledback-step-000000004-0",
         "rolledback-step-000000006-0",
     ]
-    assert store.read_latest() == "step-000000003"
+    assert store.others().latest == "step-000000003"
 
 
 def test_a_corrupt_newest_is_refused_then_passed_over_with_fallback(root):
@@ -150,8 +150,8 @@ def test_a_corrupt_newest_is_refused_then_passed_over_with_fallback(root):
     assert state is not None and state.step == 2
     assert all(torch.equal(v, params[2][k]) for k, v in full_params(model).items())
     store = open_store(root)
-    assert [s for s, _ in store.existing()] == [2]
-    assert [n.rsplit("/", 1)[-1] for n in store.set_aside_names()] == ["corrupt-step-000000004-0"]
+    assert store.committed_steps() == [2]
+    assert [n.rsplit("/", 1)[-1] for n in store.others().set_aside] == ["corrupt-step-000000004-0"]
 
 
 def test_only_corrupt_checkpoints_left_refuses_a_fresh_start(root):

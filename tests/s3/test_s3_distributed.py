@@ -113,7 +113,7 @@ def save_twice_and_die(rank: int, world_size: int, opts: dict) -> str:
 def test_sigkill_at_each_commit_phase_loads_previous_or_new_never_partial(
     s3_server, s3_root, tmp_path, kill, victim, loads
 ):
-    from distckpt.storage import open_store
+    from distckpt.storage import find_committed, open_store
 
     opts = {"root": s3_root, "kill": kill, "victim": victim, "out": str(tmp_path)}
     results = run_ranks(save_twice_and_die, 2, opts, expect_death=True)
@@ -125,7 +125,7 @@ def test_sigkill_at_each_commit_phase_loads_previous_or_new_never_partial(
         assert torch.equal(v, loaded[0]["params"][k]), k
     # the start removed every unreferenced object; what is left is committed and verifies
     store = open_store(s3_root)
-    committed = store.find_committed()
+    committed = find_committed(store)
     bucket, _, prefix = s3_root[len("s3://") :].partition("/")
     data = {k.split("/")[-2] for k in store.objects.list_objects(f"{prefix}/data/")}
     assert data == {loc.rsplit("/", 1)[-1] for _, loc, _ in committed}

@@ -240,7 +240,7 @@ def test_async_save_and_event_log_on_s3(s3_server, s3_root, tmp_path):
     manager.close()
     phases = [json.loads(line)["phase"] for line in log.read_text().splitlines()]
     assert phases == ["stage", "write", "manifest", "latest", "committed"]  # no rename on S3
-    assert open_store(s3_root).read_latest() == "step-000000003"
+    assert open_store(s3_root).others().latest == "step-000000003"
     fresh, (model, *_) = manager_for(s3_root)
     assert fresh.load().checkpoint_path == location
     fresh.close()

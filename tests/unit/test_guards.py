@@ -18,7 +18,7 @@ from distckpt import (
 from distckpt.cli import main
 from distckpt.load.discovery import CheckpointDiscovery
 from distckpt.ondisk.manifest import Manifest
-from distckpt.storage import open_store
+from distckpt.storage import Others, open_store
 from distckpt.storage.commit import commit
 from distckpt.tools.export import export_checkpoint
 from distckpt.tools.release import release_checkpoint
@@ -124,20 +124,11 @@ class _CorruptOnlyStore:
     def remove_leftovers(self):
         return []
 
-    def repair_latest(self):
-        return None
-
-    def find_committed(self):
+    def committed_steps(self):
         return []
 
-    def existing(self):
-        return []
-
-    def unmanaged(self):
-        return []
-
-    def set_aside_names(self):
-        return [f"manifests/{n}" for n in self.names]
+    def others(self):
+        return Others(unmanaged=[], deferred=[], set_aside=[f"manifests/{n}" for n in self.names], latest=None)
 
 
 def test_object_store_root_holding_only_corrupt_manifests_refuses_a_fresh_start(tmp_path):

@@ -85,21 +85,21 @@ def test_stateful_extra_state_is_restored_with_keys_its_fresh_object_lacks(tmp_p
 def test_saved_stateful_keys_that_cannot_be_read_are_named(tmp_path, monkeypatch):
     # Without DCP's planner_data (a checkpoint saved by another planner) the saved paths are
     # unknown: the load refuses, naming the keys, instead of restoring the EMA in part.
-    import distckpt.storage.posix as posix
+    import distckpt.storage.generic as generic
 
     model, ema, _swa = _trained_model()
     with CheckpointManager(
         CheckpointConfig(root=str(tmp_path)), model=model, optimizer=None, extra_state={"ema": ema}
     ) as m:
         m.save(3)
-    read = posix.read_dcp_metadata
+    parse = generic.parse_dcp_metadata
 
-    def without_paths(location):
-        metadata = read(location)
+    def without_paths(f, path):
+        metadata = parse(f, path)
         metadata.planner_data = None
         return metadata
 
-    monkeypatch.setattr(posix, "read_dcp_metadata", without_paths)
+    monkeypatch.setattr(generic, "parse_dcp_metadata", without_paths)
     ema2 = EMA(model)
     with CheckpointManager(
         CheckpointConfig(root=str(tmp_path)), model=model, optimizer=None, extra_state={"ema": ema2}

@@ -18,6 +18,7 @@ from distckpt.cli import main
 from distckpt.coord import collective as collective_mod
 from distckpt.coord.collective import Collective
 from distckpt.ondisk.manifest import Manifest
+from distckpt.storage import find_committed
 from distckpt.storage.posix import PosixStore
 from tests.distributed.harness import run_ranks, values
 from tests.unit.test_transaction import _ctx, _save
@@ -44,8 +45,8 @@ def test_manifest_of_1024_ranks_of_8_gib_stays_under_1_mb():
 
 def _counting(store: PosixStore, monkeypatch) -> dict[str, int]:
     """Count what rank 0's commit and retention ask of the store and of the manifests on disk."""
-    calls = {"find_committed": 0, "validate": 0, "read_manifest": 0, "Manifest.read": 0}
-    for name in ("find_committed", "validate", "read_manifest"):
+    calls = {"location_of": 0, "validate": 0, "read_manifest": 0, "Manifest.read": 0}
+    for name in ("location_of", "validate", "read_manifest"):  # find_committed: location_of, validate
         real = getattr(store, name)
 
         def counted(*a: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
@@ -81,9 +82,9 @@ def test_rank_0_commit_work_is_the_same_with_1_or_10_kept_checkpoints(tmp_path: 
             _save(ctx, kept + 3)
         counts[kept] = calls
         expect = list(range(1, kept + 4)) if keep_last is None else list(range(4, kept + 4))
-        assert [s for s, _, r in ctx.store.find_committed() if isinstance(r, Manifest)] == expect[::-1]
+        assert [s for s, _, r in find_committed(ctx.store) if isinstance(r, Manifest)] == expect[::-1]
     assert counts[1] == counts[10], counts
-    assert counts[10]["validate"] == counts[10]["find_committed"] == counts[10]["read_manifest"] == 0, counts
+    assert counts[10]["validate"] == counts[10]["location_of"] == counts[10]["read_manifest"] == 0, counts
     assert counts[10]["Manifest.read"] <= 2, counts  # the new checkpoints' own, when deleting
 
 
@@ -149,15 +150,18 @@ def _save_and_load_on_two(rank: int, world_size: int, opts: dict[str, Any]) -> d
         return out
 
     Collective.all_gather, Collective.gather = all_gather, gather  # type: ignore[method-assign]
-    reads = {"read_manifest": 0, "read_dcp_metadata": 0, "block_digests": 0}
-    for name in reads:
-        real = getattr(PosixStore, name)
+    reads = {"read_manifest": 0, ".metadata": 0, "digest files": 0}
+    real_manifest, real_file = PosixStore.read_manifest, PosixStore.read_file
 
-        def counted(self: Any, *a: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
-            reads[_name] += 1
-            return _real(self, *a, **kw)
+    def read_manifest(self: Any, location: str) -> Manifest:
+        reads["read_manifest"] += 1
+        return real_manifest(self, location)
 
-        setattr(PosixStore, name, counted)
+    def read_file(self: Any, location: str, name: str) -> bytes:
+        reads[".metadata" if name == ".metadata" else "digest files"] += 1
+        return real_file(self, location, name)
+
+    PosixStore.read_manifest, PosixStore.read_file = read_manifest, read_file  # type: ignore[method-assign]
     reads["Manifest.read"] = 0
     real_read = Manifest.read.__func__  # type: ignore[attr-defined]
 
@@ -188,8 +192,8 @@ def test_only_rank_0_receives_the_hashes_and_reads_the_load_metadata(tmp_path: P
     listed = sorted(f.path for f in Manifest.read(ckpt).files)
     assert r0["saved_files"] == listed and r1["saved_files"] == []  # rank 1 received no rank's files
     assert {".digests-rank-00000.json", ".digests-rank-00001.json"} <= set(listed)
-    assert r0["loaded"]["read_manifest"] >= 1 and r0["loaded"]["read_dcp_metadata"] >= 1
-    assert r0["loaded"]["block_digests"] == 1
+    assert r0["loaded"]["read_manifest"] >= 1 and r0["loaded"][".metadata"] >= 1
+    assert r0["loaded"]["digest files"] == 2  # each rank's, once
     assert r1["loaded"] == dict.fromkeys(r0["loaded"], 0), r1["loaded"]  # not one manifest or .metadata read
     assert r0["step"] == r1["step"] == 1 and r0["same"] and r1["same"]
 
