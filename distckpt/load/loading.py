@@ -150,7 +150,7 @@ class CheckpointLoader:
 
     def _from_memory(self, durable_step: int | None) -> MemoryRestore | None:
         """Restore the memory tier's newest complete snapshot when it is at least as new as
-        ``durable_step`` (docs/memory.md, "Restore"); ``None``: the durable tier serves (each
+        ``durable_step`` (docs/memory.md, "How it works"); ``None``: the durable tier serves (each
         reason logged on rank 0).
 
         Raises:

@@ -1,6 +1,6 @@
 """Finding, verifying and moving the memory tier's snapshot chunks across ranks: the newest step
 whose every shard survives in some node's memory, and its chunks served to DCP at any world size
-(docs/memory.md, "Restore"). :mod:`distckpt.memory.source` drives these steps; the read into the
+(docs/memory.md, "How it works"). :mod:`distckpt.memory.source` drives these steps; the read into the
 training state is the one every load makes (:func:`~distckpt.load.read.read_checkpoint`).
 
 All collective, on every rank of the new job:

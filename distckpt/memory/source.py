@@ -1,5 +1,5 @@
 """The memory tier as a source of a restore: whether it serves a restart, and how its snapshot is
-read (docs/memory.md, "Restore").
+read (docs/memory.md, "How it works").
 
 :func:`choose_snapshot` runs the inventory and the consistent cut of :mod:`distckpt.memory.fetch`
 and compares the cut with the durable tier's newest committed step: memory serves when its step is
