@@ -36,7 +36,7 @@ from .memory import MemoryTier
 from .save.grace import SaveDurations, agree_on_signal
 from .save.preemption import PreemptionWatcher, StepVote
 from .save.schedule import SaveSchedule
-from .save.transaction import BackgroundSave, PhaseHook, SaveContext, SaveTransaction
+from .save.transaction import BackgroundSave, PhaseHook, Rollback, SaveContext, SaveTransaction
 from .state.training_state import CheckpointState, TrainState
 from .storage import open_config_store
 from .storage.lock import RootLock
@@ -163,7 +163,7 @@ class CheckpointManager:
         self._run_id = self.collective.broadcast(uuid.uuid4().hex[:8])
         self.local_world_size = local_world_size(self.collective)  # ranks sharing this node's disk
         self._save_count = 0
-        self._rollback_from: int | None = None  # rank 0: set aside newer checkpoints at the next commit
+        self._rollback: Rollback | None = None  # rank 0: newer checkpoints set aside at the next commit
         self._save_ctx = SaveContext(
             store=self.store,
             rank=self.rank,
@@ -172,7 +172,6 @@ class CheckpointManager:
             on_phase=on_phase,
             model_specs=self.model_specs,
             events=self.events,
-            before_commit=self._before_commit,
             retention=config.retention,
             save=config.save,
             initial_load=config.initial_load,
@@ -237,7 +236,7 @@ class CheckpointManager:
         if rollback is not None and self.collective.agree(
             lambda: self.discovery.plan_rollback(rollback), what=f"rolling back to {path}", error_type=ConfigError
         ):
-            self._rollback_from = rollback  # rank 0 sets the newer ones aside at its first commit
+            self._rollback = Rollback(rollback, by_load_path=self.discovery.load_location() is not None)
         self.extras.after_load(train_state, manifest, path, wrapper=self.wrapper, seconds=time.perf_counter() - t0)
         self.train_state = train_state
         self.last_saved_step = train_state.step
@@ -358,8 +357,9 @@ class CheckpointManager:
         snapshot = dataclasses.replace(self.train_state, loss_history=list(self.train_state.loss_history))
         snapshot.interval = self.schedule.snapshot(kind)  # interval_steps: auto: recorded in the manifest
         full = full or self.config.save.state_dict_type == "full"
+        save_id = f"{self._run_id}{self._save_count:04x}"
         tx = SaveTransaction(
-            self._save_ctx, step=step, save_id=f"{self._run_id}{self._save_count:04x}", train_state=snapshot, full=full
+            self._save_ctx, step=step, save_id=save_id, train_state=snapshot, full=full, rollback_from=self._rollback
         )
 
         def build() -> dict[str, Any]:
@@ -380,12 +380,6 @@ class CheckpointManager:
         self.last_save_seconds = time.perf_counter() - tx.t0  # the stall of an async save
         self.schedule.saved(self.last_save_seconds, None if blocking else self._inflight)
         return tx.final
-
-    def _before_commit(self) -> None:
-        """Rank 0, at the first commit after a rollback: set the root's newer checkpoints aside."""
-        if self._rollback_from is not None:
-            self.discovery.set_aside_newer(self._rollback_from)
-            self._rollback_from = None
 
     # ------------------------------------------------------------------ lifecycle
     def wait_staged(self) -> None:

@@ -132,8 +132,9 @@ class CheckpointDiscovery:
 
     def plan_rollback(self, step: int) -> bool:
         """Rank 0, after loading ``load.path`` = this root's checkpoint of ``step``: the root's
-        newer checkpoints are set aside at this run's first commit (:meth:`set_aside_newer`), not
-        now, so a manager that only loads (an evaluation) changes nothing.
+        newer checkpoints are set aside at this run's first commit
+        (:class:`~distckpt.save.transaction.Rollback`), not now, so a manager that only loads (an
+        evaluation) changes nothing.
 
         Raises:
             ConfigError: there are newer checkpoints and this job does not hold the lock.
@@ -164,29 +165,6 @@ class CheckpointDiscovery:
             ", ".join(newer),
         )
         return True
-
-    def set_aside_newer(self, step: int) -> None:
-        """Rank 0, before the first commit after a rollback to ``step``: set the root's newer
-        checkpoints aside as ``rolledback-step-M-<n>`` so this run's steps and ``latest`` are its own."""
-        moved = [
-            f"{checkpoint_name(s)} -> {self.store.set_aside(s, 'rolledback')}"
-            for s in self.store.committed_steps()
-            if s > step
-        ]
-        if moved:
-            again = (
-                "This run's checkpoints record load.path/load.step: a restart with the same config resumes "
-                "them, not the rollback."
-                if self.load_location() is not None
-                else ""
-            )
-            logger.warning(
-                "rollback to %s: set aside %d newer checkpoint(s), kept: %s. %s",
-                checkpoint_name(step),
-                len(moved),
-                ", ".join(moved),
-                again,
-            )
 
     def _check_load_location(self, location: str) -> None:
         """``load.path`` / ``load.step`` names a loadable committed checkpoint.

@@ -1,33 +1,38 @@
-"""Reading a committed checkpoint into the live training objects, on every rank.
+"""Loading a committed checkpoint, or the memory tier's snapshot, into the live training objects, on every rank.
 
 :meth:`CheckpointLoader.load` takes the checkpoint rank 0 chose
-(:class:`~distckpt.load.discovery.CheckpointDiscovery`), checks that it fits the live model before
-touching anything, plans and reads it through DCP (distckpt's fast reader by default, every file
-hashed while read), restores the training state, and falls back to the next older committed
-checkpoint when a read finds corruption and ``load.fallback_to_older`` allows it. Every step that
-can fail on one rank only is agreed on, so all ranks raise (or fall back) together.
+(:class:`~distckpt.load.discovery.CheckpointDiscovery`) or the memory tier's newer snapshot
+(:func:`~distckpt.memory.source.choose_snapshot`) and reads it with the one read of
+:func:`~distckpt.load.read.read_checkpoint`: a durable checkpoint through :class:`StoreSource`
+(distckpt's fast reader by default, every file hashed while read), the snapshot through
+:class:`~distckpt.memory.source.MemorySource`. It falls back from a failed memory restore to the
+durable tier, and to the next older committed checkpoint when a read finds corruption and
+``load.fallback_to_older`` allows it. Every step that can fail on one rank only is agreed on, so
+all ranks raise (or fall back) together.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import time
 from typing import Any
 
 from ..config import LOADABLE, CheckpointConfig
 from ..coord.collective import Collective
 from ..coord.events import EventLog
-from ..engine.blocking import gc_paused, run_load
-from ..errors import CheckpointCorruptError, IncompatibleCheckpointError
-from ..memory import MemoryRestore, MemoryTier, restore_from_memory
+from ..errors import CheckpointCorruptError, DistCkptError, IncompatibleCheckpointError
+from ..memory import MemoryRestore, MemoryTier, choose_snapshot
 from ..ondisk.integrity import BlockDigests
 from ..ondisk.layout import parse_step
-from ..ondisk.manifest import Manifest, TensorSpec, check_model_fits, first_problem, structure_problems
+from ..ondisk.manifest import Manifest, TensorSpec, first_problem, structure_problems
 from ..state.training_state import CheckpointState, TrainState
 from ..storage import CheckpointStore, block_digests, check_file, read_dcp_metadata, step_of, store_of
 from .discovery import CheckpointDiscovery
+from .read import CheckpointSource, read_checkpoint
 
-__all__ = ["CheckpointLoader"]
+__all__ = ["CheckpointLoader", "StoreSource", "checked_metadata"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +101,7 @@ class CheckpointLoader:
             )
             path = chosen[0]
             if self.memory is not None and not rejected and self.config.resolved_load_path is None:
-                durable = None if path is None else step_of(self.store, path)
-                got = restore_from_memory(self.memory, self.collective, self.state, selected, durable_step=durable)
+                got = self._from_memory(None if path is None else step_of(self.store, path))
                 if got is not None:
                     self.tier, self.restored = "memory", got
                     return got.location, got.train_state, got.manifest
@@ -126,63 +130,119 @@ class CheckpointLoader:
                 rejected.append(path)
 
     def read(self, path: str) -> tuple[TrainState, Manifest]:
-        """Read the checkpoint ``path`` into the live objects (every rank).
+        """Read the checkpoint ``path`` into the live objects (every rank): :func:`read_checkpoint`
+        from a :class:`StoreSource`.
 
         Raises:
             CheckpointCorruptError: its manifest, ``.metadata`` or a data file is bad (every rank).
             IncompatibleCheckpointError: it does not fit the live model or components.
         """
-        # The cyclic GC paused for the whole read, not only DCP's part: unpickling .metadata and
-        # set_state_dict allocate objects per tensor (their collections: a third of such a load).
-        with gc_paused():
-            return self._read(path)
+        return self._read(StoreSource(path, self))
 
-    def _read(self, path: str) -> tuple[TrainState, Manifest]:
-        store = store_of(path, self.store)  # load_path may name a checkpoint of another root
+    def _read(self, source: CheckpointSource) -> tuple[TrainState, Manifest]:
+        return read_checkpoint(
+            source,
+            state=self.state,
+            collective=self.collective,
+            select=self.config.load.selection,
+            model_specs=self.model_specs,
+        )
+
+    def _from_memory(self, durable_step: int | None) -> MemoryRestore | None:
+        """Restore the memory tier's newest complete snapshot when it is at least as new as
+        ``durable_step`` (docs/memory.md, "How it works"); ``None``: the durable tier serves (each
+        reason logged on rank 0).
+
+        Raises:
+            IncompatibleCheckpointError: the snapshot does not fit the live model or components. The
+                durable tier holds older states of the same model, so it is not tried. Any other
+                failure of the memory restore falls back to the durable tier.
+        """
+        assert self.memory is not None
+        t0 = time.perf_counter()
+        source = choose_snapshot(self.memory, self.collective, durable_step=durable_step)
+        if source is None:
+            return None
+        try:
+            train_state, manifest = self._read(source)
+        except IncompatibleCheckpointError:
+            raise
+        except DistCkptError as e:
+            if self.collective.rank == 0:
+                logger.warning("memory tier: restoring %s failed (%s) -> the durable tier serves", source.location, e)
+            return None
+        return source.served(train_state, manifest, seconds=time.perf_counter() - t0)
+
+
+class StoreSource:
+    """A committed checkpoint of a storage location as a :class:`~distckpt.load.read.CheckpointSource`.
+
+    Rank 0 alone reads the manifest, ``.metadata`` and the digest files and hands them to every rank
+    (one read per job, not one per rank); an error there raises on every rank, so all ranks fall
+    back together. The reader is the store's (distckpt's fast reader by default, every file hashed
+    while read); DCP's reads end in their own agreement.
+
+    Args:
+        path: the checkpoint (of the root, or of another root: ``load.path``).
+        loader: the loader reading it (its config, store, collective, events, node size).
+    """
+
+    read_agrees = True
+
+    def __init__(self, path: str, loader: CheckpointLoader) -> None:
+        self.location, self.loader = path, loader
+        self.store = store_of(path, loader.store)  # load_path may name a checkpoint of another root
+        self.what = f"reading {path}"
+        self._manifest: Manifest | None = None
+        self._metadata: Any = None
+        self.blocks: dict[str, BlockDigests] | None = None
+
+    def manifest(self) -> Manifest:
+        """The manifest, read by rank 0 (``CheckpointCorruptError`` on every rank)."""
+        read = functools.partial(self.store.read_manifest, self.location)
+        self._manifest = self.loader.collective.lead(read, what=self.what, error_type=CheckpointCorruptError)
+        return self._manifest
+
+    def metadata(self) -> Any:
+        """``.metadata`` (its hash checked first with ``load.verify``) and the digest files, read and
+        checked by rank 0 (``CheckpointCorruptError`` on every rank)."""
+        path, manifest, verify = self.location, self._manifest, self.loader.config.load.verify
+        assert manifest is not None  # manifest() first
 
         def read_plan_inputs() -> tuple[Any, dict[str, BlockDigests] | None]:
-            if self.config.load.verify:  # every rank plans from .metadata: check it first
+            if verify:  # every rank plans from .metadata: check it first
                 for f in manifest.files:
                     if f.path == ".metadata":
-                        check_file(store, path, f.path, size_bytes=f.size_bytes, digest=f.hash)
-            metadata = checked_metadata(store, path, manifest)
-            return metadata, block_digests(store, path, manifest) if self.config.load.verify else None
+                        check_file(self.store, path, f.path, size_bytes=f.size_bytes, digest=f.hash)
+            metadata = checked_metadata(self.store, path, manifest)
+            return metadata, block_digests(self.store, path, manifest) if verify else None
 
-        # Rank 0 alone reads the manifest, .metadata and the digest files and hands them to every
-        # rank (one read per job, not one per rank); an error there raises on every rank, so all
-        # ranks fall back together.
-        what = f"reading {path}"
-        manifest = self.collective.lead(lambda: store.read_manifest(path), what=what, error_type=CheckpointCorruptError)
-        check_model_fits(manifest, path, self.model_specs, self.state.model_optim.ties)
-        metadata, blocks = self.collective.lead(read_plan_inputs, what=what, error_type=CheckpointCorruptError)
-        keys = set(metadata.state_dict_metadata)
-        with self.state.model_optim.load_context():
-            select = self.config.load.selection
-            target = self.collective.agree(
-                lambda: self.state.for_load(keys, manifest.world_size, select, metadata=metadata),
-                what=f"planning the load of {path}",
-            )
-            expected = {f.path: (f.size_bytes, f.hash) for f in manifest.files} if self.config.load.verify else None
-            self.events.emit("load", manifest.step, path=str(path))
-            streams = max(1, self.config.load.streams_per_node // self.local_world_size)
-            reader = store.dcp_reader(
-                path,
-                expected_files=expected,
-                fast=self.config.load.fast_reader,
-                thread_count=streams,
-                block_digests=blocks,
-            )
-            reader.use_metadata(metadata)  # parsed and checked above: not again
-            once = self.config.load.read_once  # "auto": across nodes only (a node shares its page cache)
-            if once is True or (once == "auto" and self.local_world_size < self.collective.world_size):
-                reader.share_over(self.collective.group)
-            run_load(target, reader, process_group=self.collective.group, directory=path)
-            train_state = self.collective.agree(
-                lambda: self.state.restore(target, saved_world_size=manifest.world_size),
-                what=f"restoring {path}",
-                error_type=IncompatibleCheckpointError,
-            )
-        return train_state, manifest
+        self._metadata, self.blocks = self.loader.collective.lead(
+            read_plan_inputs, what=self.what, error_type=CheckpointCorruptError
+        )
+        return self._metadata
+
+    def plan(self, target: dict[str, Any]) -> tuple[None, None]:
+        """Nothing to plan or share: every rank reads its own items from the store."""
+        return None, None
+
+    def reader(self, plan: None, shared: list[None]) -> Any:
+        """The store's DCP reader, verifying what it reads with ``load.verify``; shares its reads
+        across nodes with ``load.read_once``."""
+        loader, path, manifest = self.loader, self.location, self._manifest
+        config = loader.config.load
+        assert manifest is not None
+        expected = {f.path: (f.size_bytes, f.hash) for f in manifest.files} if config.verify else None
+        loader.events.emit("load", manifest.step, path=str(path))
+        streams = max(1, config.streams_per_node // loader.local_world_size)
+        reader = self.store.dcp_reader(
+            path, expected_files=expected, fast=config.fast_reader, thread_count=streams, block_digests=self.blocks
+        )
+        reader.use_metadata(self._metadata)  # parsed and checked above: not again
+        once = config.read_once  # "auto": across nodes only (a node shares its page cache)
+        if once is True or (once == "auto" and loader.local_world_size < loader.collective.world_size):
+            reader.share_over(loader.collective.group)
+        return reader
 
 
 def checked_metadata(store: CheckpointStore, path: str, manifest: Manifest) -> Any:

@@ -1,7 +1,7 @@
 """The memory tier: node-local snapshots every few steps, replicated to other nodes, restored at
 any world size before the durable root is read (docs/memory.md)."""
 
-from .recover import MemoryRestore, restore_from_memory
+from .source import MemoryRestore, MemorySource, choose_snapshot
 from .tier import MemoryTier, estimate_bytes
 
-__all__ = ["MemoryRestore", "MemoryTier", "estimate_bytes", "restore_from_memory"]
+__all__ = ["MemoryRestore", "MemorySource", "MemoryTier", "choose_snapshot", "estimate_bytes"]

@@ -36,13 +36,14 @@ from ..coord.topology import hardware_summary
 from ..engine import dcp_save
 from ..engine.blocking import describe_exception
 from ..errors import CheckpointSaveError
+from ..ondisk.layout import checkpoint_name
 from ..ondisk.manifest import Manifest, TensorSpec, model_fingerprint
 from ..state.training_state import TrainState
 from ..storage import CheckpointStore
 from .purge import Purger
 from .retention import KnownCheckpoints, best_steps, steps_to_delete
 
-__all__ = ["BackgroundSave", "PHASES", "PhaseHook", "RankOutcome", "SaveContext", "SaveTransaction"]
+__all__ = ["BackgroundSave", "PHASES", "PhaseHook", "RankOutcome", "Rollback", "SaveContext", "SaveTransaction"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,24 @@ class RankOutcome:
 
 
 @dataclasses.dataclass
+class Rollback:
+    """A rollback of the root to ``step``, pending until this run's first commit (rank 0): the root's
+    newer checkpoints are set aside then, so this run's steps and ``latest`` are its own.
+
+    Attributes:
+        step: the step the run resumed from; the root's checkpoints above it are set aside as
+            ``rolledback-step-M-<n>`` (kept, never loaded or deleted).
+        by_load_path: the rollback was asked for by ``load.path`` / ``load.step`` (this run's
+            checkpoints record them: said in the warning).
+        done: set by the commit that set them aside; later commits leave the root alone.
+    """
+
+    step: int
+    by_load_path: bool = False
+    done: bool = False
+
+
+@dataclasses.dataclass
 class SaveContext:
     """What every save of one manager shares (built once by the manager).
 
@@ -93,8 +112,6 @@ class SaveContext:
             saves (``incremental``, ``full_every``; :mod:`distckpt.storage.incremental`).
         write_timeout_s: deadline of one rank's blocking write phase (seconds;
             ``CheckpointConfig.coordination.effective_write_timeout_s``).
-        before_commit: rank 0, called after the manifest is built and before it is written
-            (the manager sets aside a rolled-back run's newer checkpoints there).
         purger: removes the files of checkpoints retention deleted, in the background (rank 0,
             POSIX); joined before the next retention, by ``BackgroundSave`` and the manager's ``wait``.
         initial_load: the run's initial-load options, recorded in every manifest (:mod:`distckpt.load.restart`).
@@ -111,7 +128,6 @@ class SaveContext:
     retention: RetentionConfig
     save: SaveConfig
     write_timeout_s: float
-    before_commit: Callable[[], None] | None = None
     purger: Purger = dataclasses.field(default_factory=Purger)
     initial_load: dict[str, Any] | None = None
     known: KnownCheckpoints = dataclasses.field(default_factory=KnownCheckpoints)
@@ -126,10 +142,22 @@ class SaveTransaction:
         save_id: unique per save (names the pending directory).
         train_state: counters and loss history to save (a snapshot: not mutated later).
         full: FULL model/optimizer state dict instead of SHARDED (recorded in the manifest).
+        rollback_from: a rollback whose newer checkpoints rank 0 sets aside before this commit,
+            unless done (``None``: none).
     """
 
-    def __init__(self, ctx: SaveContext, *, step: int, save_id: str, train_state: TrainState, full: bool) -> None:
+    def __init__(
+        self,
+        ctx: SaveContext,
+        *,
+        step: int,
+        save_id: str,
+        train_state: TrainState,
+        full: bool,
+        rollback_from: Rollback | None = None,
+    ) -> None:
         self.ctx, self.step, self.train_state, self.full = ctx, step, train_state, full
+        self.rollback_from = rollback_from
         self.store = ctx.store
         self.pending = self.store.pending_location(step, save_id)  # a location: a path or a URL
         self.final = self.store.final_location(step, self.pending)
@@ -318,8 +346,8 @@ class SaveTransaction:
             timings = dict(timings, commit=0.0)
             manifest = self._manifest(timings, files)
             manifest.timings_s["commit"] = time.perf_counter() - t0  # up to the manifest write
-            if self.ctx.before_commit is not None:
-                self.ctx.before_commit()
+            if self.rollback_from is not None and not self.rollback_from.done:
+                self._set_aside_newer(self.rollback_from)
             self.store.commit(self.pending, self.step, manifest, on_phase=self.phase)
         except Exception as e:  # noqa: BLE001 - broadcast to every rank
             return describe_exception(e)
@@ -328,6 +356,30 @@ class SaveTransaction:
         except OSError as e:  # a failed delete never fails the save that just committed
             logger.error("retention failed in %s: %s", self.store.root, e)
         return None
+
+    def _set_aside_newer(self, rollback: Rollback) -> None:
+        """Rank 0, before the first commit after a rollback: set the root's newer checkpoints aside."""
+        moved = [
+            f"{checkpoint_name(s)} -> {self.store.set_aside(s, 'rolledback')}"
+            for s, _ in self.store.existing()
+            if s > rollback.step
+        ]
+        self.store.repair_latest()
+        rollback.done = True
+        if moved:
+            again = (
+                "This run's checkpoints record load.path/load.step: a restart with the same config resumes "
+                "them, not the rollback."
+                if rollback.by_load_path
+                else ""
+            )
+            logger.warning(
+                "rollback to %s: set aside %d newer checkpoint(s), kept: %s. %s",
+                checkpoint_name(rollback.step),
+                len(moved),
+                ", ".join(moved),
+                again,
+            )
 
     def _apply_retention(self, manifest: Manifest) -> None:
         root = self.store.root

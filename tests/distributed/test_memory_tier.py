@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import distckpt.memory.tier as tier_module
 from distckpt import CheckpointConfig, CheckpointManager
-from distckpt.memory.restore import fetch_chunks, find_cut, inventory, memory_metadata, plan_fetch, verify
+from distckpt.memory.fetch import fetch_chunks, find_cut, inventory, memory_metadata, plan_fetch, verify
 from distckpt.memory.tier import estimate_bytes
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.trainer import build, full_optim, full_params, optimizer_step, release_workers

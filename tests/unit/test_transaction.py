@@ -19,7 +19,7 @@ from distckpt.errors import CheckpointSaveError
 from distckpt.ondisk.integrity import hash_file
 from distckpt.ondisk.layout import LATEST, MANIFEST, checkpoint_name
 from distckpt.ondisk.manifest import Manifest, TensorSpec, model_fingerprint
-from distckpt.save.transaction import PHASES, SaveContext, SaveTransaction
+from distckpt.save.transaction import PHASES, Rollback, SaveContext, SaveTransaction
 from distckpt.state.training_state import TrainState
 from distckpt.storage import open_store
 from distckpt.storage.commit import validate
@@ -51,7 +51,9 @@ def _ctx(root: Path, calls: list, keep_last: int | None = None) -> SaveContext:
 
 def _save(ctx: SaveContext, step: int, value: float = 1.0, **kw: Any) -> SaveTransaction:
     ts = TrainState(step=step, epoch=step // 10, global_samples_seen=8 * step, loss_history=[(step, 0.5 * step)])
-    tx = SaveTransaction(ctx, step=step, save_id=f"{step:04x}", train_state=ts, full=False)
+    tx = SaveTransaction(
+        ctx, step=step, save_id=f"{step:04x}", train_state=ts, full=False, rollback_from=kw.get("rollback_from")
+    )
     collective = Collective(None, timeout_s=30)
     state = {"model.w": torch.full((4, 3), value), "extra": torch.arange(5)}
     tx.finish(collective, tx.write(kw.get("build", lambda: state), collective))
@@ -141,3 +143,27 @@ def test_a_failed_commit_aborts_and_leaves_a_foreign_directory_alone(tmp_path: P
     assert os.listdir(foreign) == ["theirs.bin"]
     assert sorted(os.listdir(root)) == [LATEST, "step-000000010", "step-000000020"]  # staging removed
     assert (root / LATEST).read_text() == "step-000000010\n"
+
+
+def test_a_rollback_given_as_data_sets_the_newer_checkpoints_aside_at_the_first_commit_only(tmp_path, caplog) -> None:
+    """Rollback is data the transaction is given (issue 36): no callback into the manager."""
+    root, calls = tmp_path / "ckpt", []
+    ctx = _ctx(root, calls)
+    for step in (1, 2, 3, 4):
+        _save(ctx, step)
+    rollback = Rollback(2, by_load_path=True)
+    with caplog.at_level("WARNING", logger="distckpt"):
+        _save(ctx, 3, value=5.0, rollback_from=rollback)  # the rolled-back run's first commit
+    assert rollback.done
+    kept = sorted(n for n in os.listdir(root) if n.startswith("rolledback-"))
+    assert [n.rsplit("-", 1)[0] for n in kept] == ["rolledback-step-000000003", "rolledback-step-000000004"]
+    assert "set aside 2 newer checkpoint(s)" in caplog.text and "a restart with the same config" in caplog.text
+    _save(ctx, 4, value=6.0, rollback_from=rollback)  # later commits leave the root alone
+    names = sorted(n for n in os.listdir(root) if n.startswith("step-"))
+    assert (
+        names == [checkpoint_name(s) for s in (1, 2, 3, 4)]
+        and sorted(n for n in os.listdir(root) if n.startswith("rolledback-")) == kept
+    )
+    assert (root / LATEST).read_text() == "step-000000004\n"
+    old_3 = Manifest.read(str(root / kept[0]))
+    assert validate(str(root / checkpoint_name(3)), check_hashes=True).wall_time > old_3.wall_time  # this run's

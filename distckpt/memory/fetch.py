@@ -1,5 +1,7 @@
-"""The memory tier's read side: find the newest step whose every shard survives in some node's
-memory, and load it at any world size through DCP's planner (docs/memory.md, "How it works").
+"""Finding, verifying and moving the memory tier's snapshot chunks across ranks: the newest step
+whose every shard survives in some node's memory, and its chunks served to DCP at any world size
+(docs/memory.md, "How it works"). :mod:`distckpt.memory.source` drives these steps; the read into the
+training state is the one every load makes (:func:`~distckpt.load.read.read_checkpoint`).
 
 All collective, on every rank of the new job:
 
@@ -13,7 +15,7 @@ All collective, on every rank of the new job:
 4. **Move.** A chunk held on the rank's own node is read from there; any other is requested from a
    rank on a node that holds it and arrives over the process group (point-to-point sends), never
    through another node's file system.
-5. **Load.** ``dcp.load`` through :class:`MemoryReader`, which serves the chunks from memory.
+5. **Serve.** ``dcp.load`` reads through :class:`MemoryReader`, which serves the chunks from memory.
 """
 
 from __future__ import annotations
