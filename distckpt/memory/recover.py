@@ -84,7 +84,7 @@ def restore_from_memory(
     """
     t0 = time.perf_counter()
     rank = collective.rank
-    mine, headers = inventory(tier.dir, tier.layout, rank, run=tier.run)
+    mine, headers = inventory(tier.dir, tier.layout, rank, run=tier.launch_id)
     entries = [e for part in collective.all_gather(mine) for e in part]  # compact: no headers
     cut, why = find_cut(entries)
     corrupt = 0
