@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import uuid
 from typing import Any
 
 import torch
@@ -26,12 +25,12 @@ from .adapters import ddp_resume_not_bitwise, tensor_specs, wrapper_kind
 from .config import READ_ONLY_SAVE, CheckpointConfig
 from .coord.collective import Collective
 from .coord.events import EventLog
-from .coord.topology import check_shared_root, elastic_store_warning, local_world_size
+from .coord.topology import check_shared_root, elastic_store_warning, exchange_setup
 from .engine import AsyncWriter
-from .errors import CheckpointLockedError, ConfigError
+from .errors import ConfigError
 from .load.discovery import CheckpointDiscovery
 from .load.loading import CheckpointLoader
-from .load.resume import ProbeFn, ResumeExtras
+from .load.resume import ProbeFn, RunIdAndProbe
 from .memory import MemoryTier
 from .save.grace import SaveDurations, agree_on_signal
 from .save.preemption import PreemptionWatcher, StepVote
@@ -107,8 +106,7 @@ class CheckpointManager:
             world_size=self.world_size,
             elastic=config.elastic,
         )
-        self.extras = ResumeExtras(probe=probe, run_id=run_id, model=model, collective=self.collective, config=config)
-        self.train_state = TrainState(run_id=self.extras.run_id)
+        self.extras = RunIdAndProbe(probe=probe, run_id=run_id, model=model, collective=self.collective, config=config)
         self._explicit_counters: set[str] = set()  # passed by the caller: never derived
         self.schedule = SaveSchedule(config.schedule, collective=self.collective, store=self.store)
         self.wrapper = wrapper_kind(model)
@@ -134,34 +132,25 @@ class CheckpointManager:
                 write_timeout_s=coord.effective_write_timeout_s,
             )
         self.discovery = CheckpointDiscovery(self.store, config, rank=self.rank, locked=coord.lock and not read_only)
-        self.collective.agree(self.discovery.prepare_root, what="preparing the checkpoint root", error_type=ConfigError)
-        check_shared_root(self.collective, self.store, write=not read_only)  # node-local: ConfigError
         self.events = EventLog(coord.event_log, self.rank)
-        self.collective.agree(self.events.check_appendable, what="opening the event log", error_type=ConfigError)
         self.lock = RootLock.of(self.store, lease_s=coord.lock_lease_s, renew=True) if self.discovery.locked else None
-        if (lock := self.lock) is not None:
-            self.collective.agree(
-                lambda: lock.acquire() if self.rank == 0 else None,
-                what="locking the checkpoint root",
-                error_type=CheckpointLockedError,
+        try:  # one exchange (coord/topology.py); a restart loads without its initial-load options (restart.py)
+            estimate = MemoryTier.setup_estimate(config, model, optimizer, self.world_size)  # bytes; 0: no tier
+            self.config, self.setup = exchange_setup(
+                self.collective, self.store, self._prepare, write=not read_only, estimate=estimate, run_id=run_id
             )
-        try:  # a restart of this run loads without its initial-load options; its manifests record config's (restart.py)
-            self.config = self.discovery.config = self.extras.config = self.collective.broadcast(
-                self.collective.agree(
-                    self.discovery.check_existing,
-                    what="checking the root's existing checkpoints",
-                    error_type=ConfigError,
-                )
-            )
+            self.discovery.config = self.extras.config = self.config
+            check_shared_root(self.collective, self.store, self.setup, write=not read_only)  # node-local: ConfigError
         except Exception:
             if self.lock is not None and self.rank == 0:
                 self.lock.release()
             raise
+        self.extras.agreed(self.setup)
+        self.train_state = TrainState(run_id=self.extras.run_id)
         self.preemption = PreemptionWatcher(self.collective.group) if config.effective_preemption else None
         self.vote = StepVote(self.collective, self.preemption, self.schedule, timeout_s=coord.timeout_s)
         self.preempted = False
-        self._run_id = self.collective.broadcast(uuid.uuid4().hex[:8])
-        self.local_world_size = local_world_size(self.collective)  # ranks sharing this node's disk
+        self.local_world_size = self.setup.local_world_size  # ranks sharing this node's disk
         self._save_count = 0
         self._rollback: Rollback | None = None  # rank 0: newer checkpoints set aside at the next commit
         self._save_ctx = SaveContext(
@@ -177,7 +166,7 @@ class CheckpointManager:
             initial_load=config.initial_load,
             write_timeout_s=coord.effective_write_timeout_s,
         )
-        self.memory = MemoryTier.create(self.config, self.collective, model, optimizer, self.wrapper, read_only)
+        self.memory = MemoryTier.create(self.config, self.collective, self.setup, model, optimizer, self.wrapper)
         self.state.guard.add(self.memory and self.memory.wait_copied, self.async_writer and self.wait_staged)
         self.loader = CheckpointLoader(
             collective=self.collective,
@@ -189,6 +178,14 @@ class CheckpointManager:
             store=self.store,
             memory=self.memory,
         )
+
+    def _prepare(self) -> CheckpointConfig:
+        """The setup exchange's local part (rank 0: the root, its lock, the config this start runs with)."""
+        self.discovery.prepare_root()
+        self.events.check_appendable()
+        if self.lock is not None and self.rank == 0:
+            self.lock.acquire()
+        return self.discovery.check_existing()
 
     @property
     def extra_state(self) -> dict[str, Any]:
@@ -351,13 +348,13 @@ class CheckpointManager:
         if loss is not None or counters or metrics or step != self.train_state.step:
             self._record(step, loss, counters or {}, metrics)
         self.wait()  # at most one save in flight
-        self._save_count += 1  # save id: a run id agreed at construction + a counter, no collective
+        self._save_count += 1
+        save_id = f"{self.setup.start_id[:8]}{self._save_count:04x}"  # the start id + a counter: no collective
         self.state.derive_counters(self.train_state, explicit=self._explicit_counters)
         self.extras.before_save(self.train_state)  # run id, probe loss (a forward on every rank)
         snapshot = dataclasses.replace(self.train_state, loss_history=list(self.train_state.loss_history))
         snapshot.interval = self.schedule.snapshot(kind)  # interval_steps: auto: recorded in the manifest
         full = full or self.config.save.state_dict_type == "full"
-        save_id = f"{self._run_id}{self._save_count:04x}"
         tx = SaveTransaction(
             self._save_ctx, step=step, save_id=save_id, train_state=snapshot, full=full, rollback_from=self._rollback
         )

@@ -1,32 +1,39 @@
 """Facts about the job's nodes, from the launcher and the file system rather than guesses.
 
-* Ranks per node: torchrun (and most launchers) export ``LOCAL_WORLD_SIZE``; only without it
-  are ranks counted by host name (which is wrong when several agents share a host, as in
-  ``launch/elastic_demo.py``, or when containers on one host report one name).
+* A node: ``$DISTCKPT_NODE_ID`` when the launcher sets it, else the host name (:func:`node_id`), the
+  one definition behind ranks per node, the memory tier's placement and the messages naming nodes.
+  Set it when several agents share a host (``launch/elastic_demo.py``) or containers on one host
+  report one host name.
+* The setup exchange: what the ranks learn of each other at the manager's construction (nodes, the
+  start id, memory-tier estimates) comes from one ``all_gather`` (:func:`exchange_setup`).
 * A shared root: every rank reads and writes ``<root>`` directly, so it must be the same
-  storage on every node. Rank 0 writes a token file there at construction; a rank that does
-  not see it (node-local disks mounted at the same path) makes every rank raise ``ConfigError``.
+  storage on every node. Rank 0 writes a token file there before the setup exchange; a rank that
+  does not see it after (node-local disks mounted at the same path) makes every rank raise ``ConfigError``.
 * An elastic torchrun whose agents share their rendezvous store with the workers dies when a
   node joins (torch 2.13): said at construction, with the fix (:func:`elastic_store_warning`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import socket
 import uuid
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DistCkptError
 from .collective import Collective
 
 __all__ = [
+    "NODE_ENV",
     "PROBE_PREFIX",
-    "local_world_size",
+    "JobSetup",
+    "node_id",
+    "exchange_setup",
     "check_shared_root",
     "elastic_store_warning",
     "agent_nnodes",
@@ -34,57 +41,148 @@ __all__ = [
 ]
 
 PROBE_PREFIX = ".shared-probe-"
+T = TypeVar("T")
 
 
-def local_world_size(collective: Collective) -> int:
-    """Ranks on this rank's node: ``$LOCAL_WORLD_SIZE`` when set (a positive integer), else the
-    ranks whose host name equals this one's. Collective (all ranks call it)."""
-    hosts = collective.all_gather(socket.gethostname())
-    value = os.environ.get("LOCAL_WORLD_SIZE", "")
-    if value.isdigit() and int(value) > 0:
-        return int(value)
-    return hosts.count(hosts[collective.rank])
+NODE_ENV = "DISTCKPT_NODE_ID"
 
 
-def check_shared_root(collective: Collective, store: Any, *, write: bool = True) -> None:
-    """Check that every rank sees the files rank 0 writes in the root of ``store``. Collective.
+def node_id() -> str:
+    """This process's node: ``$DISTCKPT_NODE_ID``, else the host name. Never torchrun's
+    ``GROUP_RANK`` (renumbered at every rendezvous) nor ``LOCAL_WORLD_SIZE`` (a count, not an identity)."""
+    return os.environ.get(NODE_ENV) or socket.gethostname()
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSetup:
+    """What every rank knows of the others after :func:`exchange_setup` (the same on every rank
+    but ``rank``).
+
+    Attributes:
+        rank: this rank, in the collective's group.
+        nodes: each rank's :func:`node_id`, indexed by rank.
+        estimates: each rank's memory-tier snapshot estimate (bytes; 0 without the tier).
+        start_id: rank 0's random 32-hex id of this start of the job's workers (one manager's life):
+            save ids, the memory tier's generation and the default tracker run id derive from it.
+        probe_error: why rank 0 could not write the shared-root token file, or ``None``.
+        run_id: the tracker run id rank 0 passed to the manager, or ``None``.
+    """
+
+    rank: int
+    nodes: tuple[str, ...]
+    estimates: tuple[int, ...]
+    start_id: str
+    probe_error: str | None = None
+    run_id: str | None = None
+
+    @property
+    def node(self) -> str:
+        """This rank's node id."""
+        return self.nodes[self.rank]
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks on this rank's node (they share its disk and its ``load.streams_per_node``)."""
+        return self.nodes.count(self.node)
+
+
+def _probes(collective: Collective, store: Any, write: bool) -> bool:
+    """Whether the shared-root check runs: several ranks writing into a store that is not shared by construction."""
+    return write and collective.enabled and collective.world_size > 1 and not store.shared
+
+
+def exchange_setup(
+    collective: Collective,
+    store: Any,
+    prepare: Callable[[], T],
+    *,
+    what: str = "preparing the checkpoint root",
+    error_type: type[DistCkptError] = ConfigError,
+    write: bool = True,
+    estimate: int = 0,
+    run_id: str | None = None,
+) -> tuple[T, JobSetup]:
+    """The manager's setup in one exchange: every rank runs ``prepare()`` (rank 0 prepares the root),
+    rank 0 then writes the shared-root token file that :func:`check_shared_root` looks for, and one
+    ``all_gather`` (:meth:`~distckpt.coord.collective.Collective.agree_and_share`) carries each
+    rank's outcome and a small record: node id, memory-tier ``estimate`` (bytes), the tracker
+    ``run_id`` passed to the manager, a random id and rank 0's result. Rank 0's random id, run id
+    and result are taken. Collective (all ranks call it).
+
+    Returns:
+        ``(rank 0's prepare() result, JobSetup)``, the same on every rank.
+
+    Raises:
+        DistCkptError: ``prepare`` raised on some rank: on every rank, as ``agree`` raises (a
+            ``DistCkptError`` keeps its type, anything else becomes ``error_type``); rank 0's token
+            file is removed first.
+    """
+    start_id, probe, probe_error = uuid.uuid4().hex, None, None
+
+    def local() -> T:
+        nonlocal probe, probe_error
+        result = prepare()
+        if collective.rank == 0 and _probes(collective, store, write):
+            probe = Path(store.root) / f"{PROBE_PREFIX}{start_id}"
+            try:
+                probe.write_text(start_id)
+            except OSError as e:  # raised on every rank by check_shared_root: the others wait in the gather
+                probe_error = f"rank 0 cannot write {probe}: {e}"
+        return result
+
+    def record(result: T) -> tuple:
+        return node_id(), estimate, start_id, probe_error, run_id, result if collective.rank == 0 else None
+
+    try:
+        _, records = collective.agree_and_share(local, record, what=what, error_type=error_type)
+    except BaseException:
+        if probe is not None:
+            probe.unlink(missing_ok=True)
+        raise
+    setup = JobSetup(
+        rank=collective.rank,
+        nodes=tuple(r[0] for r in records),
+        estimates=tuple(r[1] for r in records),
+        start_id=records[0][2],
+        probe_error=records[0][3],
+        run_id=records[0][4],
+    )
+    return records[0][5], setup
+
+
+def check_shared_root(collective: Collective, store: Any, setup: JobSetup, *, write: bool = True) -> None:
+    """Check that every rank sees the token file rank 0 wrote in the root of ``store`` before
+    :func:`exchange_setup` (which returned ``setup``). Collective: one ``all_gather`` of a flag.
 
     Args:
         store: the root's ``CheckpointStore``; one whose storage is the same for every node by
             construction (``store.shared``: object storage) needs no check.
         write: whether the manager writes to ``root``; ``False`` (``save.enabled: false``): no check, and
-            no token file (each node may read its own copy of a snapshot).
+            no token file (each node may read its own copy of a snapshot). As passed to :func:`exchange_setup`.
 
     Raises:
-        ConfigError: on every rank, naming the ranks and hosts that do not see rank 0's token.
+        ConfigError: on every rank, naming the ranks and nodes that do not see rank 0's token, or
+            rank 0's failure to write it.
     """
-    if not write or not collective.enabled or collective.world_size == 1 or store.shared:
+    if not _probes(collective, store, write):
         return
     root = Path(store.root)
-    token = collective.broadcast(uuid.uuid4().hex if collective.rank == 0 else "")  # rank 0's on every rank
-    probe = root / f"{PROBE_PREFIX}{token}"
-    write_error = None
-    if collective.rank == 0:
-        try:
-            probe.write_text(token)
-        except OSError as e:  # raised on every rank below, not here: the others wait in the barrier
-            write_error = f"rank 0 cannot write {probe}: {e}"
-    collective.barrier()
+    probe = root / f"{PROBE_PREFIX}{setup.start_id}"
+    if setup.probe_error is not None:  # every rank knows it from the exchange: no collective
+        raise ConfigError(f"CheckpointConfig.root={str(root)!r}: {setup.probe_error}")
     try:
-        seen = probe.read_text() == token
+        seen = probe.read_text() == setup.start_id
     except OSError:
         seen = False
-    views = collective.all_gather((seen, socket.gethostname(), write_error))
+    views = collective.all_gather(seen)
     if collective.rank == 0:
         probe.unlink(missing_ok=True)
-    if views[0][2] is not None:
-        raise ConfigError(f"CheckpointConfig.root={str(root)!r}: {views[0][2]}")
-    blind = {r: host for r, (ok, host, _) in enumerate(views) if not ok}
+    blind = {r: setup.nodes[r] for r, ok in enumerate(views) if not ok}
     if blind:
         raise ConfigError(
             f"CheckpointConfig.root={str(root)!r} is not the same storage on every node: rank(s) "
-            + ", ".join(f"{r} (host {h})" for r, h in blind.items())
-            + f" do not see the file {probe.name} that rank 0 (host {views[0][1]}) wrote there. Every rank "
+            + ", ".join(f"{r} (node {n})" for r, n in blind.items())
+            + f" do not see the file {probe.name} that rank 0 (node {setup.nodes[0]}) wrote there. Every rank "
             "writes its shards into the root and rank 0 commits them: use a shared file system (NFS, "
             "Lustre, GPFS, a mounted bucket) at the same path on every node, not a node-local disk."
         )

@@ -1,9 +1,10 @@
 """What a manager adds to every save and checks after every load beyond the training state
 itself: the experiment tracker's run id and the loss probe (docs/resume.md, "Resume options").
 
-* ``run_id``: the one the user passes to ``CheckpointManager(run_id=...)``; else the loaded
-  checkpoint's; else one generated at construction (rank 0's, broadcast). It is saved in every
-  checkpoint (``train_state`` and the manifest) and returned by ``load()``, so a resumed job
+* ``run_id`` (the experiment tracker's run id; the only meaning of "run id" in distckpt): the one
+  the user passes to ``CheckpointManager(run_id=...)`` (rank 0's); else the loaded checkpoint's;
+  else 16 hex of the start id of the setup exchange (:func:`~distckpt.coord.topology.exchange_setup`).
+  It is saved in every checkpoint (``train_state`` and the manifest) and returned by ``load()``, so a resumed job
   logs to the same tracker run.
 * The probe: measured on every rank before each save (rank 0's value is recorded in the
   manifest), measured again after ``load()`` and compared with ``load.probe_tolerance``; a mismatch
@@ -13,24 +14,24 @@ itself: the experiment tracker's run id and the loss probe (docs/resume.md, "Res
 from __future__ import annotations
 
 import logging
-import uuid
 
 from torch import nn
 
 from ..config import CheckpointConfig
 from ..coord.collective import Collective
+from ..coord.topology import JobSetup
 from ..errors import ConfigError, IncompatibleCheckpointError
 from ..ondisk.manifest import Manifest
 from ..state.training_state import TrainState
 from .probe import ProbeFn, relative_difference, run_probe
 
-__all__ = ["ProbeFn", "ResumeExtras"]
+__all__ = ["ProbeFn", "RunIdAndProbe"]
 
 logger = logging.getLogger(__name__)
 
 
-class ResumeExtras:
-    """Run id and loss probe of one manager. Every method is collective.
+class RunIdAndProbe:
+    """The tracker run id and the loss probe of one manager. Every method but :meth:`agreed` is collective.
 
     Args:
         probe: ``probe(model) -> loss``, or ``None``.
@@ -56,7 +57,11 @@ class ResumeExtras:
             )
         self.probe, self.model, self.collective, self.config = probe, model, collective, config
         self.explicit_run_id = run_id is not None
-        self.run_id: str = collective.broadcast(run_id or uuid.uuid4().hex[:16])
+        self.run_id: str = run_id or ""  # agreed() sets rank 0's
+
+    def agreed(self, setup: JobSetup) -> None:
+        """Take the run id from the setup exchange: rank 0's passed one, else 16 hex of the start id."""
+        self.run_id = setup.run_id or setup.start_id[16:]
 
     def measure(self) -> float | None:
         """The probe's loss (rank 0's, on every rank), or ``None`` without a probe."""

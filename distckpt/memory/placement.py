@@ -1,8 +1,8 @@
 """Where the memory tier keeps what: node identity, the memory directory, replica peers, and which
 rank stores each replicated tensor (docs/memory.md, "How it works").
 
-Node identity comes from ``$DISTCKPT_NODE_ID`` when the launcher sets it, else the host name,
-never from torchrun's ``GROUP_RANK`` (it renumbers the nodes at every rendezvous). Replicas follow
+Node identity is distckpt's one definition (:func:`distckpt.coord.topology.node_id`:
+``$DISTCKPT_NODE_ID`` when the launcher sets it, else the host name). Replicas follow
 a ring over the nodes, as nvidia-resiliency-ext's local checkpoints replicate across nodes: the
 ``k``-th copy of a rank's snapshot goes to the rank of the same local index ``k`` nodes further
 along (the nodes ordered by their lowest rank).
@@ -14,20 +14,23 @@ import hashlib
 import heapq
 import os
 import re
-import socket
 
-__all__ = ["NodeLayout", "assign_replicated", "file_system_type", "job_key", "memory_dir", "node_id", "run_id"]
+from ..coord.topology import NODE_ENV, node_id
 
-NODE_ENV = "DISTCKPT_NODE_ID"
+__all__ = [
+    "NODE_ENV",
+    "NodeLayout",
+    "assign_replicated",
+    "file_system_type",
+    "job_key",
+    "launch_id",
+    "memory_dir",
+    "node_id",
+]
 
 
-def node_id() -> str:
-    """This process's node: ``$DISTCKPT_NODE_ID``, else the host name."""
-    return os.environ.get(NODE_ENV) or socket.gethostname()
-
-
-def run_id() -> str:
-    """The launcher's run id, ``$TORCHELASTIC_RUN_ID`` (torchrun's ``--rdzv-id``; a fresh uuid per
+def launch_id() -> str:
+    """The launch id: torchrun's ``$TORCHELASTIC_RUN_ID`` (its ``--rdzv-id``; a fresh uuid per
     ``--standalone`` launch), empty without one. It stays the same across the worker restarts and
     membership changes of one launch: a snapshot is restored only into the launch that wrote it."""
     return os.environ.get("TORCHELASTIC_RUN_ID", "")

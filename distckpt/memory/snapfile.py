@@ -5,7 +5,7 @@ A snapshot file holds the items of one rank's DCP save plan for one step::
     [preamble: 64 bytes][item data, each item 64-byte aligned][header: JSON]
 
 The preamble is ``magic, header offset, header length, xxh3-64 of the header``; the header
-names the job, the generation (one run of the workers), step, rank, world size, the xxh3-64 of
+names the job, the generation (one start of the workers), step, rank, world size, the xxh3-64 of
 the data region and each item (DCP fqn, kind, chunk offsets and sizes, global size, dtype, byte
 offset, length). A file is written under a ``.partial`` name and renamed to its final name
 (:func:`snapshot_name`) only after the header and its hashes: the rename is the mark of a
@@ -72,14 +72,15 @@ class SnapshotHeader:
     """What a snapshot file says about itself.
 
     Attributes:
-        job, gen: the job's key (from the root) and the generation of workers that wrote it.
+        job, gen: the job's key (from the root) and the generation of workers that wrote it (the first
+            12 hex of the manager's start id, :class:`~distckpt.coord.topology.JobSetup`).
         step, rank, world_size: of the training job at the snapshot.
         wrapper: the model's wrapper kind (``ddp``, ``fsdp2``, ...).
         data_bytes: length of the data region (bytes, from offset :data:`PREAMBLE`).
         data_hash: xxh3-64 of the data region, hex.
         items: ``[fqn, kind ("tensor" | "shard" | "bytes"), chunk offsets, chunk sizes, global
             size, dtype name, byte offset, length]`` per item (offsets/sizes ``None`` for bytes).
-        run: the launcher's run id (``$TORCHELASTIC_RUN_ID``; empty without one).
+        run: the launch id (``$TORCHELASTIC_RUN_ID``, torchrun's ``--rdzv-id``; empty without one).
     """
 
     job: str

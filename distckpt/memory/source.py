@@ -69,7 +69,7 @@ def choose_snapshot(tier: MemoryTier, collective: Collective, *, durable_step: i
         older one: logged on rank 0 with its reason).
     """
     rank = collective.rank
-    mine, headers = inventory(tier.dir, tier.layout, rank, run=tier.run)
+    mine, headers = inventory(tier.dir, tier.layout, rank, run=tier.launch_id)
     entries = [e for part in collective.all_gather(mine) for e in part]  # compact: no headers
     cut, why = find_cut(entries)
     corrupt = 0

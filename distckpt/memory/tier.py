@@ -22,7 +22,6 @@ import os
 import shutil
 import threading
 import time
-import uuid
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -35,11 +34,12 @@ from torch.distributed.tensor import DTensor
 
 from ..config import CheckpointConfig
 from ..coord.collective import Collective
+from ..coord.topology import JobSetup
 from ..errors import CheckpointCorruptError, ConfigError
 from ..state.guard import deferrable
 from ..state.training_state import CheckpointState, TrainState
 from .cleanup import job_dirs, reclaim_dir, remove_if_empty
-from .placement import NodeLayout, assign_replicated, file_system_type, memory_dir, node_id, run_id
+from .placement import NodeLayout, assign_replicated, file_system_type, launch_id, memory_dir
 from .snapfile import ALIGN, PREAMBLE, SlotFile, SnapshotHeader, data_hash, read_header, snapshot_name
 
 __all__ = ["MemoryTier", "estimate_bytes"]
@@ -84,8 +84,9 @@ class MemoryTier:
 
     Args:
         config: ``memory`` (``interval_steps``, ``replicas``, ``dir``) and ``root`` (the job's key).
-        collective: the manager's process-group helper (node ids, the generation id, checks).
-        estimate: :func:`estimate_bytes` of this rank (bytes), for the capacity check.
+        collective: the manager's process-group helper (the capacity check, the replication group).
+        setup: the manager's setup exchange (:func:`~distckpt.coord.topology.exchange_setup`): every rank's
+            node and :func:`estimate_bytes` (bytes, for the capacity check), and the start id (the generation).
         wrapper: the model's wrapper kind, recorded in each snapshot.
 
     Raises:
@@ -93,19 +94,17 @@ class MemoryTier:
             system cannot hold two snapshots of the node's ranks plus their replicas (the sizes named).
     """
 
-    def __init__(self, config: CheckpointConfig, collective: Collective, *, estimate: int, wrapper: str) -> None:
+    def __init__(self, config: CheckpointConfig, collective: Collective, *, setup: JobSetup, wrapper: str) -> None:
         self.config, self.collective, self.wrapper = config.memory, collective, wrapper
         self.rank, self.world_size = collective.rank, collective.world_size
-        self.node = node_id()
-        # One exchange at start-up: every rank's node and estimate, and rank 0's generation id.
-        gathered = collective.all_gather((self.node, estimate, uuid.uuid4().hex[:12]))
-        self.layout = NodeLayout(tuple(node for node, _, _ in gathered))
-        estimates = [e for _, e, _ in gathered]
-        self.gen = gathered[0][2]  # this run of the workers
+        self.node = setup.node
+        self.layout = NodeLayout(setup.nodes)  # from the manager's setup exchange: no collective of its own
+        estimates = list(setup.estimates)
+        self.gen = setup.start_id[:12]  # this start of the workers
         self.root = config.root
         self.dir = memory_dir(self.config.dir, self.node, config.root)
         self.job = os.path.basename(self.dir)
-        self.run = run_id()
+        self.launch_id = launch_id()
         self.targets = self.layout.targets(self.rank, self.config.replicas)
         self.sources = self.layout.sources(self.rank, self.config.replicas)
         collective.agree(
@@ -168,22 +167,33 @@ class MemoryTier:
                 "a larger tmpfs, lower memory.replicas, or set memory.enabled: false"
             )
 
+    @staticmethod
+    def wanted(config: CheckpointConfig) -> bool:
+        """Whether ``config`` runs the memory tier: ``memory.enabled`` and not ``load.read_only``."""
+        return config.memory.enabled and not config.load.read_only
+
+    @classmethod
+    def setup_estimate(
+        cls, config: CheckpointConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, world_size: int
+    ) -> int:
+        """This rank's part of the setup exchange: :func:`estimate_bytes` when the tier runs, else 0.
+        Collective (FSDP1) when the tier runs."""
+        return estimate_bytes(model, optimizer, world_size) if cls.wanted(config) else 0
+
     @classmethod
     def create(
         cls,
         config: CheckpointConfig,
         collective: Collective,
+        setup: JobSetup,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
         wrapper: str,
-        read_only: bool,
     ) -> MemoryTier | None:
-        """The tier ``config.memory`` asks for (``None`` when disabled or ``read_only``). Collective."""
-        if not config.memory.enabled or read_only:
+        """The tier ``config.memory`` asks for (``None`` when disabled or ``load.read_only``). Collective."""
+        if not cls.wanted(config):
             return None
-        tier = cls(
-            config, collective, estimate=estimate_bytes(model, optimizer, collective.world_size), wrapper=wrapper
-        )
+        tier = cls(config, collective, setup=setup, wrapper=wrapper)
         tier.protected = lambda: deferrable(model, optimizer)
         return tier
 
@@ -292,7 +302,16 @@ class MemoryTier:
             elif nbytes:
                 _copy_tensors(slot, [(value, at, nbytes)], None)
         header = SnapshotHeader(
-            self.job, self.gen, step, self.rank, self.world_size, self.wrapper, offset - PREAMBLE, "", rows, self.run
+            self.job,
+            self.gen,
+            step,
+            self.rank,
+            self.world_size,
+            self.wrapper,
+            offset - PREAMBLE,
+            "",
+            rows,
+            self.launch_id,
         )
         return header, deferred
 

@@ -361,10 +361,9 @@ class SaveTransaction:
         """Rank 0, before the first commit after a rollback: set the root's newer checkpoints aside."""
         moved = [
             f"{checkpoint_name(s)} -> {self.store.set_aside(s, 'rolledback')}"
-            for s, _ in self.store.existing()
+            for s in self.store.committed_steps()
             if s > rollback.step
-        ]
-        self.store.repair_latest()
+        ]  # set_aside leaves `latest` naming a committed checkpoint
         rollback.done = True
         if moved:
             again = (

@@ -204,8 +204,8 @@ class CheckpointState:
         self.grad_scaler = grad_scaler
         self.data = DataLoaderState(dataloader, rank=rank) if dataloader is not None else None
         self.extra_state = dict(extra_state or {})
-        self.rank = rank
-        self.world_size = world_size
+        self.rank, self.world_size = rank, world_size
+        self.imported: dict[str, Any] | None = None  # distckpt import's source: saved as WEIGHTS_ONLY_KEY
         elastic = elastic if elastic is not None else ElasticConfig()
         self.seed, self.batch_policy, self.step_rule = elastic.seed, elastic.batch_policy, elastic.step_rule
         self.weights_only = False  # set by for_load: an imported checkpoint (model weights only)
@@ -227,6 +227,8 @@ class CheckpointState:
         sd.update(self._global_parts(for_load=False, select=frozenset(LOADABLE)))
         if self.rank == 0:
             sd["train_state"] = pack(train_state.to_saved(), check=False)  # numbers and strings (record())
+            if self.imported is not None:  # weights only: a load restores the model alone
+                sd[WEIGHTS_ONLY_KEY] = pack(self.imported, check=False)
             if self.data is not None:
                 sd["data"] = pack(self.data.global_state(), "dataloader")
         own = {"rng": pack(capture_rng(), check=False)}

@@ -2,7 +2,8 @@
 tensors, and import a weights file (or a plain DCP directory's model weights) as a committed
 step-0 checkpoint.
 
-Both run in one process with no process group. Export reads a batch of items at a time
+Both run in one process. The import is a one-rank save through :class:`~distckpt.CheckpointManager`
+(committed exactly as a training save). Export needs no process group; it reads a batch of items at a time
 (:class:`~distckpt.tools.reader.CheckpointReader`) and streams them into the output file
 (:mod:`distckpt.tools.single_file`), so peak memory is about one batch of tensors plus one cast
 copy, not the checkpoint.
@@ -10,23 +11,24 @@ copy, not the checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import time
-import uuid
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
 import torch
+import torch.distributed as dist
 
-from ..errors import CheckpointNotFoundError
+from ..config import CheckpointConfig
+from ..errors import CheckpointNotFoundError, ConfigError
+from ..manager import CheckpointManager
 from ..ondisk.layout import refuse_output_in_checkpoint, refuse_url_output
-from ..ondisk.manifest import Manifest, TensorSpec, model_fingerprint
-from ..state.training_state import WEIGHTS_ONLY_KEY
-from ..storage import CheckpointStore, open_store
+from ..state.rng import capture_rng, derive_rng, restore_rng
+from ..storage import CheckpointStore
 from ..storage.claims import refuse_or_archive
 from .reader import CheckpointReader
 from .single_file import SafetensorsWriter, TorchZipWriter
@@ -389,9 +391,9 @@ def import_weights(
     """
     if on_existing not in ("refuse", "archive"):
         raise ValueError(f"on_existing={on_existing!r}: expected 'refuse' or 'archive'")
-    store = open_store(root, endpoint_url=endpoint_url, region=region)
+    config = CheckpointConfig(root=os.fspath(root), storage={"s3_endpoint_url": endpoint_url, "s3_region": region})
 
-    def refuse_or_archive_existing() -> None:  # under the root's lock
+    def refuse_or_archive_existing(store: CheckpointStore) -> None:  # under the root's lock
         refuse_or_archive(
             store,
             on_existing=on_existing,
@@ -405,91 +407,83 @@ def import_weights(
                 f"{store.location_of(step)} already exists; import into another root or pick another step"
             )
 
-    return import_into(store, weights_path, step=step, before_write=refuse_or_archive_existing)
+    return import_into(config, weights_path, step=step, before_write=refuse_or_archive_existing)
 
 
 def import_into(
-    store: CheckpointStore, weights_path: str | os.PathLike, *, step: int, before_write: Callable[[], None]
+    config: CheckpointConfig,
+    weights_path: str | os.PathLike,
+    *,
+    step: int,
+    before_write: Callable[[CheckpointStore], None],
 ) -> str:
-    """:func:`import_weights` into any store's root,
-    written in this process (``dcp.save``, no process group); returns the committed checkpoint's
-    location. ``before_write`` runs holding the root's lock, before anything is written: the
-    store's refuse-or-archive of the checkpoints the root holds.
+    """:func:`import_weights` into ``config.root`` (and its ``storage`` settings) as a one-rank
+    training save: a :class:`~distckpt.CheckpointManager` over a module holding the weights (each
+    a buffer at its name) saves ``step``, staged, written and committed as every save is
+    (:class:`~distckpt.save.transaction.SaveTransaction`). Without an initialised
+    ``torch.distributed`` a gloo process group of world size 1 is created for the call (and
+    destroyed after). ``before_write(store)`` runs holding the root's lock, before anything is
+    written: the refuse-or-archive of the checkpoints the root holds.
+
+    Returns:
+        The committed checkpoint's location (a directory path, or an S3 data-prefix URL).
 
     Raises:
         CheckpointNotFoundError, ValueError: as :func:`load_weights`.
         CheckpointLockedError: another job writes this root.
-        OSError, FileExistsError, ConfigError: from the write, the commit or ``before_write``;
-            nothing is committed and the pending location is removed.
+        ConfigError: ``torch.distributed`` is initialised with more than one rank (import from a
+            process of its own), or from the manager's construction or ``before_write``.
+        OSError, FileExistsError: from ``before_write``.
+        CheckpointSaveError: the save failed; nothing is committed and the pending location is removed.
     """
-    import torch.distributed.checkpoint as dcp
-
-    from .._version import __version__
-    from ..state.training_state import TrainState, pack
-    from ..storage.lock import RootLock
-
     t0 = time.perf_counter()
     weights = load_weights(weights_path)
-    store.prepare()
-    lock = RootLock.of(store)
-    lock.acquire()
-    pending = store.pending_location(step, uuid.uuid4().hex[:12])
-    try:
-        before_write()
-        state = {
-            "model": weights,
-            "train_state": pack(TrainState(step=step).to_saved()),
-            "rank_state": {"rank0": {"rng": pack(_derived_rng_state(step))}},
-            WEIGHTS_ONLY_KEY: pack(
-                {
-                    "source": str(Path(weights_path).resolve()),
-                    "size_bytes": Path(weights_path).stat().st_size,
-                    "time": time.time(),
-                }
-            ),
-        }
-        store.begin_write(pending)
-        writer = store.dcp_writer(pending, thread_count=1, write_timeout_s=None)
-        t_write = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-            dcp.save(state, storage_writer=writer, no_dist=True)
-        t_write = time.perf_counter() - t_write
-        specs = {k: TensorSpec(shape=list(v.shape), dtype=str(v.dtype)) for k, v in sorted(weights.items())}
-        files = store.list_files(pending, dict(writer.fs.written))
-        manifest = Manifest(
-            step=step,
-            wall_time=time.time(),
-            world_size=1,
-            wrapper="plain",
-            state_dict_type="full",
-            torch_version=torch.__version__,
-            distckpt_version=__version__,
-            model=specs,
-            model_fingerprint=model_fingerprint(specs),
-            timings_s={"stage": 0.0, "write": t_write, "commit": time.perf_counter() - t0 - t_write},
-            files=files,
+    source = {"source": str(Path(weights_path).resolve()), "size_bytes": Path(weights_path).stat().st_size}
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        raise ConfigError(
+            f"import of {weights_path}: torch.distributed is initialised with {dist.get_world_size()} ranks; "
+            "an import is one process's save: run it in a process of its own (`distckpt import`)"
         )
-        location = store.commit(pending, step, manifest)
-    except BaseException:
-        store.abort(pending)
-        raise
+    config = dataclasses.replace(
+        config,
+        save=dataclasses.replace(config.save, state_dict_type="full"),
+        async_save=dataclasses.replace(config.async_save, mode="off"),
+        preemption=dataclasses.replace(config.preemption, enabled=False),
+        coordination=dataclasses.replace(config.coordination, lock=True),  # before_write archives under it
+        memory=dataclasses.replace(config.memory, enabled=False),
+    )
+    try:
+        with CheckpointManager(config, model=_module_holding(weights), optimizer=None) as manager:
+            before_write(manager.store)
+            manager.state.imported = {**source, "time": time.time()}  # the WEIGHTS_ONLY_KEY item
+            saved = capture_rng(every_device=True)
+            try:
+                derive_rng(0, 0, step)  # what the loading ranks derive for rank 0 (seed 0)
+                location = manager.save(step)
+            finally:
+                restore_rng(saved)
+            manager.close()
     finally:
-        lock.release()
+        if created:
+            dist.destroy_process_group()
     logger.info(
         "imported %s as %s (%d tensors) in %.2f s", weights_path, location, len(weights), time.perf_counter() - t0
     )
     return location
 
 
-def _derived_rng_state(step: int) -> dict[str, Any]:
-    """The RNG state :func:`distckpt.state.rng.derive_rng` gives rank 0 with seed 0, without
-    changing this process's RNG."""
-    from ..state.rng import capture_rng, derive_rng, restore_rng
-
-    saved = capture_rng(every_device=True)
-    try:
-        derive_rng(0, 0, step)
-        return capture_rng()
-    finally:
-        restore_rng(saved)
+def _module_holding(weights: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose ``state_dict()`` is ``weights``: each tensor a buffer at its dotted name."""
+    root = torch.nn.Module()
+    for name, tensor in weights.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if part not in dict(module.named_children()):
+                module.add_module(part, torch.nn.Module())
+            module = module.get_submodule(part)
+        module.register_buffer(leaf, tensor)
+    return root

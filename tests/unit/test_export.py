@@ -3,15 +3,19 @@ in one process without a process group; resharded checkpoints come from 2 gloo r
 
 from __future__ import annotations
 
+import os
 import zipfile
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager, ScheduleConfig
 from distckpt.errors import CheckpointNotFoundError, ConfigError
+from distckpt.ondisk.manifest import Manifest
 from distckpt.tools.compare import max_abs_diff
 from distckpt.tools.export import export_checkpoint, import_weights
 from distckpt.tools.reader import CheckpointReader
@@ -171,6 +175,42 @@ def test_import_then_manager_load_gives_identical_weights(tmp_path, kind):
     export_checkpoint(ckpt, tmp_path / "back.safetensors", model_only=True)
     back = load_file(tmp_path / "back.safetensors")
     assert back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)
+
+
+def test_import_is_committed_as_a_training_save(tmp_path):
+    """The import is CheckpointManager.save on one rank: its manifest is a training save's of the same
+    weights but for the random and timed fields, and the process is left as it was."""
+    torch.manual_seed(4)
+    model = Net()
+    save_file(model.state_dict(), tmp_path / "w.safetensors")
+    rng = torch.get_rng_state()
+    imported = Manifest.read(import_weights(tmp_path / "w.safetensors", tmp_path / "root"))
+    assert not dist.is_initialized() and torch.equal(torch.get_rng_state(), rng)  # its gloo group is gone
+    config = CheckpointConfig(root=str(tmp_path / "trained"), save={"state_dict_type": "full"})
+    with CheckpointManager(config, model=model, optimizer=None) as manager:
+        trained = Manifest.read(manager.save(0))
+    assert imported.hardware == trained.hardware and imported.hardware["cpu_count"] == os.cpu_count()
+    assert len(imported.run_id) == 16 and imported.run_id != trained.run_id  # the tracker run id of a fresh run
+    random_or_timed = ("files", "run_id", "timings_s", "wall_time")
+    assert {k: v for k, v in asdict(imported).items() if k not in random_or_timed} == {
+        k: v for k, v in asdict(trained).items() if k not in random_or_timed
+    }
+    assert [f.path for f in imported.files] == [f.path for f in trained.files]
+
+
+def _import_in_a_job(rank, world_size, tmp):
+    try:
+        import_weights(os.path.join(tmp, "w.safetensors"), os.path.join(tmp, f"root{rank}"))
+    except ConfigError as e:
+        return str(e)
+
+
+@pytest.mark.multiprocess
+def test_import_inside_a_multi_rank_job_is_refused(tmp_path):
+    save_file(Net().state_dict(), tmp_path / "w.safetensors")
+    errors = values(run_ranks(_import_in_a_job, 2, str(tmp_path), timeout_s=60))
+    assert all("torch.distributed is initialised with 2 ranks" in e and "a process of its own" in e for e in errors)
+    assert not any(p.name.startswith("root") for p in tmp_path.iterdir())  # nothing written
 
 
 def _load_imported(rank, world_size, opts):
