@@ -136,7 +136,7 @@ def _disk_source(size_bytes: int):
 
     buf = torch.empty(max(size_bytes, 1), dtype=torch.uint8)
     buf.fill_(0x5A)
-    return memoryview(buf.numpy())
+    return memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs lack __buffer__
 
 
 def _disk_write_seconds(directory: Path, source: memoryview, chunk_bytes: int = 16 * _MIB) -> float:
@@ -192,7 +192,7 @@ def _run_save_block(
 ) -> dict[str, Any]:
     """All rounds of one (size, world size) block: ``{mode: [per-round sample]}``."""
     size_bytes = int(size_mib * _MIB)
-    samples: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    samples: dict[str, list[dict[str, Any] | None]] = {m: [] for m in modes}
     disk: list[float] = []  # per round: median of that round's probes
     copy: list[float | None] = []  # per round: the copy limit (max over ranks, median of copies)
     errors: dict[str, str] = {}
@@ -210,6 +210,7 @@ def _run_save_block(
             _clean(root)
             try:
                 if mode.startswith(_DISK):
+                    assert source is not None  # with_disk
                     probes.append(_disk_write_seconds(root, source))
                     continue
                 if mode == COPY_LIMIT:
@@ -235,12 +236,13 @@ def _run_save_block(
                     "step_compute_s": args.step_compute_s,
                 }
                 values = _run_ranks("save", world_size, spec, timeout_s=_save_timeout(args, size_bytes, world_size))
-                samples[mode].append(_save_sample(values))
+                sample = _save_sample(values)
+                samples[mode].append(sample)
                 _log(
                     f"{mode:22s} {size_mib:g} MiB ws={world_size} round {r}: "
-                    f"stall {samples[mode][-1]['stall_s']:.3f} s, e2e {samples[mode][-1]['end_to_end_s']:.3f} s "
+                    f"stall {sample['stall_s']:.3f} s, e2e {sample['end_to_end_s']:.3f} s "
                     f"(rank set {time.perf_counter() - t0:.1f} s, "
-                    f"state built in {samples[mode][-1]['build_s']:.1f} s)"
+                    f"state built in {sample['build_s']:.1f} s)"
                 )
             except BenchError as e:
                 _log(f"FAILED {mode} {size_mib:g} MiB ws={world_size}: {e}")

@@ -218,7 +218,7 @@ def kept_samples(out: Path, timeline: Timeline, *, presave: bool = False) -> dic
     for step, ws in last_ws.items():
         parts = [per_rank[r].get(step) for r in range(ws)]
         if all(p is not None for p in parts):
-            history[step] = [i for p in parts for i in p]
+            history[step] = [i for p in parts if p is not None for i in p]
     return history
 
 

@@ -51,7 +51,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 if __package__ in (None, ""):  # run as a script path: make the `launch` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -62,7 +62,6 @@ from torch import nn
 
 from distckpt import CheckpointManager, ConfigError, DistCkptError
 from distckpt.data import ReshardableSampler, make_stateful_dataloader
-from distckpt.save.transaction import PHASES
 from launch.config import JobConfig, load_job_config
 from launch.data import ByteWindowDataset, corpus_fingerprint
 from launch.model import GPT, SampleSeedStream, lr_lambda_warmup_cosine, num_parameters
@@ -90,7 +89,7 @@ CHAOS_PAUSE_ENV = "LAUNCH_CHAOS_PAUSE_S"
 CHAOS_PRESAVE_ENV = "LAUNCH_CHAOS_PRESAVE_SAMPLES"
 
 
-def chaos_pause_hook() -> Callable[[str, int, int], None] | None:
+def chaos_pause_hook() -> Callable[..., None] | None:
     """With ``$LAUNCH_CHAOS_PAUSE_S`` > 0, a ``CheckpointManager(on_phase=...)`` hook that widens
     every intermediate on-disk state of a save: it sleeps that long before each phase acts
     (stage, write, manifest, rename, latest, each retention delete, committed), so the state
@@ -101,8 +100,7 @@ def chaos_pause_hook() -> Callable[[str, int, int], None] | None:
         return None
 
     def pause_before(phase: str, step: int, rank: int) -> None:
-        if phase in PHASES:
-            time.sleep(pause)
+        time.sleep(pause)  # the manager calls it before each phase only
 
     return pause_before
 
@@ -193,7 +191,9 @@ def build_job(cfg: JobConfig, rank: int, world_size: int, device: torch.device) 
             fully_shard(block)
         fully_shard(model)  # the root group holds embeddings, tied head and final norm
         wrapped = model
-    forward_model = torch.compile(wrapped, backend=cfg.train.compile_backend) if cfg.train.compile else wrapped
+    forward_model = wrapped
+    if cfg.train.compile:  # an OptimizedModule, an nn.Module to the caller
+        forward_model = cast(nn.Module, torch.compile(wrapped, backend=cfg.train.compile_backend))
 
     # No weight decay on biases and LayerNorm weights (1-D), the usual GPT recipe.
     params = [p for p in wrapped.parameters() if p.requires_grad]
@@ -246,6 +246,9 @@ def _grad_sync(wrapped: nn.Module, enabled: bool) -> Iterator[None]:
         with contextlib.nullcontext() if enabled else wrapped.no_sync():
             yield
     else:
+        from torch.distributed.fsdp import FSDPModule
+
+        assert isinstance(wrapped, FSDPModule), type(wrapped)
         wrapped.set_requires_gradient_sync(enabled)
         yield
 
@@ -265,7 +268,8 @@ def train_step(
         scalar on ``job.device``, detached), the global gradient norm before clipping
         (``None`` without clipping) and the learning rate this step used.
     """
-    accum, amp = job.cfg.train.grad_accum_steps, job.scaler is not None
+    accum, scaler = job.cfg.train.grad_accum_steps, job.scaler
+    amp = scaler is not None
     inputs = batch["input_ids"].to(job.device, non_blocking=True).chunk(accum)
     targets = batch["targets"].to(job.device, non_blocking=True).chunk(accum)
     local_loss = torch.zeros((), device=job.device)
@@ -273,18 +277,18 @@ def train_step(
         with _grad_sync(job.wrapped, enabled=i == accum - 1), torch.autocast("cuda", dtype=torch.float16, enabled=amp):
             _, loss = job.model(x, y, sample_seeds=s)
             scaled = loss / accum
-            (job.scaler.scale(scaled) if amp else scaled).backward()
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
         local_loss += loss.detach().float() / accum
     grad_norm = None
     if job.cfg.train.grad_clip is not None:
-        if amp:
-            job.scaler.unscale_(job.optimizer)  # clip the true gradients
+        if scaler is not None:
+            scaler.unscale_(job.optimizer)  # clip the true gradients
         norm = nn.utils.clip_grad_norm_(job.wrapped.parameters(), job.cfg.train.grad_clip)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     lr = job.optimizer.param_groups[0]["lr"]
-    if amp:
-        job.scaler.step(job.optimizer)
-        job.scaler.update()
+    if scaler is not None:
+        scaler.step(job.optimizer)
+        scaler.update()
     else:
         job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
@@ -465,7 +469,9 @@ def train(job: Job) -> int:
     return step
 
 
-def _recovery_fields(manager: CheckpointManager, path: str, load_start: float, load_end: float) -> dict[str, Any]:
+def _recovery_fields(
+    manager: CheckpointManager, path: str | None, load_start: float, load_end: float
+) -> dict[str, Any]:
     """The ``resumed`` event's recovery fields (module doc). Collective when a memory restore served
     (every rank then has ``manager.loader.restored``): the ranks' received bytes are summed."""
     tier, restored = manager.loader.tier, manager.loader.restored
@@ -486,9 +492,9 @@ def _recovery_fields(manager: CheckpointManager, path: str, load_start: float, l
     }
 
 
-def _checkpoint_bytes(path: str) -> int | None:
+def _checkpoint_bytes(path: str | None) -> int | None:
     """Bytes of the files of the checkpoint directory ``path`` (``None``: not a local directory)."""
-    if not os.path.isdir(path):
+    if path is None or not os.path.isdir(path):
         return None
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
