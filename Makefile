@@ -42,7 +42,8 @@ bench-recovery: $(VENV)/.installed
 bench-scale: $(VENV)/.installed
 	$(PY) -m benchmarks.bench_scale --out runs/bench_scale
 
-# ruff (formatting, lint, import order, docstrings of distckpt's public names) and mypy, configured in pyproject.toml.
+# ruff (formatting, lint, import order, docstrings of distckpt's public names) and mypy (distckpt/, launch/,
+# benchmarks/, bodies of unannotated functions included), configured in pyproject.toml.
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .

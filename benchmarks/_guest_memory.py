@@ -104,7 +104,7 @@ def hold_page_reporting(
             old = None
             info["state"] = f"not held: {order_file}: {getattr(e, 'strerror', None) or e}"
     before = _reported_kib(params)
-    previous: dict[int, Any] = {}
+    previous: dict[signal.Signals, Any] = {}
     if old is not None and threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGHUP):
             previous[sig] = signal.signal(sig, _raise_system_exit)
@@ -122,7 +122,7 @@ def hold_page_reporting(
             info["reported_kib_during"] = after - before
 
 
-def describe_hold(info: dict[str, object] | None) -> str:
+def describe_hold(info: dict[str, Any] | None) -> str:
     """One line for a report from the dict :func:`hold_page_reporting` yielded."""
     if not info:
         return "not recorded"

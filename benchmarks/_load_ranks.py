@@ -155,8 +155,9 @@ def _peak_rss_bytes() -> int:
 
 def _save_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
 
-    from distckpt.engine.blocking import dcp_save
+    from distckpt.dcp import FileSystemWriter
 
     wrapper = spec["wrapper"]
     model = _build(spec, world_size, "fsdp2" if wrapper == "fsdp2" else "plain")
@@ -171,45 +172,25 @@ def _save_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
     extra.update(_EXTRA)
     dist.barrier()
     t0 = time.perf_counter()
-    written = dcp_save(state, spec["dir"], process_group=None, thread_count=spec["save_thread_count"])
+    # Hashes every file while writing and records them in the sidecar distckpt.dcp.FileSystemReader verifies.
+    dcp.save(state, storage_writer=FileSystemWriter(spec["dir"], thread_count=spec["save_thread_count"]))
     dist.barrier()
-    blocks = {
-        name: (list(w.blocks.ends), list(w.blocks.hashes))
-        for name, w in written.items()
-        if getattr(w, "blocks", None) is not None
-    }
     return {
-        "written": written,
-        "blocks": blocks,
         "save_s": time.perf_counter() - t0,
         "state_bytes": _local_bytes(model)[1],
     }
 
 
-def _make_reader(
-    name: str,
-    directory: str,
-    expected: dict[str, tuple[int, str]],
-    thread_count: int,
-    blocks: dict[str, tuple[list[int], list[str]]] | None = None,
-):
-    from torch.distributed.checkpoint import FileSystemReader
+def _make_reader(name: str, directory: str, thread_count: int) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader as StockReader
 
-    from distckpt.engine.read.fast_reader import FastFileSystemReader
-    from distckpt.engine.safe_io import SafeFileSystemReader
-    from distckpt.ondisk.integrity import BlockDigests
+    from distckpt.dcp import FileSystemReader
 
-    if name in ("stock", "stock_run_load"):
-        return FileSystemReader(directory)
-    if name == "safe_verify":
-        return SafeFileSystemReader(directory, expected_files=expected)
-    if name == "fast":
-        return FastFileSystemReader(directory, thread_count=thread_count)
-    if name == "fast_verify":
-        digests = {k: BlockDigests(tuple(e), tuple(h)) for k, (e, h) in (blocks or {}).items()}
-        return FastFileSystemReader(
-            directory, expected_files=expected, thread_count=thread_count, block_digests=digests
-        )
+    if name == "stock":
+        return StockReader(directory)
+    if name in ("safe_verify", "fast", "fast_verify"):  # verify: against the writer's hash sidecar
+        fast, verify = name != "safe_verify", name != "fast"
+        return FileSystemReader(directory, verify=verify, fast=fast, thread_count=thread_count)
     raise ValueError(f"unknown reader {name!r}")
 
 
@@ -282,9 +263,6 @@ def _load_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from distckpt.engine.blocking import run_load
-    from distckpt.engine.safe_io import SafeLoadPlanner
-
     baseline = _rss_bytes()
     model = _build(spec, world_size, "fsdp2")
     state, extra = _state(model)
@@ -306,8 +284,9 @@ def _load_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
         t0 = time.perf_counter()
         # As the manager does by default: 2 read streams per node (every rank is on this node).
         streams = spec["thread_count"] or max(1, 2 // world_size)
-        reader = _make_reader(spec["reader"], spec["dir"], spec["expected"], streams, spec.get("blocks"))
-        read_data, timing = reader.read_data, {}
+        reader = _make_reader(spec["reader"], spec["dir"], streams)
+        read_data = reader.read_data
+        timing: dict[str, float] = {}
 
         def timed_read_data(plan, planner, read_data=read_data, timing=timing):
             t = time.perf_counter()
@@ -317,10 +296,7 @@ def _load_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
                 timing["s"] = time.perf_counter() - t
 
         reader.read_data = timed_read_data
-        if spec["reader"] == "stock":
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=None)
-        else:  # as distckpt's dcp_load runs it: GC paused, per-rank plans, one outcome exchange
-            run_load(state, reader, process_group=None, directory=spec["dir"])
+        dcp.load(state, storage_reader=reader)
         dist.barrier()
         load_s = time.perf_counter() - t0
         bad = _check(model, extra)

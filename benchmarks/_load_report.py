@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from benchmarks._guest_memory import describe_hold
 from benchmarks._output import pyplot, save_figure
@@ -14,9 +14,9 @@ from benchmarks._output import pyplot, save_figure
 _MIB = 1 << 20
 
 
-def _median(xs: list[float]) -> float:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else float("nan")
+def _median(xs: Sequence[float | None]) -> float:
+    values = [x for x in xs if x is not None]
+    return statistics.median(values) if values else float("nan")
 
 
 def _cell_key(c: dict[str, Any]) -> str:
@@ -105,8 +105,6 @@ def _rows(args, saved, cells, samples, disk, errors) -> list[dict[str, Any]]:
                 if "stock" in samples[key] and reader != "stock":
                     row["speedup_vs_stock"] = paired(samples[key]["stock"], fld, False)
                     row["speedup_vs_stock_read_data"] = paired(samples[key]["stock"], rfld, False)
-                if "stock_run_load" in samples[key] and not reader.startswith("stock"):
-                    row["speedup_vs_stock_run_load"] = paired(samples[key]["stock_run_load"], fld, False)
                 if cell["scenario"] != "same" and cell["world_size"] in same_key:
                     base = samples[same_key[cell["world_size"]]][reader]
                     row["reshard_ratio"] = paired(base, fld, True)
@@ -133,8 +131,7 @@ def _verdicts(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]
         out.append(
             f"cold load >= 2x stock throughput at {args.size_mib:g} MiB ws={ws}: "
             f"{'MET' if sp >= 2 else 'MISSED'} (x{sp:.2f}, fast {fast['read_gbps']:.2f} GB/s; "
-            f"read_data alone x{spr:.2f}, {fast['read_data_gbps']:.2f} GB/s; "
-            f"x{fast.get('speedup_vs_stock_run_load', nan):.2f} of stock via run_load)"
+            f"read_data alone x{spr:.2f}, {fast['read_data_gbps']:.2f} GB/s)"
         )
         rod, rodr = fast.get("read_over_disk", nan), fast.get("read_data_over_disk", nan)
         out.append(
@@ -209,8 +206,12 @@ def render_markdown(results: dict[str, Any]) -> str:
     cells = list(dict.fromkeys(r["cell"] for r in rows))
     for cell in cells:
         for reader in dict.fromkeys(r["reader"] for r in rows if r["cell"] == cell):
-            c = next((r for r in rows if r["cell"] == cell and r["reader"] == reader and r["cache"] == "cold"), {})
-            w = next((r for r in rows if r["cell"] == cell and r["reader"] == reader and r["cache"] == "warm"), {})
+            c: dict[str, Any] = next(
+                (r for r in rows if r["cell"] == cell and r["reader"] == reader and r["cache"] == "cold"), {}
+            )
+            w: dict[str, Any] = next(
+                (r for r in rows if r["cell"] == cell and r["reader"] == reader and r["cache"] == "warm"), {}
+            )
             if "load_s" not in c:
                 lines.append(f"| {cell} | {reader} | ERROR: {str(c.get('error', ''))[:80]} ||||||||||||||||||")
                 continue
@@ -237,8 +238,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         "",
         "Fields: see the module docstring of `benchmarks/bench_load.py`. `read_data` columns time the "
         "reader's `read_data` alone (slowest rank); the others the whole `dcp.load` between barriers "
-        "(planning included: DCP's plan exchange for `stock`, per-rank plans and one outcome exchange "
-        "through `run_load` for the others). `extra RSS / local state` = "
+        "(planning included: DCP's plan exchange). `extra RSS / local state` = "
         "(peak RSS - RSS after the target state was built) / this rank's state bytes, max over ranks. "
         "`read / needed`: bytes the fast reader read from the files vs the bytes of the items the ranks' "
         "plans need (cold load of the first round, summed over ranks; `read_amplification` in the JSON).",

@@ -10,7 +10,7 @@ import resource
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 SAVE_MODES = ("naive_torch_save", "blocking", "async_thread", "async_process", "async_thread_bgstage")
 ASYNC_MODES = ("async_thread", "async_process", "async_thread_bgstage")
@@ -86,7 +86,8 @@ class _CommitWatcher:
     """
 
     def __init__(self, final: Path, *, enabled: bool) -> None:
-        self.final, self.enabled, self.seen_at = final, enabled, None
+        self.final, self.enabled = final, enabled
+        self.seen_at: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-commit-watch", daemon=True)
 
@@ -223,12 +224,13 @@ def _make_saver(mode: str, spec: dict[str, Any], model, optimizer, rank: int):
         ScheduleConfig,
     )
 
-    async_mode = {
+    modes: dict[str, Literal["off", "thread", "process"]] = {
         "blocking": "off",
         "async_thread": "thread",
         "async_process": "process",
         "async_thread_bgstage": "thread",
-    }[mode]
+    }
+    async_mode = modes[mode]
     config = CheckpointConfig(
         root=spec["root"],
         schedule=ScheduleConfig(interval_steps=None),

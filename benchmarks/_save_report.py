@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
 from benchmarks._guest_memory import describe_hold
 from benchmarks._output import pyplot, save_figure
-from benchmarks._save_ranks import _MIB, _RSS_SLACK_BYTES, _TRAIN_MODEL, SAVE_MODES, TRAIN_MODES
+from benchmarks._save_ranks import _MIB, _RSS_SLACK_BYTES, _TRAIN_MODEL, ASYNC_MODES, SAVE_MODES, TRAIN_MODES
 
 
 # ============================================================================ report
@@ -281,3 +282,127 @@ def _plot(results: dict[str, Any], path: Path) -> bool:
         ax2.legend(fontsize=8)
     save_figure(fig, path)
     return True
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _copy_limit_s(values: list[dict[str, Any]]) -> float:
+    """Per copy the slowest rank (staging waits for it too), median over copies."""
+    n = len(values[0]["copy_s"])
+    return _median([max(v["copy_s"][i] for v in values) for i in range(n)])
+
+
+def _save_sample(values: list[dict[str, Any]]) -> dict[str, Any]:
+    """One rank set -> one sample: per save max over ranks, then median over measured saves."""
+    n = len(values[0]["saves"])
+
+    def per_save(key: str, i: int) -> float:
+        return max(v["saves"][i][key] for v in values)
+
+    measured = range(1, n)
+    return {
+        "stall_s": _median([per_save("stall_s", i) for i in measured]),
+        "end_to_end_s": _median([per_save("end_to_end_s", i) for i in measured]),
+        "call_s": _median([per_save("call_s", i) for i in measured]),
+        "first_save_s": per_save("end_to_end_s", 0),
+        "first_save_stall_s": per_save("stall_s", 0),
+        "peak_rss_bytes": max(v["peak_rss_bytes"] for v in values),
+        "bg_peak_rss_bytes": max(v["bg_peak_rss_bytes"] for v in values),
+        "rss_budget_bytes": max(v["baseline_rss_bytes"] + 2 * v["local_state_bytes"] for v in values),
+        "rss_over_budget_bytes": max(
+            v["peak_rss_bytes"] - v["baseline_rss_bytes"] - 2 * v["local_state_bytes"] for v in values
+        ),
+        "baseline_rss_bytes": max(v["baseline_rss_bytes"] for v in values),
+        "local_state_bytes": max(v["local_state_bytes"] for v in values),
+        "global_state_bytes": values[0]["global_state_bytes"],
+        "timings_s": values[0]["timings_s"],
+        "build_s": max(v["build_s"] for v in values),
+    }
+
+
+def _save_rows(block: dict[str, Any], world_size: int, thread_counts: dict[str, int]) -> list[dict[str, Any]]:
+    """Rows of one (size, world size) block; ratios are paired within rounds."""
+    size_bytes = block["size_bytes"]
+    disk_gbps = size_bytes / _median(block["disk_s"]) / 1e9 if block["disk_s"] else float("nan")
+    by_mode = block["samples"]  # {mode: [sample or None (failed) per round]}
+
+    def round_value(mode: str, r: int, key: str) -> float | None:
+        s = by_mode.get(mode, [])
+        return s[r][key] if r < len(s) and s[r] is not None else None
+
+    def paired(mode: str, other: str, key: str, other_key: str) -> list[float]:
+        n = max(len(by_mode.get(mode, [])), len(by_mode.get(other, [])))
+        out = []
+        for r in range(n):
+            a, b = round_value(mode, r, key), round_value(other, r, other_key)
+            if a is not None and b is not None:
+                out.append(a / b)
+        return out
+
+    rows = []
+    for mode, per_round in by_mode.items():
+        samples = [s for s in per_round if s is not None]
+        row: dict[str, Any] = {
+            "experiment": "save",
+            "mode": mode,
+            "size_bytes": size_bytes,
+            "size_mib": size_bytes / _MIB,
+            "world_size": world_size,
+            "thread_count": thread_counts[mode],
+            "repeats": len(samples),
+            "disk_write_gbps": disk_gbps,
+        }
+        if not samples:
+            row["error"] = block["errors"].get(mode, "no samples")
+            rows.append(row)
+            continue
+        if mode in block["errors"]:
+            row["warning"] = "failed in some rounds: " + block["errors"][mode].splitlines()[0][:300]
+        e2e = _median([s["end_to_end_s"] for s in samples])
+        row.update(
+            {
+                "stall_s": _median([s["stall_s"] for s in samples]),
+                "end_to_end_s": e2e,
+                "write_gbps": size_bytes / e2e / 1e9,
+                "save_call_s": _median([s["call_s"] for s in samples]),
+                "first_save_s": _median([s["first_save_s"] for s in samples]),
+                "first_save_stall_s": _median([s["first_save_stall_s"] for s in samples]),
+                "peak_rss_bytes": max(s["peak_rss_bytes"] for s in samples),
+                "rss_budget_bytes": max(s["rss_budget_bytes"] for s in samples),
+                "rss_over_budget_bytes": max(s["rss_over_budget_bytes"] for s in samples),
+                "baseline_rss_bytes": max(s["baseline_rss_bytes"] for s in samples),
+                "bg_peak_rss_bytes": max(s["bg_peak_rss_bytes"] for s in samples),
+                "local_state_bytes": samples[0]["local_state_bytes"],
+                "state_bytes": samples[0]["global_state_bytes"],
+                "stall_s_samples": [s["stall_s"] for s in samples],
+                "end_to_end_s_samples": [s["end_to_end_s"] for s in samples],
+            }
+        )
+        timings = [s["timings_s"] for s in samples if s["timings_s"]]
+        for key in ("stage", "write", "commit"):
+            if timings:
+                row[f"manifest_{key}_s"] = _median([t.get(key, float("nan")) for t in timings])
+        copies = block.get("copy_s", [])
+        if mode in ASYNC_MODES and any(c is not None for c in copies):
+            row["copy_limit_s"] = _median([c for c in copies if c is not None])
+            row["stall_over_copy_limit"] = _median(
+                [
+                    s / c
+                    for r, c in enumerate(copies)
+                    if c is not None and (s := round_value(mode, r, "stall_s")) is not None
+                ]
+            )
+        if mode in ASYNC_MODES and "blocking" in by_mode:
+            row["stall_over_blocking_e2e"] = _median(paired(mode, "blocking", "stall_s", "end_to_end_s"))
+            row["e2e_over_blocking_e2e"] = _median(paired(mode, "blocking", "end_to_end_s", "end_to_end_s"))
+        if block["disk_s"]:
+            ratios = [
+                block["disk_s"][r] / e
+                for r in range(len(block["disk_s"]))
+                if (e := round_value(mode, r, "end_to_end_s")) is not None
+            ]
+            row["write_over_disk"] = _median(ratios)  # == write_gbps / disk_gbps, per round
+        rows.append(row)
+    return rows

@@ -29,8 +29,8 @@ What runs, world size 1 (rank 0 on ``cuda:0``), a fresh rank process per cell
   the measured pinned-copy bandwidth.
 * ``load``: ``bench_load``'s workers (``benchmarks/_load_ranks.py``): a checkpoint of
   ``--sizes-gib`` of model parameters written once, then loaded into CUDA tensors cold (page
-  cache evicted) and warm, by distckpt's fast reader through ``run_load`` and by stock
-  ``dcp.load`` with DCP's ``FileSystemReader``; every load is checked bitwise.
+  cache evicted) and warm, by ``dcp.load`` with ``distckpt.dcp.FileSystemReader`` (the fast
+  reader, ``verify=False``) and with DCP's ``FileSystemReader``; every load is checked bitwise.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ _PRELOAD = (
     "torch.distributed",
     "torch.distributed.checkpoint",
     "distckpt",
-    "distckpt.engine.read.fast_reader",
+    "distckpt.dcp",
 )
 _WORKERS = {
     "copy": "benchmarks.bench_gpu:copy_bandwidth_worker",
@@ -141,7 +141,6 @@ def _spec(cell: dict[str, Any], args: argparse.Namespace, data_dir: Path) -> dic
         "size_bytes": size,
         "dir": ckpt,
         "reader": cell["reader"],
-        "expected": {},
         "thread_count": None,
     }
 

@@ -1,5 +1,6 @@
 """Cost of hashing on the write path: blocking ``dcp.save`` of the same state with DCP's stock
-``FileSystemWriter`` and with distckpt's hashing writer, rounds rotating the order.
+``FileSystemWriter`` and with ``distckpt.dcp.FileSystemWriter`` (the same writer, hashing each file
+while writing it, plus the hash sidecar), rounds rotating the order.
 
 ``python -m benchmarks.bench_hash --size-mib 1024 --rounds 3 --out DIR`` writes
 ``DIR/hash_cost.json`` and prints the median overhead (hashing / stock - 1).
@@ -20,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from distckpt.engine.blocking import hashing_writer
+from distckpt import dcp as distckpt_dcp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {"stock": [], "hashing": []}
     writers = {
         "stock": lambda d: FileSystemWriter(d, sync_files=True),
-        "hashing": lambda d: hashing_writer(d, thread_count=1),
+        "hashing": lambda d: distckpt_dcp.FileSystemWriter(d, sync_files=True, thread_count=1),
     }
     for r in range(args.rounds):
         order = ["stock", "hashing"] if r % 2 == 0 else ["hashing", "stock"]

@@ -13,7 +13,7 @@ the work since the last completed save and costs ``R``. Every policy replays the
 ``--horizon-mtbf`` MTBFs of wall time; ``goodput`` = work saved by the end / wall time.
 ``fixed`` policies use one ``tau`` from a geometric grid around Young's optimum (plus
 ``--default-steps`` x ``--step-s``, the default ``interval_steps: 100`` at that step time);
-``auto`` runs distckpt's own schedule state (:class:`distckpt.save.schedule.AutoInterval`, on a
+``auto`` runs distckpt's own schedule state (``benchmarks._scale_probes.AutoIntervalProbe``, on a
 simulated clock): it starts from the default prior ``mtbf_s`` (7.9 h, whatever the trace's ``M``),
 measures ``C`` from its saves and counts each restart as a failure, as in a job. The sim uses no
 overhead ceiling (``max_overhead: null``): the ceiling trades goodput for a bound on time spent
@@ -32,21 +32,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
 import math
 import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks._output import machine_info, pyplot, save_figure, write_outputs
-from distckpt import ScheduleConfig
-from distckpt.save.interval import daly_interval, young_interval
-from distckpt.save.schedule import JOURNAL_EVERY_S, AutoInterval
+from benchmarks._scale_probes import AutoIntervalProbe, daly_interval, young_interval
 
 GOAL_GAP = 0.01  # auto within 1% of the best fixed interval
 TRACES = (  # (distribution, M seconds, C seconds)
@@ -87,59 +87,6 @@ class _Fixed:
 
     def saved(self, cost_s: float) -> None:
         pass
-
-
-class _Journal:
-    """The root's journal in memory (:data:`distckpt.save.schedule.JOURNAL`)."""
-
-    where = "memory"
-
-    def __init__(self) -> None:
-        self.text: str | None = None
-
-    def read(self) -> str | None:
-        return self.text
-
-    def replace(self, text: str) -> None:
-        self.text = text
-
-
-class _Auto:
-    """distckpt's schedule state on the simulated clock (a new one per run, as in a restarted job),
-    with the root's journal: each start reads it, as rank 0 does at its first ``maybe_save``."""
-
-    def __init__(self, clock: dict[str, float]) -> None:
-        self.clock = clock
-        self.config = ScheduleConfig(interval_steps="auto", min_interval_s=1.0, max_overhead=None)
-        self.state: AutoInterval | None = None
-        self.intervals: list[float] = []
-        self.journal = _Journal()
-
-    def start(self, now: float, saved: dict[str, Any] | None) -> None:
-        clock = lambda: self.clock["t"]  # noqa: E731
-        self.state = AutoInterval(self.config, rank=1, clock=clock, wall=clock, journal=self.journal)  # type: ignore[arg-type]
-        self.state.begin()
-
-    def failing(self, at: float) -> None:
-        """The journal writes a run makes every ``JOURNAL_EVERY_S`` while it trains, up to a failure at ``at``."""
-        assert self.state is not None and self.state.journal_written is not None
-        last = self.state.journal_written
-        if at - last >= JOURNAL_EVERY_S:
-            self.clock["t"] = last + JOURNAL_EVERY_S * math.floor((at - last) / JOURNAL_EVERY_S)
-            self.state.write_journal("running")
-
-    def interval(self) -> float:
-        assert self.state is not None and self.state.decision is not None
-        self.intervals.append(self.state.decision.interval_s)
-        return self.state.decision.interval_s
-
-    def snapshot(self) -> dict[str, Any] | None:
-        assert self.state is not None
-        return self.state.snapshot("periodic")
-
-    def saved(self, cost_s: float) -> None:
-        assert self.state is not None
-        self.state.saved(cost_s, None)
 
 
 def simulate(policy: Any, failures: list[float], cost_s: float, restart_s: float, horizon_s: float, seed: int) -> dict:
@@ -191,7 +138,7 @@ def run_simulation(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list
         for tau in grid:
             r = simulate(_Fixed(tau), failures, cost, args.restart_s, horizon, seed=i)
             fixed.append({"trace": name, "policy": "fixed", "interval_s": tau, **r})
-        auto = _Auto({"t": 0.0})
+        auto = AutoIntervalProbe({"t": 0.0})
         r = simulate(auto, failures, cost, args.restart_s, horizon, seed=i)
         auto_row = {"trace": name, "policy": "auto", **r, "median_interval_s": statistics.median(auto.intervals)}
         rows += fixed + [auto_row]
@@ -275,10 +222,15 @@ def run_real(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             }
         )
     step_total, save_total = sum(r["step_s"] for r in runs), sum(r["save_s"] for r in runs)
-    from distckpt.cli.interval import report
-    from distckpt.tools.reader import resolve_checkpoint
-
-    final = report(resolve_checkpoint(str(root)))
+    # The report a user gets for the root (`distckpt interval ROOT --json`).
+    final = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "distckpt.cli", "interval", str(root), "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     overhead = save_total / (step_total + save_total)
     return {
         "config": overrides,

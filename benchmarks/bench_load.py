@@ -17,8 +17,8 @@ random integers < 2**22, exact in float32), so any rank can compute the expected
 own shard at any world size, and every load is checked **bitwise** (the target is zeroed before
 each load, so a load that does nothing fails the check).
 
-Checkpoints (written once, before the loads, with distckpt's ``dcp_save``: DCP's
-``FileSystemWriter`` + per-file fsync + xxh3-128 of each file; ``--save-thread-count`` files per
+Checkpoints (written once, before the loads, with ``dcp.save`` and ``distckpt.dcp.FileSystemWriter``:
+DCP's writer + per-file fsync + xxh3-128 of each file in a hash sidecar; ``--save-thread-count`` files per
 rank, by default ``SaveConfig.thread_count`` (4), as ``CheckpointManager`` writes them;
 1 is what a plain ``dcp.save`` writes):
 
@@ -37,16 +37,14 @@ Cells (one line each in ``results.md``):
   ``--only-replicated`` runs this cell alone).
 
 Readers (rotated within each round so drift hits them alike; cells with the same load world
-size run back to back per reader, so paired samples are close in time): ``stock`` (torch's
-``FileSystemReader``, plain ``dcp.load``), ``stock_run_load`` (DCP's reader run through
-distckpt's ``run_load``, as every reader below is: cyclic GC paused, each rank planning alone
-and one outcome exchange; it separates those gains from the reader's own), ``safe_verify``
-(``SafeFileSystemReader`` with the manifest hashes: a ``check_file`` pass, then the stock read;
-distckpt's path with ``fast_load: false``), ``fast`` (``FastFileSystemReader``, no hashes),
-``fast_verify`` (``FastFileSystemReader`` with hashes and the writers' block digests, verified
-from the bytes read: distckpt's default load path; a rank that needs part of a file reads only
-its verified blocks).
-All use ``SafeLoadPlanner``.
+size run back to back per reader, so paired samples are close in time), each through a plain
+``dcp.load`` (``DefaultLoadPlanner``): ``stock`` (torch's ``FileSystemReader``), and
+``distckpt.dcp.FileSystemReader`` as ``safe_verify`` (``fast=False``: each file checked against
+the hash sidecar, then the stock read; distckpt's path with ``load.fast_reader: false``), ``fast``
+(``verify=False``: the fast reader, no hashes) and ``fast_verify`` (the defaults: the fast
+reader with the sidecar's hashes and block digests, verified from the bytes read; a rank that
+needs part of a file reads only its verified blocks). The manager's own load loop (cyclic GC
+paused, per-rank plans) is measured through ``CheckpointManager.load`` by the replicated cell.
 
 How one sample is measured: a fresh set of spawned gloo ranks (forkserver with torch preloaded;
 hard timeout) builds the target (meta device -> FSDP2 -> ``to_empty`` -> zero-filled, i.e. the
@@ -65,8 +63,7 @@ memory is touched as after model init), then does a **cold** load and a **warm**
   in the results records what was done;
 * warm: the target is zeroed and the same load runs again with the files in the page cache;
 * ``load_s``: from a barrier before ``dcp.load`` to a barrier after it (the slowest rank),
-  including planning (``stock``: DCP's plan gather and scatter and final gather; the readers
-  run through ``run_load``: per-rank planning and one outcome exchange); ``read_data_s``: the
+  including planning (DCP's plan gather and scatter and final gather); ``read_data_s``: the
   reader's ``read_data`` alone (slowest rank).
 
 The physical reference, per checkpoint and round: ``disk_read_gbps`` is one plain sequential
@@ -104,11 +101,11 @@ from benchmarks._output import machine_info, prepare_dirs, write_outputs
 from benchmarks._ranks import BenchError, run_ranks
 from benchmarks._replicated import plot_replicated as _plot_replicated
 from benchmarks._replicated import render_replicated, run_replicated
-from distckpt.config import SaveConfig
+from distckpt import SaveConfig
 
 __all__ = ["main", "READERS", "render_markdown"]
 
-READERS = ("stock", "stock_run_load", "safe_verify", "fast", "fast_verify")
+READERS = ("stock", "safe_verify", "fast", "fast_verify")
 _MIB = 1 << 20
 _DISK = "disk"
 
@@ -120,7 +117,7 @@ _PRELOAD = (
     "torch.distributed.checkpoint",
     "torch.distributed.fsdp",
     "distckpt",
-    "distckpt.engine.read.fast_reader",
+    "distckpt.dcp",
 )
 
 
@@ -177,7 +174,7 @@ def _timeout(args: argparse.Namespace, world_size: int) -> float:
 
 
 def _save_all(args, data_dir: Path, ckpts: dict[str, tuple[str, int]]) -> dict[str, dict[str, Any]]:
-    """Write every checkpoint once: ``{name: {dir, expected, files, data_bytes, save_s}}``."""
+    """Write every checkpoint once: ``{name: {dir, files, data_bytes, save_s, ...}}``."""
     out = {}
     for name, (wrapper, ws) in ckpts.items():
         d = data_dir / name
@@ -189,17 +186,10 @@ def _save_all(args, data_dir: Path, ckpts: dict[str, tuple[str, int]]) -> dict[s
             "save_thread_count": args.save_thread_count,
         }
         values = _run_ranks("save", ws, spec, timeout_s=_timeout(args, ws))
-        expected: dict[str, tuple[int, str]] = {}
-        blocks: dict[str, tuple[list[int], list[str]]] = {}
-        for v in values:
-            expected.update({k: tuple(x) for k, x in v["written"].items()})
-            blocks.update(v.get("blocks") or {})
         files = _data_files(str(d))
         data_bytes = sum(os.path.getsize(p) for p in files)
         out[name] = {
             "dir": str(d),
-            "expected": expected,
-            "blocks": blocks,
             "files": files,
             "data_bytes": data_bytes,
             "save_s": max(v["save_s"] for v in values),
@@ -279,8 +269,6 @@ def _run_loads(args, saved: dict[str, dict[str, Any]], cells: list[dict[str, Any
                     ck = saved[cell["ckpt"]]
                     spec = {
                         "dir": ck["dir"],
-                        "expected": ck["expected"],
-                        "blocks": ck["blocks"],
                         "reader": item,
                         "size_bytes": int(args.size_mib * _MIB),
                         "thread_count": args.thread_count,

@@ -238,7 +238,8 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     plt = pyplot()
     if plt is None:
         return False
-    labels, stacks = [], {p: [] for p in recovery.PHASES}
+    labels: list[str] = []
+    stacks: dict[str, list[float]] = {p: [] for p in recovery.PHASES}
     for r in results["rows"]:
         for tier in ("off", "on"):
             b = r[tier].get("breakdown_s") or {}

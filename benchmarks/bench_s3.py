@@ -8,11 +8,11 @@ Each world size runs in one set of spawned CPU/gloo ranks. Per (size, round) eve
 ``size / world_size`` of float32 tensors (16 MiB each, its own keys), then, in a rotated order:
 
 * ``stock_save``: ``dcp.save`` through ``FsspecWriter`` (s3fs) into a fresh prefix;
-* ``distckpt_save``: distckpt's write path on S3 (``S3Store.dcp_writer``: hash while writing,
-  multipart) into a fresh data prefix, then rank 0's manifest PUT (conditional create): a
-  committed checkpoint;
+* ``distckpt_save``: ``dcp.save`` through ``distckpt.dcp.FileSystemWriter`` (distckpt's S3 write
+  path: hash while writing, multipart, the hash sidecar) into a fresh prefix;
 * ``stock_load`` / ``distckpt_load``: each reads what its save wrote back into the tensors
-  (distckpt: every object's size and xxh3-128 checked against the manifest).
+  (distckpt: ``distckpt.dcp.FileSystemReader``, every object's size and xxh3-128 checked against
+  the sidecar).
 
 Times are wall seconds of the whole operation, the max over ranks (barrier before, max after);
 median over ``--repeats`` rounds. Output: ``results.json``, ``results.md``, ``plot.png``.
@@ -59,38 +59,18 @@ def _round(rank: int, world_size: int, sd: dict, size_mib: int, rnd: int, thread
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-    from distckpt.engine.blocking import dcp_save, run_load
-    from distckpt.ondisk.manifest import Manifest
-    from distckpt.storage import open_store
+    from distckpt.dcp import FileSystemReader, FileSystemWriter
 
     endpoint = os.environ["AWS_ENDPOINT_URL"]
     tag = f"ws{world_size}-{size_mib}m-{rnd}"
-    store: Any = open_store(f"s3://{BUCKET}/{tag}")
     stock_url = f"s3://{BUCKET}/{tag}-stock"
-    location = store.pending_location(1, "%012x" % rnd)
+    location = f"s3://{BUCKET}/{tag}"
 
     def stock_save() -> None:
         dcp.save(sd, storage_writer=FsspecWriter(stock_url, endpoint_url=endpoint, sync_files=False))
 
     def distckpt_save() -> None:
-        writer = store.dcp_writer(location, thread_count=thread_count, write_timeout_s=None)
-        files = dcp_save(sd, location, process_group=None, writer=writer)
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, files)
-        if rank == 0:  # the commit: list, check sizes, PUT the manifest (conditional create)
-            hashes = {k: v for f in gathered for k, v in f.items()}
-            m = Manifest(
-                step=1,
-                world_size=world_size,
-                wrapper="plain",
-                state_dict_type="sharded",
-                torch_version=torch.__version__,
-                distckpt_version="bench",
-                model={},
-                model_fingerprint="",
-                files=store.list_files(location, hashes),
-            )
-            store.commit(location, 1, m)
+        dcp.save(sd, storage_writer=FileSystemWriter(location, thread_count=thread_count, endpoint_url=endpoint))
 
     def stock_load() -> None:
         dcp.load(
@@ -99,15 +79,8 @@ def _round(rank: int, world_size: int, sd: dict, size_mib: int, rnd: int, thread
         )
 
     def distckpt_load() -> None:
-        manifest = store.read_manifest(location)
-        expected = {f.path: (f.size_bytes, f.hash) for f in manifest.files}
         target = {k: torch.empty_like(v) for k, v in sd.items()}
-        run_load(
-            target,
-            store.dcp_reader(location, expected_files=expected, fast=True, thread_count=2),
-            process_group=None,
-            directory=location,
-        )
+        dcp.load(target, storage_reader=FileSystemReader(location, thread_count=2, endpoint_url=endpoint))
         assert all(torch.equal(target[k], sd[k]) for k in sd)
 
     fns = {
@@ -124,8 +97,19 @@ def _round(rank: int, world_size: int, sd: dict, size_mib: int, rnd: int, thread
     dist.barrier()
     if rank == 0:  # free the server's space for the next round
         for prefix in (f"{tag}/", f"{tag}-stock/"):
-            store.objects.delete_prefix(prefix)
+            _delete_prefix(endpoint, prefix)
     return rows
+
+
+def _delete_prefix(endpoint: str, prefix: str) -> None:
+    """Delete every object under ``prefix`` of the bucket (keys from ``$AWS_*``)."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=BUCKET, Delete={"Objects": keys})
 
 
 def _rank(rank: int, world_size: int, init: str, args: dict, out: str) -> None:
@@ -187,7 +171,7 @@ def render(results: dict) -> str:
         for ws in results["meta"]["world_sizes"]:
             s0, s1 = by.get(("stock_save", size, ws)), by.get(("distckpt_save", size, ws))
             l0, l1 = by.get(("stock_load", size, ws)), by.get(("distckpt_load", size, ws))
-            if None in (s0, s1, l0, l1):
+            if s0 is None or s1 is None or l0 is None or l1 is None:
                 continue
             lines.append(
                 f"| {size} MiB | {ws} | {s0:.2f} | {s1:.2f} | {s0 / s1:.2f}x | {l0:.2f} | {l1:.2f} | {l0 / l1:.2f}x |"

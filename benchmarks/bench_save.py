@@ -71,7 +71,6 @@ import argparse
 import datetime
 import os
 import shutil
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -80,6 +79,7 @@ from typing import Any, Callable
 from benchmarks._guest_memory import hold_page_reporting
 from benchmarks._output import machine_info, prepare_dirs, write_outputs
 from benchmarks._ranks import BenchError, run_ranks
+from benchmarks._save_args import parse_args as _parse
 from benchmarks._save_ranks import (
     _DISK,
     _MIB,
@@ -92,7 +92,7 @@ from benchmarks._save_ranks import (
     _save_worker,
     _train_worker,
 )
-from benchmarks._save_report import _plot, _verdicts, render_markdown
+from benchmarks._save_report import _copy_limit_s, _median, _plot, _save_rows, _save_sample, _verdicts, render_markdown
 
 __all__ = ["main", "SAVE_MODES", "TRAIN_MODES"]
 
@@ -136,7 +136,7 @@ def _disk_source(size_bytes: int):
 
     buf = torch.empty(max(size_bytes, 1), dtype=torch.uint8)
     buf.fill_(0x5A)
-    return memoryview(buf.numpy())
+    return memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs lack __buffer__
 
 
 def _disk_write_seconds(directory: Path, source: memoryview, chunk_bytes: int = 16 * _MIB) -> float:
@@ -156,10 +156,6 @@ def _disk_write_seconds(directory: Path, source: memoryview, chunk_bytes: int = 
         return time.perf_counter() - t0
     finally:
         path.unlink(missing_ok=True)
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 def _rotated(items: list[str], r: int) -> list[str]:
@@ -192,7 +188,7 @@ def _run_save_block(
 ) -> dict[str, Any]:
     """All rounds of one (size, world size) block: ``{mode: [per-round sample]}``."""
     size_bytes = int(size_mib * _MIB)
-    samples: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    samples: dict[str, list[dict[str, Any] | None]] = {m: [] for m in modes}
     disk: list[float] = []  # per round: median of that round's probes
     copy: list[float | None] = []  # per round: the copy limit (max over ranks, median of copies)
     errors: dict[str, str] = {}
@@ -210,6 +206,7 @@ def _run_save_block(
             _clean(root)
             try:
                 if mode.startswith(_DISK):
+                    assert source is not None  # with_disk
                     probes.append(_disk_write_seconds(root, source))
                     continue
                 if mode == COPY_LIMIT:
@@ -235,12 +232,13 @@ def _run_save_block(
                     "step_compute_s": args.step_compute_s,
                 }
                 values = _run_ranks("save", world_size, spec, timeout_s=_save_timeout(args, size_bytes, world_size))
-                samples[mode].append(_save_sample(values))
+                sample = _save_sample(values)
+                samples[mode].append(sample)
                 _log(
                     f"{mode:22s} {size_mib:g} MiB ws={world_size} round {r}: "
-                    f"stall {samples[mode][-1]['stall_s']:.3f} s, e2e {samples[mode][-1]['end_to_end_s']:.3f} s "
+                    f"stall {sample['stall_s']:.3f} s, e2e {sample['end_to_end_s']:.3f} s "
                     f"(rank set {time.perf_counter() - t0:.1f} s, "
-                    f"state built in {samples[mode][-1]['build_s']:.1f} s)"
+                    f"state built in {sample['build_s']:.1f} s)"
                 )
             except BenchError as e:
                 _log(f"FAILED {mode} {size_mib:g} MiB ws={world_size}: {e}")
@@ -259,126 +257,6 @@ def _run_save_block(
                 + " GB/s"
             )
     return {"size_bytes": size_bytes, "samples": samples, "disk_s": disk, "copy_s": copy, "errors": errors}
-
-
-def _copy_limit_s(values: list[dict[str, Any]]) -> float:
-    """Per copy the slowest rank (staging waits for it too), median over copies."""
-    n = len(values[0]["copy_s"])
-    return _median([max(v["copy_s"][i] for v in values) for i in range(n)])
-
-
-def _save_sample(values: list[dict[str, Any]]) -> dict[str, Any]:
-    """One rank set -> one sample: per save max over ranks, then median over measured saves."""
-    n = len(values[0]["saves"])
-
-    def per_save(key: str, i: int) -> float:
-        return max(v["saves"][i][key] for v in values)
-
-    measured = range(1, n)
-    return {
-        "stall_s": _median([per_save("stall_s", i) for i in measured]),
-        "end_to_end_s": _median([per_save("end_to_end_s", i) for i in measured]),
-        "call_s": _median([per_save("call_s", i) for i in measured]),
-        "first_save_s": per_save("end_to_end_s", 0),
-        "first_save_stall_s": per_save("stall_s", 0),
-        "peak_rss_bytes": max(v["peak_rss_bytes"] for v in values),
-        "bg_peak_rss_bytes": max(v["bg_peak_rss_bytes"] for v in values),
-        "rss_budget_bytes": max(v["baseline_rss_bytes"] + 2 * v["local_state_bytes"] for v in values),
-        "rss_over_budget_bytes": max(
-            v["peak_rss_bytes"] - v["baseline_rss_bytes"] - 2 * v["local_state_bytes"] for v in values
-        ),
-        "baseline_rss_bytes": max(v["baseline_rss_bytes"] for v in values),
-        "local_state_bytes": max(v["local_state_bytes"] for v in values),
-        "global_state_bytes": values[0]["global_state_bytes"],
-        "timings_s": values[0]["timings_s"],
-        "build_s": max(v["build_s"] for v in values),
-    }
-
-
-def _save_rows(block: dict[str, Any], world_size: int, thread_counts: dict[str, int]) -> list[dict[str, Any]]:
-    """Rows of one (size, world size) block; ratios are paired within rounds."""
-    size_bytes = block["size_bytes"]
-    disk_gbps = size_bytes / _median(block["disk_s"]) / 1e9 if block["disk_s"] else float("nan")
-    by_mode = block["samples"]  # {mode: [sample or None (failed) per round]}
-
-    def round_value(mode: str, r: int, key: str) -> float | None:
-        s = by_mode.get(mode, [])
-        return s[r][key] if r < len(s) and s[r] is not None else None
-
-    def paired(mode: str, other: str, key: str, other_key: str) -> list[float]:
-        n = max(len(by_mode.get(mode, [])), len(by_mode.get(other, [])))
-        out = []
-        for r in range(n):
-            a, b = round_value(mode, r, key), round_value(other, r, other_key)
-            if a is not None and b is not None:
-                out.append(a / b)
-        return out
-
-    rows = []
-    for mode, per_round in by_mode.items():
-        samples = [s for s in per_round if s is not None]
-        row: dict[str, Any] = {
-            "experiment": "save",
-            "mode": mode,
-            "size_bytes": size_bytes,
-            "size_mib": size_bytes / _MIB,
-            "world_size": world_size,
-            "thread_count": thread_counts[mode],
-            "repeats": len(samples),
-            "disk_write_gbps": disk_gbps,
-        }
-        if not samples:
-            row["error"] = block["errors"].get(mode, "no samples")
-            rows.append(row)
-            continue
-        if mode in block["errors"]:
-            row["warning"] = "failed in some rounds: " + block["errors"][mode].splitlines()[0][:300]
-        e2e = _median([s["end_to_end_s"] for s in samples])
-        row.update(
-            {
-                "stall_s": _median([s["stall_s"] for s in samples]),
-                "end_to_end_s": e2e,
-                "write_gbps": size_bytes / e2e / 1e9,
-                "save_call_s": _median([s["call_s"] for s in samples]),
-                "first_save_s": _median([s["first_save_s"] for s in samples]),
-                "first_save_stall_s": _median([s["first_save_stall_s"] for s in samples]),
-                "peak_rss_bytes": max(s["peak_rss_bytes"] for s in samples),
-                "rss_budget_bytes": max(s["rss_budget_bytes"] for s in samples),
-                "rss_over_budget_bytes": max(s["rss_over_budget_bytes"] for s in samples),
-                "baseline_rss_bytes": max(s["baseline_rss_bytes"] for s in samples),
-                "bg_peak_rss_bytes": max(s["bg_peak_rss_bytes"] for s in samples),
-                "local_state_bytes": samples[0]["local_state_bytes"],
-                "state_bytes": samples[0]["global_state_bytes"],
-                "stall_s_samples": [s["stall_s"] for s in samples],
-                "end_to_end_s_samples": [s["end_to_end_s"] for s in samples],
-            }
-        )
-        timings = [s["timings_s"] for s in samples if s["timings_s"]]
-        for key in ("stage", "write", "commit"):
-            if timings:
-                row[f"manifest_{key}_s"] = _median([t.get(key, float("nan")) for t in timings])
-        copies = block.get("copy_s", [])
-        if mode in ASYNC_MODES and any(c is not None for c in copies):
-            row["copy_limit_s"] = _median([c for c in copies if c is not None])
-            row["stall_over_copy_limit"] = _median(
-                [
-                    s / c
-                    for r, c in enumerate(copies)
-                    if c is not None and (s := round_value(mode, r, "stall_s")) is not None
-                ]
-            )
-        if mode in ASYNC_MODES and "blocking" in by_mode:
-            row["stall_over_blocking_e2e"] = _median(paired(mode, "blocking", "stall_s", "end_to_end_s"))
-            row["e2e_over_blocking_e2e"] = _median(paired(mode, "blocking", "end_to_end_s", "end_to_end_s"))
-        if block["disk_s"]:
-            ratios = [
-                block["disk_s"][r] / e
-                for r in range(len(block["disk_s"]))
-                if (e := round_value(mode, r, "end_to_end_s")) is not None
-            ]
-            row["write_over_disk"] = _median(ratios)  # == write_gbps / disk_gbps, per round
-        rows.append(row)
-    return rows
 
 
 def _run_train(args, data_dir: Path) -> list[dict[str, Any]]:
@@ -468,99 +346,6 @@ def _run_train(args, data_dir: Path) -> list[dict[str, Any]]:
                 )
             rows.append(row)
     return rows
-
-
-# ============================================================================ CLI
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_save",
-        description="Benchmark naive torch.save vs distckpt blocking/async saves on CPU/gloo ranks.",
-        epilog="example: python -m benchmarks.bench_save --sizes-mib 64 --world-sizes 1 2 --repeats 2 "
-        "--no-train --out /tmp/bench",
-    )
-    p.add_argument(
-        "--sizes-mib",
-        type=float,
-        nargs="+",
-        default=[256, 1024],
-        help="model + AdamW state of the whole job, MiB (default: 256 1024)",
-    )
-    p.add_argument(
-        "--world-sizes",
-        type=int,
-        nargs="+",
-        default=[1, 2],
-        help="ranks (default: 1 2; add 4 for an oversubscribed 2-core box, ~+50%% run time)",
-    )
-    p.add_argument("--repeats", type=int, default=3, help="rounds; each runs every mode once (default: 3)")
-    p.add_argument(
-        "--saves-per-process",
-        type=int,
-        default=1,
-        help="measured saves per rank set, after its warm-up save (default: 1)",
-    )
-    p.add_argument(
-        "--step-compute-s",
-        type=float,
-        default=0.25,
-        help="async modes: seconds between save() and wait_staged() standing for the next "
-        "step's forward/backward (a sleep: on a GPU node the CPU waits for kernels) "
-        "(default: 0.25)",
-    )
-    p.add_argument(
-        "--disk-probes",
-        type=int,
-        default=2,
-        help="plain sequential write + fsync probes per round, spread among the modes (default: 2)",
-    )
-    p.add_argument("--modes", nargs="+", default=list(SAVE_MODES), choices=SAVE_MODES, help="save modes")
-    p.add_argument("--out", default="runs/bench_save", help="output directory (results.json/.md, plot.png)")
-    p.add_argument(
-        "--data-dir",
-        default=None,
-        help="where checkpoints are written (default: OUT/data; removed after each rank set)",
-    )
-    p.add_argument("--timeout-s", type=float, default=600.0, help="upper limit per rank set (seconds)")
-    p.add_argument(
-        "--leave-page-reporting",
-        action="store_true",
-        help="do not hold a VM's free page reporting during the run (see benchmarks/_guest_memory.py)",
-    )
-    p.add_argument(
-        "--no-thread-count",
-        action="store_true",
-        help="skip the blocking thread_count 1 vs 4 comparison at world size 1",
-    )
-    p.add_argument(
-        "--thread-counts", type=int, nargs="+", default=[1, 4], help="thread_count values compared (default: 1 4)"
-    )
-    p.add_argument(
-        "--thread-count-repeats",
-        type=int,
-        default=None,
-        help="rounds of the thread_count comparison (default: --repeats)",
-    )
-    p.add_argument(
-        "--no-save", action="store_true", help="skip the save matrix (run only the thread_count and/or training parts)"
-    )
-    p.add_argument("--no-train", action="store_true", help="skip the training-interference part")
-    p.add_argument("--train-world-sizes", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--train-steps", type=int, default=24, help="measured training steps per run (default: 24)")
-    p.add_argument("--train-every", type=int, default=6, help="save every k steps (default: 6)")
-    p.add_argument("--train-repeats", type=int, default=2, help="rounds of the training part (default: 2)")
-    p.add_argument("--train-global-batch", type=int, default=8)
-    p.add_argument("--train-async-mode", choices=("thread", "process"), default="thread")
-    args = p.parse_args(argv)
-    for name in ("repeats", "saves_per_process", "disk_probes", "train_steps", "train_every", "train_repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.thread_count_repeats is not None and args.thread_count_repeats < 1:
-        p.error("--thread-count-repeats must be >= 1")
-    if any(w < 1 for w in args.world_sizes + args.train_world_sizes):
-        p.error("world sizes must be >= 1")
-    if any(s <= 0 for s in args.sizes_mib):
-        p.error("--sizes-mib must be positive")
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,9 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from distckpt.ondisk.integrity import MAX_BLOCK_BYTES, BlockDigests, WrittenFile
-from distckpt.ondisk.manifest import Manifest, TensorSpec, model_fingerprint
-from distckpt.storage.posix import PosixStore
+# The manifest and digest files a save at W ranks commits, built without W processes (none is public):
+from distckpt.ondisk.integrity import MAX_BLOCK_BYTES, BlockDigests, WrittenFile  # a rank's file records
+from distckpt.ondisk.manifest import Manifest, TensorSpec, model_fingerprint  # the manifest under test
+from distckpt.storage.posix import PosixStore  # writes the digest files as a commit does
 
 __all__ = ["manifest_size", "main"]
 
@@ -49,7 +50,7 @@ def manifest_size(
         blocks = BlockDigests(ends, hashes)
         reported: dict[str, tuple[int, str]] = {}
         for rank in range(world_size):
-            written = {}
+            written: dict[str, tuple[int, str]] = {}  # WrittenFile values, as a writer reports them
             for i in range(files_per_rank):
                 name = f"__{rank}_{i}.distcp"
                 with open(Path(pending) / name, "wb") as f:

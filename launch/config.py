@@ -10,8 +10,7 @@ A job config is one YAML file with four sections, each a dataclass::
 Command-line overrides are dotted ``section.key=value`` pairs whose values are parsed as
 YAML scalars (``train.steps=40``); a checkpoint field is ``checkpoint.<section>.key=value``
 (``checkpoint.load.path=null``, ``checkpoint.schedule.interval_steps=10``). Unknown sections
-or keys are errors that name the valid ones; a checkpoint key outside its section
-(``checkpoint.keep_last=2``) names its section key (:data:`distckpt.config.MOVED_KEYS`).
+or keys are errors that name the valid ones.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from typing import Any, Literal, Sequence
 import yaml
 
 from distckpt import CheckpointConfig, ConfigError
-from distckpt.config import SECTIONS
 from launch.model import GPTConfig
 
 __all__ = ["DataConfig", "TrainConfig", "JobConfig", "load_job_config", "parse_override"]
@@ -140,6 +138,12 @@ class JobConfig:
         return dataclasses.asdict(self)
 
 
+# CheckpointConfig's sections ({name: dataclass}), from its public field types.
+_CHECKPOINT_SECTIONS: dict[str, type] = {
+    name: hint
+    for name, hint in typing.get_type_hints(CheckpointConfig).items()
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint)
+}
 _SECTIONS: dict[str, type] = {
     "model": GPTConfig,
     "data": DataConfig,
@@ -199,7 +203,7 @@ def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> J
         target = sections.setdefault(section, {})
         sub, dot, key = key.rpartition(".")
         if dot:
-            if not isinstance(target.get(sub, {}), dict):  # a bool where a section belongs (load: true)
+            if not isinstance(target.get(sub, {}), dict):  # a flat value where a section mapping belongs
                 raise ConfigError(f"override {text!r}: {section}.{sub} is {target[sub]!r}, not a section mapping")
             target = target.setdefault(sub, {})
         target[key] = value
@@ -238,8 +242,8 @@ def _build_checkpoint(values: dict[str, Any]) -> CheckpointConfig:
     sections'; ``CheckpointConfig.from_dict`` checks the keys."""
     coerced = dict(values)
     for key, value in values.items():
-        if key in SECTIONS and isinstance(value, dict):
-            hints = typing.get_type_hints(SECTIONS[key])
+        if key in _CHECKPOINT_SECTIONS and isinstance(value, dict):
+            hints = typing.get_type_hints(_CHECKPOINT_SECTIONS[key])
             coerced[key] = {
                 k: _coerce(f"checkpoint.{key}.{k}", v, hints[k]) if k in hints else v for k, v in value.items()
             }

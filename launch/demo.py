@@ -362,10 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         go(runs["resume_2to2"])
         go(runs["resume_2to4"])
         d = runs["resume_2to4"]
-        where = (
-            committed_locations(d.ckpt_root)
+        where: dict[int, Path | str] = (
+            dict(committed_locations(str(d.ckpt_root)))
             if server is not None
-            else {s: d.ckpt_root / f"step-{s:09d}" for s in committed_steps(d.ckpt_root)}
+            else {s: Path(d.ckpt_root) / f"step-{s:09d}" for s in committed_steps(Path(d.ckpt_root))}
         )
         later = [s for s in sorted(where) if (d.resumed_from or 0) < s < n]
         if later:  # the oldest checkpoint the 4 ranks wrote after their resume

@@ -70,7 +70,11 @@ def build_model() -> torch.nn.Module:
 def trainer_class(base: type) -> type:
     """``base`` (a Trainer class) recording each micro-batch's sample ids and loss."""
 
-    class Recording(base):  # type: ignore[misc, valid-type]
+    class Recording(base):
+        _kill_at: int | None = None  # set by main()
+        _first_step_at: float | None = None
+        _records: Path
+
         def compute_loss(self, model, inputs, *args, **kwargs):
             ids = inputs.pop("sample_ids")
             step = self.state.global_step + 1

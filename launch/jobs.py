@@ -77,7 +77,7 @@ class Run:
         name: label in logs and reports.
         nproc: ranks (``--nproc-per-node``).
         out: ``train.out`` (records and ``torchrun.log``).
-        ckpt_root: ``checkpoint.root``.
+        ckpt_root: ``checkpoint.root`` (a directory, or an ``s3://`` URL as a ``str``).
         parent: the run whose checkpoint this one resumes (for :func:`kept_history`).
         reference: whose losses it must reproduce (the demo's default: its baseline).
         load_path: ``checkpoint.load.path`` when set.
@@ -89,10 +89,10 @@ class Run:
     name: str
     nproc: int
     out: Path
-    ckpt_root: Path
+    ckpt_root: Path | str
     parent: "Run | None" = None
     reference: "Run | None" = None
-    load_path: Path | None = None
+    load_path: Path | str | None = None
     returncode: int | None = None
     wall_seconds: float = 0.0
     killed: bool = False

@@ -72,7 +72,7 @@ def node_env(node: str) -> dict[str, str]:
 
 def worker_pids(agent: subprocess.Popen) -> dict[int, int]:
     """``{local rank: pid}`` of the ``launch.train`` workers of a torchrun agent (its process tree)."""
-    out = {}
+    out: dict[int, int] = {}
     for pid in process_tree(agent.pid)[1:]:
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")

@@ -272,11 +272,12 @@ def copy_root(server: S3Server, src: str, dst: str) -> None:
 
 
 def committed_locations(root: str) -> dict[int, str]:
-    """``{step: data-prefix URL}`` of the committed checkpoints of an ``s3://`` root."""
-    from distckpt.ondisk.manifest import Manifest
-    from distckpt.storage import find_committed, open_store
-
-    return {s: loc for s, loc, r in find_committed(open_store(root)) if isinstance(r, Manifest)}
+    """``{step: data-prefix URL}`` of the committed checkpoints of an ``s3://`` root, as
+    ``distckpt ls --json`` lists them (the endpoint and keys from ``$AWS_*``)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "distckpt.cli", "ls", root, "--json"], capture_output=True, text=True, check=True
+    ).stdout
+    return {c["step"]: c["path"] for c in json.loads(out)["checkpoints"] if c["status"] == "committed"}
 
 
 def main(argv: list[str] | None = None) -> int:

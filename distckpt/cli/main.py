@@ -12,13 +12,13 @@ import logging
 import os
 import sys
 
-from . import bench, diff, export, import_, inspect_, interval, ls, memory, prune, release, verify
+from . import diff, export, import_, inspect_, interval, ls, memory, prune, release, verify
 from ._common import add_common
 from ._errors import EXIT_ERROR, describe
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
-COMMANDS = [ls, inspect_, interval, verify, diff, export, release, import_, prune, memory, bench]
+COMMANDS = [ls, inspect_, interval, verify, diff, export, release, import_, prune, memory]
 
 
 def build_parser() -> argparse.ArgumentParser:
