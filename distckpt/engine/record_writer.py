@@ -265,10 +265,11 @@ def _resolver(planner: SavePlanner) -> Callable[[WriteItem], Any]:
     the flattened state dict's value itself, as ``find_state_dict_object`` returns it, without
     its generic checks (a few microseconds per item). Any other object, a tensor subclass
     (``DTensor``, ``Parameter``), a non-zero offset or a planner overriding the lookup: DCP's."""
+    if not isinstance(planner, DefaultSavePlanner):
+        return planner.resolve_data
     cls = type(planner)
     if not (
-        isinstance(planner, DefaultSavePlanner)
-        and cls.resolve_data is DefaultSavePlanner.resolve_data
+        cls.resolve_data is DefaultSavePlanner.resolve_data
         and cls.lookup_object is DefaultSavePlanner.lookup_object
         and cls.transform_object is DefaultSavePlanner.transform_object
     ):
