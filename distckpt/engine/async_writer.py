@@ -27,6 +27,7 @@ from ..errors import ConfigError
 from ..ondisk.integrity import hash_file
 from .blocking import GC_PAUSE, hashing_writer
 from .incremental_writer import ReuseIndex
+from .save_planner import CachingSavePlanner
 from .staging import ReusingStager
 
 __all__ = ["AsyncWriter", "AsyncMode", "cuda_device_of"]
@@ -128,6 +129,7 @@ class AsyncWriter:
                     process_group=self.process_group,
                     async_checkpointer_type=self.checkpointer_type,
                     async_stager=self.stager,
+                    planner=CachingSavePlanner(),
                 )
             except BaseException:
                 if pause:

@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from ..errors import CheckpointCorruptError, DistCkptError, ReaderInvariantError, StorageError
 from .incremental_writer import IncrementalFileSystemWriter, ReuseIndex
 from .safe_io import SafeFileSystemReader, SafeLoadPlanner
+from .save_planner import CachingSavePlanner
 from .torch_internals import format_tested
 from .writer import CheckedFileSystemWriter
 
@@ -180,7 +181,13 @@ def dcp_save(
     if writer is None:
         writer = hashing_writer(directory, thread_count=thread_count, write_timeout_s=write_timeout_s, reuse=reuse)
     with gc_paused(), _no_single_process_warning("save"):
-        dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=_single_rank(process_group))
+        dcp.save(
+            state_dict,
+            storage_writer=writer,
+            process_group=process_group,
+            no_dist=_single_rank(process_group),
+            planner=CachingSavePlanner(),
+        )
     return dict(writer.fs.written)
 
 
