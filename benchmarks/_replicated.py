@@ -47,14 +47,22 @@ def _fill(model: Any, k: float) -> None:
 
 
 def _config(root: str, read_once: bool, read_only: bool = True) -> Any:
-    from distckpt import CheckpointConfig, CoordinationConfig, LoadConfig, RetentionConfig, ScheduleConfig
+    from distckpt import (
+        CheckpointConfig,
+        CoordinationConfig,
+        LoadConfig,
+        RetentionConfig,
+        SaveConfig,
+        ScheduleConfig,
+    )
 
     return CheckpointConfig(
         root=root,
         schedule=ScheduleConfig(interval_steps=None),
         retention=RetentionConfig(keep_last=None),
         coordination=CoordinationConfig(lock=False),
-        load=LoadConfig(read_once=read_once, read_only=read_only),
+        save=SaveConfig(enabled=not read_only),
+        load=LoadConfig(read_once=read_once),
     )
 
 

@@ -199,13 +199,13 @@ def _load(impl: str, path: str, model: Any, opt: Any) -> None:
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
         return
-    from distckpt import CheckpointConfig, CheckpointManager, CoordinationConfig, LoadConfig, ScheduleConfig
+    from distckpt import CheckpointConfig, CheckpointManager, CoordinationConfig, SaveConfig, ScheduleConfig
 
     config = CheckpointConfig(
         root=path,
         schedule=ScheduleConfig(interval_steps=None),
         coordination=CoordinationConfig(lock=False),
-        load=LoadConfig(read_only=True),
+        save=SaveConfig(enabled=False),
     )
     with CheckpointManager(config, model=model, optimizer=opt) as manager:
         assert manager.load() is not None

@@ -169,8 +169,8 @@ class MemoryTier:
 
     @staticmethod
     def wanted(config: CheckpointConfig) -> bool:
-        """Whether ``config`` runs the memory tier: ``memory.enabled`` and not ``load.read_only``."""
-        return config.memory.enabled and not config.load.read_only
+        """Whether ``config`` runs the memory tier: ``memory.enabled`` and ``save.enabled``."""
+        return config.memory.enabled and config.save.enabled
 
     @classmethod
     def setup_estimate(

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import CheckpointConfig
+from ..config_sections import StorageConfig
 from ..errors import CheckpointNotFoundError, ConfigError
 from ..manager import CheckpointManager
 from ..ondisk.layout import refuse_output_in_checkpoint, refuse_url_output
@@ -391,7 +392,9 @@ def import_weights(
     """
     if on_existing not in ("refuse", "archive"):
         raise ValueError(f"on_existing={on_existing!r}: expected 'refuse' or 'archive'")
-    config = CheckpointConfig(root=os.fspath(root), storage={"s3_endpoint_url": endpoint_url, "s3_region": region})
+    config = CheckpointConfig(
+        root=os.fspath(root), storage=StorageConfig(s3_endpoint_url=endpoint_url, s3_region=region)
+    )
 
     def refuse_or_archive_existing(store: CheckpointStore) -> None:  # under the root's lock
         refuse_or_archive(
