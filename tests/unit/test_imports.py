@@ -115,7 +115,18 @@ RULES: dict[str, set[str]] = {
     "dcp": {"engine", "errors", "ondisk", "storage"},  # drop-in DCP storage classes (distckpt.dcp)
     "cli": {"_version", "config", "engine", "errors", "load", "memory", "ondisk", "save", "state", "storage", "tools"},
     # tools: a one-rank manager save (import)
-    "tools": {"_version", "adapters", "config", "config_sections", "engine", "errors", "manager", "ondisk", "state", "storage"},
+    "tools": {
+        "_version",
+        "adapters",
+        "config",
+        "config_sections",
+        "engine",
+        "errors",
+        "manager",
+        "ondisk",
+        "state",
+        "storage",
+    },
     "save": {"_version", "adapters", "config", "coord", "data", "engine", "errors", "ondisk", "state", "storage"},
     "load": {"_version", "adapters", "config", "coord", "data", "engine", "errors", "memory", "ondisk", "state"}
     | {"storage"},
