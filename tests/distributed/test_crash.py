@@ -74,16 +74,16 @@ def test_bit_flip_found_while_reading_falls_back_on_every_rank(tmp_path, fast_lo
 def load_with_metadata_error_on_rank_0(rank, world_size, opts):
     """``.metadata`` of the newest checkpoint unreadable on rank 0, the one rank that reads it
     for every rank (an I/O error on its node)."""
-    import distckpt.storage.posix as manager_module  # where the load reads .metadata (POSIX store)
+    import distckpt.load.loading as manager_module  # where the load reads .metadata
     from distckpt.errors import CheckpointCorruptError
 
     if rank == 0:
         original = manager_module.read_dcp_metadata
 
-        def failing(path):
+        def failing(store, path):
             if "step-000000006" in str(path):
                 raise OSError(5, "Input/output error", f"{path}/.metadata")
-            return original(path)
+            return original(store, path)
 
         manager_module.read_dcp_metadata = failing
     try:
