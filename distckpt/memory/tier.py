@@ -3,7 +3,8 @@
 
 Per snapshot, on the training thread: wait for the previous snapshot's background work, plan the
 items of the same DCP state_dict a durable save writes (replicated tensors once per job,
-:func:`~distckpt.memory.placement.assign_replicated`), and copy them into a reused slot file
+:func:`~distckpt.memory.placement.assign_replicated`; the plan reused while the state_dict's
+structure repeats), and copy them into a reused slot file
 (:class:`~distckpt.memory.snapfile.SlotFile`); that copy is the stall. On a background thread with
 its own gloo group: hash the data, seal the file (complete), then one replication round: each
 rank sends its file to its ring targets and receives its sources' files into its replica slots,
@@ -28,7 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -46,6 +47,7 @@ __all__ = ["MemoryTier", "estimate_bytes"]
 
 logger = logging.getLogger(__name__)
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _KINDS = {WriteItemType.TENSOR: "tensor", WriteItemType.SHARD: "shard", WriteItemType.BYTE_IO: "bytes"}
 
 
@@ -139,6 +141,8 @@ class MemoryTier:
         self._reclaimed = False
         self.last_stall_s = 0.0
         self.snapshots = 0
+        self._plan: list[WriteItem] = []  # the last snapshot's kept write items (_kept_items)
+        self._plan_key: tuple | None = None
 
     @property
     def _first_on_node(self) -> bool:
@@ -225,14 +229,7 @@ class MemoryTier:
             self._recreate()
         planner = DefaultSavePlanner()
         planner.set_up_planner(build(), is_coordinator=self.rank == 0)
-        items = planner.create_local_plan().items
-        sizes = {
-            i.index.fqn: i.tensor_data.size.numel() * i.tensor_data.properties.dtype.itemsize
-            for i in items
-            if i.type == WriteItemType.TENSOR and i.tensor_data is not None
-        }
-        owner = assign_replicated(sizes, self.world_size)
-        kept = [i for i in items if i.type != WriteItemType.TENSOR or owner[i.index.fqn] == self.rank]
+        kept = self._kept_items(planner)
         slot_index = 1 - self._newest.get(self.rank, 1)
         slot = self._own[slot_index]
         header: SnapshotHeader | None = None
@@ -246,6 +243,26 @@ class MemoryTier:
         self._copied = threading.Event()
         self._pending = _in_background(self._finish, step, slot_index if header else None, header, deferred, event)
         self.last_stall_s = time.perf_counter() - t0
+
+    def _kept_items(self, planner: DefaultSavePlanner) -> list[WriteItem]:
+        """The write items this rank snapshots: DCP's local plan of ``planner``'s state_dict less the
+        replicated tensors another rank holds (:func:`~distckpt.memory.placement.assign_replicated`).
+        The plan is a function of the state_dict's structure alone (keys; each tensor's shape, dtype
+        and DTensor layout), which a training job keeps from step to step: it is reused while that
+        structure repeats, as DCP's ``enable_plan_caching`` reuses a save plan."""
+        key = _structure(planner.state_dict)
+        if key is not None and key == self._plan_key:
+            return self._plan
+        items = planner.create_local_plan().items
+        sizes = {
+            i.index.fqn: i.tensor_data.size.numel() * i.tensor_data.properties.dtype.itemsize
+            for i in items
+            if i.type == WriteItemType.TENSOR and i.tensor_data is not None
+        }
+        owner = assign_replicated(sizes, self.world_size)
+        self._plan = [i for i in items if i.type != WriteItemType.TENSOR or owner[i.index.fqn] == self.rank]
+        self._plan_key = key
+        return self._plan
 
     def _recreate(self) -> None:
         """The directory was removed under the running job (its snapshots are gone): make it and new
@@ -267,7 +284,7 @@ class MemoryTier:
         rows: list[list[Any]] = []
         offset = PREAMBLE
         for item in items:
-            resolved = planner.resolve_data(item)
+            resolved = _resolve(planner, item)
             value: bytes | torch.Tensor
             if isinstance(resolved, io.BytesIO):
                 value = resolved.getvalue()
@@ -429,6 +446,34 @@ class MemoryTier:
             remove_if_empty(self.dir)  # by whichever of the node's ranks deletes its files last
         except OSError as e:  # the job's end is not failed by the memory left: `distckpt memory clean` frees it
             logger.warning("memory tier: cleaning up %s on rank %d failed: %s", self.dir, self.rank, e)
+
+
+def _structure(state_dict: dict[str, Any]) -> tuple | None:
+    """What DCP's local save plan of the flat ``state_dict`` depends on: each key with its tensor's
+    shape and dtype (and a DTensor's mesh and placements); ``None`` (never reused) when a value is
+    another tensor subclass (FSDP1's ``ShardedTensor``: its local shards would have to be compared)."""
+    key: list[Any] = []
+    for fqn, value in state_dict.items():
+        if isinstance(value, DTensor):
+            key.append((fqn, value.shape, value.dtype, id(value.device_mesh), value.placements))
+        elif type(value) in _PLAIN:
+            key.append((fqn, value.shape, value.dtype))
+        elif isinstance(value, torch.Tensor):
+            return None
+        else:
+            key.append(fqn)  # written as bytes: the plan does not depend on the value
+    return tuple(key)
+
+
+def _resolve(planner: DefaultSavePlanner, item: WriteItem) -> torch.Tensor | io.BytesIO:
+    """``planner.resolve_data(item)``, with a plain tensor or a DTensor's local shard looked up
+    directly (what DCP's lookup does for them, without its per-item search)."""
+    value = planner.state_dict.get(item.index.fqn) if item.type != WriteItemType.BYTE_IO else None
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, torch.Tensor) and type(value) in _PLAIN:
+        return value
+    return planner.resolve_data(item)
 
 
 def _copy_tensors(slot: SlotFile, data: list[tuple[torch.Tensor, int, int]], event: Any) -> None:

@@ -95,3 +95,29 @@ def test_background_staging_needs_no_wait_staged_call(tmp_path, monkeypatch):
         assert torch.equal(full_params(model2)[k], v), k
     restarted.close()
     release_workers(loader2)
+
+
+def test_a_snapshot_after_the_state_dict_changes_shape_holds_the_new_state(tmp_path):
+    """The tier reuses its snapshot plan while the state_dict's structure repeats: the optimizer's
+    state appearing at the first step (new keys) makes a new plan, so the restore has the new
+    tensors, bitwise (with the first plan reused, the optimizer state is missing)."""
+    memory = {"enabled": True, "dir": str(tmp_path / "mem"), "replicas": 0, "interval_steps": 1}
+    manager, (model, optimizer, scheduler, scaler, loader) = _manager(tmp_path, memory=memory)
+    it = iter(loader)
+    manager.maybe_save(1)  # before any optimizer step: no optimizer state yet
+    optimizer_step(model, optimizer, scheduler, scaler, next(it))
+    manager.maybe_save(2)
+    manager.memory.wait()
+    expected = {"params": copy.deepcopy(full_params(model)), "optim": copy.deepcopy(full_optim(model, optimizer))}
+    assert expected["optim"]["state"]  # the structure did change between the two snapshots
+
+    restarted, (model2, optimizer2, *_rest, loader2) = _manager(tmp_path, memory=memory)
+    state = restarted.load()
+    assert state is not None and state.step == 2 and restarted.loader.tier == "memory"
+    for k, v in expected["params"].items():
+        assert torch.equal(full_params(model2)[k], v), k
+    assert str(full_optim(model2, optimizer2)) == str(expected["optim"])
+    restarted.close()
+    manager.close()
+    release_workers(loader)
+    release_workers(loader2)
