@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from ..config import LOADABLE, CheckpointConfig
@@ -28,7 +29,7 @@ from ..ondisk.integrity import BlockDigests
 from ..ondisk.layout import parse_step
 from ..ondisk.manifest import Manifest, TensorSpec, first_problem, structure_problems
 from ..state.training_state import CheckpointState, TrainState
-from ..storage import CheckpointStore, block_digests, check_file, read_dcp_metadata, step_of, store_of
+from ..storage import CheckpointStore, check_file, digest_index, read_dcp_metadata, step_of, store_of
 from .discovery import CheckpointDiscovery
 from .read import CheckpointSource, read_checkpoint
 
@@ -177,10 +178,12 @@ class CheckpointLoader:
 class StoreSource:
     """A committed checkpoint of a storage location as a :class:`~distckpt.load.read.CheckpointSource`.
 
-    Rank 0 alone reads the manifest, ``.metadata`` and the digest files and hands them to every rank
-    (one read per job, not one per rank); an error there raises on every rank, so all ranks fall
-    back together. The reader is the store's (distckpt's fast reader by default, every file hashed
-    while read); DCP's reads end in their own agreement.
+    Rank 0 alone reads the manifest and ``.metadata`` and hands them to every rank (one read per
+    job, not one per rank); an error there raises on every rank, so all ranks fall back together.
+    Each rank reads the digest files of the files it reads
+    (:class:`~distckpt.ondisk.digests.DigestIndex`). The reader is the store's (distckpt's fast
+    reader by default, every file hashed while read); DCP's reads end in their own agreement, so a
+    digest file found changed on one rank fails the read on every rank.
 
     Args:
         path: the checkpoint (of the root, or of another root: ``load.path``).
@@ -195,7 +198,7 @@ class StoreSource:
         self.what = f"reading {path}"
         self._manifest: Manifest | None = None
         self._metadata: Any = None
-        self.blocks: dict[str, BlockDigests] | None = None
+        self.blocks: Mapping[str, BlockDigests] | None = None
 
     def manifest(self) -> Manifest:
         """The manifest, read by rank 0 (``CheckpointCorruptError`` on every rank)."""
@@ -204,8 +207,8 @@ class StoreSource:
         return self._manifest
 
     def metadata(self) -> Any:
-        """``.metadata`` (its hash checked first with ``load.verify``) and the digest files, read and
-        checked by rank 0 (``CheckpointCorruptError`` on every rank)."""
+        """``.metadata`` (its hash checked first with ``load.verify``), read and checked by rank 0
+        (``CheckpointCorruptError`` on every rank)."""
         path, manifest, verify = self.location, self._manifest, self.loader.config.load.verify
         assert manifest is not None  # manifest() first
 
@@ -214,12 +217,14 @@ class StoreSource:
                 for f in manifest.files:
                     if f.path == ".metadata":
                         check_file(self.store, path, f.path, size_bytes=f.size_bytes, digest=f.hash)
-            metadata = checked_metadata(self.store, path, manifest)
-            return metadata, block_digests(self.store, path, manifest) if verify else None
+            return checked_metadata(self.store, path, manifest)
 
-        self._metadata, self.blocks = self.loader.collective.lead(
+        self._metadata = self.loader.collective.lead(
             read_plan_inputs, what=self.what, error_type=CheckpointCorruptError
         )
+        # Each rank reads the digest files of the files it reads, when it reads them: no rank
+        # receives every rank's block digests.
+        self.blocks = digest_index(self.store, path, manifest) if verify else None
         return self._metadata
 
     def plan(self, target: dict[str, Any]) -> tuple[None, None]:

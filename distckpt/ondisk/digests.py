@@ -21,16 +21,18 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator, Mapping
 from typing import Callable
 
 from ..errors import CheckpointCorruptError
 from .integrity import BlockDigests, new_hasher
 from .manifest import Manifest
 
-__all__ = ["DIGESTS_FORMAT", "digests_name", "is_digests_name", "encode_digests", "read_blocks"]
+__all__ = ["DIGESTS_FORMAT", "digests_name", "is_digests_name", "encode_digests", "read_blocks", "DigestIndex"]
 
 DIGESTS_FORMAT = 1
 _NAME_RE = re.compile(r"^\.digests-rank-\d{5,}\.json$")
+_DATA_RE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's FileSystemWriter: __{rank}_{index}.distcp
 
 
 def digests_name(rank: int) -> str:
@@ -57,8 +59,9 @@ def encode_digests(rank: int, blocks: dict[str, BlockDigests]) -> tuple[bytes, s
 
 
 def read_blocks(manifest: Manifest, read: Callable[[str], bytes], *, location: str) -> dict[str, BlockDigests]:
-    """The block digests of ``manifest``'s files: those its entries hold (schemas 4-6) and those
-    of the digest files it lists (the manifest is not changed).
+    """The block digests of all of ``manifest``'s files: those its entries hold (schemas 4-6) and
+    those of every digest file it lists (the manifest is not changed). ``distckpt verify`` and the
+    commit check use it; a load looks up only the files it reads (:class:`DigestIndex`).
 
     Every digest file is checked against its manifest entry (size and xxh3-128) before it is used.
 
@@ -74,14 +77,70 @@ def read_blocks(manifest: Manifest, read: Callable[[str], bytes], *, location: s
         CheckpointCorruptError: a digest file is missing, unreadable, changed after the commit
             (size or hash), malformed, or its blocks do not tile a file the manifest lists.
     """
-    by_path = {f.path: f for f in manifest.files}
-    found = {f.path: b for f in manifest.files if (b := f.blocks()) is not None}
-    for entry in manifest.files:
-        if not is_digests_name(entry.path):
-            continue
-        where = f"{location}/{entry.path}"
+    index = DigestIndex(manifest, read, location=location)
+    index.read_all()
+    return index.found
+
+
+class DigestIndex(Mapping[str, BlockDigests]):
+    """The block digests of a checkpoint's files, each digest file read and checked (as
+    :func:`read_blocks` checks it) the first time one of the files it covers is looked up: a rank
+    that reads a few files reads a few digest files, not every rank's.
+
+    A data file ``[dir/]__R_K.distcp`` (DCP's name for rank ``R``'s ``K``-th file) is looked up in
+    ``[dir/]`` + :func:`digests_name` ``(R)``, the file its writer wrote; any other name, or one that
+    file does not cover, in all of them. Not thread-safe: the fast reader looks files up while it
+    plans, on one thread.
+
+    Args:
+        manifest, read, location: as :func:`read_blocks`.
+    """
+
+    def __init__(self, manifest: Manifest, read: Callable[[str], bytes], *, location: str) -> None:
+        self.manifest, self.read, self.location = manifest, read, location
+        self.by_path = {f.path: f for f in manifest.files}
+        self.found = {f.path: b for f in manifest.files if (b := f.blocks()) is not None}
+        self.unread = {f.path for f in manifest.files if is_digests_name(f.path)}
+
+    def __getitem__(self, path: str) -> BlockDigests:
+        """The block digests of ``path`` (relative to the checkpoint); ``KeyError`` when no digest
+        file covers it (``.get`` gives ``None``).
+
+        Raises:
+            CheckpointCorruptError: a digest file read for it is missing, changed or malformed.
+        """
+        if path in self.found or not self.unread:
+            return self.found[path]
+        prefix, _, name = path.rpartition("/")
+        m = _DATA_RE.match(name)
+        if m is not None:
+            own = f"{prefix}/{digests_name(int(m.group(1)))}" if prefix else digests_name(int(m.group(1)))
+            if own in self.unread:
+                self._read(own)
+                if path in self.found:
+                    return self.found[path]
+        self.read_all()
+        return self.found[path]
+
+    def __iter__(self) -> Iterator[str]:
+        self.read_all()
+        return iter(self.found)
+
+    def __len__(self) -> int:
+        self.read_all()
+        return len(self.found)
+
+    def read_all(self) -> None:
+        """Read every digest file not read yet."""
+        for digest_path in sorted(self.unread):
+            self._read(digest_path)
+
+    def _read(self, digest_path: str) -> None:
+        self.unread.discard(digest_path)
+        entry = self.by_path[digest_path]
+        where = f"{self.location}/{digest_path}"
         try:
-            data = read(entry.path)
+            data = self.read(digest_path)
         except OSError as e:
             raise CheckpointCorruptError(
                 f"{where}: digest file listed in the manifest is unreadable ({e})", path=where
@@ -94,17 +153,16 @@ def read_blocks(manifest: Manifest, read: Callable[[str], bytes], *, location: s
                 f"{entry.size_bytes} bytes with {entry.hash} (changed after the commit)",
                 path=where,
             )
-        prefix = entry.path.rpartition("/")[0]
+        prefix = digest_path.rpartition("/")[0]
         try:
             files = json.loads(data)["files"]
             for name, b in files.items():
-                target = by_path.get(f"{prefix}/{name}" if prefix else name)
+                target = self.by_path.get(f"{prefix}/{name}" if prefix else name)
                 if target is None:  # an earlier checkpoint's file this one does not refer to
                     continue
                 blocks = BlockDigests(tuple(b["block_ends"]), tuple(b["block_hashes"]))
                 if not blocks.valid_for(target.size_bytes):
                     raise ValueError(f"the blocks of {name} do not tile its {target.size_bytes} bytes")
-                found[target.path] = blocks
+                self.found[target.path] = blocks
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointCorruptError(f"{where}: malformed digest file ({e})", path=where) from e
-    return found

@@ -14,12 +14,12 @@ from typing import Any
 
 from ..ondisk.layout import check_root_scheme
 from .base import CheckpointStore, Others, is_s3_url, split_location
-from .generic import block_digests, check_file, find_committed, read_dcp_metadata, step_of
+from .generic import check_file, digest_index, find_committed, read_dcp_metadata, step_of
 
 __all__ = [
     "CheckpointStore",
     "Others",
-    "block_digests",
+    "digest_index",
     "check_file",
     "find_committed",
     "read_dcp_metadata",

@@ -11,6 +11,7 @@ what every store gets from the contract is :mod:`distckpt.storage.generic`'s.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple, Protocol
 
 from ..ondisk.integrity import BlockDigests
@@ -235,7 +236,7 @@ class CheckpointStore(Protocol):
         expected_files: dict[str, tuple[int, str | None]] | None,
         fast: bool,
         thread_count: int,
-        block_digests: dict[str, BlockDigests] | None = None,
+        block_digests: Mapping[str, BlockDigests] | None = None,
     ) -> Any:
         """A DCP ``StorageReader`` that verifies each file it reads against ``expected_files``
         (and, where the store reads ranges, the blocks it reads against ``block_digests``)."""

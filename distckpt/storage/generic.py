@@ -10,12 +10,12 @@ from typing import Any
 
 from ..engine.safe_io import parse_dcp_metadata
 from ..errors import CheckpointCorruptError
-from ..ondisk.digests import read_blocks
-from ..ondisk.integrity import HASH_ALGORITHM, BlockDigests, new_hasher
+from ..ondisk.digests import DigestIndex
+from ..ondisk.integrity import HASH_ALGORITHM, new_hasher
 from ..ondisk.manifest import Manifest
 from .base import CheckpointStore, is_s3_url
 
-__all__ = ["block_digests", "check_file", "find_committed", "read_dcp_metadata", "step_of"]
+__all__ = ["check_file", "digest_index", "find_committed", "read_dcp_metadata", "step_of"]
 
 _STEP_NAME = re.compile(r"^step-(\d{9,})(-[0-9a-f]+)?$")
 
@@ -69,14 +69,10 @@ def read_dcp_metadata(store: CheckpointStore, location: str) -> Any:
     return parse_dcp_metadata(io.BytesIO(data), where)
 
 
-def block_digests(store: CheckpointStore, location: str, manifest: Manifest) -> dict[str, BlockDigests]:
-    """``{relative path: BlockDigests}`` of a committed checkpoint's files: those in its manifest
-    (older schemas) and those in the digest files it lists, each checked first.
-
-    Raises:
-        CheckpointCorruptError: a digest file is missing, changed or malformed.
-    """
-    return read_blocks(manifest, lambda name: store.read_file(location, name), location=location)
+def digest_index(store: CheckpointStore, location: str, manifest: Manifest) -> DigestIndex:
+    """The block digests of a committed checkpoint's files, each digest file read (and checked)
+    on its first lookup (:class:`~distckpt.ondisk.digests.DigestIndex`)."""
+    return DigestIndex(manifest, lambda name: store.read_file(location, name), location=location)
 
 
 def check_file(store: CheckpointStore, location: str, name: str, *, size_bytes: int, digest: str | None) -> None:

@@ -9,6 +9,7 @@ system and readers (:mod:`distckpt.engine`), an ``s3://`` URL the object-store o
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from ..engine.safe_io import SafeFileSystemReader
@@ -51,7 +52,7 @@ def dcp_reader(
     path: str | os.PathLike,
     *,
     expected_files: dict[str, tuple[int, str | None]] | None,
-    block_digests: dict[str, BlockDigests] | None,
+    block_digests: Mapping[str, BlockDigests] | None,
     fast: bool,
     thread_count: int,
     endpoint_url: str | None,

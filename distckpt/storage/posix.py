@@ -9,6 +9,7 @@ import functools
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -117,7 +118,7 @@ class PosixStore(CheckpointStore):
         expected_files: dict[str, tuple[int, str | None]] | None,
         fast: bool,
         thread_count: int,
-        block_digests: dict[str, BlockDigests] | None = None,
+        block_digests: Mapping[str, BlockDigests] | None = None,
     ) -> Any:
         if fast and format_tested():  # another torch: the stock reader (engine/torch_internals.py)
             from ..engine.read.shared_read import SharingReader

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from typing_extensions import override
@@ -155,7 +156,7 @@ class S3Store(CheckpointStore):
         expected_files: dict[str, tuple[int, str | None]] | None,
         fast: bool,
         thread_count: int,
-        block_digests: dict[str, BlockDigests] | None = None,
+        block_digests: Mapping[str, BlockDigests] | None = None,
     ) -> Any:
         # Whole objects: each object a rank needs is downloaded and verified once (block_digests unused).
         return S3Reader(location, expected_files=expected_files, endpoint_url=self.endpoint_url, region=self.region)

@@ -331,7 +331,7 @@ def test_references_carry_their_owners_digest_files_and_blocks(tmp_path, capsys)
     digests are no longer in the owner's manifest), so a partial read of a referenced file still
     has its blocks; a deferred owner keeps the digest file."""
     from distckpt.ondisk.manifest import Manifest
-    from distckpt.storage import block_digests
+    from distckpt.storage import digest_index
     from distckpt.storage.posix import PosixStore
 
     expected = run_saves(
@@ -342,7 +342,7 @@ def test_references_carry_their_owners_digest_files_and_blocks(tmp_path, capsys)
     listed = {f.path: f for f in manifest.files}
     assert owner_digests in listed and json.loads((tmp_path / S2 / "distckpt.json").read_text())["schema_version"] == 7
     referenced = sorted(set(references(tmp_path / S2).values()))
-    blocks = block_digests(PosixStore(str(tmp_path)), str(tmp_path / S2), manifest)
+    blocks = digest_index(PosixStore(str(tmp_path)), str(tmp_path / S2), manifest)
     assert referenced and all(blocks[r].ends[-1] == listed[r].size_bytes for r in referenced)
     assert (tmp_path / S1 / "distckpt.deferred.json").exists() and (tmp_path / S1 / ".digests-rank-00000.json").exists()
     assert main(["verify", str(tmp_path / S2)]) == 0

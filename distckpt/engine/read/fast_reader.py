@@ -95,6 +95,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -178,7 +179,7 @@ class FastFileSystemReader(SafeFileSystemReader):
         direct_min_bytes: int = 1 * _MIB,
         max_request_bytes: int = 16 * _MIB,
         gap_read_bytes: int = 4 * _MIB,
-        block_digests: dict[str, BlockDigests] | None = None,
+        block_digests: Mapping[str, BlockDigests] | None = None,
         _extension_registry: Any = None,
     ) -> None:
         super().__init__(path, expected_files=expected_files)
@@ -191,7 +192,7 @@ class FastFileSystemReader(SafeFileSystemReader):
         self.direct_min_bytes = max(int(direct_min_bytes), PEEK_BYTES)
         self.max_request_bytes = max(int(max_request_bytes), _MIB)
         self.gap_read_bytes = max(int(gap_read_bytes), 0)
-        self.block_digests = dict(block_digests or {})
+        self.block_digests = block_digests if block_digests is not None else {}  # looked up lazily
         self._block_checks: dict[str, BlockCheck] = {}  # files of this read_data read in blocks
         self._checks_lock = threading.Lock()
         self._ranged: set[str] = set()
