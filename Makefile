@@ -80,7 +80,7 @@ test-gpu: $(VENV)/.installed
 # Runs the byte-format contract test (tests/unit/test_torch_format_contract.py: distckpt's fast reader
 # and record writer against torch.save/torch.load of this torch) and tests/unit without the tests that
 # start processes (-m "not slow and not gpu and not multiprocess"), in one process. A contract test
-# that passes on a torch not yet listed in distckpt/engine/torch_internals.py (FORMAT_TESTED_TORCH)
+# that passes on a torch not yet listed in distckpt/_engine/torch_format/internals.py (FORMAT_TESTED_TORCH)
 # tells you to add it there; until then distckpt uses torch's stock reader and writer on that torch.
 TORCH ?= 2.14.1
 COMPAT_VENV := .venv-compat-$(TORCH)

@@ -1,7 +1,7 @@
 """Single-process probes of pure pieces of distckpt that no public call exposes. For
 ``bench_scale``, the ones whose cost grows with the world size W: replica placement
-(``distckpt.memory.placement``) and the manifest a save at W ranks commits
-(``distckpt.ondisk.manifest``), at W far beyond what this machine can fork. For
+(``distckpt._memory.placement``) and the manifest a save at W ranks commits
+(``distckpt._ondisk.manifest``), at W far beyond what this machine can fork. For
 ``bench_interval``, the ``interval_steps: auto`` schedule state on a simulated clock
 (:class:`AutoIntervalProbe`) and the Young/Daly formulas it uses.
 
@@ -37,7 +37,7 @@ def placement_probe(world_sizes: list[int], *, budget_s: float = 20.0, tensors: 
     A call is skipped (``None``) at every W after one that took longer than ``budget_s``: the
     quadratic ones would take minutes at W = 16,384.
     """
-    from distckpt.memory.placement import NodeLayout, assign_replicated  # the placement under test; not public
+    from distckpt._memory.placement import NodeLayout, assign_replicated  # the placement under test; not public
 
     rows: list[dict[str, Any]] = []
     over: set[str] = set()
@@ -85,20 +85,20 @@ def manifest_probe(world_sizes: list[int], *, bytes_per_rank: int = 8 << 30) -> 
 
 def young_interval(cost_s: float, mtbf_s: float) -> float:
     """Young's optimal interval (seconds) for save cost ``cost_s`` and MTBF ``mtbf_s``, as distckpt computes it."""
-    from distckpt.save import interval  # the formulas interval_steps: auto uses; not public
+    from distckpt._save import interval  # the formulas interval_steps: auto uses; not public
 
     return interval.young_interval(cost_s, mtbf_s)
 
 
 def daly_interval(cost_s: float, mtbf_s: float) -> float:
     """Daly's optimal interval (seconds), as distckpt computes it."""
-    from distckpt.save import interval  # the formulas interval_steps: auto uses; not public
+    from distckpt._save import interval  # the formulas interval_steps: auto uses; not public
 
     return interval.daly_interval(cost_s, mtbf_s)
 
 
 class _Journal:
-    """The root's journal in memory (``distckpt.save.schedule.JOURNAL``)."""
+    """The root's journal in memory (``distckpt._save.schedule.JOURNAL``)."""
 
     where = "memory"
 
@@ -136,7 +136,7 @@ class AutoIntervalProbe:
 
     def start(self, now: float, saved: dict[str, Any] | None) -> None:
         # The schedule state the manager keeps for interval_steps: auto; no public call runs it on another clock.
-        from distckpt.save.schedule import AutoInterval
+        from distckpt._save.schedule import AutoInterval
 
         clock = lambda: self.clock["t"]  # noqa: E731
         self.state = AutoInterval(self.config, rank=1, clock=clock, wall=clock, journal=self.journal)
@@ -146,7 +146,7 @@ class AutoIntervalProbe:
         """The journal writes a run makes every ``JOURNAL_EVERY_S`` while it trains, up to a failure at ``at``."""
         assert self.state is not None and self.state.journal_written is not None
         last = self.state.journal_written
-        from distckpt.save.schedule import JOURNAL_EVERY_S  # how often a training run rewrites the journal
+        from distckpt._save.schedule import JOURNAL_EVERY_S  # how often a training run rewrites the journal
 
         if at - last >= JOURNAL_EVERY_S:
             self.clock["t"] = last + JOURNAL_EVERY_S * math.floor((at - last) / JOURNAL_EVERY_S)

@@ -225,7 +225,7 @@ def run_real(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     # The report a user gets for the root (`distckpt interval ROOT --json`).
     final = json.loads(
         subprocess.run(
-            [sys.executable, "-m", "distckpt.cli", "interval", str(root), "--json"],
+            [sys.executable, "-m", "distckpt._cli", "interval", str(root), "--json"],
             capture_output=True,
             text=True,
             check=True,

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 # The manifest and digest files a save at W ranks commits, built without W processes (none is public):
-from distckpt.ondisk.integrity import MAX_BLOCK_BYTES, BlockDigests, WrittenFile  # a rank's file records
-from distckpt.ondisk.manifest import Manifest, TensorSpec, model_fingerprint  # the manifest under test
-from distckpt.storage.posix import PosixStore  # writes the digest files as a commit does
+from distckpt._ondisk.integrity import MAX_BLOCK_BYTES, BlockDigests, WrittenFile  # a rank's file records
+from distckpt._ondisk.manifest import Manifest, TensorSpec, model_fingerprint  # the manifest under test
+from distckpt._storage.posix import PosixStore  # writes the digest files as a commit does
 
 __all__ = ["manifest_size", "main"]
 

@@ -4,8 +4,7 @@ Public API: :class:`CheckpointConfig` and its sections (:class:`ScheduleConfig`,
 :class:`CheckpointManager`, :class:`TrainState`, the reshardable data sampler, and the typed errors.
 """
 
-from ._version import __version__
-from .config import (
+from ._config import (
     AsyncSaveConfig,
     CheckpointConfig,
     CoordinationConfig,
@@ -19,8 +18,8 @@ from .config import (
     ScheduleConfig,
     StorageConfig,
 )
-from .data import ReshardableSampler
-from .errors import (
+from ._data import ReshardableSampler
+from ._errors import (
     CheckpointCorruptError,
     CheckpointLockedError,
     CheckpointNotFoundError,
@@ -32,8 +31,9 @@ from .errors import (
     ReaderInvariantError,
     StorageError,
 )
-from .manager import CheckpointManager
-from .state.training_state import TrainState
+from ._manager import CheckpointManager
+from ._state.training_state import TrainState
+from ._version import __version__
 
 __all__ = [
     "__version__",

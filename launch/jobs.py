@@ -23,7 +23,7 @@ Steps a killed or earlier run executed past the checkpoint are replayed, not kep
 (``len(ids)`` samples; ``G`` may change at a ``keep_local_batch`` resume) no longer fits in the
 ``dataset_len`` samples of the current epoch opens the next one. For every epoch ``e`` the kept
 history reaches, let ``n_e`` be the samples of its steps and ``E_e`` the first ``n_e`` sample ids
-of the sampler's epoch-``e`` permutation (``distckpt.data.ReshardableSampler.permutation``), i.e.
+of the sampler's epoch-``e`` permutation (``distckpt._data.ReshardableSampler.permutation``), i.e.
 every sample the epoch hands out up to the position reached. With ``c_e(i)`` the number of
 times sample ``i`` appears in the kept steps of epoch ``e``:
 

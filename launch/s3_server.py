@@ -275,7 +275,7 @@ def committed_locations(root: str) -> dict[int, str]:
     """``{step: data-prefix URL}`` of the committed checkpoints of an ``s3://`` root, as
     ``distckpt ls --json`` lists them (the endpoint and keys from ``$AWS_*``)."""
     out = subprocess.run(
-        [sys.executable, "-m", "distckpt.cli", "ls", root, "--json"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "distckpt._cli", "ls", root, "--json"], capture_output=True, text=True, check=True
     ).stdout
     return {c["step"]: c["path"] for c in json.loads(out)["checkpoints"] if c["status"] == "committed"}
 

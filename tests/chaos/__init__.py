@@ -31,7 +31,7 @@ happen, and a corpus cut to ``--epoch-steps`` steps per epoch so epochs are cros
    After ``--kills`` kills a last segment trains to ``T`` undisturbed.
 
 Aiming. distckpt appends a JSON line ``{"phase", "rank", "step", "t"}`` to
-``$DISTCKPT_EVENT_LOG`` just before each phase acts (``distckpt.save.transaction.PHASES``). The
+``$DISTCKPT_EVENT_LOG`` just before each phase acts (``distckpt._save.transaction.PHASES``). The
 killer tails that file (1 ms poll); on the aimed rank-0 event (the first or second one of the
 segment) it waits a random offset inside the phase's window and kills. Most transitions take
 well under a millisecond here, so killed segments run with ``LAUNCH_CHAOS_PAUSE_S=--pause-ms``:
@@ -49,10 +49,10 @@ without its manifest) -> ``retention``; else ``train``.
 Checks (``DIR/report.json``; the process exits 1 when one fails):
 
 * ``wrong_resumes``: each restart must resume the newest committed checkpoint present at the
-  kill (``distckpt.storage.commit.find_committed`` right after the kill; ``resumed`` in the next
+  kill (``distckpt._storage.commit.find_committed`` right after the kill; ``resumed`` in the next
   segment's ``events.jsonl``), or start fresh when there was none.
 * ``corrupt_loads``: a restart whose load failed, or a resume from a checkpoint that fails a
-  full hash verification (``distckpt.storage.commit.verify``) at the kill.
+  full hash verification (``distckpt._storage.commit.verify``) at the kill.
 * ``lost_committed_checkpoints``: a checkpoint valid at one inspection and gone at the next
   without ``--keep-last`` newer valid ones (the only reason retention deletes).
 * ``duplicated_samples``, ``skipped_samples``: the demo's accounting (``launch.jobs``) over

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distckpt.ondisk.layout import LATEST, MANIFEST, checkpoint_name, is_deleting, is_pending, parse_step
-from distckpt.ondisk.manifest import Manifest
-from distckpt.storage.commit import find_committed
+from distckpt._ondisk.layout import LATEST, MANIFEST, checkpoint_name, is_deleting, is_pending, parse_step
+from distckpt._ondisk.manifest import Manifest
+from distckpt._storage.commit import find_committed
 
 __all__ = [
     "PHASE_WEIGHTS",
@@ -118,7 +118,7 @@ def inspect_root(root: Path) -> dict[str, Any]:
         ``{"valid": [steps], "invalid": {step: reason}, "pending": [{name, step, files,
         metadata, manifest, manifest_tmp}], "latest": name or None, "other": [names],
         "deleting": [steps of .deleting- directories]}``;
-        ``valid`` per :func:`distckpt.storage.commit.find_committed` (manifest readable, every listed
+        ``valid`` per :func:`distckpt._storage.commit.find_committed` (manifest readable, every listed
         file present with its size).
     """
     valid, invalid = [], {}
@@ -165,8 +165,8 @@ def inspect_s3_root(root: str) -> dict[str, Any]:
     """:func:`inspect_root` of an ``s3://`` root: ``valid``/``invalid`` by manifest, ``pending``
     = data prefixes no manifest references (``manifest``: always false, the manifest is the
     commit), ``deleting``: none (retention deletes the manifest first)."""
-    from distckpt.storage import find_committed as find_in_store
-    from distckpt.storage import open_store
+    from distckpt._storage import find_committed as find_in_store
+    from distckpt._storage import open_store
 
     store: Any = open_store(root)
     valid, invalid = [], {}

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from distckpt import ConfigError
-from distckpt.ondisk.layout import checkpoint_name
-from distckpt.storage.commit import verify
+from distckpt._ondisk.layout import checkpoint_name
+from distckpt._storage.commit import verify
 from launch.config import load_job_config
 from launch.jobs import REPO, Run
 from launch.s3_server import committed_locations
@@ -212,7 +212,7 @@ def _run(args: argparse.Namespace) -> int:
 
     def problems_of(step: int) -> list[str]:
         if args.storage == "s3":
-            from distckpt.storage import open_store
+            from distckpt._storage import open_store
 
             return [str(p)[:300] for p in open_store(root).verify(ckpt(step))]
         return [str(p)[:300] for p in verify(root / checkpoint_name(step))]

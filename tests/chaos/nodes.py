@@ -55,8 +55,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from distckpt.ondisk.layout import checkpoint_name
-from distckpt.storage.commit import verify
+from distckpt._ondisk.layout import checkpoint_name
+from distckpt._storage.commit import verify
 from launch import recovery
 from launch.elastic_demo import Agent, Timeline, analyze, free_port, start_agent
 from launch.jobs import REPO, Run, kill_job, launch

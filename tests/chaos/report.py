@@ -16,8 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from distckpt.engine import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
-from distckpt.ondisk.manifest import Manifest
+from distckpt._engine import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
+from distckpt._ondisk.manifest import Manifest
 from launch.jobs import kept_history, sample_accounting
 from tests.chaos.runner import KillRecord, Segment
 
@@ -31,7 +31,7 @@ def load_model_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     each file read) with ``dcp.load(..., no_dist=True)``: no process group needed.
     """
     if str(path).startswith("s3://"):  # an S3 checkpoint (its data prefix): the tools' reader
-        from distckpt.tools.reader import CheckpointReader
+        from distckpt._tools.reader import CheckpointReader
 
         reader_s3 = CheckpointReader(str(path))
         return reader_s3.read([k for k in reader_s3.keys("model") if reader_s3.items[k].kind == "tensor"])

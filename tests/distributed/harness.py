@@ -38,7 +38,7 @@ PRELOAD = [
     "torch._dynamo",
     "torchdata.stateful_dataloader",
     "distckpt",
-    "distckpt.storage.s3",
+    "distckpt._storage.s3",
     "boto3",
     "tests.distributed.harness",
     "tests.distributed.trainer",

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from distckpt import CheckpointConfig, CheckpointManager, IncompatibleCheckpointError, ScheduleConfig
-from distckpt.ondisk.manifest import Manifest
+from distckpt._ondisk.manifest import Manifest
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.trainer import build, optimizer_step, release_workers
 

@@ -74,8 +74,8 @@ def test_bit_flip_found_while_reading_falls_back_on_every_rank(tmp_path, fast_lo
 def load_with_metadata_error_on_rank_0(rank, world_size, opts):
     """``.metadata`` of the newest checkpoint unreadable on rank 0, the one rank that reads it
     for every rank (an I/O error on its node)."""
-    import distckpt.load.loading as manager_module  # where the load reads .metadata
-    from distckpt.errors import CheckpointCorruptError
+    import distckpt._load.loading as manager_module  # where the load reads .metadata
+    from distckpt._errors import CheckpointCorruptError
 
     if rank == 0:
         original = manager_module.read_dcp_metadata
@@ -110,7 +110,7 @@ def test_metadata_error_on_one_rank_fails_or_falls_back_on_every_rank(tmp_path, 
 
 
 def save_then_die_mid_background_delete(rank, world_size, opts):
-    import distckpt.save.purge as purge_mod
+    import distckpt._save.purge as purge_mod
 
     manager, model, optimizer, scheduler, scaler, loader = make_manager(rank, world_size, opts)
     train_steps(model, optimizer, scheduler, scaler, loader, 3)

@@ -95,7 +95,7 @@ def test_full_at_end_writes_a_full_final_checkpoint(tmp_path):
     )[0]
     kinds = {p.name: json.loads((p / "distckpt.json").read_text())["state_dict_type"] for p in tmp_path.glob("step-*")}
     assert kinds == {"step-000000002": "sharded", "step-000000004": "sharded", "step-000000005": "full"}
-    from distckpt.engine import read_dcp_metadata
+    from distckpt._engine import read_dcp_metadata
 
     def chunks(step):
         md = read_dcp_metadata(tmp_path / f"step-00000000{step}").state_dict_metadata

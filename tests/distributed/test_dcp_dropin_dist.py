@@ -73,7 +73,7 @@ def test_every_rank_hashed_then_resharded_reads_bitwise_and_a_flip_is_named(tmp_
     import torch.distributed.checkpoint as dcp
 
     from distckpt import dcp as ddcp
-    from distckpt.ondisk import dcp_hashes
+    from distckpt._ondisk import dcp_hashes
 
     path = str(tmp_path / "ckpt")
     files = values(run_ranks(_save, 2, path))[0]

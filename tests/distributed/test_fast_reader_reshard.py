@@ -50,7 +50,7 @@ def _save(rank: int, world_size: int, path: str, wrapper: str) -> dict[str, tupl
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from distckpt.ondisk.integrity import hash_file
+    from distckpt._ondisk.integrity import hash_file
 
     torch.manual_seed(0)
     model = _net()  # identical full values on every rank
@@ -101,8 +101,8 @@ def _local_params(model) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
 def _load(rank: int, world_size: int, path: str, reader_kw: dict, expected) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    from distckpt.engine.read.fast_reader import FastFileSystemReader
-    from distckpt.engine.safe_io import SafeLoadPlanner
+    from distckpt._engine.read.fast_reader import FastFileSystemReader
+    from distckpt._engine.safe_io import SafeLoadPlanner
 
     model, state, extra = _nan_target()
     reader = FastFileSystemReader(path, expected_files=expected, **reader_kw)
@@ -236,9 +236,9 @@ def _run_load(rank: int, world_size: int, path: str, expected, fault: tuple[str,
     """Load through distckpt's ``run_load`` (each rank plans alone, one outcome exchange);
     ``fault = (kind, rank)``: ``"digest"`` (a digest that cannot match) or ``"interrupt"``
     (``KeyboardInterrupt`` inside the read) on that rank alone."""
-    from distckpt.engine.blocking import run_load
-    from distckpt.engine.read.fast_reader import FastFileSystemReader
-    from distckpt.errors import CheckpointCorruptError, DistCkptError
+    from distckpt._engine.blocking import run_load
+    from distckpt._engine.read.fast_reader import FastFileSystemReader
+    from distckpt._errors import CheckpointCorruptError, DistCkptError
 
     model, state, extra = _nan_target()
     if fault == ("digest", rank):
@@ -284,8 +284,8 @@ def _save_blocks(rank: int, world_size: int, path: str, min_block: int) -> dict:
     ``min_block`` bytes (the default 1 MiB would make this small model one block per shard)."""
     import torch.distributed as dist
 
-    from distckpt.engine.blocking import dcp_save
-    from distckpt.ondisk import integrity
+    from distckpt._engine.blocking import dcp_save
+    from distckpt._ondisk import integrity
 
     integrity.MIN_BLOCK_BYTES = min_block
     torch.manual_seed(0)
@@ -298,9 +298,9 @@ def _save_blocks(rank: int, world_size: int, path: str, min_block: int) -> dict:
 
 
 def _load_blocks(rank: int, world_size: int, path: str, expected, blocks) -> dict:
-    from distckpt.engine.blocking import run_load
-    from distckpt.engine.read.fast_reader import FastFileSystemReader
-    from distckpt.errors import CheckpointCorruptError
+    from distckpt._engine.blocking import run_load
+    from distckpt._engine.read.fast_reader import FastFileSystemReader
+    from distckpt._errors import CheckpointCorruptError
 
     model, state, extra = _nan_target()
     # Items up to direct_min_bytes are read whole: at most a block here, as with the defaults.

@@ -20,7 +20,7 @@ from distckpt import (
     RetentionConfig,
     ScheduleConfig,
 )
-from distckpt.save.grace import SaveDurations, plan_preemption
+from distckpt._save.grace import SaveDurations, plan_preemption
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.trainer import build, optimizer_step
 
@@ -43,7 +43,7 @@ def _job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     messages: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("distckpt.manager").addHandler(handler)
+    logging.getLogger("distckpt._manager").addHandler(handler)
     state = manager.load()
     step = state.step if state else 0
     losses: dict[int, float] = {}

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from distckpt import AsyncSaveConfig, CheckpointConfig, CheckpointManager, SaveConfig, ScheduleConfig
-from distckpt.engine import read_dcp_metadata
+from distckpt._engine import read_dcp_metadata
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.trainer import full_params
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(180)
 def _restore_traffic(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     os.environ["DISTCKPT_NODE_ID"] = f"n{rank // 2}"
     from distckpt import CheckpointConfig, CheckpointManager
-    from distckpt.coord.collective import Collective
+    from distckpt._coord.collective import Collective
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
@@ -56,7 +56,7 @@ def _restore_traffic(rank: int, world_size: int, opts: dict[str, Any]) -> dict[s
 
 
 def _own_header(manager: Any) -> Any:
-    from distckpt.memory.snapfile import parse_name, read_header
+    from distckpt._memory.snapfile import parse_name, read_header
 
     d = manager.memory.dir
     name = max(
@@ -80,7 +80,7 @@ def test_a_load_from_memory_makes_six_exchanges_and_sends_each_header_once(tmp_p
 
 
 def test_node_layout_queries_cost_the_node_not_the_job():
-    from distckpt.memory.placement import NodeLayout, assign_replicated
+    from distckpt._memory.placement import NodeLayout, assign_replicated
 
     W, per_node = 65_536, 8
     layout = NodeLayout(tuple(f"n{r // per_node}" for r in range(W)))

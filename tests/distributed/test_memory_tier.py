@@ -21,10 +21,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import distckpt.memory.tier as tier_module
+import distckpt._memory.tier as tier_module
 from distckpt import CheckpointConfig, CheckpointManager
-from distckpt.memory.fetch import fetch_chunks, find_cut, inventory, memory_metadata, plan_fetch, verify
-from distckpt.memory.tier import estimate_bytes
+from distckpt._memory.fetch import fetch_chunks, find_cut, inventory, memory_metadata, plan_fetch, verify
+from distckpt._memory.tier import estimate_bytes
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.trainer import build, full_optim, full_params, optimizer_step, release_workers
 
@@ -221,7 +221,7 @@ def test_the_jobs_end_reclaims_the_memory_of_a_node_that_never_came_back(tmp_pat
 
 
 def _inline(fn: Any, *args: Any) -> Future:
-    """:func:`distckpt.memory.tier._in_background`, run on the calling thread (the default device is per thread)."""
+    """:func:`distckpt._memory.tier._in_background`, run on the calling thread (the default device is per thread)."""
     done: Future = Future()
     fn(*args)
     done.set_result(None)

@@ -140,14 +140,14 @@ def slow_rank(rank, world_size, opts):
     import torch
 
     from distckpt import CheckpointConfig, CheckpointManager, CoordinationConfig, ScheduleConfig
-    from distckpt.coord import collective
+    from distckpt._coord import collective
     from tests.distributed.trainer import Net
 
     collective.LOG_EVERY_S = 1.5
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("distckpt.coord.collective").addHandler(handler)
+    logging.getLogger("distckpt._coord.collective").addHandler(handler)
     config = CheckpointConfig(
         root=opts["root"], schedule=ScheduleConfig(interval_steps=None), coordination=CoordinationConfig(timeout_s=6.0)
     )

@@ -4,7 +4,7 @@
 ``$LAUNCH_CHAOS_PAUSE_S`` set, that hook sleeps before each phase so a SIGKILL can land in the
 state the previous phase left. Here two gloo ranks run ``launch.train.train`` for three saves
 with ``keep_last=1`` (so retention deletes), with the hook factory wrapped by a recorder: every
-phase of ``distckpt.save.transaction.PHASES`` must be reached through the hook, in the transaction's
+phase of ``distckpt._save.transaction.PHASES`` must be reached through the hook, in the transaction's
 order, and the hook must have paused in each. If ``train()`` stopped passing the hook, nothing
 would be recorded and this test fails.
 """
@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from distckpt.ondisk.layout import checkpoint_name
-from distckpt.save.transaction import PHASES
+from distckpt._ondisk.layout import checkpoint_name
+from distckpt._save.transaction import PHASES
 from tests.distributed.harness import run_ranks, values
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

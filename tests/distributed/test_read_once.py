@@ -1,4 +1,4 @@
-"""Read once, then share (distckpt/engine/read/shared_read.py): a replicated load reads each
+"""Read once, then share (distckpt/_engine/read/shared_read.py): a replicated load reads each
 stored data byte from the root once per job, bitwise, and still names a corrupt file."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def read_once_load(rank, world_size, opts):
     from torch import nn
 
     from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager, LoadConfig, ScheduleConfig
-    from distckpt.engine.read import shared_read
+    from distckpt._engine.read import shared_read
 
     shared_read.DEFAULT_MIN_BYTES = 0  # share even this small state (the default keeps 16 MiB)
     if opts.get("stage"):

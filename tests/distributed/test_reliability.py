@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from distckpt import CheckpointConfig, CheckpointLockedError, CheckpointManager, ConfigError, CoordinationConfig
-from distckpt.storage.lock import LOCK_NAME
+from distckpt._storage.lock import LOCK_NAME
 from tests.distributed.trainer import Net
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

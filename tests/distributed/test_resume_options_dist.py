@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from distckpt import CheckpointConfig, CheckpointManager, ScheduleConfig
-from distckpt.ondisk.manifest import Manifest
+from distckpt._ondisk.manifest import Manifest
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.trainer import Points, build, full_params, optimizer_step
 

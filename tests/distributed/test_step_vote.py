@@ -81,7 +81,7 @@ def test_sigterm_on_one_rank_saves_the_next_step_on_every_rank(tmp_path, world_s
 def tear_down(rank, world_size, opts):
     import torch.distributed as dist
 
-    from distckpt.coord.collective import Collective
+    from distckpt._coord.collective import Collective
 
     collective = Collective(None, timeout_s=60.0)
     groups, real = [], dist.barrier

@@ -8,8 +8,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from distckpt.engine.read.fast_reader import FastFileSystemReader
-from distckpt.ondisk.integrity import hash_file
+from distckpt._engine.read.fast_reader import FastFileSystemReader
+from distckpt._ondisk.integrity import hash_file
 from tests.distributed.test_cross_wrapper import check_cross_load
 from tests.gpu.gpus import NCCL, need_gpus
 from tests.unit import test_fast_reader as cpu

@@ -74,7 +74,7 @@ def test_cuda_rng_of_every_device_is_restored(tmp_path, world_size):
 
 _RNG_SCRIPT = """
 import sys, torch
-from distckpt.state.rng import capture_rng, restore_rng
+from distckpt._state.rng import capture_rng, restore_rng
 torch.cuda.set_device(torch.cuda.device_count() - 1)  # the rank's device: the last visible one
 if sys.argv[1] == "save":
     torch.manual_seed(1234)

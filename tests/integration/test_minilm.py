@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from distckpt import CheckpointConfig, CheckpointManager, ScheduleConfig
-from distckpt.cli import main
-from distckpt.tools.export import export_checkpoint, import_weights
+from distckpt._cli import main
+from distckpt._tools.export import export_checkpoint, import_weights
 from tests.distributed.harness import run_ranks, values
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -48,7 +48,7 @@ class Fault:
 
     def install(self) -> "Fault":
         """Apply to every distckpt S3 client made from now on in this process."""
-        from distckpt.storage import s3_client
+        from distckpt._storage import s3_client
 
         def hook(client: Any) -> None:
             for op in self.operations:
@@ -60,7 +60,7 @@ class Fault:
 
 
 def uninstall_all() -> None:
-    from distckpt.storage import s3_client
+    from distckpt._storage import s3_client
 
     s3_client.client_hooks.clear()
     s3_client.reset_clients()

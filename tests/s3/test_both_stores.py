@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager, CheckpointNotFoundError, ConfigError
-from distckpt.storage import open_store
+from distckpt._storage import open_store
 from tests.distributed.trainer import build, full_params, train_steps
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(120)]

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from distckpt import RetentionConfig
-from distckpt.cli import main
-from distckpt.tools.reader import CheckpointReader
+from distckpt._cli import main
+from distckpt._tools.reader import CheckpointReader
 from tests.distributed.trainer import full_params, train_steps
 from tests.s3.test_s3_single import get, keys, manager_for, put
 

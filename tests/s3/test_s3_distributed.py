@@ -48,8 +48,8 @@ def test_reshard_2_to_4_from_s3(s3_root):
 def save_twice_and_die(rank: int, world_size: int, opts: dict) -> str:
     """Save step 3, then step 6 (keep_last=1: retention deletes step 3); SIGKILL at opts['kill']."""
     from distckpt import CheckpointConfig, CheckpointManager, RetentionConfig, ScheduleConfig
-    from distckpt.storage.s3_client import S3Objects
-    from distckpt.storage.s3_dcp import S3Writer
+    from distckpt._storage.s3_client import S3Objects
+    from distckpt._storage.s3_dcp import S3Writer
     from tests.distributed.trainer import build
 
     kill, victim = opts["kill"], opts.get("victim", 0)
@@ -113,7 +113,7 @@ def save_twice_and_die(rank: int, world_size: int, opts: dict) -> str:
 def test_sigkill_at_each_commit_phase_loads_previous_or_new_never_partial(
     s3_server, s3_root, tmp_path, kill, victim, loads
 ):
-    from distckpt.storage import find_committed, open_store
+    from distckpt._storage import find_committed, open_store
 
     opts = {"root": s3_root, "kill": kill, "victim": victim, "out": str(tmp_path)}
     results = run_ranks(save_twice_and_die, 2, opts, expect_death=True)

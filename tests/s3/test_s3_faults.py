@@ -34,7 +34,7 @@ def test_throttling_503_slowdown_is_retried_with_backoff(s3_server, s3_root):
 
 
 def test_throttling_past_the_retries_fails_the_save_and_commits_nothing(s3_server, s3_root, monkeypatch):
-    from distckpt.storage import s3_client
+    from distckpt._storage import s3_client
 
     monkeypatch.setattr(s3_client, "MAX_ATTEMPTS", 3)
     manager, objs = manager_for(s3_root)
@@ -53,7 +53,7 @@ def test_throttling_past_the_retries_fails_the_save_and_commits_nothing(s3_serve
 
 
 def save_with_put_failing_on_rank_1(rank: int, world_size: int, opts: dict) -> dict:
-    from distckpt.storage import s3_client
+    from distckpt._storage import s3_client
 
     manager, model, optimizer, scheduler, scaler, loader = make_manager(rank, world_size, opts)
     train_steps(model, optimizer, scheduler, scaler, loader, 3)
@@ -91,7 +91,7 @@ def test_put_failing_on_one_rank_fails_the_save_on_every_rank(s3_server, s3_root
 
 def load_with_get_failing_on_rank_1(rank: int, world_size: int, opts: dict) -> dict:
     from distckpt import DistCkptError
-    from distckpt.storage import s3_client
+    from distckpt._storage import s3_client
 
     if rank == 1:
         s3_client.MAX_ATTEMPTS = 2
@@ -115,7 +115,7 @@ def test_get_failing_on_one_rank_fails_the_load_on_every_rank_without_falling_ba
 
 
 def test_server_gone_mid_save_fails_the_save_and_the_previous_checkpoint_loads(s3_server, tmp_path, monkeypatch):
-    from distckpt.storage import s3_client
+    from distckpt._storage import s3_client
     from launch.s3_server import S3Server
 
     monkeypatch.setattr(s3_client, "MAX_ATTEMPTS", 2)

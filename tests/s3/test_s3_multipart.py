@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distckpt.engine.blocking import dcp_save, run_load
-from distckpt.ondisk.integrity import new_hasher
-from distckpt.storage import open_store
-from distckpt.storage.s3_dcp import PART_BYTES
+from distckpt._engine.blocking import dcp_save, run_load
+from distckpt._ondisk.integrity import new_hasher
+from distckpt._storage import open_store
+from distckpt._storage.s3_dcp import PART_BYTES
 from tests.s3.faults import Fault, uninstall_all
 from tests.s3.test_s3_single import get, keys
 
@@ -48,7 +48,7 @@ def test_a_large_file_streams_up_in_parts_and_loads_back_verified(s3_server, s3_
 
 def test_a_failed_part_fails_the_write_and_leaves_no_object(s3_server, s3_root, monkeypatch):
     from distckpt import StorageError
-    from distckpt.storage import s3_client
+    from distckpt._storage import s3_client
 
     monkeypatch.setattr(s3_client, "MAX_ATTEMPTS", 2)
     Fault(("UploadPart",), "partNumber=2", 500, "InternalError").install()

@@ -24,7 +24,7 @@ from distckpt import (
     SaveConfig,
     ScheduleConfig,
 )
-from distckpt.storage import open_store
+from distckpt._storage import open_store
 from tests.distributed.trainer import build, full_params, train_steps
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(120)]
@@ -165,7 +165,7 @@ def test_flipped_byte_fails_the_load_naming_the_object(s3_server, s3_root):
 @pytest.mark.parametrize("edit", ["manifest", "unlisted object"])
 def test_an_edited_s3_checkpoint_is_refused_by_ls_and_load_as_by_verify(s3_server, s3_root, edit, capsys, caplog):
     # Issue 24 item 5 on S3: verify's checks, not fewer, decide what ls lists and a load takes.
-    from distckpt.cli import main
+    from distckpt._cli import main
 
     manager, objs = manager_for(s3_root, retention=RetentionConfig(keep_last=None))
     locations = {}

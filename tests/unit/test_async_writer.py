@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from distckpt.engine import writer as writer_module
-from distckpt.engine.async_writer import AsyncWriter
-from distckpt.engine.blocking import GC_PAUSE, gc_paused
+from distckpt._engine import writer as writer_module
+from distckpt._engine.async_writer import AsyncWriter
+from distckpt._engine.blocking import GC_PAUSE, gc_paused
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,7 +67,7 @@ def test_async_write_runs_without_cyclic_gc_and_restores_it(tmp_path, monkeypatc
 
 
 def test_process_mode_without_torch_distributed_is_a_config_error_at_construction():
-    from distckpt.errors import ConfigError
+    from distckpt._errors import ConfigError
 
     assert not torch.distributed.is_initialized()
     with pytest.raises(ConfigError, match="async_save.mode='process' needs torch.distributed initialised"):
@@ -80,8 +80,8 @@ def test_a_blocking_load_parses_metadata_and_restores_without_cyclic_gc(tmp_path
     from torch import nn
 
     from distckpt import CheckpointConfig, CheckpointManager, RetentionConfig, ScheduleConfig
-    from distckpt.load import loading
-    from distckpt.state.training_state import CheckpointState
+    from distckpt._load import loading
+    from distckpt._state.training_state import CheckpointState
 
     seen: dict[str, bool] = {}
     checked, restore = loading.checked_metadata, CheckpointState.restore

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from distckpt.engine import async_writer
-from distckpt.engine.async_writer import AsyncWriter, cuda_device_of
+from distckpt._engine import async_writer
+from distckpt._engine.async_writer import AsyncWriter, cuda_device_of
 
 pytestmark = pytest.mark.timeout(60)
 

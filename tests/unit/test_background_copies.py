@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from distckpt import CheckpointConfig, CheckpointManager
-from distckpt.memory import tier as tier_module
+from distckpt._memory import tier as tier_module
 from tests.distributed.trainer import build, full_optim, full_params, optimizer_step, release_workers
 
 SLOW_S = 0.4  # a background copy this slow: the next optimizer step would overtake it

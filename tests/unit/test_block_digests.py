@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from distckpt import CheckpointConfig, CheckpointManager, LoadConfig, ScheduleConfig
-from distckpt.engine.blocking import dcp_load, dcp_save
-from distckpt.engine.read import fast_reader
-from distckpt.engine.read.fast_reader import FastFileSystemReader
-from distckpt.errors import CheckpointCorruptError
-from distckpt.ondisk.integrity import MIN_BLOCK_BYTES, BlockDigests, BlockHasher, WrittenFile, hash_file, new_hasher
-from distckpt.ondisk.manifest import Manifest
+from distckpt._engine.blocking import dcp_load, dcp_save
+from distckpt._engine.read import fast_reader
+from distckpt._engine.read.fast_reader import FastFileSystemReader
+from distckpt._errors import CheckpointCorruptError
+from distckpt._ondisk.integrity import MIN_BLOCK_BYTES, BlockDigests, BlockHasher, WrittenFile, hash_file, new_hasher
+from distckpt._ondisk.manifest import Manifest
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -67,7 +67,7 @@ def _state() -> dict[str, torch.Tensor]:
 def _load_part(path, expected, blocks, keys=("a",)) -> tuple[dict, dict]:
     target = {k: torch.full_like(v, float("nan")) for k, v in _state().items() if k in keys}
     reader = FastFileSystemReader(path, expected_files=expected, block_digests=blocks)
-    from distckpt.engine.blocking import run_load
+    from distckpt._engine.blocking import run_load
 
     run_load(target, reader, process_group=None, directory=path)
     return target, reader.last_stats
@@ -257,7 +257,7 @@ def test_block_digests_reject_bad_tilings_and_bad_types():
 
 @pytest.mark.parametrize("field,value", [("block_hashes", "0" * 64), ("block_ends", 8)])
 def test_block_lists_that_are_not_lists_are_refused(field, value):
-    from distckpt.ondisk.manifest import FileEntry
+    from distckpt._ondisk.manifest import FileEntry
 
     entry = FileEntry(
         path="__0_0.distcp", size_bytes=8, hash="0" * 32, block_ends=[4, 8], block_hashes=["0" * 32, "1" * 32]
@@ -280,7 +280,7 @@ def test_dcp_load_whole_file_path_unchanged(tmp_path):
 def test_verify_checks_block_digests_too(tmp_path, capsys):
     """A manifest whose block list does not match bytes that match its whole-file digest is
     reported by `distckpt verify`: a load reading part of the file would refuse it."""
-    from distckpt.cli import main
+    from distckpt._cli import main
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))

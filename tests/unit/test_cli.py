@@ -23,12 +23,12 @@ from distckpt import (
     RetentionConfig,
     ScheduleConfig,
 )
-from distckpt.cli import main
-from distckpt.cli.main import COMMANDS
-from distckpt.ondisk.integrity import hash_file
-from distckpt.ondisk.manifest import Manifest
-from distckpt.tools.export import export_checkpoint
-from distckpt.tools.release import release_checkpoint
+from distckpt._cli import main
+from distckpt._cli.main import COMMANDS
+from distckpt._ondisk.integrity import hash_file
+from distckpt._ondisk.manifest import Manifest
+from distckpt._tools.export import export_checkpoint
+from distckpt._tools.release import release_checkpoint
 from tests.distributed.trainer import Net, build, train_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -176,7 +176,7 @@ def test_usage_error_exits_2(capsys):
 @pytest.mark.multiprocess
 def test_python_dash_m(root):
     proc = subprocess.run(
-        [sys.executable, "-m", "distckpt.cli", "ls", str(root), "--json"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "distckpt._cli", "ls", str(root), "--json"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)["checkpoints"]) == 2
@@ -465,7 +465,7 @@ def test_a_bad_bucket_name_is_a_config_error_naming_it(capsys, url):
 
 
 def test_an_access_point_arn_is_accepted_as_the_bucket_part():
-    from distckpt.storage.s3_client import split_url
+    from distckpt._storage.s3_client import split_url
 
     arn = "arn:aws:s3:us-east-1:123456789012:accesspoint:myap"
     assert split_url(f"s3://{arn}/ckpt/run") == (arn, "ckpt/run")

@@ -1,4 +1,4 @@
-"""distckpt/coord/collective.py on its own: agree() in one process and on two gloo ranks."""
+"""distckpt/_coord/collective.py on its own: agree() in one process and on two gloo ranks."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from distckpt import errors
-from distckpt.coord.collective import Collective
+from distckpt import _errors as errors
+from distckpt._coord.collective import Collective
 from tests.distributed.harness import run_ranks, values
 
 

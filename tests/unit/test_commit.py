@@ -1,7 +1,7 @@
-"""distckpt/storage/commit.py on its own: the on-disk commit protocol, validation, leftovers, deletes.
+"""distckpt/_storage/commit.py on its own: the on-disk commit protocol, validation, leftovers, deletes.
 
 Checkpoints here are hand-made directories of small files with a real manifest (sizes and
-xxh3-128 hashes from :func:`distckpt.ondisk.integrity.hash_file`); no DCP, no process group.
+xxh3-128 hashes from :func:`distckpt._ondisk.integrity.hash_file`); no DCP, no process group.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-import distckpt.storage.commit as commit_mod
-from distckpt.errors import CheckpointCorruptError
-from distckpt.ondisk.integrity import hash_file
-from distckpt.ondisk.layout import LATEST, MANIFEST, checkpoint_name, pending_name
-from distckpt.ondisk.manifest import Manifest, TensorSpec, model_fingerprint
-from distckpt.storage.commit import (
+import distckpt._storage.commit as commit_mod
+from distckpt._errors import CheckpointCorruptError
+from distckpt._ondisk.integrity import hash_file
+from distckpt._ondisk.layout import LATEST, MANIFEST, checkpoint_name, pending_name
+from distckpt._ondisk.manifest import Manifest, TensorSpec, model_fingerprint
+from distckpt._storage.commit import (
     commit,
     delete_checkpoint,
     find_committed,

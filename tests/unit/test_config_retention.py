@@ -3,8 +3,8 @@ import re
 import pytest
 
 from distckpt import CheckpointConfig, ConfigError, CoordinationConfig
-from distckpt.ondisk.layout import checkpoint_name, is_pending, parse_step, pending_name
-from distckpt.save.retention import steps_to_delete
+from distckpt._ondisk.layout import checkpoint_name, is_pending, parse_step, pending_name
+from distckpt._save.retention import steps_to_delete
 
 
 def test_unknown_key_names_the_valid_ones(tmp_path):

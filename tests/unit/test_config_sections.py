@@ -25,7 +25,7 @@ from distckpt import (
     ScheduleConfig,
     StorageConfig,
 )
-from distckpt.config import INITIAL_LOAD, MOVED_KEYS, SECTIONS
+from distckpt._config import INITIAL_LOAD, MOVED_KEYS, SECTIONS
 
 
 def test_new_form_instances_and_mappings():
@@ -70,7 +70,7 @@ def test_yaml_sections(tmp_path):
     cfg = CheckpointConfig.from_yaml(path)
     assert (cfg.schedule.interval_steps, cfg.schedule.save_at_end, cfg.retention.keep_last) == (5, False, 2)
     assert cfg.retention.keep_best == KeepBest(metric="acc", mode="max")
-    assert cfg.load_selection == frozenset(distckpt.config.LOADABLE) - {"optimizer", "lr_scheduler"}
+    assert cfg.load_selection == frozenset(distckpt._config.LOADABLE) - {"optimizer", "lr_scheduler"}
     assert cfg.preemption == PreemptionConfig(enabled=True, exit=False, grace_s=12)
     assert cfg.storage.s3_region == "eu"
 
@@ -190,7 +190,7 @@ def test_initial_load_keeps_the_manifest_names():
 
 def test_every_section_field_documents_its_default():
     """Each field of a section has an attribute docstring naming its default."""
-    source = Path(distckpt.config_sections.__file__).read_text()
+    source = Path(distckpt._config_sections.__file__).read_text()
     classes = {n.name: n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)}
     for cls in [*SECTIONS.values(), KeepBest]:
         body = classes[cls.__name__].body

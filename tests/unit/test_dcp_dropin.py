@@ -14,9 +14,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 
 from distckpt import dcp as ddcp
-from distckpt.errors import CheckpointCorruptError
-from distckpt.ondisk import dcp_hashes
-from distckpt.ondisk.integrity import hash_file
+from distckpt._errors import CheckpointCorruptError
+from distckpt._ondisk import dcp_hashes
+from distckpt._ondisk.integrity import hash_file
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
 

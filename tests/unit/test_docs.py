@@ -262,7 +262,7 @@ def check_command(argv: list[str]) -> str | None:
         unknown = [t for t in argv[1:] if not t.startswith("-") and "=" not in t and t not in makefile_targets()]
         return f"no Makefile target {unknown}" if unknown else None
     if prog == "distckpt":
-        from distckpt.cli.main import build_parser
+        from distckpt._cli.main import build_parser
 
         try:
             build_parser().parse_args(argv[1:])
@@ -312,7 +312,7 @@ def synopsis_problems(block: Block) -> list[str]:
     """A plain block of ``distckpt SUB ARGS  description`` lines: each SUB and ``--flag`` exists."""
     import argparse
 
-    from distckpt.cli.main import build_parser
+    from distckpt._cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     problems = []

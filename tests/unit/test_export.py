@@ -14,12 +14,12 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager, ScheduleConfig
-from distckpt.errors import CheckpointNotFoundError, ConfigError
-from distckpt.ondisk.manifest import Manifest
-from distckpt.tools.compare import max_abs_diff
-from distckpt.tools.export import export_checkpoint, import_weights
-from distckpt.tools.reader import CheckpointReader
-from distckpt.tools.single_file import SafetensorsWriter, TorchZipWriter
+from distckpt._errors import CheckpointNotFoundError, ConfigError
+from distckpt._ondisk.manifest import Manifest
+from distckpt._tools.compare import max_abs_diff
+from distckpt._tools.export import export_checkpoint, import_weights
+from distckpt._tools.reader import CheckpointReader
+from distckpt._tools.single_file import SafetensorsWriter, TorchZipWriter
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.trainer import Net, build, full_params, save_after, train_steps
 

@@ -17,12 +17,12 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from distckpt.engine.read import fast_reader
-from distckpt.engine.read.fast_reader import FastFileSystemReader, parse_torch_save_header
-from distckpt.engine.read.torch_save_format import HeaderCache, LruCache, NeedMoreBytes, UnsupportedLayout
-from distckpt.engine.safe_io import SafeLoadPlanner
-from distckpt.errors import CheckpointCorruptError
-from distckpt.ondisk.integrity import hash_file
+from distckpt._engine.read import fast_reader
+from distckpt._engine.read.fast_reader import FastFileSystemReader, parse_torch_save_header
+from distckpt._engine.safe_io import SafeLoadPlanner
+from distckpt._engine.torch_format.save_format import HeaderCache, LruCache, NeedMoreBytes, UnsupportedLayout
+from distckpt._errors import CheckpointCorruptError
+from distckpt._ondisk.integrity import hash_file
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -90,7 +90,7 @@ def _assert_same(a: dict, b: dict) -> None:
 
 def _load(state: dict, path: Path, reader) -> dict:
     """``dcp.load`` (single process); DCP's ``CheckpointException`` (a ``BaseException``) is
-    unwrapped to the reader's own error, as ``distckpt.engine.blocking.dcp_load`` does."""
+    unwrapped to the reader's own error, as ``distckpt._engine.blocking.dcp_load`` does."""
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     except BaseException as e:  # noqa: BLE001
@@ -586,7 +586,8 @@ def test_cached_header_parse_equals_the_full_parse_and_is_shared_by_equal_header
 def test_header_caches_are_per_reader_and_bounded(saved):
     """Parse caches live on the reader (none at module level, shared by every reader), each
     bounded; a cache far smaller than the checkpoint's distinct headers still loads bitwise."""
-    from distckpt.engine.read import item_decode, item_planner, read_stream, torch_save_format
+    from distckpt._engine.read import item_decode, item_planner, read_stream
+    from distckpt._engine.torch_format import save_format as torch_save_format
 
     for mod in (fast_reader, item_decode, item_planner, read_stream, torch_save_format):
         shared = [
@@ -630,7 +631,7 @@ def test_distckpt_writer_skips_zip_crc_and_every_reader_still_loads(tmp_path):
     own CRC setting is back afterwards."""
     import zipfile
 
-    from distckpt.engine.writer import CheckedFileSystemWriter
+    from distckpt._engine.writer import CheckedFileSystemWriter
 
     state = _state()
     path = tmp_path / "ckpt"

@@ -15,13 +15,13 @@ from distckpt import (
     SaveConfig,
     ScheduleConfig,
 )
-from distckpt.cli import main
-from distckpt.load.discovery import CheckpointDiscovery
-from distckpt.ondisk.manifest import Manifest
-from distckpt.storage import Others, open_store
-from distckpt.storage.commit import commit
-from distckpt.tools.export import export_checkpoint
-from distckpt.tools.release import release_checkpoint
+from distckpt._cli import main
+from distckpt._load.discovery import CheckpointDiscovery
+from distckpt._ondisk.manifest import Manifest
+from distckpt._storage import Others, open_store
+from distckpt._storage.commit import commit
+from distckpt._tools.export import export_checkpoint
+from distckpt._tools.release import release_checkpoint
 from tests.distributed.trainer import Net
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -172,7 +172,7 @@ def test_an_elastic_torchrun_sharing_its_store_is_warned_about_at_construction(
 
 
 def test_the_agents_node_counts_come_from_its_command_line():
-    from distckpt.coord.topology import agent_nnodes, elastic_store_warning
+    from distckpt._coord.topology import agent_nnodes, elastic_store_warning
 
     assert agent_nnodes({}, ["python", "/bin/torchrun", "--nnodes", "1:2", "train.py"]) == (1, 2)
     assert agent_nnodes({}, ["python", "-m", "torch.distributed.run", "--nnodes=2:4", "t.py"]) == (2, 4)

@@ -3,7 +3,7 @@ import torch
 from safetensors.torch import save_file
 
 from distckpt import CheckpointConfig, CheckpointManager, ScheduleConfig
-from distckpt.tools.export import import_weights
+from distckpt._tools.export import import_weights
 from tests.distributed.trainer import Net, build, train_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -27,9 +27,9 @@ from distckpt import (
     SaveConfig,
     ScheduleConfig,
 )
-from distckpt.cli import main
-from distckpt.engine import read_dcp_metadata
-from distckpt.tools.export import export_checkpoint
+from distckpt._cli import main
+from distckpt._engine import read_dcp_metadata
+from distckpt._tools.export import export_checkpoint
 from tests.distributed.harness import run_ranks
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(180)]
@@ -330,9 +330,9 @@ def test_references_carry_their_owners_digest_files_and_blocks(tmp_path, capsys)
     """An incremental checkpoint refers to its owner's digest file too (schema 7: the block
     digests are no longer in the owner's manifest), so a partial read of a referenced file still
     has its blocks; a deferred owner keeps the digest file."""
-    from distckpt.ondisk.manifest import Manifest
-    from distckpt.storage import digest_index
-    from distckpt.storage.posix import PosixStore
+    from distckpt._ondisk.manifest import Manifest
+    from distckpt._storage import digest_index
+    from distckpt._storage.posix import PosixStore
 
     expected = run_saves(
         tmp_path, frozen=30, save=SaveConfig(incremental=True, thread_count=1), retention=RetentionConfig(keep_last=1)

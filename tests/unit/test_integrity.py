@@ -1,4 +1,4 @@
-"""distckpt/ondisk/integrity.py on its own: xxh3-128 file hashes and the manifest-entry check."""
+"""distckpt/_ondisk/integrity.py on its own: xxh3-128 file hashes and the manifest-entry check."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from distckpt.errors import CheckpointCorruptError
-from distckpt.ondisk.integrity import HASH_ALGORITHM, HashingFileSystem, check_file, hash_file
+from distckpt._errors import CheckpointCorruptError
+from distckpt._ondisk.integrity import HASH_ALGORITHM, HashingFileSystem, check_file, hash_file
 
 # XXH3-128 (seed 0) reference digests, from xxHash's own test vectors.
 EMPTY = "99aa06d3014798d86001c324468d497f"

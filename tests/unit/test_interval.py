@@ -8,8 +8,8 @@ import math
 import pytest
 
 from distckpt import CheckpointConfig, CheckpointManager, ConfigError, ScheduleConfig
-from distckpt.coord.collective import Collective
-from distckpt.save.interval import (
+from distckpt._coord.collective import Collective
+from distckpt._save.interval import (
     COST_WINDOW,
     IntervalStats,
     choose_interval,
@@ -19,7 +19,7 @@ from distckpt.save.interval import (
     robust_cost,
     young_interval,
 )
-from distckpt.save.schedule import JOURNAL, SaveSchedule
+from distckpt._save.schedule import JOURNAL, SaveSchedule
 from tests.distributed.trainer import build, train_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -256,7 +256,7 @@ def test_a_crash_before_the_first_save_counts(tmp_path):
 
 
 def test_cli_interval_report(tmp_path, capsys):
-    from distckpt.cli.main import main
+    from distckpt._cli.main import main
 
     clock = {"t": 0.0}
     manager, objs = _auto_manager(tmp_path, clock)

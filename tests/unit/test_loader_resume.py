@@ -14,7 +14,7 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from distckpt import CheckpointConfig, CheckpointManager, ConfigError, IncompatibleCheckpointError, ScheduleConfig
-from distckpt.ondisk.manifest import Manifest
+from distckpt._ondisk.manifest import Manifest
 from tests.distributed.trainer import Net, build, release_workers, train, train_steps
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::UserWarning")]

@@ -14,8 +14,8 @@ import time
 import pytest
 
 from distckpt import CheckpointConfig, CheckpointLockedError, CheckpointManager, CoordinationConfig
-from distckpt.errors import CheckpointSaveError, StorageError
-from distckpt.storage.lock import LOCK_NAME, RootLock, job_id
+from distckpt._errors import CheckpointSaveError, StorageError
+from distckpt._storage.lock import LOCK_NAME, RootLock, job_id
 from tests.distributed.trainer import Net
 
 

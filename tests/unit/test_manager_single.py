@@ -164,7 +164,7 @@ def test_changed_dcp_metadata_is_found_before_planning(tmp_path):
 @pytest.mark.parametrize("edit", ["step", "unlisted file"])
 def test_an_edited_checkpoint_is_refused_by_load_as_by_verify(tmp_path, edit, caplog, capsys):
     # Issue 24 item 5: verify called it corrupt, but discovery loaded it silently.
-    from distckpt.cli import main
+    from distckpt._cli import main
 
     trained_manager(tmp_path, steps=(3, 6))[0].close()
     ckpt = tmp_path / "step-000000006"
@@ -457,7 +457,7 @@ def test_unusable_event_log_fails_at_construction(tmp_path):
 
 
 def test_manifest_hashes_match_files_and_bitflip_is_caught(tmp_path):
-    from distckpt.ondisk.integrity import hash_file
+    from distckpt._ondisk.integrity import hash_file
 
     trained_manager(tmp_path)
     ckpt = tmp_path / "step-000000003"
@@ -502,7 +502,7 @@ class _Payload:
 def test_crafted_metadata_pickle_is_refused_and_never_runs(tmp_path):
     import pickle
 
-    from distckpt.ondisk.integrity import hash_file
+    from distckpt._ondisk.integrity import hash_file
 
     trained_manager(tmp_path / "root")
     ckpt = tmp_path / "root" / "step-000000003"
@@ -627,7 +627,7 @@ def test_a_reader_bug_is_not_taken_for_corruption(tmp_path, monkeypatch):
     """A failed invariant of the fast reader itself raises as it is: the checkpoint is not set
     aside and no older one is loaded in its place."""
     from distckpt import ReaderInvariantError
-    from distckpt.engine.read import read_verify
+    from distckpt._engine.read import read_verify
 
     trained_manager(tmp_path, steps=(3, 6))
 

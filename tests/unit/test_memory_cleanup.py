@@ -12,10 +12,10 @@ import time
 import pytest
 
 from distckpt import CheckpointConfig, CheckpointManager, ConfigError
-from distckpt.cli.main import main
-from distckpt.memory.cleanup import job_dirs
-from distckpt.memory.placement import job_key, node_id
-from distckpt.memory.snapfile import snapshot_name
+from distckpt._cli.main import main
+from distckpt._memory.cleanup import job_dirs
+from distckpt._memory.placement import job_key, node_id
+from distckpt._memory.snapfile import snapshot_name
 from tests.distributed.trainer import build, optimizer_step, release_workers
 
 OTHER = "job-0123456789abcdef"

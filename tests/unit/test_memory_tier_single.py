@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from distckpt import CheckpointConfig, CheckpointManager, ConfigError, IncompatibleCheckpointError
-from distckpt.errors import CheckpointCorruptError
-from distckpt.memory.placement import NodeLayout, assign_replicated, file_system_type, job_key
-from distckpt.memory.snapfile import SlotFile, SnapshotHeader, parse_name, read_header, snapshot_name
+from distckpt._errors import CheckpointCorruptError
+from distckpt._memory.placement import NodeLayout, assign_replicated, file_system_type, job_key
+from distckpt._memory.snapfile import SlotFile, SnapshotHeader, parse_name, read_header, snapshot_name
 from tests.distributed.trainer import build, full_params, optimizer_step, release_workers
 
 
@@ -57,7 +57,7 @@ def test_snapshot_file_round_trip_and_corruption(tmp_path) -> None:
     slot.reserve(64 + 8)
     slot.tensor(64, 8).view(torch.float32).copy_(torch.tensor([1.5, -2.0]))
     view = slot.view(64, 8)
-    from distckpt.memory.snapfile import data_hash
+    from distckpt._memory.snapfile import data_hash
 
     header = SnapshotHeader(
         "job-1", "abc", 7, 0, 1, "plain", 8, data_hash(view), [["w", "tensor", [0], [2], [2], "torch.float32", 64, 8]]

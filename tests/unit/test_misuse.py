@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from distckpt import CheckpointConfig, CheckpointManager, ConfigError, CoordinationConfig, ScheduleConfig
-from distckpt.cli import main
-from distckpt.tools.export import export_checkpoint
+from distckpt._cli import main
+from distckpt._tools.export import export_checkpoint
 from tests.distributed.trainer import Net
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -1,6 +1,6 @@
 """Every load reads through one function (issue 36): a durable checkpoint and a memory snapshot differ
 only in their source (how the stored state is obtained); the fit check, the load target, DCP's read
-and the restore of the training state are :func:`distckpt.load.read.read_checkpoint`'s alone."""
+and the restore of the training state are :func:`distckpt._load.read.read_checkpoint`'s alone."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-import distckpt.load.loading as loading
+import distckpt._load.loading as loading
 from distckpt import CheckpointConfig, CheckpointManager
 from tests.distributed.trainer import build, full_params, optimizer_step, release_workers
 
@@ -39,7 +39,7 @@ def _callers(step: str) -> set[str]:
     """``{"<module path>::<function>"}`` of every call of ``step`` outside ``engine/`` (which defines ``run_load``)."""
     out = set()
     for f in sorted(PKG.rglob("*.py")):
-        if f.relative_to(PKG).parts[0] == "engine":
+        if f.relative_to(PKG).parts[0] == "_engine":
             continue
         for fn in _outer_functions(ast.parse(f.read_text())):
             for node in ast.walk(fn):
@@ -57,7 +57,7 @@ def _callers(step: str) -> set[str]:
 
 def test_only_the_one_read_plans_reads_and_restores_a_checkpoint():
     where = {step: _callers(step) for step in READ_STEPS}
-    assert where == {step: {"distckpt/load/read.py::read_checkpoint"} for step in READ_STEPS}, where
+    assert where == {step: {"distckpt/_load/read.py::read_checkpoint"} for step in READ_STEPS}, where
 
 
 def _manager(root: Path, mem: Path, *, memory: bool):

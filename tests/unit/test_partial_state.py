@@ -85,7 +85,7 @@ def test_stateful_extra_state_is_restored_with_keys_its_fresh_object_lacks(tmp_p
 def test_saved_stateful_keys_that_cannot_be_read_are_named(tmp_path, monkeypatch):
     # Without DCP's planner_data (a checkpoint saved by another planner) the saved paths are
     # unknown: the load refuses, naming the keys, instead of restoring the EMA in part.
-    import distckpt.storage.generic as generic
+    import distckpt._storage.generic as generic
 
     model, ema, _swa = _trained_model()
     with CheckpointManager(

@@ -1,4 +1,4 @@
-"""Retention's file removal runs on a background thread (distckpt/save/purge.py): a blocking save
+"""Retention's file removal runs on a background thread (distckpt/_save/purge.py): a blocking save
 returns once the deleted checkpoint is renamed ``.deleting-*``; ``wait``/``close`` and the next
 save join the removal; a failed removal is a warning, never a lost checkpoint."""
 
@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import distckpt.save.purge as purge_mod
+import distckpt._save.purge as purge_mod
 from distckpt import RetentionConfig, SaveConfig
-from distckpt.coord.collective import Collective
-from distckpt.coord.events import EventLog
-from distckpt.ondisk.layout import is_deleting
-from distckpt.save.transaction import SaveContext, SaveTransaction
-from distckpt.state.training_state import TrainState
-from distckpt.storage import open_store
-from distckpt.storage.commit import validate
+from distckpt._coord.collective import Collective
+from distckpt._coord.events import EventLog
+from distckpt._ondisk.layout import is_deleting
+from distckpt._save.transaction import SaveContext, SaveTransaction
+from distckpt._state.training_state import TrainState
+from distckpt._storage import open_store
+from distckpt._storage.commit import validate
 from tests.unit.test_manager_single import manager_for, train_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

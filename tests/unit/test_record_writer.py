@@ -1,4 +1,4 @@
-"""distckpt/engine/record_writer.py: torch.save's bytes from templates, and many small tensors
+"""distckpt/_engine/torch_format/record_writer.py: torch.save's bytes from templates, and many small tensors
 saved and loaded bitwise, readable by plain dcp.load."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from distckpt import CheckpointConfig, CheckpointManager, RetentionConfig, ScheduleConfig
-from distckpt.engine.record_writer import BUFFER_BYTES, GatheringWriter, RecordTemplates, zip_crc32_off
-from distckpt.engine.writer import CheckedFileSystemWriter
+from distckpt._engine.torch_format.record_writer import BUFFER_BYTES, GatheringWriter, RecordTemplates, zip_crc32_off
+from distckpt._engine.writer import CheckedFileSystemWriter
 
 
 def _torch_save(tensor: torch.Tensor) -> bytes:

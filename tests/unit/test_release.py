@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from distckpt import CheckpointConfig, CheckpointManager, SaveConfig, ScheduleConfig
-from distckpt.cli import main
+from distckpt._cli import main
 from tests.distributed.trainer import build, optimizer_step
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -136,7 +136,7 @@ def release_peak_over_baseline(tmp_path, total_mib):
         optimizer=None,
     ).save(1)
     script = (
-        "import sys; from distckpt.cli.main import main; import distckpt.tools.release\n"
+        "import sys; from distckpt._cli.main import main; import distckpt._tools.release\n"
         "def kib(field):\n"
         "    return next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith(field))\n"
         "base = kib('VmRSS'); rc = main(sys.argv[1:]); print(kib('VmHWM') - base, rc)"

@@ -23,10 +23,10 @@ from distckpt import (
     RetentionConfig,
     ScheduleConfig,
 )
-from distckpt.cli import main
-from distckpt.config import KeepBest
-from distckpt.ondisk.manifest import Manifest
-from distckpt.save.retention import best_steps, steps_to_delete
+from distckpt._cli import main
+from distckpt._config import KeepBest
+from distckpt._ondisk.manifest import Manifest
+from distckpt._save.retention import best_steps, steps_to_delete
 from tests.distributed.trainer import Net, Points, build, optimizer_step
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -95,7 +95,7 @@ def test_probe_restores_module_modes():
     model = Net()
     model.train()
     model.drop.eval()  # a submodule the user keeps in eval mode stays so
-    from distckpt.load.probe import run_probe
+    from distckpt._load.probe import run_probe
 
     run_probe(hostile_probe, model)
     assert model.training and model.inp.training and not model.drop.training

@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from distckpt.state.rng import capture_rng, restore_rng
+from distckpt._state.rng import capture_rng, restore_rng
 
 
 class FakeCuda:

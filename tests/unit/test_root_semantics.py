@@ -18,11 +18,11 @@ from distckpt import (
     RetentionConfig,
     ScheduleConfig,
 )
-from distckpt.cli import main
-from distckpt.ondisk.manifest import Manifest
-from distckpt.save.retention import steps_to_delete
-from distckpt.storage.commit import delete_checkpoint, remove_leftovers
-from distckpt.tools.reader import CheckpointReader
+from distckpt._cli import main
+from distckpt._ondisk.manifest import Manifest
+from distckpt._save.retention import steps_to_delete
+from distckpt._storage.commit import delete_checkpoint, remove_leftovers
+from distckpt._tools.reader import CheckpointReader
 from tests.distributed.trainer import Net, build, optimizer_step, train_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -230,7 +230,7 @@ def test_retention_delete_is_marked_so_only_its_leftover_is_removed(tmp_path, mo
     root = tmp_path / "ckpt"
     run_a(root, steps=(3, 6))
     files = listing(root)["step-000000003"]
-    monkeypatch.setattr("distckpt.storage.commit.shutil.rmtree", lambda *a, **k: None)  # crash after the rename
+    monkeypatch.setattr("distckpt._storage.commit.shutil.rmtree", lambda *a, **k: None)  # crash after the rename
     delete_checkpoint(root / "step-000000003")
     monkeypatch.undo()
     (doomed,) = root.glob(".deleting-step-000000003-*")

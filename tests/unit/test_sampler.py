@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from distckpt.data import (
+from distckpt._data import (
     ReshardableSampler,
     check_world_size,
     global_state_from_loader_state,

@@ -1,4 +1,4 @@
-"""distckpt/engine/save_planner.py: DCP's global save plan reused while the local plans repeat,
+"""distckpt/_engine/save_planner.py: DCP's global save plan reused while the local plans repeat,
 and a compacted ``.metadata`` that stock ``dcp.load`` reads."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from distckpt.engine.save_planner import CachingSavePlanner, compact_metadata
+from distckpt._engine.save_planner import CachingSavePlanner, compact_metadata
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ from distckpt import (
     IncompatibleCheckpointError,
     LoadConfig,
 )
-from distckpt.ondisk.manifest import TensorSpec, model_fingerprint
-from distckpt.tools.audit import audit_checkpoint
+from distckpt._ondisk.manifest import TensorSpec, model_fingerprint
+from distckpt._tools.audit import audit_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

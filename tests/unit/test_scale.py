@@ -14,14 +14,14 @@ import torch.distributed as dist
 
 from benchmarks.manifest_size import manifest_size
 from distckpt import CheckpointConfig, CheckpointCorruptError, CheckpointManager, LoadConfig, ScheduleConfig
-from distckpt.cli import main
-from distckpt.coord import collective as collective_mod
-from distckpt.coord.collective import Collective
-from distckpt.ondisk.digests import DigestIndex
-from distckpt.ondisk.integrity import MAX_BLOCK_BYTES, BlockDigests, WrittenFile
-from distckpt.ondisk.manifest import Manifest
-from distckpt.storage import find_committed
-from distckpt.storage.posix import PosixStore
+from distckpt._cli import main
+from distckpt._coord import collective as collective_mod
+from distckpt._coord.collective import Collective
+from distckpt._ondisk.digests import DigestIndex
+from distckpt._ondisk.integrity import MAX_BLOCK_BYTES, BlockDigests, WrittenFile
+from distckpt._ondisk.manifest import Manifest
+from distckpt._storage import find_committed
+from distckpt._storage.posix import PosixStore
 from tests.distributed.harness import run_ranks, values
 from tests.unit.test_transaction import _ctx, _save
 

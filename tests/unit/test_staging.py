@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.staging import StagingOptions
 
-from distckpt.engine.staging import ReusingStager
+from distckpt._engine.staging import ReusingStager
 
 pytestmark = pytest.mark.timeout(60)
 

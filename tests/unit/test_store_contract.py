@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from distckpt import CheckpointConfig, CheckpointManager, ConfigError, RetentionConfig, ScheduleConfig
-from distckpt.engine import SafeFileSystemReader
-from distckpt.engine.blocking import hashing_writer
-from distckpt.errors import CheckpointCorruptError
-from distckpt.ondisk.layout import checkpoint_name
-from distckpt.ondisk.manifest import FileEntry, Manifest
-from distckpt.storage import CheckpointStore, Others
-from distckpt.storage.posix import PosixStore
-from distckpt.storage.s3 import S3Store
-from distckpt.tools.store_queries import ToolStore, tool_store
+from distckpt._engine import SafeFileSystemReader
+from distckpt._engine.blocking import hashing_writer
+from distckpt._errors import CheckpointCorruptError
+from distckpt._ondisk.layout import checkpoint_name
+from distckpt._ondisk.manifest import FileEntry, Manifest
+from distckpt._storage import CheckpointStore, Others
+from distckpt._storage.posix import PosixStore
+from distckpt._storage.s3 import S3Store
+from distckpt._tools.store_queries import ToolStore, tool_store
 from tests.distributed.trainer import build, train_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -178,7 +178,7 @@ class ContractOnlyStore(CheckpointStore):
 def test_a_backend_with_only_the_runtime_contract_saves_prunes_and_loads(tmp_path, monkeypatch):
     root = str(tmp_path / "root")  # never created: every byte goes through the store
     store = ContractOnlyStore(root, tmp_path / "objects")
-    monkeypatch.setattr("distckpt.manager.open_config_store", lambda config: store)
+    monkeypatch.setattr("distckpt._manager.open_config_store", lambda config: store)
     cfg = CheckpointConfig(
         root=root, retention=RetentionConfig(keep_last=1), schedule=ScheduleConfig(interval_steps=None)
     )

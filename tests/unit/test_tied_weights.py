@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from distckpt import CheckpointConfig, CheckpointManager, IncompatibleCheckpointError
-from distckpt.tools.export import import_weights
+from distckpt._tools.export import import_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -31,7 +31,7 @@ class TinyLM(nn.Module):
 
 
 def test_tied_keys_groups_one_tensor_under_every_name():
-    from distckpt.adapters import tied_keys
+    from distckpt._adapters import tied_keys
 
     assert tied_keys(TinyLM()) == {"embed.weight": ["lm_head.weight"], "lm_head.weight": ["embed.weight"]}
     assert tied_keys(TinyLM(tied=False)) == {}

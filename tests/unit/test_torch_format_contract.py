@@ -2,7 +2,7 @@
 this runs on (issue 35, item 9): the record writer writes what ``torch.save`` writes, byte for
 byte, and the fast reader reads what torch's writers write, bitwise. ``make test-compat
 TORCH=<version>`` runs this file under another torch; a torch on which it passes is listed in
-``distckpt.engine.torch_internals.FORMAT_TESTED_TORCH`` (the gate: the last tests here)."""
+``distckpt._engine.torch_format.internals.FORMAT_TESTED_TORCH`` (the gate: the last tests here)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from distckpt import dcp as ddcp
-from distckpt.engine import torch_internals, writer
-from distckpt.engine.blocking import dcp_load
-from distckpt.engine.read.fast_reader import FastFileSystemReader, parse_torch_save_header
-from distckpt.engine.record_writer import RecordTemplates, zip_crc32_off
-from distckpt.engine.safe_io import SafeFileSystemReader, SafeLoadPlanner
-from distckpt.storage.posix import PosixStore
+from distckpt._engine import writer
+from distckpt._engine.blocking import dcp_load
+from distckpt._engine.read.fast_reader import FastFileSystemReader, parse_torch_save_header
+from distckpt._engine.safe_io import SafeFileSystemReader, SafeLoadPlanner
+from distckpt._engine.torch_format import internals as torch_internals
+from distckpt._engine.torch_format.record_writer import RecordTemplates, zip_crc32_off
+from distckpt._storage.posix import PosixStore
 
 CASES = {
     "float32": lambda: torch.randn(1000),
@@ -135,7 +136,7 @@ def test_this_torch_is_listed_as_tested():
     assert torch_internals.format_tested(), (
         f"torch {torch.__version__}: the contract tests above pass here? Then add "
         f"{tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2])} to "
-        "distckpt.engine.torch_internals.FORMAT_TESTED_TORCH"
+        "distckpt._engine.torch_format.internals.FORMAT_TESTED_TORCH"
     )
 
 

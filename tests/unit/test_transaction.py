@@ -1,4 +1,4 @@
-"""distckpt/save/transaction.py's SaveTransaction in one process (the real Collective, no process
+"""distckpt/_save/transaction.py's SaveTransaction in one process (the real Collective, no process
 group: world size 1): phase order, manifest content, abort on a failed write or commit,
 retention."""
 
@@ -11,18 +11,18 @@ from typing import Any
 import pytest
 import torch
 
-import distckpt.save.transaction as tx_mod
+import distckpt._save.transaction as tx_mod
 from distckpt import RetentionConfig, SaveConfig, __version__
-from distckpt.coord.collective import Collective
-from distckpt.coord.events import EventLog
-from distckpt.errors import CheckpointSaveError
-from distckpt.ondisk.integrity import hash_file
-from distckpt.ondisk.layout import LATEST, MANIFEST, checkpoint_name
-from distckpt.ondisk.manifest import Manifest, TensorSpec, model_fingerprint
-from distckpt.save.transaction import PHASES, Rollback, SaveContext, SaveTransaction
-from distckpt.state.training_state import TrainState
-from distckpt.storage import open_store
-from distckpt.storage.commit import validate
+from distckpt._coord.collective import Collective
+from distckpt._coord.events import EventLog
+from distckpt._errors import CheckpointSaveError
+from distckpt._ondisk.integrity import hash_file
+from distckpt._ondisk.layout import LATEST, MANIFEST, checkpoint_name
+from distckpt._ondisk.manifest import Manifest, TensorSpec, model_fingerprint
+from distckpt._save.transaction import PHASES, Rollback, SaveContext, SaveTransaction
+from distckpt._state.training_state import TrainState
+from distckpt._storage import open_store
+from distckpt._storage.commit import validate
 
 SPECS = {"model.w": TensorSpec(shape=[4, 3], dtype="torch.float32")}
 

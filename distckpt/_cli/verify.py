@@ -1,0 +1,101 @@
+"""``distckpt verify ROOT|CKPT``: read every byte and check it against the manifest.
+
+Exit 0 when every checkpoint is intact, 1 when any problem is found (each bad file is named on
+its own line), 2 when there is nothing to verify.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .._errors import CheckpointCorruptError, CheckpointNotFoundError
+from .._ondisk.layout import is_deleting, parse_step
+from .._storage import CheckpointStore, find_committed, open_location
+from .._tools.audit import AuditReport, audit_checkpoint
+from .._tools.store_queries import tool_store
+from ._common import fmt_bytes, print_json
+from ._errors import EXIT_FAILED, EXIT_OK
+
+NAME = "verify"
+HELP = "check every file's size and xxh3-128 hash against its manifest (exit 1 naming each bad file)"
+EPILOG = """examples:
+  distckpt verify runs/demo/ckpt                       (every step-* checkpoint of a root)
+  distckpt verify runs/demo/ckpt/step-000000020 --json
+  distckpt verify s3://bucket/run1                     (every committed checkpoint of an S3 root)
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command line of ``distckpt verify``."""
+    p.add_argument("path", help="a checkpoint root or one checkpoint directory")
+
+
+def targets(path: str) -> tuple[CheckpointStore, list[tuple[str, CheckpointCorruptError | None]], list[str]]:
+    """``(store, [(checkpoint location, why it is not committed or None)], pending saves skipped)``
+    of a root or of one checkpoint. A manifest that does not parse on object storage is its own
+    location (a URL under ``manifests/``) with its error.
+
+    Raises:
+        CheckpointNotFoundError: nothing that looks like a checkpoint at ``path``.
+    """
+    store, location = open_location(path)
+    if location is not None:
+        return store, [(location, None)], []
+    tools = tool_store(store)
+    tools.check_tool_root()
+    # Those with a manifest and the step-N directories without one (deferred deletions: checked
+    # through their referrers), oldest first.
+    listed = [(s, loc, r if isinstance(r, CheckpointCorruptError) else None) for s, loc, r in find_committed(store)]
+    listed += [(parse_step(loc.rstrip("/").rsplit("/", 1)[-1]) or 0, loc, None) for loc in store.others().unmanaged]
+    found = [(loc, why) for _, loc, why in sorted(listed, key=lambda e: e[0])]
+    if not found:
+        raise CheckpointNotFoundError(f"{store.root}: not a checkpoint and holds no committed checkpoint to verify")
+    return store, found, [n for n in tools.leftovers() if not is_deleting(n.rsplit("/", 1)[-1])]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``distckpt verify``; returns the exit code (0 every checkpoint intact, 1 a problem found).
+
+    Raises:
+        CheckpointNotFoundError: nothing to verify at ``path`` (exit 2).
+    """
+    store, entries, pending = targets(args.path)
+    reports = [
+        AuditReport(path=loc, manifest=None, problems=[result])  # the manifest did not parse
+        if result is not None and not store.exists(loc)
+        else audit_checkpoint(loc, store=store)
+        for loc, result in entries
+    ]
+    bad = [r for r in reports if not r.ok]
+    if args.json:
+        print_json(
+            {
+                "ok": not bad,
+                "skipped_pending": pending,
+                "checkpoints": [
+                    {
+                        "path": str(r.path),
+                        "ok": r.ok,
+                        "unhashed": r.unhashed,
+                        "problems": [{"path": e.path, "message": str(e)} for e in r.problems],
+                    }
+                    for r in reports
+                ],
+            }
+        )
+        return EXIT_FAILED if bad else EXIT_OK
+    for r in reports:
+        if r.ok:
+            assert r.manifest is not None  # an unreadable manifest is one of the problems
+            files = r.manifest.files
+            note = f", {len(r.unhashed)} without a hash (size checked only)" if r.unhashed else ""
+            print(f"ok       {r.path}  ({len(files)} files, {fmt_bytes(sum(f.size_bytes for f in files))}{note})")
+        else:
+            print(f"CORRUPT  {r.path}  ({len(r.problems)} problem{'s' if len(r.problems) > 1 else ''})")
+            for e in r.problems:
+                print(f"  {e}")
+    for name in pending:
+        print(f"skipped  {store.root}/{name}  (pending: an unfinished save)")
+    if bad:
+        print(f"{len(bad)} of {len(reports)} checkpoint(s) corrupt")
+    return EXIT_FAILED if bad else EXIT_OK

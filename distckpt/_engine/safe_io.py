@@ -1,0 +1,174 @@
+"""Reading a checkpoint directory as data, never code.
+
+DCP stores ``.metadata`` as a pickle and loads non-tensor items with
+``torch.load(weights_only=False)``; both would run code planted in a downloaded checkpoint.
+:func:`read_dcp_metadata` uses an unpickler that admits only DCP's metadata types, and
+:class:`SafeLoadPlanner` loads non-tensor items with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from typing_extensions import override
+
+from .._errors import CheckpointCorruptError
+from .._ondisk.integrity import check_file
+from .._ondisk.safe_values import load_value
+from .torch_format.internals import set_element
+
+__all__ = ["read_dcp_metadata", "parse_dcp_metadata", "SafeFileSystemReader", "SafeLoadPlanner"]
+
+_ALLOWED: dict[str, set[str]] = {
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"} | {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+_ALLOWED["torch.distributed.checkpoint.metadata"] = {
+    n for n, v in vars(dcp_metadata).items() if isinstance(v, type) or n == "_MEM_FORMAT_ENCODING"
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, path: str) -> None:
+        super().__init__(file)
+        self._path = path
+
+    @override
+    def find_class(self, module: str, name: str):
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise CheckpointCorruptError(
+            f"{self._path}: refusing to unpickle {module}.{name}: a DCP .metadata file may only "
+            "hold DCP metadata types (checkpoint directories are data, never code). "
+            "Do not load this checkpoint unless you trust its origin.",
+            path=self._path,
+        )
+
+
+def read_dcp_metadata(checkpoint_dir: str | os.PathLike) -> Metadata:
+    """Read ``<checkpoint_dir>/.metadata`` with an allow-list unpickler.
+
+    Raises:
+        CheckpointCorruptError: missing/unreadable file, a disallowed type, or not DCP metadata.
+    """
+    return _read_metadata_file(str(Path(checkpoint_dir) / ".metadata"))
+
+
+def _read_metadata_file(path: str) -> Metadata:
+    try:
+        with open(path, "rb") as f:
+            return parse_dcp_metadata(f, path)
+    except FileNotFoundError as e:
+        raise CheckpointCorruptError(f"{path}: DCP metadata file missing", path=path) from e
+    except OSError as e:
+        raise CheckpointCorruptError(f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})", path=path) from e
+
+
+def parse_dcp_metadata(f: io.IOBase | io.BytesIO, path: str) -> Metadata:
+    """Unpickle DCP ``Metadata`` from an open binary file with the allow-list unpickler (used
+    for ``.metadata`` read from object storage too; ``path`` names it in errors).
+
+    Raises:
+        CheckpointCorruptError: a disallowed type, garbage, or not DCP metadata.
+    """
+    try:
+        metadata = _MetadataUnpickler(f, path).load()
+    except CheckpointCorruptError:
+        raise
+    except Exception as e:  # pickle raises many types on garbage
+        raise CheckpointCorruptError(f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})", path=path) from e
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorruptError(f"{path}: not DCP metadata (got {type(metadata).__name__})", path=path)
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``read_metadata`` uses :func:`read_dcp_metadata` and that,
+    given the manifest's file list, checks size and hash of each file this rank reads before
+    reading it (each file once per reader).
+
+    Args:
+        path: checkpoint directory.
+        expected_files: ``{relative path: (size_bytes, digest or None)}``; ``None`` skips checks.
+
+    Attributes:
+        expected_source: the record ``expected_files`` comes from, named in error messages:
+            ``"manifest"`` (a distckpt checkpoint) or ``"hash sidecar"`` (a plain DCP directory,
+            :class:`distckpt.dcp.FileSystemReader`).
+    """
+
+    expected_source = "manifest"
+
+    def __init__(
+        self, path: str | os.PathLike, expected_files: dict[str, tuple[int, str | None]] | None = None
+    ) -> None:
+        super().__init__(path)
+        self.expected_files = expected_files
+        self._checked: set[str] = set()
+        self.known_metadata: Metadata | None = None
+
+    def share_over(self, group: Any, *, min_bytes: int | None = None) -> None:
+        """Readers that cannot share what they read among ranks ignore this (see
+        :class:`~distckpt._engine.read.shared_read.SharingReader`)."""
+
+    def use_metadata(self, metadata: Metadata) -> None:
+        """Serve ``read_metadata`` from ``metadata``, already parsed (and checked) by the caller
+        from this checkpoint's ``.metadata``: unpickling it costs about 50 us per item."""
+        self.known_metadata = metadata
+
+    @override
+    def read_data(self, plan, planner):
+        if self.expected_files is not None:
+            for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
+                if name in self._checked:
+                    continue
+                if name not in self.expected_files:
+                    raise CheckpointCorruptError(
+                        f"{Path(self.path) / name}: DCP metadata refers to a file the {self.expected_source} "
+                        "does not list",
+                        path=str(Path(self.path) / name),
+                    )
+                size, digest = self.expected_files[name]
+                check_file(Path(self.path) / name, size_bytes=size, digest=digest, source=self.expected_source)
+                self._checked.add(name)
+        return super().read_data(plan, planner)
+
+    @override
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        metadata = self.known_metadata or _read_metadata_file(str(self._get_metadata_path(kwargs.get("rank"))))
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = dcp_metadata.StorageMeta()
+        storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that loads non-tensor items with ``torch.load(weights_only=True)``
+    (numpy scalars and arrays admitted: :func:`distckpt._ondisk.safe_values.load_value`)."""
+
+    @override
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = load_value(value)
+        except pickle.UnpicklingError as e:
+            raise CheckpointCorruptError(
+                f"item {read_item.dest_index.fqn!r}: refusing to unpickle a non-tensor value that "
+                f"needs arbitrary code ({e}); checkpoint directories are data, never code"
+            ) from e
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

@@ -1,0 +1,366 @@
+"""Write DCP's per-item ``torch.save`` records without calling ``torch.save`` per item.
+
+DCP's ``FileSystemWriter`` serialises every tensor item with ``torch.save``: a zip archive
+(``data.pkl``, ``byteorder``, ``data/0``, ``version``, ``.data/serialization_id``) built by
+torch's C++ zip writer, about 0.5 ms of Python and C++ work per item however small the tensor,
+plus about ten small writes through the file object. For states of many small tensors (per-layer
+norms and biases, per-expert weights, optimizer state) that is most of a save (profile in
+``docs/benchmarks.md#many-tensors``).
+
+With the zip CRC-32 switched off (distckpt hashes every file with xxh3 instead, see
+:mod:`distckpt._engine.writer`), ``torch.save`` of two tensors with the same dtype, shape,
+stride, storage offset, storage size and ``requires_grad`` gives the same bytes except for the
+storage's raw bytes. So a *template* per such layout -- the bytes before and after the storage,
+learnt once from two ``torch.save`` calls of that layout (storage filled with ``0x00`` and with
+``0xff``) and checked to differ in exactly the storage's bytes -- turns each later item into
+``prefix + storage bytes + suffix``: byte for byte what ``torch.save`` writes, so plain
+``dcp.load``/``torch.load`` read it as before. Small records are gathered in a buffer and
+written in pieces below 1 MiB (one write, one hash update); a storage of at least 1 MiB is its
+own write, as with ``torch.save``, so block digests still start at its data
+(:mod:`distckpt._ondisk.integrity`). A tensor the template cannot describe (a subclass, extra
+Python attributes, negative/conjugate bits, a non-strided layout, big-endian host) is written
+by ``torch.save`` itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.serialization
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..._ondisk import integrity
+from .internals import StorageInfo
+
+__all__ = ["RecordTemplates", "BUFFER_BYTES", "TEMPLATES", "write_files", "zip_crc32_off"]
+
+BUFFER_BYTES = integrity.MIN_BLOCK_BYTES - 1
+"""Small records are gathered up to this many bytes per write (just below
+``integrity.MIN_BLOCK_BYTES``, read when a file starts: a gathered write never starts blocks of
+its own, and every storage of at least that size is its own write, where a block starts)."""
+
+
+@contextlib.contextmanager
+def zip_crc32_off() -> Iterator[None]:
+    """Skip ``torch.save``'s per-record CRC-32 in this thread while the block runs.
+
+    torch keeps the setting per thread (a ``ContextVar`` in ``torch.utils.serialization.config``,
+    torch >= 2.7), so it is switched where DCP serialises: in each writer thread, around its file.
+    """
+    saved = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(saved)
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _layout_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    """What ``torch.save``'s bytes depend on besides the storage's contents; ``None`` when
+    the tensor is not one the template can describe."""
+    if (
+        type(tensor) is not torch.Tensor
+        or not tensor.is_cpu
+        or tensor.layout != torch.strided
+        or tensor.is_quantized
+        or tensor.is_neg()
+        or tensor.is_conj()
+        or tensor.__dict__
+        or not _LITTLE_ENDIAN
+    ):
+        return None
+    return (
+        tensor.dtype,
+        tensor.shape,  # a torch.Size: a tuple
+        tensor.stride(),
+        tensor.storage_offset(),
+        tensor.untyped_storage().nbytes(),
+        tensor.requires_grad,
+    )
+
+
+# dtypes whose tensors ``Tensor.numpy()`` views directly (no bfloat16, no float8).
+_NUMPY_DTYPES = frozenset(
+    (torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8)
+    + (torch.uint8, torch.bool, torch.complex64, torch.complex128)
+)
+
+
+def _storage_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's whole storage as bytes (no copy)."""
+    if (
+        tensor.dtype in _NUMPY_DTYPES
+        and tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.nbytes
+    ):
+        # The storage is the tensor's elements in order: a numpy view of them costs a third
+        # of a tensor made over the storage (the common case: a whole parameter or state).
+        return memoryview(tensor.detach().numpy()).cast("B")  # type: ignore[arg-type]
+    raw = torch.empty(0, dtype=torch.uint8, device="cpu").set_(tensor.untyped_storage())
+    return memoryview(raw.numpy()).cast("B")  # type: ignore[arg-type]
+
+
+class _Sink:
+    """``torch.save`` target that keeps each write, except the storage's (one write of exactly
+    ``nbytes``, over 4 KiB: kept as ``None``), so learning a large layout costs no copy of it."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.parts: list[bytes | None] = []
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.parts.append(None if len(view) == self.nbytes > 4096 else bytes(view))
+        return len(view)
+
+    def flush(self) -> None:
+        pass
+
+
+def _writes_of(tensor: torch.Tensor, nbytes: int) -> list[bytes | None]:
+    sink = _Sink(nbytes)
+    with zip_crc32_off():
+        torch.save(tensor, sink)  # type: ignore[arg-type]  # write() is all torch.save needs
+    return sink.parts
+
+
+def _split_at_data(zeros: list[bytes | None], ones: list[bytes | None], nbytes: int) -> tuple[bytes, bytes] | None:
+    """``(head, tail)`` around the storage's write, found as the only write that differs between
+    a storage of ``0x00`` and one of ``0xff`` (or the only one not kept); ``None`` unless exactly
+    one write differs and it is the storage, all ``0x00`` resp. ``0xff``."""
+    if len(zeros) != len(ones):
+        return None
+    differ = [i for i, (a, b) in enumerate(zip(zeros, ones)) if a is None or b is None or a != b]
+    if len(differ) != 1:
+        return None
+    i = differ[0]
+    a, b = zeros[i], ones[i]
+    if not ((a is None and b is None) or (a == bytes(nbytes) and b == b"\xff" * nbytes)):
+        return None
+    return b"".join(p for p in zeros[:i] if p is not None), b"".join(p for p in zeros[i + 1 :] if p is not None)
+
+
+def _torch_save(tensor: torch.Tensor) -> bytes:
+    out = io.BytesIO()
+    with zip_crc32_off():
+        torch.save(tensor, out)
+    return out.getvalue()
+
+
+class RecordTemplates:
+    """Per-layout templates of ``torch.save``'s bytes (module docstring). Thread-safe; one per
+    process (:data:`TEMPLATES`), so a structure that does not change learns nothing new.
+
+    Args:
+        max_layouts: the cache starts over past this many layouts.
+
+    Attributes:
+        learnt: layouts learnt so far; ``fallbacks``: items written by ``torch.save``.
+    """
+
+    def __init__(self, max_layouts: int = 4096) -> None:
+        self._templates: dict[tuple[Any, ...], tuple[bytes, bytes] | None] = {}
+        self._lock = threading.Lock()
+        self.max_layouts = max_layouts
+        self.fallbacks = 0
+
+    @property
+    def learnt(self) -> int:
+        """Layouts learnt so far (each with a template, or marked as written by ``torch.save``)."""
+        return len(self._templates)
+
+    def _template(self, key: tuple[Any, ...], tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
+        found = self._templates.get(key, False)
+        if found is not False:
+            return found  # type: ignore[return-value]
+        template = None
+        nbytes = key[4]
+        probe = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+        if 0 < nbytes == probe.untyped_storage().nbytes() and tensor.storage_offset() == 0:
+            probe.requires_grad_(tensor.requires_grad)
+            raw = torch.empty(0, dtype=torch.uint8, device="cpu").set_(probe.untyped_storage())
+            with torch.no_grad():
+                raw.fill_(0)
+                zeros = _writes_of(probe, nbytes)
+                raw.fill_(255)
+                ones = _writes_of(probe, nbytes)
+            template = _split_at_data(zeros, ones, nbytes)
+        with self._lock:
+            if len(self._templates) >= self.max_layouts:
+                self._templates.clear()  # a structure that keeps changing: start over
+            self._templates[key] = template
+        return template
+
+    def record(self, tensor: torch.Tensor) -> tuple[bytes, memoryview | None, bytes]:
+        """``(head, storage bytes, tail)`` whose concatenation is ``torch.save(tensor)`` (zip
+        CRC-32 off); ``(all bytes, None, b"")`` when the template does not apply.
+
+        Args:
+            tensor: a CPU tensor whose storage holds exactly its elements (DCP clones others).
+        """
+        key = _layout_key(tensor)
+        template = None if key is None else self._template(key, tensor)
+        if template is None:
+            self.fallbacks += 1
+            return _torch_save(tensor), None, b""
+        return template[0], _storage_bytes(tensor), template[1]
+
+
+TEMPLATES = RecordTemplates()
+"""The process's templates, shared by every writer (a training job saves the same layouts)."""
+
+
+class GatheringWriter:
+    """Writes records to ``stream``, gathering small ones (module docstring); tracks the offset.
+
+    Args:
+        stream: the file's write stream (hashing, deadline-checking); written front to back.
+        offset: the stream's position now.
+    """
+
+    def __init__(self, stream: Any, offset: int = 0) -> None:
+        self._stream = stream
+        self._limit = integrity.MIN_BLOCK_BYTES - 1
+        self._buf = bytearray(self._limit)  # one allocation per file, reused: no heap churn
+        self._used = 0
+        self.offset = offset  # bytes written or gathered so far
+
+    def write(self, *parts: bytes | memoryview) -> None:
+        """Append ``parts`` (one record) to the file."""
+        for part in parts:
+            n = len(part)
+            if n >= self._limit:
+                self.flush()
+                self._stream.write(part)
+            else:
+                if self._used + n > self._limit:
+                    self.flush()
+                self._buf[self._used : self._used + n] = part
+                self._used += n
+            self.offset += n
+
+    def flush(self) -> None:
+        """Write what was gathered."""
+        if self._used:
+            with memoryview(self._buf) as view:
+                self._stream.write(view[: self._used])
+            self._used = 0
+
+
+def _resolver(planner: SavePlanner) -> Callable[[WriteItem], Any]:
+    """``planner.resolve_data``, with a short cut for a plain tensor under DCP's default lookup:
+    the flattened state dict's value itself, as ``find_state_dict_object`` returns it, without
+    its generic checks (a few microseconds per item). Any other object, a tensor subclass
+    (``DTensor``, ``Parameter``), a non-zero offset or a planner overriding the lookup: DCP's."""
+    if not isinstance(planner, DefaultSavePlanner):
+        return planner.resolve_data
+    cls = type(planner)
+    if not (
+        cls.resolve_data is DefaultSavePlanner.resolve_data
+        and cls.lookup_object is DefaultSavePlanner.lookup_object
+        and cls.transform_object is DefaultSavePlanner.transform_object
+    ):
+        return planner.resolve_data
+    state_dict = planner.state_dict
+
+    def resolve(item: WriteItem) -> Any:
+        obj = state_dict.get(item.index.fqn)
+        if type(obj) is torch.Tensor and item.type != WriteItemType.BYTE_IO and not any(item.index.offset or ()):
+            return obj
+        return planner.resolve_data(item)
+
+    return resolve
+
+
+def _write_file(
+    create_stream: Callable[..., Any],
+    path: str,
+    file_name: str,
+    items: list[WriteItem],
+    planner: SavePlanner,
+    templates: RecordTemplates,
+    sync_files: bool,
+) -> list[WriteResult]:
+    """One file: bytes items, then tensor items, in ``torch.save``'s record format."""
+    results = []
+
+    def done(item: WriteItem, start: int, end: int) -> None:
+        results.append(
+            WriteResult(
+                index=item.index, size_in_bytes=end - start, storage_data=StorageInfo(file_name, start, end - start)
+            )
+        )
+
+    resolve = _resolver(planner)
+    with create_stream(path, "wb") as stream:
+        out = GatheringWriter(stream)
+        for item in (wi for wi in items if wi.type == WriteItemType.BYTE_IO):
+            start = out.offset
+            data = planner.resolve_data(item)
+            assert isinstance(data, io.BytesIO)  # DCP resolves a bytes item to a BytesIO
+            out.write(data.getbuffer())
+            done(item, start, out.offset)
+        for item in (wi for wi in items if wi.type != WriteItemType.BYTE_IO):
+            resolved = resolve(item)
+            assert isinstance(resolved, torch.Tensor)  # DCP resolves a tensor item to a tensor
+            tensor = resolved.detach().cpu()
+            if tensor.untyped_storage().nbytes() != tensor.nbytes:  # as DCP: a view's own storage
+                tensor = tensor.clone()
+            start = out.offset
+            out.write(*(part for part in templates.record(tensor) if part is not None))
+            done(item, start, out.offset)
+        out.flush()
+        if sync_files:
+            os.fsync(stream.fileno())
+    return results
+
+
+def write_files(
+    jobs: list[tuple[str, str, list[WriteItem]]],
+    planner: SavePlanner,
+    *,
+    create_stream: Callable[..., Any],
+    sync_files: bool,
+    templates: RecordTemplates,
+) -> list[WriteResult]:
+    """Write each ``(path, file name, items)`` of ``jobs`` -- the files and item split
+    ``FileSystemWriter.write_data`` chose -- bytes items first, each tensor a ``torch.save``
+    record (module docstring), one thread per file.
+
+    Returns:
+        DCP's ``WriteResult`` per item (``StorageInfo``: file name, offset, length in bytes).
+
+    Raises:
+        OSError, TimeoutError: the first failure of any file (the stream records it too).
+    """
+
+    def run(job: tuple[str, str, list[WriteItem]]) -> list[WriteResult]:
+        return _write_file(create_stream, job[0], job[1], job[2], planner, templates, sync_files)
+
+    if len(jobs) <= 1:
+        return run(jobs[0]) if jobs else []
+    results: list[WriteResult] = []
+    with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="distckpt-write") as pool:
+        futures = [pool.submit(run, job) for job in jobs]
+        first: BaseException | None = None
+        for f in futures:
+            try:
+                results += f.result()
+            except BaseException as e:  # noqa: BLE001 - the first is raised once all are done
+                first = first or e
+    if first is not None:
+        raise first
+    return results

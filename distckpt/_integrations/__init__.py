@@ -1,0 +1,1 @@
+"""The implementations behind ``distckpt.integrations`` (private)."""

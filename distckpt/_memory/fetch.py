@@ -1,0 +1,336 @@
+"""Finding, verifying and moving the memory tier's snapshot chunks across ranks: the newest step
+whose every shard survives in some node's memory, and its chunks served to DCP at any world size
+(docs/memory.md, "How it works"). :mod:`distckpt._memory.source` drives these steps; the read into the
+training state is the one every load makes (:func:`~distckpt._load.read.read_checkpoint`).
+
+All collective, on every rank of the new job:
+
+1. **Inventory.** Each rank lists its node's memory directory; the node's ranks split its files
+   and each verifies its share (preamble, header and data hashes). A corrupt file is left out
+   (a warning names it), so its replica on another node serves instead.
+2. **Consistent cut.** From every rank's inventory: the newest ``(step, world size, generation)``
+   for which every rank's shard is present on a surviving node, as its own snapshot or a replica.
+3. **Plan.** DCP ``Metadata`` built from the cut's headers; each rank plans its load with
+   distckpt's load planner, as a durable load does, and so learns which stored chunks it needs.
+4. **Move.** A chunk held on the rank's own node is read from there; any other is requested from a
+   rank on a node that holds it and arrives over the process group (point-to-point sends), never
+   through another node's file system.
+5. **Serve.** ``dcp.load`` reads through :class:`MemoryReader`, which serves the chunks from memory.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import mmap
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import StorageReader
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
+from typing_extensions import override
+
+from .._coord.collective import Collective
+from .._engine.safe_io import SafeLoadPlanner
+from .._engine.torch_format.internals import narrow_tensor_by_index
+from .._errors import CheckpointCorruptError
+from .placement import NodeLayout
+from .snapfile import parse_name, read_header
+
+__all__ = ["Cut", "Fetch", "MemoryReader", "fetch_chunks", "find_cut", "inventory", "memory_metadata", "plan_fetch"]
+
+logger = logging.getLogger(__name__)
+
+Entry = tuple[int, str, int, int, int, str]  # serving rank, file, step, saved rank, world size, generation
+
+
+def inventory(directory: str, layout: NodeLayout, rank: int, *, run: str) -> tuple[list[Entry], dict[str, Any]]:
+    """This rank's share of its node's snapshot files (the node's ranks split them) that launch
+    ``run`` wrote (another launch's are left for reclaiming, never restored); headers checked, data
+    not yet (:func:`verify`).
+
+    Returns:
+        ``(entries, {file name: header dict})``: the compact entries are what the ranks exchange;
+        the headers stay here until a cut needs them (:func:`verify`).
+    """
+    local = layout.ranks_on(layout.nodes[rank])
+    names = sorted(n for n in os.listdir(directory) if parse_name(n)) if os.path.isdir(directory) else []
+    out: list[Entry] = []
+    headers: dict[str, Any] = {}
+    for name in names[local.index(rank) :: len(local)]:
+        step, owner, world_size, gen = parse_name(name)  # type: ignore[misc]
+        try:
+            header = read_header(os.path.join(directory, name), verify=False)
+        except CheckpointCorruptError as e:
+            logger.warning("memory tier: %s -- not used; a replica or the durable tier serves instead", e)
+            continue
+        if header.run != run:
+            logger.info("memory tier: %s was written by launch %r, not this one (%r); not used", name, header.run, run)
+            continue
+        if (header.step, header.rank, header.world_size, header.gen) != (step, owner, world_size, gen):
+            logger.warning("memory tier: %s: its header disagrees with its name; not used", name)
+            continue
+        out.append((rank, name, step, owner, world_size, gen))
+        headers[name] = header.__dict__
+    return out, headers
+
+
+def verify(
+    directory: str, rank: int, cut: Cut, headers: dict[str, Any]
+) -> tuple[list[tuple[int, str]], dict[int, dict[str, Any]]]:
+    """Hash the files of ``cut`` this rank serves (``headers``: from :func:`inventory`).
+
+    Returns:
+        ``([(rank, name)] of each whose data hash does not match (a warning each), {saved rank:
+        header}`` of each saved rank whose first holder in ``cut`` is this rank): so the cut's
+        headers cross the network once each, not every header of every file to every rank.
+    """
+    bad, mine = [], {}
+    for owner, held in cut.holders.items():
+        for i, (server, name) in enumerate(held):
+            if server != rank:
+                continue
+            try:
+                read_header(os.path.join(directory, name), verify=True)
+            except CheckpointCorruptError as e:
+                logger.warning("memory tier: %s -- not used; a replica or the durable tier serves instead", e)
+                bad.append((rank, name))
+                continue
+            if i == 0:
+                mine[owner] = headers[name]
+    return bad, mine
+
+
+@dataclass
+class Cut:
+    """A restorable snapshot: every rank's shard of one step, and where each is held.
+
+    Attributes:
+        step, world_size, gen: the snapshot's step, the world size and generation that wrote it.
+        holders: ``{saved rank: [(serving rank now, file name)]}`` (own copies and replicas).
+        headers: ``{saved rank: header dict}``, once verified.
+    """
+
+    step: int
+    world_size: int
+    gen: str
+    holders: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
+    headers: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+def find_cut(entries: list[Entry]) -> tuple[Cut | None, str]:
+    """The newest complete snapshot among all ranks' ``entries``, and why (for the log); its
+    ``headers`` are filled once its files are verified (:func:`verify`)."""
+    cuts: dict[tuple[int, int, str], Cut] = {}
+    for server, name, step, owner, world_size, gen in entries:
+        cut = cuts.setdefault((step, world_size, gen), Cut(step, world_size, gen))
+        cut.holders.setdefault(owner, []).append((server, name))
+    if not cuts:
+        return None, "no snapshot in any node's memory"
+    complete = [c for c in cuts.values() if len(c.holders) == c.world_size]
+    newest = max(cuts.values(), key=lambda c: (c.step, len(c.holders)))
+    if not complete:
+        missing = sorted(set(range(newest.world_size)) - set(newest.holders))
+        return None, f"step {newest.step} lacks the shards of ranks {missing} (lost with their nodes)"
+    best = max(complete, key=lambda c: c.step)
+    why = f"step {best.step}, all {best.world_size} shards present"
+    if newest.step > best.step:
+        why += f" (step {newest.step} is incomplete)"
+    return best, why
+
+
+def memory_metadata(cut: Cut) -> tuple[Metadata, dict[MetadataIndex, list[tuple[int, list[Any]]]]]:
+    """DCP ``Metadata`` of ``cut``, and ``{storage index: [(saved rank, header item)]}`` (duplicates:
+    the same chunk stored by several ranks)."""
+    sd_md: dict[str, Any] = {}
+    where: dict[MetadataIndex, list[tuple[int, list[Any]]]] = {}
+    for owner in sorted(cut.headers):
+        for item in cut.headers[owner]["items"]:
+            fqn, kind, offsets, sizes, size, dtype = item[:6]
+            if kind == "bytes":
+                sd_md[fqn] = BytesStorageMetadata()
+                key = MetadataIndex(fqn)
+            else:
+                dt = getattr(torch, dtype.removeprefix("torch."))
+                md = sd_md.setdefault(fqn, TensorStorageMetadata(TensorProperties(dtype=dt), torch.Size(size), []))
+                key = MetadataIndex(fqn, torch.Size(offsets))
+                if key not in where:
+                    md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            where.setdefault(key, []).append((owner, item))
+    return Metadata(state_dict_metadata=sd_md, storage_data=where), where
+
+
+@dataclass
+class Fetch:
+    """Where each chunk a rank's load needs comes from (:func:`plan_fetch`).
+
+    Attributes:
+        local: ``{storage index: (file, offset, length)}`` held on this rank's node.
+        asks: ``{serving rank: [(file, offset, length)]}`` to request from other nodes.
+        remote: ``{serving rank: [storage index]}``, in the order of ``asks``.
+    """
+
+    local: dict[MetadataIndex, tuple[str, int, int]] = field(default_factory=dict)
+    asks: dict[int, list[tuple[str, int, int]]] = field(default_factory=dict)
+    remote: dict[int, list[MetadataIndex]] = field(default_factory=dict)
+
+
+def plan_fetch(
+    cut: Cut,
+    where: dict[MetadataIndex, list[tuple[int, list[Any]]]],
+    needed: list[MetadataIndex],
+    *,
+    layout: NodeLayout,
+    rank: int,
+) -> Fetch:
+    """Where rank ``rank`` gets each ``needed`` chunk: its node's memory when it holds the chunk, else
+    a rank on a node that does (the clients spread over the holders)."""
+    node, out = layout.nodes[rank], Fetch()
+    for key in needed:
+        owner, item = where[key][0]
+        held = cut.holders[owner]
+        offset, length = item[6], item[7]
+        here = next((name for s, name in held if layout.nodes[s] == node), None)
+        if here is not None:
+            out.local[key] = (here, offset, length)
+            continue
+        server, name = held[rank % len(held)]
+        out.asks.setdefault(server, []).append((name, offset, length))
+        out.remote.setdefault(server, []).append(key)
+    return out
+
+
+def fetch_chunks(
+    fetch: Fetch, all_asks: list[dict[int, list[tuple[str, int, int]]]], *, directory: str, collective: Collective
+) -> tuple[dict[MetadataIndex, torch.Tensor], int, int]:
+    """The stored bytes of each chunk of ``fetch`` (``uint8`` tensors): read from this node's memory,
+    or sent by the rank that serves it, which learnt it from ``all_asks`` (every rank's
+    ``Fetch.asks``, in rank order, exchanged with the plan). Collective.
+
+    Returns:
+        ``({storage index: bytes}, bytes this rank received, bytes all ranks moved between nodes)``.
+    """
+    rank = collective.rank
+    mapped = _Mapped(directory)
+
+    def read() -> tuple[dict[MetadataIndex, torch.Tensor], dict[int, torch.Tensor]]:
+        mine = {key: mapped(n, o, ln) for key, (n, o, ln) in fetch.local.items()}
+        sends = {
+            client: torch.cat([mapped(n, o, ln) for n, o, ln in theirs[rank]])
+            for client, theirs in enumerate(all_asks)
+            if client != rank and theirs.get(rank)
+        }
+        return mine, sends
+
+    # Every read first, agreed: a rank that cannot read never leaves its clients waiting in recv.
+    chunks, sends = collective.agree(read, what="reading this node's snapshots", error_type=CheckpointCorruptError)
+    works = [dist.isend(blob, group=collective.group, group_dst=client) for client, blob in sends.items()]
+    received = 0
+    for server, keys in sorted(fetch.remote.items()):
+        lengths = [ln for _, _, ln in fetch.asks[server]]
+        buf = torch.empty(sum(lengths), dtype=torch.uint8, device="cpu")
+        dist.recv(buf, group=collective.group, group_src=server)
+        received += buf.numel()
+        chunks.update(zip(keys, torch.split(buf, lengths)))
+    for w in works:
+        if w is not None:
+            w.wait()
+    moved = sum(ln for theirs in all_asks for requests in theirs.values() for _, _, ln in requests)
+    return chunks, received, moved
+
+
+class _Mapped:
+    """Chunks of snapshot files as ``uint8`` tensors over private (copy-on-write) mappings: no copy
+    out of the tmpfs until DCP copies into the destination tensors."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.maps: dict[str, mmap.mmap] = {}
+
+    def __call__(self, name: str, offset: int, length: int) -> torch.Tensor:
+        if name not in self.maps:
+            with open(os.path.join(self.directory, name), "rb") as f:
+                self.maps[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        mm = self.maps[name]
+        if offset + length > len(mm):
+            path = os.path.join(self.directory, name)
+            raise CheckpointCorruptError(f"memory snapshot {path}: {length} bytes at {offset} past its end", path=path)
+        if not length:
+            return torch.empty(0, dtype=torch.uint8, device="cpu")
+        return torch.frombuffer(mm, dtype=torch.uint8, count=length, offset=offset)
+
+
+def plan_needed(target: dict[str, Any], metadata: Metadata, *, is_coordinator: bool) -> list[MetadataIndex]:
+    """The storage indices the load of ``target`` reads, as distckpt's load planner plans it."""
+    planner = SafeLoadPlanner()
+    planner.set_up_planner(target, metadata, is_coordinator)
+    return list(dict.fromkeys(item.storage_index for item in planner.create_local_plan().items))
+
+
+class MemoryReader(StorageReader):
+    """A DCP ``StorageReader`` over chunks already in memory (:func:`fetch_chunks`).
+
+    Args:
+        metadata: from :func:`memory_metadata`.
+        where: ``{storage index: [(saved rank, header item)]}``, for dtypes and shapes.
+        chunks: ``{storage index: uint8 tensor}`` holding every chunk this rank's plan reads.
+    """
+
+    def __init__(self, metadata: Metadata, where: dict, chunks: dict[MetadataIndex, torch.Tensor]) -> None:
+        super().__init__()
+        self.metadata, self.where, self.chunks = metadata, where, chunks
+
+    @override
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        pass
+
+    @override
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    @override
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @override
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    @override
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    @override
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for req in plan.items:
+            raw = self.chunks[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(raw.numpy().tobytes()))
+                continue
+            item = self.where[req.storage_index][0][1]
+            dtype = getattr(torch, item[5].removeprefix("torch."))
+            tensor = raw.view(dtype).view(item[3]) if raw.numel() else torch.empty(item[3], dtype=dtype, device="cpu")
+            tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    @override
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False

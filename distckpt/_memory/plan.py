@@ -1,0 +1,81 @@
+"""The memory tier's snapshot plan: the write items of DCP's local save plan of the state_dict
+that a rank snapshots, each replicated tensor kept by one rank per job. The plan is a function of
+the state_dict's structure alone, which a training job keeps from step to step, so it is reused
+while that structure repeats (as DCP's ``enable_plan_caching`` reuses a save plan)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+
+from .placement import assign_replicated
+
+__all__ = ["SnapshotPlan", "resolve", "structure"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class SnapshotPlan:
+    """The last snapshot's kept write items and the structure they were planned for.
+
+    Args:
+        rank, world_size: of the job (the placement of replicated tensors).
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.kept: list[WriteItem] = []
+        self.key: tuple | None = None
+
+    def items(self, planner: DefaultSavePlanner) -> list[WriteItem]:
+        """The write items this rank snapshots: DCP's local plan of ``planner``'s state_dict less the
+        replicated tensors another rank holds (:func:`~distckpt._memory.placement.assign_replicated`).
+        The plan is a function of the state_dict's structure alone (keys; each tensor's shape, dtype
+        and DTensor layout), which a training job keeps from step to step: it is reused while that
+        structure repeats, as DCP's ``enable_plan_caching`` reuses a save plan."""
+        key = structure(planner.state_dict)
+        if key is not None and key == self.key:
+            return self.kept
+        items = planner.create_local_plan().items
+        sizes = {
+            i.index.fqn: i.tensor_data.size.numel() * i.tensor_data.properties.dtype.itemsize
+            for i in items
+            if i.type == WriteItemType.TENSOR and i.tensor_data is not None
+        }
+        owner = assign_replicated(sizes, self.world_size)
+        self.kept = [i for i in items if i.type != WriteItemType.TENSOR or owner[i.index.fqn] == self.rank]
+        self.key = key
+        return self.kept
+
+
+def structure(state_dict: dict[str, Any]) -> tuple | None:
+    """What DCP's local save plan of the flat ``state_dict`` depends on: each key with its tensor's
+    shape and dtype (and a DTensor's mesh and placements); ``None`` (never reused) when a value is
+    another tensor subclass (FSDP1's ``ShardedTensor``: its local shards would have to be compared)."""
+    key: list[Any] = []
+    for fqn, value in state_dict.items():
+        if isinstance(value, DTensor):
+            key.append((fqn, value.shape, value.dtype, id(value.device_mesh), value.placements))
+        elif type(value) in _PLAIN:
+            key.append((fqn, value.shape, value.dtype))
+        elif isinstance(value, torch.Tensor):
+            return None
+        else:
+            key.append(fqn)  # written as bytes: the plan does not depend on the value
+    return tuple(key)
+
+
+def resolve(planner: DefaultSavePlanner, item: WriteItem) -> torch.Tensor | io.BytesIO:
+    """``planner.resolve_data(item)``, with a plain tensor or a DTensor's local shard looked up
+    directly (what DCP's lookup does for them, without its per-item search)."""
+    value = planner.state_dict.get(item.index.fqn) if item.type != WriteItemType.BYTE_IO else None
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, torch.Tensor) and type(value) in _PLAIN:
+        return value
+    return planner.resolve_data(item)

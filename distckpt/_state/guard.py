@@ -1,0 +1,87 @@
+"""Copies of the training state that run while the next step computes, made safe without the
+user's help: the loop is held back only at the first instruction that would change what is still
+being copied.
+
+Two kinds of change are hooked (``torch.optim.Optimizer.register_step_pre_hook`` and
+``torch.nn.Module.register_forward_pre_hook``, both public PyTorch hooks):
+
+- ``optimizer.step()`` changes the parameters and the optimizer state;
+- the forward of a module that owns persistent buffers may change them (BatchNorm's running
+  statistics), so each such module waits before its forward; a model without such buffers (most
+  transformers) never waits in forward.
+
+Anything else in a state_dict (bytes items, tensors that are neither parameters, optimizer state
+nor persistent buffers, such as a tensor-valued learning rate) is copied before the copy is
+started, on the training thread (:func:`deferrable`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from .._engine.torch_format.internals import own_persistent_buffers
+
+__all__ = ["MutationGuard", "deferrable"]
+
+logger = logging.getLogger(__name__)
+
+
+class MutationGuard:
+    """Holds the training loop back, at ``optimizer.step()`` and at the forward of each module that
+    owns persistent buffers, until every registered wait returns.
+
+    Args:
+        model: the (possibly wrapped) model.
+        optimizer: its optimizer, or ``None``.
+
+    A wait must return at once when nothing is in flight: the hooks run at every step.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.waits: list[Callable[[], None]] = []
+        self._handles: list[Any] = []
+
+    def add(self, *waits: object) -> None:
+        """Call each callable ``wait()`` of ``waits`` (anything else, e.g. ``None``: skipped) before
+        every guarded change; the hooks are installed with the first one (a job with nothing copied
+        in the background pays nothing)."""
+        waits_given: list[Callable[[], None]] = [w for w in waits if callable(w)]
+        if waits_given and not self._handles:
+            if self.optimizer is not None:
+                self._handles.append(self.optimizer.register_step_pre_hook(self._hook))
+            for module in self.model.modules():
+                if own_persistent_buffers(module):
+                    self._handles.append(module.register_forward_pre_hook(self._hook))
+        self.waits += waits_given
+
+    def _hook(self, *args: Any, **kwargs: Any) -> None:
+        for wait in self.waits:
+            wait()
+
+    _hook = torch.compiler.disable(_hook)  # a wait on another thread: never traced into a compiled graph
+
+    def remove(self) -> None:
+        """Remove the hooks (``close``). Idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def deferrable(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> set[int]:
+    """The storage addresses (``untyped_storage().data_ptr()``) a :class:`MutationGuard` protects:
+    the parameters' (the local shard of a DTensor), the optimizer state's tensors and the
+    persistent buffers'. A tensor of a state_dict whose storage is among them may be copied while
+    the next step runs; any other must be copied before the step goes on."""
+    tensors: list[torch.Tensor] = [*model.parameters()]
+    tensors += [b for module in model.modules() for b in own_persistent_buffers(module)]
+    if optimizer is not None:
+        tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    out = set()
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        out.add(local.untyped_storage().data_ptr())
+    return out

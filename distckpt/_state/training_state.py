@@ -1,0 +1,500 @@
+"""The whole training state as one DCP state_dict, and its restoration (docs/design.md, section 5).
+
+Layout of the DCP state_dict (top-level keys; nested dicts are flattened by DCP with dots)::
+
+    model          {fqn: Tensor | DTensor}                  via get_state_dict (clean keys)
+    optim          {"state": {fqn: {...}}, "param_groups"}  via get_state_dict
+    lr_scheduler   bytes   (all ranks equal; DCP keeps one copy)
+    grad_scaler    bytes
+    extra          {name: Stateful.state_dict() | bytes}
+    extra_empty_dicts  bytes  {name: [path, ...]}: the empty dicts of those state_dicts, saved as None
+                   (DCP would drop them); absent when there are none
+    train_state    bytes   rank 0 only: counters + bounded loss history
+    rank_state     {"rank<r>": {"rng": bytes, "dataloader": bytes}}   each rank its own key
+
+Non-tensor values are packed with ``torch.save`` into ``bytes`` leaves so that DCP treats them
+as opaque items (their inner structure may change between save and load) and they are read
+back with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import numbers
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .._adapters import (
+    ModelOptimState,
+    put_empty_dicts,
+    with_saved_keys,
+    with_saved_optim_keys,
+    without_empty_dicts,
+)
+from .._config import LOADABLE, ElasticConfig
+from .._data.reshard import DataLoaderState
+from .._engine.torch_format.internals import flatten_state_dict
+from .._errors import IncompatibleCheckpointError
+from .._ondisk.manifest import is_extra_state
+from .._ondisk.safe_values import check_loadable, load_value
+from .guard import MutationGuard
+from .rebatch import apply_step_rule
+from .rng import capture_rng, derive_rng, restore_rng
+
+__all__ = ["TrainState", "CheckpointState", "pack", "unpack", "WEIGHTS_ONLY_KEY"]
+
+WEIGHTS_ONLY_KEY = "imported"
+"""Key that ``distckpt import`` writes: the checkpoint holds model weights and counters only."""
+
+EMPTY_DICTS_KEY = "extra_empty_dicts"  # {extra_state name: [path, ...]}: the empty dicts of a Stateful's state
+
+logger = logging.getLogger(__name__)
+
+
+def pack(obj: Any, what: str = "value", *, check: bool = True) -> bytes:
+    """Serialize a value made of containers, primitives, tensors and numpy scalars or arrays
+    (``torch.save``).
+
+    Args:
+        what: the value's name in the error.
+        check: refuse what :func:`unpack` would refuse (``False`` for distckpt's own values:
+            checking costs a round trip, milliseconds for the RNG state).
+
+    Raises:
+        TypeError: a part :func:`unpack` would refuse (named by ``what`` and its path, with its type).
+    """
+    if check:
+        check_loadable(obj, what)
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def unpack(data: bytes) -> Any:
+    """Inverse of :func:`pack`; never runs code (``weights_only=True``, numpy types admitted)."""
+    return load_value(io.BytesIO(data))
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    """Counters and loss history saved with every checkpoint; returned by ``load()``.
+
+    Attributes:
+        step: optimizer steps completed.
+        epoch: current epoch (0-based).
+        batch_in_epoch: global batches consumed in the current epoch.
+        global_samples_seen: samples consumed by all ranks since the start of training.
+        global_tokens_seen: tokens consumed by all ranks (0 if the caller does not count them).
+        loss_history: ``[(step, loss), ...]`` of the most recent steps, bounded by config.
+        checkpoint_path: directory it was loaded from (``None`` before any load).
+        saved_world_size: world size of the run that wrote the checkpoint.
+        run_id: the experiment tracker's run id, kept across resumes (``CheckpointManager(run_id=)``).
+        metrics: ``{name: value}`` passed with this step (``maybe_save(..., metrics=)``).
+        probe_loss: the probe's loss at the save (``CheckpointManager(probe=)``), or ``None``.
+        probe_loss_loaded: the probe's loss measured after ``load()`` (not saved).
+        batch_change: set by a resume whose global batch differs from the saved one
+            (``elastic.batch_policy: keep_local_batch``): what was done
+            (:func:`distckpt._state.rebatch.apply_step_rule`); recorded in the manifest of this run's saves, not in
+            the checkpoint's state.
+        interval: ``schedule.interval_steps: auto``: the interval statistics a save records in its
+            manifest (:mod:`distckpt._save.schedule`); not in the checkpoint's state.
+    """
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    global_samples_seen: int = 0
+    global_tokens_seen: int = 0
+    loss_history: list[tuple[int, float]] = field(default_factory=list)
+    checkpoint_path: str | None = None
+    saved_world_size: int | None = None
+    run_id: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    probe_loss: float | None = None
+    probe_loss_loaded: float | None = None
+    batch_change: dict[str, Any] | None = None
+    interval: dict[str, Any] | None = None
+
+    _SAVED = (
+        "step",
+        "epoch",
+        "batch_in_epoch",
+        "global_samples_seen",
+        "global_tokens_seen",
+        "loss_history",
+        "run_id",
+        "metrics",
+        "probe_loss",
+    )
+
+    COUNTERS = ("epoch", "batch_in_epoch", "global_samples_seen", "global_tokens_seen")
+
+    def record(
+        self,
+        step: int,
+        loss: float | None,
+        counters: dict[str, int],
+        *,
+        history_len: int,
+        metrics: dict[str, float] | None = None,
+    ) -> None:
+        """Set ``step`` and the given counters; append ``(step, loss)`` to the bounded history.
+        ``metrics`` belong to ``step``: a new step starts without any.
+
+        Raises:
+            TypeError: a counter name not in :attr:`COUNTERS`, or a metric value that is not a number.
+        """
+        unknown = set(counters) - set(self.COUNTERS)
+        if unknown:
+            raise TypeError(f"unknown counter(s) {sorted(unknown)}; known: {list(self.COUNTERS)}")
+        bad = {k: v for k, v in (metrics or {}).items() if isinstance(v, bool) or not isinstance(v, numbers.Real)}
+        if bad or not all(isinstance(k, str) for k in metrics or {}):
+            raise TypeError(f"metrics must map names to numbers (float(tensor) for a tensor); got {metrics!r}")
+        # A new dict, never updated in place: snapshots and load()'s copy share the old one.
+        kept = self.metrics if step == self.step else {}
+        self.metrics = {**kept, **{k: float(v) for k, v in (metrics or {}).items()}}
+        self.step = step
+        for k, v in counters.items():
+            setattr(self, k, int(v))
+        if loss is not None:
+            self.loss_history.append((step, float(loss)))
+            del self.loss_history[:-history_len]
+
+    def to_saved(self) -> dict[str, Any]:
+        """The fields a checkpoint holds (``_SAVED``: counters, loss history, run id, metrics, probe loss);
+        the fields set at load time are not saved."""
+        d = asdict(self)
+        return {k: d[k] for k in self._SAVED}
+
+
+class CheckpointState:
+    """Builds the DCP state_dict to save and the target to load into, then restores.
+
+    Args:
+        model, optimizer, lr_scheduler, grad_scaler, dataloader: live training objects
+            (``None`` where absent); ``dataloader`` must have ``state_dict``/``load_state_dict``
+            (torchdata ``StatefulDataLoader``).
+        extra_state: ``{name: Stateful | plain value}``; plain values must be made of
+            containers, primitives and tensors.
+        rank, world_size: of the training process group.
+        elastic: ``CheckpointConfig.elastic``: ``seed`` (base seed for ranks that have no saved RNG
+            state), ``batch_policy`` and ``step_rule`` (a resume with another global batch).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        lr_scheduler: Stateful | None = None,
+        grad_scaler: Stateful | None = None,
+        dataloader: Stateful | None = None,
+        extra_state: dict[str, Any] | None = None,
+        rank: int,
+        world_size: int,
+        elastic: ElasticConfig | None = None,
+    ) -> None:
+        self.model_optim = ModelOptimState(model, optimizer)
+        self.guard = MutationGuard(model, optimizer)  # copies in flight end before the state they copy changes
+        self.lr_scheduler = lr_scheduler
+        self.grad_scaler = grad_scaler
+        self.data = DataLoaderState(dataloader, rank=rank) if dataloader is not None else None
+        self.extra_state = dict(extra_state or {})
+        self.rank, self.world_size = rank, world_size
+        self.imported: dict[str, Any] | None = None  # distckpt import's source: saved as WEIGHTS_ONLY_KEY
+        elastic = elastic if elastic is not None else ElasticConfig()
+        self.seed, self.batch_policy, self.step_rule = elastic.seed, elastic.batch_policy, elastic.step_rule
+        self.weights_only = False  # set by for_load: an imported checkpoint (model weights only)
+        self.select: frozenset[str] = frozenset(LOADABLE)  # set by for_load: the parts to restore
+        self._live_model_sd: dict[str, Any] = {}  # optimizer-only load: the model's own state
+        self.tied_from: dict[str, str] = {}  # set by for_load: {tied key the checkpoint lacks: twin}
+
+    # ------------------------------------------------------------------ save
+    def for_save(self, train_state: TrainState, *, full_state_dict: bool) -> dict[str, Any]:
+        """The state_dict every rank passes to ``dcp.save``. Collective under FSDP.
+
+        Args:
+            full_state_dict: FULL model/optimizer gathered to rank 0 instead of SHARDED.
+        """
+        model_sd, optim_sd = self.model_optim.state_dict_for_save(full_state_dict=full_state_dict)
+        sd: dict[str, Any] = {"model": model_sd}
+        if self.model_optim.optimizer is not None:
+            sd["optim"] = optim_sd
+        sd.update(self._global_parts(for_load=False, select=frozenset(LOADABLE)))
+        if self.rank == 0:
+            sd["train_state"] = pack(train_state.to_saved(), check=False)  # numbers and strings (record())
+            if self.imported is not None:  # weights only: a load restores the model alone
+                sd[WEIGHTS_ONLY_KEY] = pack(self.imported, check=False)
+            if self.data is not None:
+                sd["data"] = pack(self.data.global_state(), "dataloader")
+        own = {"rng": pack(capture_rng(), check=False)}
+        if self.data is not None:
+            own["dataloader"] = pack(self.data.local_state(), "dataloader")
+        sd["rank_state"] = {f"rank{self.rank}": own}
+        return sd
+
+    def _global_parts(self, *, for_load: bool, select: frozenset[str]) -> dict[str, Any]:
+        sd: dict[str, Any] = {}
+        if self.lr_scheduler is not None and "lr_scheduler" in select:
+            sd["lr_scheduler"] = b"" if for_load else pack(self.lr_scheduler.state_dict(), "lr_scheduler")
+        if self.grad_scaler is not None and "grad_scaler" in select:
+            sd["grad_scaler"] = b"" if for_load else pack(self.grad_scaler.state_dict(), "grad_scaler")
+        if self.extra_state and "extra_state" in select:
+            sd["extra"], empty = {}, {}
+            for name, obj in self.extra_state.items():
+                what = f"extra_state[{name!r}]"
+                if isinstance(obj, Stateful):  # DCP saves its non-tensor leaves; load() must read them
+                    sd["extra"][name] = obj.state_dict()
+                    if not for_load:
+                        check_loadable(sd["extra"][name], f"{what}.state_dict()")
+                        sd["extra"][name], paths = without_empty_dicts(sd["extra"][name], f"{what}.state_dict()")
+                        if paths:
+                            empty[name] = paths
+                else:
+                    sd["extra"][name] = b"" if for_load else pack(obj, what)
+            if empty:
+                sd[EMPTY_DICTS_KEY] = pack(empty, check=False)  # str and int paths
+        return sd
+
+    def derive_counters(self, train_state: TrainState, *, explicit: set[str]) -> None:
+        """Set ``epoch``, ``batch_in_epoch`` and ``global_samples_seen`` of ``train_state`` from
+        the loader's consumed :class:`~distckpt.data.ReshardableSampler` position, except those
+        in ``explicit`` (passed by the caller). No-op without a ReshardableSampler.
+
+        Never raises: a loader whose state cannot be read fails in :meth:`for_save`, where the
+        failure is gathered from every rank.
+        """
+        if self.data is None or self.data.sampler() is None:
+            return
+        try:
+            counters = self.data.counters() or {}
+        except Exception as e:  # noqa: BLE001 - reported by for_save on every rank
+            logger.debug("counters not derived from the sampler: %s", e)
+            return
+        for name, value in counters.items():
+            if name not in explicit:
+                setattr(train_state, name, value)
+
+    # ------------------------------------------------------------------ load
+    def for_load(
+        self,
+        checkpoint_keys: set[str],
+        saved_world_size: int,
+        select: frozenset[str] = frozenset(LOADABLE),
+        *,
+        metadata: Any = None,
+    ) -> dict[str, Any]:
+        """Target state_dict for ``dcp.load``; call inside ``self.model_optim.load_context()``.
+
+        Args:
+            checkpoint_keys: flattened keys in the checkpoint's DCP metadata.
+            saved_world_size: world size recorded in the manifest.
+            select: the parts to read and restore (:data:`~distckpt._config.LOADABLE`); the
+                others are neither read nor required in the checkpoint, and keep their live state.
+            metadata: the checkpoint's DCP ``Metadata``: each ``Stateful`` in ``extra_state`` is
+                read with every key saved under its name, also those its fresh ``state_dict()``
+                lacks (an EMA's shadow filled at its first update); tensors among them are read
+                onto the model's device, full size.
+
+        Raises:
+            IncompatibleCheckpointError: live optimizer/components the checkpoint lacks,
+                optimizer state in the checkpoint for parameters the live optimizer lacks, or
+                keys saved under a ``Stateful`` that cannot be read back (``metadata`` absent).
+        """
+        self.weights_only = WEIGHTS_ONLY_KEY in checkpoint_keys
+        self.select, self.tied_from = select, {}
+        if self.weights_only:
+            sd: dict[str, Any] = {"model": self.model_optim.model_target_for_load(), "train_state": b""}
+            self._read_tied_from_twins(sd["model"], checkpoint_keys)
+            _check_keys(sd, checkpoint_keys, rank=self.rank)
+            return sd
+        load_data = self.data is not None and "dataloader" in select
+        if load_data:
+            assert self.data is not None
+            self.data.check_no_live_iterator(self.rank)
+        load_optim = self.model_optim.optimizer is not None and "optimizer" in select
+        # Without the optimizer, DCP's get_state_dict would give it state (a dummy step): skip it.
+        model_sd, optim_sd = (
+            self.model_optim.target_for_load() if load_optim else (self.model_optim.model_target_for_load(), {})
+        )
+        sd = {}
+        if "model" in select:
+            self._read_tied_from_twins(model_sd, checkpoint_keys)
+            self.model_optim.extra_state_as_saved(model_sd, metadata)
+            sd["model"] = model_sd
+        else:
+            self._live_model_sd = model_sd
+        if load_optim:
+            _prune_uninitialised_optim_state(optim_sd, checkpoint_keys)
+            if metadata is not None:  # group keys added in training, state a fresh optimizer lacks
+                with_saved_optim_keys(optim_sd, metadata, self.model_optim.device())
+            sd["optim"] = optim_sd
+        sd.update(self._global_parts(for_load=True, select=select))
+        if "extra" in sd and EMPTY_DICTS_KEY in checkpoint_keys:
+            sd[EMPTY_DICTS_KEY] = b""
+        stateful = [name for name, obj in self.extra_state.items() if isinstance(obj, Stateful) and "extra" in sd]
+        for name in stateful if metadata is not None else ():  # also the keys its fresh state_dict() lacks
+            sd["extra"][name] = with_saved_keys(sd["extra"][name], ("extra", name), metadata, self.model_optim.device())
+        if "counters" in select:
+            sd["train_state"] = b""
+        same_world = saved_world_size == self.world_size
+        if load_data and "data" in checkpoint_keys:  # also for a num_workers change
+            sd["data"] = b""
+        if self.rank < saved_world_size:
+            own: dict[str, Any] = {"rng": b""} if "rng" in select else {}
+            if load_data and same_world:
+                own["dataloader"] = b""
+            if own:
+                sd["rank_state"] = {f"rank{self.rank}": own}
+        _check_keys(sd, checkpoint_keys, rank=self.rank, stateful=tuple(f"extra.{name}." for name in stateful))
+        return sd
+
+    def _read_tied_from_twins(self, model_sd: dict[str, Any], checkpoint_keys: set[str]) -> None:
+        """Drop from the load target each tied key the checkpoint lacks when it has the key's
+        twin (Hugging Face ``save_pretrained`` writes ``lm_head.weight`` only as the embedding):
+        both names are one tensor, so reading the twin fills it. :meth:`restore` puts it back."""
+        self.tied_from = {}
+        for key in list(model_sd):
+            if f"model.{key}" in checkpoint_keys:
+                continue
+            twin = next((t for t in self.model_optim.ties.get(key, []) if f"model.{t}" in checkpoint_keys), None)
+            if twin is not None and twin in model_sd:
+                del model_sd[key]
+                self.tied_from[key] = twin
+        if self.tied_from and self.rank == 0:
+            logger.info(
+                "tied weights absent from the checkpoint, read from their twin: %s",
+                ", ".join(f"{k} <- {t}" for k, t in self.tied_from.items()),
+            )
+
+    def restore(self, sd: dict[str, Any], *, saved_world_size: int) -> TrainState:
+        """Apply a loaded state_dict to the live objects; call inside ``load_context()``."""
+        for key, twin in self.tied_from.items():  # the same tensor under both names (strict apply)
+            sd["model"][key] = sd["model"][twin]
+        if self.weights_only:
+            return self._restore_weights_only(sd)
+        if "model" in sd or "optim" in sd:
+            self.model_optim.apply(sd.get("model", self._live_model_sd), sd.get("optim"))
+        self._live_model_sd = {}
+        if "lr_scheduler" in sd:
+            assert self.lr_scheduler is not None
+            self.lr_scheduler.load_state_dict(unpack(sd["lr_scheduler"]))
+        if "grad_scaler" in sd:
+            assert self.grad_scaler is not None
+            self.grad_scaler.load_state_dict(unpack(sd["grad_scaler"]))
+        empty = unpack(sd[EMPTY_DICTS_KEY]) if EMPTY_DICTS_KEY in sd else {}
+        for name, obj in self.extra_state.items() if "extra" in sd else ():
+            value = sd["extra"][name]
+            if isinstance(obj, Stateful):
+                put_empty_dicts(value, empty.get(name, []))
+                obj.load_state_dict(value)
+            else:
+                self.extra_state[name] = unpack(value)
+        train_state = TrainState(**unpack(sd["train_state"])) if "train_state" in sd else TrainState()
+        train_state.loss_history = [(step, loss) for step, loss in train_state.loss_history]  # lists once saved
+        own = sd.get("rank_state", {}).get(f"rank{self.rank}")
+        batch_change = None
+        if self.data is not None and "dataloader" in self.select:
+            local = unpack(own["dataloader"]) if own is not None and "dataloader" in own else None
+            global_ = unpack(sd["data"]) if "data" in sd else None
+            batch_change = self.data.restore(
+                local,
+                global_,
+                rank=self.rank,
+                world_size=self.world_size,
+                saved_world_size=saved_world_size,
+                batch_policy=self.batch_policy,
+            )
+        # RNG last: nothing above may consume random numbers after it.
+        if "rng" not in self.select:
+            pass  # the live RNG stays (the selection is logged by the loader)
+        elif own is not None:
+            restore_rng(unpack(own["rng"]))
+        else:
+            derived = derive_rng(self.seed, self.rank, train_state.step)
+            logger.warning(
+                "rank %d did not exist at save (saved world size %d): RNG derived from "
+                "(seed=%d, rank=%d, step=%d) -> %d",
+                self.rank,
+                saved_world_size,
+                self.seed,
+                self.rank,
+                train_state.step,
+                derived,
+            )
+        if batch_change is not None:  # after the RNG: moving the scheduler draws no random numbers
+            train_state.batch_change = apply_step_rule(
+                train_state,
+                self.lr_scheduler,
+                global_batch=batch_change,
+                world_size=(saved_world_size, self.world_size),
+                batch_policy=self.batch_policy,
+                step_rule=self.step_rule,
+                rank=self.rank,
+            )
+        return train_state
+
+    def _restore_weights_only(self, sd: dict[str, Any]) -> TrainState:
+        self.model_optim.apply(sd["model"], None)
+        train_state = TrainState(**unpack(sd["train_state"]))
+        train_state.loss_history = [(step, loss) for step, loss in train_state.loss_history]  # lists once saved
+        derived = derive_rng(self.seed, self.rank, train_state.step)
+        parts = (
+            ("optimizer", self.model_optim.optimizer),
+            ("lr_scheduler", self.lr_scheduler),
+            ("grad_scaler", self.grad_scaler),
+            ("dataloader", self.data),
+        )
+        fresh = [name for name, obj in parts if obj is not None]
+        fresh += [f"extra_state[{name!r}]" for name in self.extra_state]
+        logger.warning(
+            "rank %d: checkpoint holds model weights only (made by `distckpt import`): %s start "
+            "fresh; RNG derived from (seed=%d, rank=%d, step=%d) -> %d",
+            self.rank,
+            ", ".join(fresh) or "nothing else",
+            self.seed,
+            self.rank,
+            train_state.step,
+            derived,
+        )
+        return train_state
+
+
+def _prune_uninitialised_optim_state(optim_sd: dict[str, Any], checkpoint_keys: set[str]) -> None:
+    """Drop optimizer state the checkpoint does not have: DCP's dummy-step initialisation of
+    parameters that had no state at save (saved before their first update)."""
+    state = optim_sd.get("state", {})
+    for fqn in list(state):
+        if not any(f"optim.state.{fqn}.{name}" in checkpoint_keys for name in state[fqn]):
+            del state[fqn]
+
+
+def _check_keys(
+    target: dict[str, Any], checkpoint_keys: set[str], *, rank: int, stateful: tuple[str, ...] = ()
+) -> None:
+    flat, _ = flatten_state_dict(target)
+    missing = sorted(k for k in flat if k not in checkpoint_keys)
+    unexpected = sorted(
+        k for k in checkpoint_keys if k.startswith("optim.state.") and k not in flat and "optim" in target
+    )
+    unread = sorted(k for k in checkpoint_keys if k.startswith(stateful) and k not in flat)
+    extra = sorted(k for k in checkpoint_keys if k.startswith("model.") and is_extra_state(k) and k not in flat)
+    extra = extra if "model" in target else []
+    if missing or unexpected or unread or extra:
+        lines = [f"checkpoint does not match the live training state (rank {rank}):"]
+        lines += [f"  missing in checkpoint: {k}" for k in missing[:50]]
+        lines += [
+            f"  in checkpoint, not in the live optimizer (parameter frozen or not optimized?): {k}"
+            for k in unexpected[:50]
+        ]
+        lines += [f"  in checkpoint, not in the extra_state object's state_dict(): {k}" for k in unread[:50]]
+        lines += [f"  in checkpoint, not in the live model (a module's get_extra_state()): {k}" for k in extra[:50]]
+        lines.append(
+            "Pass the same components (optimizer, lr_scheduler, grad_scaler, dataloader, "
+            "extra_state) as the run that saved, or start from a fresh root."
+        )
+        raise IncompatibleCheckpointError("\n".join(lines), missing=missing, unexpected=unexpected + unread + extra)

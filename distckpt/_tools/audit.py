@@ -1,0 +1,87 @@
+"""Full check of a committed checkpoint, reporting every problem rather than the first.
+
+On top of the store's ``verify`` (manifest readable; each listed file present with its
+size and xxh3-128 hash) it checks what a reader relies on next: the manifest's step matches the
+directory name, no file is present that the manifest does not list, ``.metadata`` is DCP
+metadata made of allowed types only (read without running code), every byte range it points
+at lies in a listed file, and the manifest's model fingerprint matches the metadata's tensors.
+Those structure checks are :func:`distckpt._ondisk.manifest.structure_problems`, which ``ls``, resume
+discovery and ``load()`` apply too: only the hashes of files a load does not read are verify's alone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .._errors import CheckpointCorruptError
+from .._ondisk.manifest import Manifest, structure_problems
+from .._storage import CheckpointStore, open_location, read_dcp_metadata
+from .store_queries import tool_store
+
+__all__ = ["AuditReport", "audit_checkpoint"]
+
+
+@dataclass(kw_only=True)
+class AuditReport:
+    """Result of :func:`audit_checkpoint`.
+
+    Attributes:
+        path: the checkpoint directory (an S3 checkpoint's data-prefix URL).
+        manifest: the parsed manifest, or ``None`` when it is unreadable.
+        problems: every problem found, each naming its file in ``.path``.
+        unhashed: files the manifest lists without a hash (schema v1): size checked only.
+    """
+
+    path: str
+    manifest: Manifest | None
+    problems: list[CheckpointCorruptError] = field(default_factory=list)
+    unhashed: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Whether no problem was found."""
+        return not self.problems
+
+
+def audit_checkpoint(location: str | os.PathLike, *, store: CheckpointStore | None = None) -> AuditReport:
+    """Check one committed checkpoint completely (reads every byte of every file): manifest,
+    every listed file's size and hash, no unlisted file, ``.metadata`` (allow-list) pointing only
+    into listed files within their sizes, the model fingerprint.
+
+    Args:
+        location: the checkpoint (a directory, or an S3 checkpoint's data-prefix URL).
+        store: its root's store (default: opened from ``location``).
+
+    Never raises for a damaged checkpoint: problems are returned. ``OSError`` other than a
+    missing file (e.g. permission denied) propagates.
+    """
+    location = os.fspath(location)
+    store = tool_store(store if store is not None else open_location(location)[0])
+    problems = list(store.verify(location))
+    try:
+        manifest = store.read_manifest(location)
+    except CheckpointCorruptError:
+        return AuditReport(path=location, manifest=None, problems=problems)
+    report = AuditReport(
+        path=location, manifest=manifest, problems=problems, unhashed=[f.path for f in manifest.files if f.hash is None]
+    )
+    metadata = None
+    try:
+        metadata = read_dcp_metadata(store, location)
+    except (CheckpointCorruptError, OSError) as e:  # a missing listed .metadata is reported by verify
+        if ".metadata" in {f.path for f in manifest.files} and not any(".metadata" in str(p) for p in problems):
+            problems.append(
+                e
+                if isinstance(e, CheckpointCorruptError)
+                else CheckpointCorruptError(str(e), path=f"{location}/.metadata")
+            )
+    problems += structure_problems(
+        manifest,
+        location=location,
+        manifest_path=store.manifest_path(location),
+        dir_step=store.named_step(location),
+        present=store.object_sizes(location),
+        metadata=metadata,
+    )
+    return report

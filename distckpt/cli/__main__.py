@@ -1,7 +1,0 @@
-"""``python -m distckpt.cli ...``."""
-
-import sys
-
-from .main import main
-
-sys.exit(main())
