@@ -24,7 +24,7 @@ from .._config import LOADABLE, CheckpointConfig
 from .._coord.collective import Collective
 from .._coord.events import EventLog
 from .._errors import CheckpointCorruptError, DistCkptError, IncompatibleCheckpointError
-from .._memory import MemoryRestore, MemoryTier, choose_snapshot
+from .._memory import MemoryRestore, MemoryTier, choose_snapshot, take_inventory
 from .._ondisk.integrity import BlockDigests
 from .._ondisk.layout import parse_step
 from .._ondisk.manifest import Manifest, TensorSpec, first_problem, structure_problems
@@ -96,13 +96,20 @@ class CheckpointLoader:
                 ", ".join(p for p in LOADABLE if p not in selected),
             )
         while True:
-            # rank 0 chooses; one exchange tells every rank its choice and whether any rank failed
-            _, chosen = self.collective.agree_and_share(
-                lambda: discovery.choose(rejected), lambda mine: mine, what="finding a checkpoint"
+            memory = self.memory if not rejected and self.config.resolved_load_path is None else None
+
+            def choose(memory: MemoryTier | None = memory) -> tuple[str | None, tuple[list, dict[str, Any]]]:
+                return discovery.choose(rejected), take_inventory(memory) if memory is not None else ([], {})
+
+            # Rank 0 chooses; one exchange tells every rank its choice and whether any rank failed,
+            # and gathers every rank's memory inventory with it.
+            (_, (_, headers)), chosen = self.collective.agree_and_share(
+                choose, lambda mine: (mine[0], mine[1][0]), what="finding a checkpoint"
             )
-            path = chosen[0]
-            if self.memory is not None and not rejected and self.config.resolved_load_path is None:
-                got = self._from_memory(None if path is None else step_of(self.store, path))
+            path = chosen[0][0]
+            if memory is not None:
+                entries = [e for _, part in chosen for e in part]
+                got = self._from_memory(None if path is None else step_of(self.store, path), entries, headers)
                 if got is not None:
                     self.tier, self.restored = "memory", got
                     return got.location, got.train_state, got.manifest
@@ -149,10 +156,11 @@ class CheckpointLoader:
             model_specs=self.model_specs,
         )
 
-    def _from_memory(self, durable_step: int | None) -> MemoryRestore | None:
+    def _from_memory(self, durable_step: int | None, entries: list, headers: dict[str, Any]) -> MemoryRestore | None:
         """Restore the memory tier's newest complete snapshot when it is at least as new as
-        ``durable_step`` (docs/memory.md, "How it works"); ``None``: the durable tier serves (each
-        reason logged on rank 0).
+        ``durable_step`` (docs/memory.md, "How it works"), from every rank's inventory ``entries``
+        and this rank's ``headers`` (:func:`~distckpt._memory.source.take_inventory`); ``None``:
+        the durable tier serves (each reason logged on rank 0).
 
         Raises:
             IncompatibleCheckpointError: the snapshot does not fit the live model or components. The
@@ -161,7 +169,9 @@ class CheckpointLoader:
         """
         assert self.memory is not None
         t0 = time.perf_counter()
-        source = choose_snapshot(self.memory, self.collective, durable_step=durable_step)
+        source = choose_snapshot(
+            self.memory, self.collective, durable_step=durable_step, entries=entries, headers=headers
+        )
         if source is None:
             return None
         try:

@@ -14,7 +14,8 @@ All collective, on every rank of the new job:
    distckpt's load planner, as a durable load does, and so learns which stored chunks it needs.
 4. **Move.** A chunk held on the rank's own node is read from there; any other is requested from a
    rank on a node that holds it and arrives over the process group (point-to-point sends), never
-   through another node's file system.
+   through another node's file system. The files are mapped within the plan's agreement, so the
+   moves need none of their own (:func:`map_chunks`, :func:`fetch_chunks`).
 5. **Serve.** ``dcp.load`` reads through :class:`MemoryReader`, which serves the chunks from memory.
 """
 
@@ -49,7 +50,19 @@ from .._errors import CheckpointCorruptError
 from .placement import NodeLayout
 from .snapfile import parse_name, read_header
 
-__all__ = ["Cut", "Fetch", "MemoryReader", "fetch_chunks", "find_cut", "inventory", "memory_metadata", "plan_fetch"]
+__all__ = [
+    "Cut",
+    "Entry",
+    "Fetch",
+    "MemoryReader",
+    "SnapshotFiles",
+    "fetch_chunks",
+    "map_chunks",
+    "find_cut",
+    "inventory",
+    "memory_metadata",
+    "plan_fetch",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -212,31 +225,60 @@ def plan_fetch(
     return out
 
 
+def map_chunks(
+    fetch: Fetch, cut: Cut, *, rank: int, directory: str
+) -> tuple[SnapshotFiles, dict[MetadataIndex, torch.Tensor]]:
+    """Map the files of ``cut`` this rank serves, and the chunks of ``fetch`` its node holds
+    (``uint8`` tensors over the mappings). Runs inside the plan's agreement: a file that cannot be
+    mapped fails the restore on every rank there, so no rank ever waits for a send that never comes.
+
+    Raises:
+        OSError: a file cannot be opened or mapped.
+        CheckpointCorruptError: a chunk lies past the end of its file.
+    """
+    files = SnapshotFiles(directory)
+    for held in cut.holders.values():
+        for server, name in held:
+            if server == rank:
+                files.open(name)
+    return files, {key: files(n, o, ln) for key, (n, o, ln) in fetch.local.items()}
+
+
 def fetch_chunks(
-    fetch: Fetch, all_asks: list[dict[int, list[tuple[str, int, int]]]], *, directory: str, collective: Collective
-) -> tuple[dict[MetadataIndex, torch.Tensor], int, int]:
-    """The stored bytes of each chunk of ``fetch`` (``uint8`` tensors): read from this node's memory,
-    or sent by the rank that serves it, which learnt it from ``all_asks`` (every rank's
-    ``Fetch.asks``, in rank order, exchanged with the plan). Collective.
+    fetch: Fetch,
+    all_asks: list[dict[int, list[tuple[str, int, int]]]],
+    files: SnapshotFiles,
+    local: dict[MetadataIndex, torch.Tensor],
+    *,
+    collective: Collective,
+) -> tuple[dict[MetadataIndex, torch.Tensor], int, int, Exception | None]:
+    """The stored bytes of each chunk of ``fetch`` (``uint8`` tensors): ``local`` (from
+    :func:`map_chunks`), and those sent by the rank that serves them, which learnt the requests from
+    ``all_asks`` (every rank's ``Fetch.asks``, in rank order, exchanged with the plan). Collective
+    (point-to-point only).
+
+    A rank that cannot build what a client asked (its files were mapped in the plan, so only a
+    damaged file or no memory left) still sends that many bytes, so no client waits, and returns
+    the error: the read raises it (:class:`MemoryReader`), inside the read's agreement.
 
     Returns:
-        ``({storage index: bytes}, bytes this rank received, bytes all ranks moved between nodes)``.
+        ``({storage index: bytes}, bytes this rank received, bytes all ranks moved between nodes,
+        the error of a failed send or None)``.
     """
     rank = collective.rank
-    mapped = _Mapped(directory)
-
-    def read() -> tuple[dict[MetadataIndex, torch.Tensor], dict[int, torch.Tensor]]:
-        mine = {key: mapped(n, o, ln) for key, (n, o, ln) in fetch.local.items()}
-        sends = {
-            client: torch.cat([mapped(n, o, ln) for n, o, ln in theirs[rank]])
-            for client, theirs in enumerate(all_asks)
-            if client != rank and theirs.get(rank)
-        }
-        return mine, sends
-
-    # Every read first, agreed: a rank that cannot read never leaves its clients waiting in recv.
-    chunks, sends = collective.agree(read, what="reading this node's snapshots", error_type=CheckpointCorruptError)
+    error: Exception | None = None
+    sends: dict[int, torch.Tensor] = {}
+    for client, theirs in enumerate(all_asks):
+        asked = theirs.get(rank) if client != rank else None
+        if not asked:
+            continue
+        try:
+            sends[client] = torch.cat([files(n, o, ln) for n, o, ln in asked])
+        except Exception as e:  # noqa: BLE001 - raised by the read, agreed there
+            error = error or e
+            sends[client] = torch.zeros(sum(ln for _, _, ln in asked), dtype=torch.uint8, device="cpu")
     works = [dist.isend(blob, group=collective.group, group_dst=client) for client, blob in sends.items()]
+    chunks = dict(local)
     received = 0
     for server, keys in sorted(fetch.remote.items()):
         lengths = [ln for _, _, ln in fetch.asks[server]]
@@ -248,22 +290,33 @@ def fetch_chunks(
         if w is not None:
             w.wait()
     moved = sum(ln for theirs in all_asks for requests in theirs.values() for _, _, ln in requests)
-    return chunks, received, moved
+    return chunks, received, moved, error
 
 
-class _Mapped:
+class SnapshotFiles:
     """Chunks of snapshot files as ``uint8`` tensors over private (copy-on-write) mappings: no copy
-    out of the tmpfs until DCP copies into the destination tensors."""
+    out of the tmpfs until DCP copies into the destination tensors. A file stays mapped, and so
+    readable, even if it is removed after :meth:`open`."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self.maps: dict[str, mmap.mmap] = {}
 
-    def __call__(self, name: str, offset: int, length: int) -> torch.Tensor:
+    def open(self, name: str) -> mmap.mmap:
+        """Map file ``name`` of the directory (once). Raises ``OSError``."""
         if name not in self.maps:
             with open(os.path.join(self.directory, name), "rb") as f:
                 self.maps[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        mm = self.maps[name]
+        return self.maps[name]
+
+    def __call__(self, name: str, offset: int, length: int) -> torch.Tensor:
+        """``length`` bytes at ``offset`` of file ``name``.
+
+        Raises:
+            OSError: the file cannot be mapped.
+            CheckpointCorruptError: the range lies past the file's end.
+        """
+        mm = self.open(name)
         if offset + length > len(mm):
             path = os.path.join(self.directory, name)
             raise CheckpointCorruptError(f"memory snapshot {path}: {length} bytes at {offset} past its end", path=path)
@@ -286,11 +339,19 @@ class MemoryReader(StorageReader):
         metadata: from :func:`memory_metadata`.
         where: ``{storage index: [(saved rank, header item)]}``, for dtypes and shapes.
         chunks: ``{storage index: uint8 tensor}`` holding every chunk this rank's plan reads.
+        error: what failed while this rank served other ranks' chunks (:func:`fetch_chunks`):
+            raised by :meth:`read_data` as ``CheckpointCorruptError``, so every rank learns it.
     """
 
-    def __init__(self, metadata: Metadata, where: dict, chunks: dict[MetadataIndex, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        metadata: Metadata,
+        where: dict,
+        chunks: dict[MetadataIndex, torch.Tensor],
+        error: Exception | None = None,
+    ) -> None:
         super().__init__()
-        self.metadata, self.where, self.chunks = metadata, where, chunks
+        self.metadata, self.where, self.chunks, self.error = metadata, where, chunks, error
 
     @override
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -314,6 +375,8 @@ class MemoryReader(StorageReader):
 
     @override
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self.error is not None:
+            raise CheckpointCorruptError(f"serving memory snapshot chunks to other ranks failed: {self.error}")
         for req in plan.items:
             raw = self.chunks[req.storage_index]
             if req.type == LoadItemType.BYTE_IO:

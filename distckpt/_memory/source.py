@@ -1,10 +1,10 @@
 """The memory tier as a source of a restore: whether it serves a restart, and how its snapshot is
 read (docs/memory.md, "How it works").
 
-:func:`choose_snapshot` runs the inventory and the consistent cut of :mod:`distckpt._memory.fetch`
-and compares the cut with the durable tier's newest committed step: memory serves when its step is
-at least as new (no byte read from the root); otherwise it returns ``None`` and the durable tier
-serves. The :class:`MemorySource` it returns is read by the loader's one read of any checkpoint,
+:func:`take_inventory` lists a node's snapshots (exchanged with the choice of the durable
+checkpoint) and :func:`choose_snapshot` finds the consistent cut (:mod:`distckpt._memory.fetch`) and
+compares it with the durable tier's newest committed step: memory serves when its step is at least
+as new (no byte read from the root); otherwise it returns ``None`` and the durable tier serves. The :class:`MemorySource` it returns is read by the loader's one read of any checkpoint,
 :func:`~distckpt._load.read.read_checkpoint`; a failed read falls back to the durable tier there.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from .._coord.collective import Collective
 from .._ondisk.manifest import Manifest, TensorSpec
@@ -23,11 +23,14 @@ from .._state.training_state import TrainState
 from .._version import __version__
 from .fetch import (
     Cut,
+    Entry,
     Fetch,
     MemoryReader,
+    SnapshotFiles,
     fetch_chunks,
     find_cut,
     inventory,
+    map_chunks,
     memory_metadata,
     plan_fetch,
     plan_needed,
@@ -35,7 +38,7 @@ from .fetch import (
 )
 from .tier import MemoryTier
 
-__all__ = ["MemoryRestore", "MemorySource", "choose_snapshot"]
+__all__ = ["MemoryRestore", "MemorySource", "choose_snapshot", "take_inventory"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +62,39 @@ class MemoryRestore:
     seconds: float
 
 
-def choose_snapshot(tier: MemoryTier, collective: Collective, *, durable_step: int | None) -> MemorySource | None:
+def take_inventory(tier: MemoryTier) -> tuple[list[Entry], dict[str, Any]]:
+    """This rank's share of its node's snapshots (:func:`~distckpt._memory.fetch.inventory`): the
+    compact entries every rank exchanges, and the headers kept here. A directory that cannot be
+    listed gives none (a warning): the other nodes' copies or the durable tier serve."""
+    try:
+        return inventory(tier.dir, tier.layout, tier.rank, run=tier.launch_id)
+    except OSError as e:
+        logger.warning("memory tier: listing %s failed (%s); its snapshots are not used", tier.dir, e)
+        return [], {}
+
+
+def choose_snapshot(
+    tier: MemoryTier,
+    collective: Collective,
+    *,
+    durable_step: int | None,
+    entries: list[Entry],
+    headers: dict[str, Any],
+) -> MemorySource | None:
     """The newest complete memory snapshot, as a source to read, when it is at least as new as
-    ``durable_step`` (the durable tier's newest committed step; ``None``: none). Collective:
-    the inventory, then the hashes of the newest candidate's files (without the corrupt ones, again).
+    ``durable_step`` (the durable tier's newest committed step; ``None``: none). Collective: the
+    hashes of the newest candidate's files (without the corrupt ones, again).
+
+    Args:
+        entries: every rank's :func:`take_inventory` entries (exchanged by the caller with the
+            choice of the durable checkpoint: one exchange for both).
+        headers: this rank's :func:`take_inventory` headers.
 
     Returns:
         The snapshot, or ``None`` when the durable tier should serve (no complete snapshot or an
         older one: logged on rank 0 with its reason).
     """
     rank = collective.rank
-    mine, headers = inventory(tier.dir, tier.layout, rank, run=tier.launch_id)
-    entries = [e for part in collective.all_gather(mine) for e in part]  # compact: no headers
     cut, why = find_cut(entries)
     corrupt = 0
     while cut is not None:  # hash only the files of the newest candidate; without the corrupt ones, again
@@ -114,6 +138,8 @@ class MemorySource:
         self._metadata, self.where = memory_metadata(cut)
         self._manifest = _manifest(cut, self._metadata)
         self.received = self.moved = 0  # bytes this rank received; all ranks moved between nodes
+        self._files: SnapshotFiles | None = None  # mapped by plan()
+        self._local: dict[MetadataIndex, torch.Tensor] = {}
 
     def manifest(self) -> Manifest:
         """The snapshot's manifest (no exchange: built from the cut's headers)."""
@@ -128,14 +154,18 @@ class MemorySource:
         rank = self.collective.rank
         needed = plan_needed(target, self._metadata, is_coordinator=rank == 0)
         fetch = plan_fetch(self.cut, self.where, needed, layout=self.tier.layout, rank=rank)
+        # Mapped here, inside the plan's agreement: the moves after it need no agreement of their own.
+        self._files, self._local = map_chunks(fetch, self.cut, rank=rank, directory=self.tier.dir)
         return fetch, fetch.asks
 
     def reader(self, plan: Fetch, shared: list[dict[int, list[tuple[str, int, int]]]]) -> MemoryReader:
-        """Read or receive this rank's chunks (``shared``: every rank's requests); a reader over them."""
-        chunks, self.received, self.moved = fetch_chunks(
-            plan, shared, directory=self.tier.dir, collective=self.collective
+        """Receive this rank's chunks from other nodes and send theirs (``shared``: every rank's
+        requests); a reader over them and the node's own."""
+        assert self._files is not None  # plan() first
+        chunks, self.received, self.moved, error = fetch_chunks(
+            plan, shared, self._files, self._local, collective=self.collective
         )
-        return MemoryReader(self._metadata, self.where, chunks)
+        return MemoryReader(self._metadata, self.where, chunks, error)
 
     def served(self, train_state: TrainState, manifest: Manifest, *, seconds: float) -> MemoryRestore:
         """The outcome of a completed restore of this snapshot (``seconds``: its wall time), logged on rank 0."""

@@ -66,13 +66,15 @@ def _own_header(manager: Any) -> Any:
     return read_header(os.path.join(d, name), verify=False)
 
 
-def test_a_load_from_memory_makes_six_exchanges_and_sends_each_header_once(tmp_path):
+def test_a_load_from_memory_makes_four_exchanges_and_sends_each_header_once(tmp_path):
     out = values(run_ranks(_restore_traffic, 4, {"root": str(tmp_path / "ck"), "mem": str(tmp_path / "mem")}))
     for r in out:
         assert r["step"] == 2 and r["tier"] == "memory", r
-        # choose + inventory + verify (with the cut's headers) + plan (with the chunk requests)
-        # + reads + load (was 10: headers of every file, a broadcast, the received-bytes total)
-        assert len(r["calls"]) == 6, r["calls"]
+        # choose (with the inventory) + verify (with the cut's headers) + plan (with the chunk
+        # requests; the files mapped) + restore, besides DCP read's own outcome exchange (was 10:
+        # headers of every file, a broadcast, the received-bytes total; then 6: the inventory and
+        # the reads of the chunks to send in exchanges of their own)
+        assert len(r["calls"]) == 4, r["calls"]
     # every rank sends only its share: no exchange carries more than the headers it serves
     # (one own snapshot here) plus small change; before, the inventory carried every file's header
     for r in out:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import distckpt._memory.tier as tier_module
 from distckpt import CheckpointConfig, CheckpointManager
-from distckpt._memory.fetch import fetch_chunks, find_cut, inventory, memory_metadata, plan_fetch, verify
+from distckpt._memory.fetch import fetch_chunks, find_cut, inventory, map_chunks, memory_metadata, plan_fetch, verify
 from distckpt._memory.tier import estimate_bytes
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.trainer import build, full_optim, full_params, optimizer_step, release_workers
@@ -254,13 +254,15 @@ def _on_meta_by_default(rank: int, world_size: int, opts: dict[str, Any]) -> dic
     all_asks = manager.collective.all_gather(fetch.asks)
     torch.set_default_device("meta")
     try:
-        chunks, received, _ = fetch_chunks(fetch, all_asks, directory=tier.dir, collective=manager.collective)
+        files, local = map_chunks(fetch, cut, rank=rank, directory=tier.dir)
+        chunks, received, _, error = fetch_chunks(fetch, all_asks, files, local, collective=manager.collective)
     finally:
         torch.set_default_device(None)
     out = {
         "values": {k.fqn: chunks[k].view(torch.float32).tolist() for k in chunks},
         "devices": sorted({str(c.device) for c in chunks.values()}),
         "received": received,
+        "error": error,
         "replicas": len(entries) - len(own),
     }
     manager.close()
@@ -277,6 +279,7 @@ def test_the_tensors_sent_through_gloo_are_on_cpu_whatever_the_default_device(tm
         assert out[r]["values"] == {"a": [0.0, 1.0, 2.0, 3.0], "b": [4.0, 5.0, 6.0, 7.0]}
         assert out[r]["devices"] == ["cpu"] and out[r]["replicas"] == 2  # each rank's file went to the other node
         assert out[r]["received"] == 16  # the other rank's 4 float32 arrived over gloo
+        assert out[r]["error"] is None
 
 
 def _fsdp1_memory(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
@@ -319,3 +322,50 @@ def test_the_memory_tier_never_gathers_an_fsdp1_model(tmp_path) -> None:
     for o in out:
         assert o["seen"] and all(kinds == {"ShardedTensor"} for kinds in o["seen"]), o["seen"]
         assert sum(f.endswith(".snap") for f in o["files"]) == 4  # steps 1 and 2, own and the other's replica
+
+
+def _a_send_fails(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """Rank 1 (node b, no replicas) cannot build the chunks rank 0 asks of it: the memory restore
+    must fail on both ranks, with rank 0 not left waiting for the bytes, and the durable tier serve."""
+    import distckpt._memory.source as source_module
+
+    os.environ["DISTCKPT_NODE_ID"] = ["a", "b"][rank]
+    model, optimizer, scheduler, scaler, loader = build(rank, world_size, {"wrapper": "ddp"})
+    memory = {"enabled": True, "dir": os.path.join(opts["mem"], "{node}"), "replicas": 0}
+    config = CheckpointConfig(root=opts["root"], schedule={"interval_steps": 1000}, memory=memory)
+    writer = CheckpointManager(config, model=model, optimizer=optimizer)
+    it = iter(loader)
+    optimizer_step(model, optimizer, scheduler, scaler, next(it))
+    writer.save(1)
+    durable = copy.deepcopy(full_params(model))
+    optimizer_step(model, optimizer, scheduler, scaler, next(it))
+    writer.maybe_save(2)  # memory only: newer than the durable step 1
+    writer.memory.wait()
+    dist.barrier()
+    if rank == 1:
+        real = source_module.fetch_chunks
+
+        class Broken:
+            def __call__(self, *args: Any) -> torch.Tensor:
+                raise OSError(5, "Input/output error")
+
+        def failing(fetch, all_asks, files, local, *, collective):  # type: ignore[no-untyped-def]
+            return real(fetch, all_asks, Broken(), local, collective=collective)
+
+        source_module.fetch_chunks = failing
+    reader = CheckpointManager(config, model=model, optimizer=optimizer)
+    state = reader.load()
+    same = all(torch.equal(v, durable[k]) for k, v in full_params(model).items())
+    out = {"step": state.step if state else None, "tier": reader.loader.tier, "same": same}
+    reader.close()
+    writer.close()
+    release_workers(loader)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_send_of_a_memory_restore_falls_back_on_every_rank_without_a_hang(tmp_path) -> None:
+    out = values(
+        run_ranks(_a_send_fails, 2, {"root": str(tmp_path / "root"), "mem": str(tmp_path / "mem")}, timeout_s=60)
+    )
+    assert out == [{"step": 1, "tier": "durable", "same": True}] * 2, out
