@@ -72,8 +72,15 @@ def structure(state_dict: dict[str, Any]) -> tuple | None:
 
 def resolve(planner: DefaultSavePlanner, item: WriteItem) -> torch.Tensor | io.BytesIO:
     """``planner.resolve_data(item)``, with a plain tensor or a DTensor's local shard looked up
-    directly (what DCP's lookup does for them, without its per-item search)."""
-    value = planner.state_dict.get(item.index.fqn) if item.type != WriteItemType.BYTE_IO else None
+    directly (what DCP's lookup does for them, without its per-item search), and a non-tensor
+    value in ``torch.save``'s legacy format: a snapshot lives for minutes, and a small value's
+    zip container costs several times its pickling (``torch.load`` reads either format)."""
+    if item.type == WriteItemType.BYTE_IO:
+        buf = io.BytesIO()
+        torch.save(planner.lookup_object(item.index), buf, _use_new_zipfile_serialization=False)
+        buf.seek(0)
+        return buf
+    value = planner.state_dict.get(item.index.fqn)
     if isinstance(value, DTensor):
         return value.to_local()
     if isinstance(value, torch.Tensor) and type(value) in _PLAIN:
