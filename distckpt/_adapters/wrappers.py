@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 __all__ = ["wrapper_kind", "unwrap", "ddp_rebuilds_buckets", "ddp_resume_not_bitwise"]
@@ -99,10 +98,3 @@ def _fsdp_kind(module: nn.Module) -> str:
         if isinstance(sub, FSDPModule):
             return "fsdp2"
     return "plain"
-
-
-def model_device(module: nn.Module) -> torch.device:
-    """Device of the first parameter (CPU for a parameterless module)."""
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")

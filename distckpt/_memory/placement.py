@@ -105,10 +105,6 @@ class NodeLayout:
         """The ranks on ``node``, ascending (empty for a node without ranks)."""
         return list(self._ranks.get(node, ()))
 
-    def local_index(self, rank: int) -> int:
-        """``rank``'s index among the ranks of its node."""
-        return self._local[rank]
-
     def _node_at(self, node: str, k: int) -> str:
         """The node ``k`` places after ``node`` on the ring (negative: before)."""
         return self._order[(self._position[node] + k) % len(self._order)]

@@ -4,7 +4,8 @@ read (docs/memory.md, "How it works").
 :func:`take_inventory` lists a node's snapshots (exchanged with the choice of the durable
 checkpoint) and :func:`choose_snapshot` finds the consistent cut (:mod:`distckpt._memory.fetch`) and
 compares it with the durable tier's newest committed step: memory serves when its step is at least
-as new (no byte read from the root); otherwise it returns ``None`` and the durable tier serves. The :class:`MemorySource` it returns is read by the loader's one read of any checkpoint,
+as new (no byte read from the root); otherwise it returns ``None`` and the durable tier serves.
+The :class:`MemorySource` it returns is read by the loader's one read of any checkpoint,
 :func:`~distckpt._load.read.read_checkpoint`; a failed read falls back to the durable tier there.
 """
 
