@@ -12,53 +12,11 @@ import ast
 from pathlib import Path
 
 from tests.unit.test_imports import MAX_LINES
+from tests.unit.test_public_api import PUBLIC
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT_DIRS = ("benchmarks", "launch")
-# The public API, module by module (issue 36); everything else is internal.
-PUBLIC: dict[str, set[str]] = {
-    "distckpt": {
-        "__version__",
-        "CheckpointConfig",
-        "ScheduleConfig",
-        "RetentionConfig",
-        "KeepBest",
-        "SaveConfig",
-        "AsyncSaveConfig",
-        "LoadConfig",
-        "ElasticConfig",
-        "PreemptionConfig",
-        "CoordinationConfig",
-        "StorageConfig",
-        "MemoryConfig",
-        "CheckpointManager",
-        "TrainState",
-        "ReshardableSampler",
-        "DistCkptError",
-        "StorageError",
-        "ConfigError",
-        "CheckpointNotFoundError",
-        "CheckpointCorruptError",
-        "IncompatibleCheckpointError",
-        "CheckpointLockedError",
-        "CheckpointSaveError",
-        "CollectiveMismatchError",
-        "ReaderInvariantError",
-    },
-    "distckpt.data": {"make_stateful_dataloader", "ReshardableSampler", "SigtermSafeWorkerInit"},
-    "distckpt.dcp": {"FileSystemReader", "FileSystemWriter"},
-    "distckpt.tools": {
-        "CheckpointReader",
-        "audit_checkpoint",
-        "diff_checkpoints",
-        "export_checkpoint",
-        "import_weights",
-        "load_weights",
-        "release_checkpoint",
-    },
-    "distckpt.integrations.torchtitan": {"DistckptCheckpointManager"},
-    "distckpt.integrations.hf": {"DistckptTrainer"},
-}
+# The public API, module by module (issue 36): the one list, in test_public_api.
 PROBES = {"benchmarks/_scale_probes.py", "benchmarks/manifest_size.py"}
 
 
@@ -116,14 +74,14 @@ def test_scripts_use_only_public_names():
 
 def test_the_public_check_sees_internal_names():
     tree = ast.parse(
-        "import distckpt\nfrom distckpt import CheckpointManager\nfrom distckpt.engine.blocking import dcp_save\n"
-        "from distckpt.tools import audit_checkpoint\nx = distckpt.manager\nimport distckpt.ondisk.manifest\n"
+        "import distckpt\nfrom distckpt import CheckpointManager\nfrom distckpt._engine.blocking import dcp_save\n"
+        "from distckpt.tools import audit_checkpoint\nx = distckpt._manager\nimport distckpt._ondisk.manifest\n"
     )
     bad = sorted(r for r in _distckpt_refs(tree) if not _is_public(r[1]))
     assert bad == [
-        (3, "distckpt.engine.blocking.dcp_save"),
-        (5, "distckpt.manager"),
-        (6, "distckpt.ondisk.manifest"),
+        (3, "distckpt._engine.blocking.dcp_save"),
+        (5, "distckpt._manager"),
+        (6, "distckpt._ondisk.manifest"),
     ]
 
 
