@@ -9,7 +9,6 @@ never waits for a round trip through every rank.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import datetime
 import logging
@@ -105,28 +104,31 @@ class StepVote:
         self.voting = collective.group is not None and (watcher is not None or schedule.clock_based)
         self.group: Any = None
         self._requests: queue.SimpleQueue | None = None
+        self._results: queue.SimpleQueue = queue.SimpleQueue()  # a Vote or the exception of each request
         if self.voting:  # the same on every rank (the config is rank 0's): new_group is collective
             ranks = dist.get_process_group_ranks(collective.group)
             self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
             self._requests = queue.SimpleQueue()
             # A daemon thread: one blocked on a dead peer never holds up the process's exit.
             threading.Thread(
-                target=self._serve, args=(self._requests, self.group), name="distckpt-vote", daemon=True
+                target=self._serve, args=(self._requests, self._results, self.group), name="distckpt-vote", daemon=True
             ).start()
-        self._future: concurrent.futures.Future | None = None
+        # One vote in flight at most. SimpleQueues, not Futures: the boundary runs after the step's
+        # compute has evicted the interpreter's caches, and each Python-level lock costs there.
+        self._pending = False
 
     @staticmethod
-    def _serve(requests: queue.SimpleQueue, group: Any) -> None:
+    def _serve(requests: queue.SimpleQueue, results: queue.SimpleQueue, group: Any) -> None:
         while (request := requests.get()) is not None:
-            preempt, due, future = request
+            preempt, due = request
             try:
                 # device="cpu" explicitly: under torch.set_default_device("cuda") gloo would get a CUDA tensor.
                 flags = torch.tensor([int(preempt), int(due)], dtype=torch.int32, device="cpu")
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
                 p, d = flags.tolist()
-                future.set_result(Vote(preempt=bool(p), due=bool(d)))
+                results.put(Vote(preempt=bool(p), due=bool(d)))
             except BaseException as e:  # noqa: BLE001 - handed to decide()
-                future.set_exception(e)
+                results.put(e)
 
     @property
     def _requested(self) -> bool:
@@ -142,12 +144,15 @@ class StepVote:
         """
         if not self.voting:
             return Vote(preempt=self._requested, due=self.schedule.is_due(step))
-        voted, future, self._future = Vote(), self._future, None
-        if future is not None:
-            try:
-                voted = future.result()
-            except Exception as e:  # noqa: BLE001 - named and raised as distckpt's error
-                raise DistCkptError(f"the step vote of step {step - 1} failed ({e}): a rank is gone or stuck") from e
+        voted = Vote()
+        if self._pending:
+            self._pending = False
+            got = self._results.get()
+            if isinstance(got, BaseException):
+                raise DistCkptError(
+                    f"the step vote of step {step - 1} failed ({got}): a rank is gone or stuck"
+                ) from got
+            voted = got
         return Vote(preempt=voted.preempt, due=self.schedule.is_due(step, voted.due))
 
     def start_next(self, step: int) -> None:
@@ -155,10 +160,10 @@ class StepVote:
         of ``step``: rank 0's clock then proposes from the state after that save)."""
         if self._requests is None:
             return
-        assert self._future is None, "StepVote.decide() must read the previous vote first"
+        assert not self._pending, "StepVote.decide() must read the previous vote first"
         due = self.rank == 0 and self.schedule.propose(step)
-        self._future = concurrent.futures.Future()
-        self._requests.put((self._requested, due, self._future))
+        self._pending = True
+        self._requests.put((self._requested, due))
 
     def uninstall(self) -> None:
         """Put back the SIGTERM handler the watcher replaced (``close``)."""
@@ -169,14 +174,14 @@ class StepVote:
         """Stop voting. ``tear_down`` (every rank is closing): wait for the vote in flight and
         destroy the vote's group; else (leaving on an exception) let the thread go, as a peer may
         never join its all-reduce. Idempotent."""
-        future, requests, group = self._future, self._requests, self.group
-        self._future, self._requests, self.group = None, None, None
+        pending, requests, group = self._pending, self._requests, self.group
+        self._pending, self._requests, self.group = False, None, None
         if requests is None:
             return
         requests.put(None)  # the thread ends after the vote in flight
         if tear_down:
-            if future is not None:
-                future.exception()  # its failure is moot: every rank is closing
+            if pending:
+                self._results.get()  # the vote in flight; its failure is moot: every rank is closing
             try:  # every rank past its last vote before any closes its end (gloo aborts otherwise)
                 dist.barrier(group=group)
                 dist.destroy_process_group(group)
