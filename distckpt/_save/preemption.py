@@ -9,14 +9,13 @@ never waits for a round trip through every rank.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import queue
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -63,9 +62,9 @@ class PreemptionWatcher:
             self.installed = False
 
 
-@dataclasses.dataclass(frozen=True)
-class Vote:
-    """What the ranks agreed at a step boundary.
+class Vote(NamedTuple):
+    """What the ranks agreed at a step boundary (a tuple: built at every boundary, after the
+    step's compute has evicted the interpreter's caches, where a frozen dataclass costs more).
 
     Attributes:
         preempt: some rank had received SIGTERM.
@@ -74,6 +73,9 @@ class Vote:
 
     preempt: bool = False
     due: bool = False
+
+
+_NOTHING = Vote()
 
 
 class StepVote:
@@ -126,7 +128,7 @@ class StepVote:
                 flags = torch.tensor([int(preempt), int(due)], dtype=torch.int32, device="cpu")
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
                 p, d = flags.tolist()
-                results.put(Vote(preempt=bool(p), due=bool(d)))
+                results.put(Vote(bool(p), bool(d)))
             except BaseException as e:  # noqa: BLE001 - handed to decide()
                 results.put(e)
 
@@ -144,7 +146,7 @@ class StepVote:
         """
         if not self.voting:
             return Vote(preempt=self._requested, due=self.schedule.is_due(step))
-        voted = Vote()
+        voted = _NOTHING
         if self._pending:
             self._pending = False
             got = self._results.get()
@@ -153,7 +155,8 @@ class StepVote:
                     f"the step vote of step {step - 1} failed ({got}): a rank is gone or stuck"
                 ) from got
             voted = got
-        return Vote(preempt=voted.preempt, due=self.schedule.is_due(step, voted.due))
+        due = self.schedule.is_due(step, voted.due)
+        return voted if due == voted.due else Vote(voted.preempt, due)
 
     def start_next(self, step: int) -> None:
         """Start the vote the next boundary reads (every rank, after :meth:`decide` and any save

@@ -148,15 +148,20 @@ class TrainState:
         Raises:
             TypeError: a counter name not in :attr:`COUNTERS`, or a metric value that is not a number.
         """
-        unknown = set(counters) - set(self.COUNTERS)
-        if unknown:
-            raise TypeError(f"unknown counter(s) {sorted(unknown)}; known: {list(self.COUNTERS)}")
-        bad = {k: v for k, v in (metrics or {}).items() if isinstance(v, bool) or not isinstance(v, numbers.Real)}
-        if bad or not all(isinstance(k, str) for k in metrics or {}):
-            raise TypeError(f"metrics must map names to numbers (float(tensor) for a tensor); got {metrics!r}")
-        # A new dict, never updated in place: snapshots and load()'s copy share the old one.
-        kept = self.metrics if step == self.step else {}
-        self.metrics = {**kept, **{k: float(v) for k, v in (metrics or {}).items()}}
+        # Most steps pass no counters and no metrics: that path builds nothing (it runs every step).
+        if counters:
+            unknown = set(counters) - set(self.COUNTERS)
+            if unknown:
+                raise TypeError(f"unknown counter(s) {sorted(unknown)}; known: {list(self.COUNTERS)}")
+        if metrics:
+            bad = {k: v for k, v in metrics.items() if isinstance(v, bool) or not isinstance(v, numbers.Real)}
+            if bad or not all(isinstance(k, str) for k in metrics):
+                raise TypeError(f"metrics must map names to numbers (float(tensor) for a tensor); got {metrics!r}")
+            # A new dict, never updated in place: snapshots and load()'s copy share the old one.
+            kept = self.metrics if step == self.step else {}
+            self.metrics = {**kept, **{k: float(v) for k, v in metrics.items()}}
+        elif step != self.step:
+            self.metrics = {}
         self.step = step
         for k, v in counters.items():
             setattr(self, k, int(v))
