@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from .._ondisk.integrity import HashingFileSystem
 from .torch_format.internals import format_tested
-from .torch_format.record_writer import TEMPLATES, write_files, zip_crc32_off
+from .torch_format.record_writer import TEMPLATES, parallel_pays, write_files, zip_crc32_off
 
 __all__ = ["CheckedFileSystemWriter", "WriteDeadlineExceeded"]
 
@@ -169,11 +169,16 @@ class CheckedFileSystemWriter(FileSystemWriter):
     @override
     def write_data(self, plan: Any, planner: Any) -> Any:
         self.fs.begin(self.write_timeout_s)
+        threads = self.thread_count  # DCP splits the items into this many files
+        if not parallel_pays(plan.items):
+            self.thread_count = 1
         try:
             future = super().write_data(plan, planner)
         except BaseException:
             self.fs.raise_first_error()  # the root cause, not a cancellation or a masking error
             raise
+        finally:
+            self.thread_count = threads
         self.fs.raise_first_error()
         return future
 

@@ -162,3 +162,15 @@ def test_a_planner_overriding_the_lookup_is_honoured_and_plain_tensors_match_dcp
         dcp.save({"a": state["a"]}, storage_writer=stock, no_dist=True)
     dcp.save({"a": state["a"]}, storage_writer=CheckedFileSystemWriter(tmp_path / "w", thread_count=1), no_dist=True)
     assert (tmp_path / "z" / "__0_0.distcp").read_bytes() == (tmp_path / "w" / "__0_0.distcp").read_bytes()
+
+
+@pytest.mark.parametrize(("numel", "files"), [(256, 1), (64 * 1024, 4)])
+def test_small_items_are_written_into_one_file_and_large_ones_a_file_per_thread(tmp_path, numel, files):
+    # Small records are Python work under the GIL that threads contend for; large ones are byte writes.
+    torch.manual_seed(0)
+    state = {f"t{i}": torch.randn(numel) for i in range(8)}
+    dcp.save(state, storage_writer=CheckedFileSystemWriter(tmp_path, thread_count=4), no_dist=True)
+    assert sorted(p.name for p in tmp_path.glob("*.distcp")) == [f"__0_{i}.distcp" for i in range(files)]
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(loaded, checkpoint_id=tmp_path, no_dist=True)
+    assert all(torch.equal(loaded[k], state[k]) for k in state)

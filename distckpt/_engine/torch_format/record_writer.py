@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import sys
 import threading
@@ -41,7 +42,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..._ondisk import integrity
 from .internals import StorageInfo
 
-__all__ = ["RecordTemplates", "BUFFER_BYTES", "TEMPLATES", "write_files", "zip_crc32_off"]
+__all__ = ["RecordTemplates", "BUFFER_BYTES", "TEMPLATES", "parallel_pays", "write_files", "zip_crc32_off"]
 
 BUFFER_BYTES = integrity.MIN_BLOCK_BYTES - 1
 """Small records are gathered up to this many bytes per write (just below
@@ -328,6 +329,35 @@ def _write_file(
     return results
 
 
+PARALLEL_MIN_BYTES_PER_ITEM = 64 * 1024
+"""Files are written by parallel threads only when their items average at least this many
+bytes: each item costs Python work under the GIL, which threads contend for and never share,
+while only the byte writes (and ``fsync``) release it."""
+
+
+def _item_bytes(item: WriteItem) -> int:
+    data = item.tensor_data
+    if data is None:  # a bytes item: serialised small values
+        return 0
+    return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+
+
+def parallel_pays(items: list[WriteItem]) -> bool:
+    """Whether a rank's ``items`` are written faster by a thread per file than by one thread:
+    items of at least :data:`PARALLEL_MIN_BYTES_PER_ITEM` bytes on average (a state of many
+    small tensors is written faster by one thread, into one file)."""
+    return bool(items) and sum(_item_bytes(item) for item in items) >= PARALLEL_MIN_BYTES_PER_ITEM * len(items)
+
+
+def _fsync_path(path: str) -> None:
+    # Linux flushes a file's data for an fsync through any of its descriptors.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_files(
     jobs: list[tuple[str, str, list[WriteItem]]],
     planner: SavePlanner,
@@ -338,7 +368,7 @@ def write_files(
 ) -> list[WriteResult]:
     """Write each ``(path, file name, items)`` of ``jobs`` -- the files and item split
     ``FileSystemWriter.write_data`` chose -- bytes items first, each tensor a ``torch.save``
-    record (module docstring), one thread per file.
+    record (module docstring), one thread per file where that pays (:func:`parallel_pays`).
 
     Returns:
         DCP's ``WriteResult`` per item (``StorageInfo``: file name, offset, length in bytes).
@@ -350,8 +380,14 @@ def write_files(
     def run(job: tuple[str, str, list[WriteItem]]) -> list[WriteResult]:
         return _write_file(create_stream, job[0], job[1], job[2], planner, templates, sync_files)
 
-    if len(jobs) <= 1:
-        return run(jobs[0]) if jobs else []
+    if len(jobs) <= 1 or not parallel_pays([item for job in jobs for item in job[2]]):
+        results = [
+            result for job in jobs for result in _write_file(create_stream, *job, planner, templates, sync_files=False)
+        ]
+        if sync_files:  # fsync releases the GIL: the files' flushes overlap
+            with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="distckpt-fsync") as pool:
+                list(pool.map(_fsync_path, [job[0] for job in jobs]))
+        return results
     results: list[WriteResult] = []
     with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="distckpt-write") as pool:
         futures = [pool.submit(run, job) for job in jobs]
