@@ -380,15 +380,16 @@ def write_files(
     def run(job: tuple[str, str, list[WriteItem]]) -> list[WriteResult]:
         return _write_file(create_stream, job[0], job[1], job[2], planner, templates, sync_files)
 
-    if len(jobs) <= 1 or not parallel_pays([item for job in jobs for item in job[2]]):
-        results = [
-            result for job in jobs for result in _write_file(create_stream, *job, planner, templates, sync_files=False)
-        ]
+    if len(jobs) <= 1:
+        return run(jobs[0]) if jobs else []
+    results: list[WriteResult] = []
+    if not parallel_pays([item for job in jobs for item in job[2]]):
+        for path, name, items in jobs:
+            results += _write_file(create_stream, path, name, items, planner, templates, sync_files=False)
         if sync_files:  # fsync releases the GIL: the files' flushes overlap
             with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="distckpt-fsync") as pool:
                 list(pool.map(_fsync_path, [job[0] for job in jobs]))
         return results
-    results: list[WriteResult] = []
     with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="distckpt-write") as pool:
         futures = [pool.submit(run, job) for job in jobs]
         first: BaseException | None = None
