@@ -27,6 +27,7 @@ from ._coord.collective import Collective
 from ._coord.events import EventLog
 from ._coord.topology import check_shared_root, elastic_store_warning, exchange_setup
 from ._engine import AsyncWriter
+from ._engine.blocking import gc_paused
 from ._errors import ConfigError
 from ._load.discovery import CheckpointDiscovery
 from ._load.loading import CheckpointLoader
@@ -224,7 +225,8 @@ class CheckpointManager:
         if not self.config.load.enabled:
             return None
         t0 = time.perf_counter()
-        found = self.loader.load(self.discovery)
+        with gc_paused():  # the manifest, metadata and targets: objects per tensor (blocking.gc_paused)
+            found = self.loader.load(self.discovery)
         if found is None:
             logger.info("no committed checkpoint in %s: starting fresh", self.root)
             return None
@@ -365,10 +367,12 @@ class CheckpointManager:
         self.last_saved_step = step
         self.schedule.mark_saved()
         if self.async_writer is None or blocking:
-            tx.finish(self.collective, tx.write(build, self.collective))
+            with gc_paused():  # the state_dict, plans, metadata, manifest: objects per tensor (blocking.gc_paused)
+                tx.finish(self.collective, tx.write(build, self.collective))
             self.save_durations.record(time.perf_counter() - tx.t0)
         else:
-            upload, started = tx.start(build, self.async_writer)
+            with gc_paused():
+                upload, started = tx.start(build, self.async_writer)
             tx.agree_started(self.collective, started)  # a failure to start is raised now, on every rank
             assert self.background is not None  # created with async_writer
             self._inflight = tx.finish_in_background(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import io
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import IO, Any
 
@@ -63,7 +64,14 @@ def check_loadable(value: Any, what: str) -> None:
         TypeError: names the offending key (``what`` plus the path in containers) and its type.
     """
     skeleton = _without_tensors(value)
+    shape = _type_tree(skeleton)
+    if shape is not None and shape in _LOADABLE:
+        return
     if _loads(skeleton):
+        if shape is not None:
+            if len(_LOADABLE) >= _LOADABLE_MAX:
+                _LOADABLE.clear()
+            _LOADABLE.add(shape)
         return
     path, culprit = _find_unloadable(skeleton, "")
     kind = f"{type(culprit).__module__}.{type(culprit).__qualname__}"
@@ -71,6 +79,36 @@ def check_loadable(value: Any, what: str) -> None:
         f"{what}{path}: a {kind} cannot be saved: load() reads plain values with "
         f"torch.load(weights_only=True), which refuses it; {_HINT}"
     )
+
+
+# What the weights-only read admits depends on the types a value is made of, not on its values:
+# a value with the type tree of one that loaded loads too, with no round trip (a memory-tier
+# snapshot checks the data loader's and the scheduler's state at every step).
+_LOADABLE: set[Any] = set()
+_LOADABLE_MAX = 256
+_LEAVES = frozenset((int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size))
+_CONTAINERS = frozenset((dict, OrderedDict, list, tuple))
+
+
+def _type_tree(value: Any) -> Any:
+    """The nested types of ``value`` (hashable); ``None`` for any other type than plain
+    containers, primitives, torch's dtype/device/Size and numpy scalars or non-object arrays."""
+    kind = type(value)
+    if kind in _LEAVES or (isinstance(value, np.generic) and not isinstance(value, np.object_)):
+        return kind
+    if kind is np.ndarray:
+        return None if value.dtype.hasobject else (kind, value.dtype.str)
+    if kind not in _CONTAINERS:
+        return None
+    if kind in (dict, OrderedDict):
+        members = [(_type_tree(k), _type_tree(v)) for k, v in value.items()]
+        if any(k is None or v is None for k, v in members):
+            return None
+    else:
+        members = [_type_tree(v) for v in value]
+        if None in members:
+            return None
+    return kind, tuple(members)
 
 
 def _without_tensors(value: Any) -> Any:

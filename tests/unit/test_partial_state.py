@@ -1,6 +1,7 @@
 """What is saved is what load() restores (issue 24, items 2-4), in one process."""
 
 import fractions
+import re
 
 import numpy as np
 import pytest
@@ -191,3 +192,22 @@ def test_value_load_would_refuse_is_refused_at_save_and_nothing_is_committed(tmp
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no step-2, no staging left
     with CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=nn.Linear(2, 2), optimizer=None) as m:
         assert m.load().step == 1
+
+
+def test_a_value_of_a_checked_type_tree_skips_the_round_trip_and_other_types_are_still_refused(monkeypatch):
+    from distckpt._ondisk import safe_values
+
+    trips = []
+    real = safe_values._loads
+    monkeypatch.setattr(safe_values, "_loads", lambda v: trips.append(v) or real(v))
+    monkeypatch.setattr(safe_values, "_LOADABLE", set())
+    state = {"epoch": 1, "order": [3, 1, 2], "mean": np.float64(0.5), "hist": np.zeros(3)}
+    safe_values.check_loadable(state, "dataloader")
+    safe_values.check_loadable({**state, "epoch": 2, "order": [4, 5, 6], "mean": np.float64(0.7)}, "dataloader")
+    assert len(trips) == 1  # the second value has the first's type tree: no torch.save + torch.load
+    for bad, where in [
+        ({**state, "mean": fractions.Fraction(1, 3)}, "['mean']"),
+        ({**state, "hist": np.array([_Opaque()], dtype=object)}, "['hist']"),
+    ]:
+        with pytest.raises(TypeError, match=re.escape(f"dataloader{where}")):
+            safe_values.check_loadable(bad, "dataloader")
