@@ -197,6 +197,24 @@ class CheckpointConfig:
         self.root = os.fspath(self.root)
         self._check()
 
+    def validate(self) -> None:
+        """Run every check of construction again: each section's own (its ``__post_init__``, with
+        ``retention.keep_best``'s) and the config's. A section's fields can be assigned after it was
+        built (``config.retention.keep_last = -5``) and nothing checks an assignment, so
+        ``CheckpointManager`` calls this before it uses the config.
+
+        Raises:
+            ConfigError: as at construction, naming the dotted key.
+        """
+        # a section given as anything else (a mapping assigned since) is built, or refused, by __post_init__ below
+        built: list[Any] = [getattr(self, n) for n, cls in SECTIONS.items() if isinstance(getattr(self, n), cls)]
+        for section in built:
+            section.__post_init__()
+        keep_best = getattr(self.retention, "keep_best", None)  # a mapping of a section has no attribute
+        if isinstance(keep_best, KeepBest):
+            keep_best.__post_init__()
+        self.__post_init__()
+
     def _check(self) -> None:
         """The checks that need ``root`` or span sections (each section checks its own fields)."""
         for name in SECTIONS:  # YAML's "false" is a string; a truth test of it would pass

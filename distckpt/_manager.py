@@ -70,9 +70,10 @@ class CheckpointManager:
             run id kept across resumes (``None``: the checkpoint's, or new). :mod:`distckpt._load.resume`.
 
     Raises:
-        ConfigError: the root directory cannot be created or written (on every rank); or the
-            run does not resume from the root (``load.enabled: false``, or ``load.path`` outside it)
-            while the root holds checkpoints, and ``load.on_existing`` is not ``archive``.
+        ConfigError: ``config`` fails its checks (:meth:`CheckpointConfig.validate`: a section changed since it
+            was built); the root cannot be created or written (on every rank); or the run does not resume
+            from the root (``load.enabled: false``, or ``load.path`` outside it) while the root holds
+            checkpoints, and ``load.on_existing`` is not ``archive``.
     """
 
     def __init__(
@@ -90,6 +91,7 @@ class CheckpointManager:
         probe: ProbeFn | None = None,
         run_id: str | None = None,
     ) -> None:
+        config.validate()  # its sections may have been changed since it was built: checked again, before any use
         self.config = config
         self.store = open_config_store(config)  # a plain path: POSIX; s3://bucket/prefix: S3
         self.root = self.store.root  # a location: str

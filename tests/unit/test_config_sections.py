@@ -246,3 +246,23 @@ def test_a_string_where_a_bool_belongs_is_refused(section: str, key: str) -> Non
     """YAML's quoted "false" is a non-empty string: taken as a bool it would mean true."""
     with pytest.raises(ConfigError, match=rf"CheckpointConfig\.{section}\.{key}='false': must be true or false"):
         CheckpointConfig(root="/tmp/x", **{section: {key: "false"}})
+
+
+@pytest.mark.parametrize(
+    "section, key, value, expected",
+    [
+        ("retention", "keep_last", -5, r"CheckpointConfig\.retention\.keep_last=-5: must be a positive integer"),
+        ("schedule", "interval_steps", 0, r"CheckpointConfig\.schedule\.interval_steps=0: must be a positive integer"),
+        ("async_save", "mode", "thread", r"retention\.keep_last=1 with async_save\.mode='thread'"),  # cross-section
+    ],
+)
+def test_a_section_changed_after_construction_is_checked_again_by_the_manager(tmp_path, section, key, value, expected):
+    from tests.distributed.trainer import Net
+
+    cfg = CheckpointConfig(root=str(tmp_path / "ckpt"), retention={"keep_last": 1})
+    setattr(getattr(cfg, section), key, value)  # accepted by the dataclass: no check runs on assignment
+    with pytest.raises(ConfigError, match=expected):
+        distckpt.CheckpointManager(cfg, model=Net(), optimizer=None)
+    assert not (tmp_path / "ckpt").exists()  # refused before touching the root
+    with pytest.raises(ConfigError, match=expected):
+        cfg.validate()
