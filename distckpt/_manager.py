@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ._adapters import ddp_resume_not_bitwise, tensor_specs, wrapper_kind
+from ._adapters import check_model_and_optimizer, ddp_resume_not_bitwise, tensor_specs, wrapper_kind
 from ._config import READ_ONLY_SAVE, CheckpointConfig
 from ._coord.collective import Collective
 from ._coord.events import EventLog
@@ -71,9 +71,10 @@ class CheckpointManager:
 
     Raises:
         ConfigError: ``config`` fails its checks (:meth:`CheckpointConfig.validate`: a section changed since it
-            was built); the root cannot be created or written (on every rank); or the run does not resume
-            from the root (``load.enabled: false``, or ``load.path`` outside it) while the root holds
-            checkpoints, and ``load.on_existing`` is not ``archive``.
+            was built); ``optimizer`` holds parameters that are not ``model``'s (built for another model); the
+            root cannot be created or written (on every rank); or the run does not resume from the root
+            (``load.enabled: false``, or ``load.path`` outside it) while the root holds checkpoints, and
+            ``load.on_existing`` is not ``archive``.
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class CheckpointManager:
         run_id: str | None = None,
     ) -> None:
         config.validate()  # its sections may have been changed since it was built: checked again, before any use
+        check_model_and_optimizer(model, optimizer)  # an optimizer of another model: ConfigError now, not at a save
         self.config = config
         self.store = open_config_store(config)  # a plain path: POSIX; s3://bucket/prefix: S3
         self.root = self.store.root  # a location: str
