@@ -390,3 +390,19 @@ def _suggest(unknown: list[str]) -> str:
             dotted.setdefault(f.name, f"{name}.{f.name}")
     near = [dotted[m[0]] for key in unknown if (m := difflib.get_close_matches(key, dotted, n=1, cutoff=0.75))]
     return f" (did you mean {', '.join(near)}?)" if near else ""
+
+
+def _check_section_keywords(cls: type, section: str) -> None:
+    """Give section dataclass ``cls`` the keyword check of :meth:`CheckpointConfig.__new__`: an unknown
+    keyword (``ScheduleConfig(interval_step=5)``) is a ``ConfigError`` with the mapping form's "did you
+    mean" (:func:`_check_keys`) instead of the generated ``__init__``'s bare ``TypeError``."""
+
+    def __new__(klass: type, *args: Any, **kwargs: Any) -> Any:
+        _check_keys(kwargs, [f.name for f in dataclasses.fields(klass)], section)
+        return object.__new__(klass)
+
+    cls.__new__ = __new__  # type: ignore[assignment]
+
+
+for _name, _cls in [*SECTIONS.items(), ("retention.keep_best", KeepBest)]:
+    _check_section_keywords(_cls, _name)

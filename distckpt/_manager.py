@@ -34,7 +34,7 @@ from ._load.resume import ProbeFn, RunIdAndProbe
 from ._memory import MemoryTier
 from ._save.grace import SaveDurations, agree_on_signal
 from ._save.preemption import PreemptionWatcher, StepVote
-from ._save.schedule import SaveSchedule
+from ._save.schedule import SaveSchedule, check_step
 from ._save.transaction import BackgroundSave, PhaseHook, Rollback, SaveContext, SaveTransaction
 from ._state.training_state import CheckpointState, TrainState
 from ._storage import open_config_store
@@ -70,6 +70,7 @@ class CheckpointManager:
             run id kept across resumes (``None``: the checkpoint's, or new). :mod:`distckpt._load.resume`.
 
     Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
         ConfigError: ``config`` fails its checks (:meth:`CheckpointConfig.validate`: a section changed since it
             was built); ``optimizer`` holds parameters that are not ``model``'s (built for another model); the
             root cannot be created or written (on every rank); or the run does not resume from the root
@@ -277,6 +278,7 @@ class CheckpointManager:
                 previous checkpoint is intact and training may continue.
             CollectiveMismatchError: a save is due here but not every rank saved this step (see :meth:`save`).
         """
+        check_step(step, "maybe_save")
         self._check_open(save=True)
         self._record(step, loss, counters, metrics)
         if self.memory is not None:  # the memory tier's snapshot, before any durable save
@@ -333,7 +335,9 @@ class CheckpointManager:
             CheckpointSaveError: on every rank if any rank failed; nothing was committed.
             CollectiveMismatchError: not every rank called ``save`` with this ``step`` within
                 ``config.coordination.arrival_timeout_s`` (names the ranks); nothing was written.
+            TypeError: ``step`` is not an ``int`` (also raised by :meth:`maybe_save`).
         """
+        check_step(step, "save")
         return self._save(step, loss=loss, counters=counters, metrics=metrics)
 
     def _save(

@@ -92,16 +92,23 @@ def ddp_resume_not_bitwise(module: nn.Module, world_size: int) -> str | None:
 
 
 def check_model_and_optimizer(model: nn.Module, optimizer: Any) -> None:
-    """Refuse an optimizer that holds parameters the model does not have (built for another model, or
-    before the model was sharded): its first save would fail, deep in DCP, with a ``KeyError``.
+    """Refuse a model that is not a module, and an optimizer that holds parameters the model does not
+    have (built for another model, or before the model was sharded): its first save would fail, deep
+    in DCP, with a ``KeyError``.
 
     Compared by identity (a set of ids: O(parameters)) with ``model.parameters()`` of the object
     passed, which for DDP, ``torch.compile`` and FSDP2 yields the very Parameter objects the
     optimizer holds. An FSDP1 model is not checked (its flat parameters are not the original ones).
 
     Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module`` (names the type received).
         ConfigError: names how many of the optimizer's parameters are not the model's.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"CheckpointManager: model must be a torch.nn.Module (plain, or wrapped by DDP, FSDP or "
+            f"torch.compile), got {type(model).__name__}; pass the model itself, not its state_dict or parameters"
+        )
     groups = getattr(optimizer, "param_groups", None)
     if not groups or wrapper_kind(model).startswith("fsdp1"):
         return

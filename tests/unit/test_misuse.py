@@ -107,3 +107,21 @@ def test_an_optimizer_of_another_model_is_refused_at_construction(tmp_path):
     partial = torch.optim.Adam(model.out.parameters())
     with CheckpointManager(_config(tmp_path), model=torch.compile(model), optimizer=partial) as manager:
         assert Path(manager.save(1)).is_dir()
+
+
+def test_a_step_that_is_not_an_int_is_a_type_error_naming_it(tmp_path):
+    with CheckpointManager(_config(tmp_path), model=Net(), optimizer=None) as manager:
+        for call in (manager.save, manager.maybe_save):
+            for bad in ("3", True, 2.0):
+                with pytest.raises(
+                    TypeError, match=rf"{call.__name__}\(step=.*\): step must be an int .*got {type(bad).__name__}"
+                ):
+                    call(bad)
+        assert not list((tmp_path / "ckpt").glob("step-*"))  # nothing was written
+        assert Path(manager.save(3)).name.endswith("3")  # the manager is still usable
+
+
+def test_a_model_that_is_not_a_module_is_a_type_error_naming_its_type(tmp_path):
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module .*got dict"):
+        CheckpointManager(_config(tmp_path), model={"w": torch.zeros(2)}, optimizer=None)  # type: ignore[arg-type]
+    assert not (tmp_path / "ckpt").exists()
