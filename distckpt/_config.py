@@ -197,6 +197,24 @@ class CheckpointConfig:
         self.root = os.fspath(self.root)
         self._check()
 
+    def validate(self) -> None:
+        """Run every check of construction again: each section's own (its ``__post_init__``, with
+        ``retention.keep_best``'s) and the config's. A section's fields can be assigned after it was
+        built (``config.retention.keep_last = -5``) and nothing checks an assignment, so
+        ``CheckpointManager`` calls this before it uses the config.
+
+        Raises:
+            ConfigError: as at construction, naming the dotted key.
+        """
+        # a section given as anything else (a mapping assigned since) is built, or refused, by __post_init__ below
+        built: list[Any] = [getattr(self, n) for n, cls in SECTIONS.items() if isinstance(getattr(self, n), cls)]
+        for section in built:
+            section.__post_init__()
+        keep_best = getattr(self.retention, "keep_best", None)  # a mapping of a section has no attribute
+        if isinstance(keep_best, KeepBest):
+            keep_best.__post_init__()
+        self.__post_init__()
+
     def _check(self) -> None:
         """The checks that need ``root`` or span sections (each section checks its own fields)."""
         for name in SECTIONS:  # YAML's "false" is a string; a truth test of it would pass
@@ -372,3 +390,19 @@ def _suggest(unknown: list[str]) -> str:
             dotted.setdefault(f.name, f"{name}.{f.name}")
     near = [dotted[m[0]] for key in unknown if (m := difflib.get_close_matches(key, dotted, n=1, cutoff=0.75))]
     return f" (did you mean {', '.join(near)}?)" if near else ""
+
+
+def _check_section_keywords(cls: type, section: str) -> None:
+    """Give section dataclass ``cls`` the keyword check of :meth:`CheckpointConfig.__new__`: an unknown
+    keyword (``ScheduleConfig(interval_step=5)``) is a ``ConfigError`` with the mapping form's "did you
+    mean" (:func:`_check_keys`) instead of the generated ``__init__``'s bare ``TypeError``."""
+
+    def __new__(klass: type, *args: Any, **kwargs: Any) -> Any:
+        _check_keys(kwargs, [f.name for f in dataclasses.fields(klass)], section)
+        return object.__new__(klass)
+
+    cls.__new__ = __new__  # type: ignore[assignment]
+
+
+for _name, _cls in [*SECTIONS.items(), ("retention.keep_best", KeepBest)]:
+    _check_section_keywords(_cls, _name)

@@ -2,7 +2,8 @@
 
 Each section is a YAML mapping under ``checkpoint:`` (``retention: {keep_last: 2}``) and a
 keyword of ``CheckpointConfig`` (``retention=RetentionConfig(keep_last=2)``). A section checks
-its own fields when built; the checks that span sections (or need ``root``) are the config's.
+its own fields when built; the checks that span sections (or need ``root``) are the config's. An unknown
+keyword is a ``ConfigError`` with a "did you mean" (the check :mod:`distckpt._config` installs).
 Every field's docstring gives its unit (where it has one) and its default.
 """
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ._adapters import ddp_resume_not_bitwise, tensor_specs, wrapper_kind
+from ._adapters import check_model_and_optimizer, ddp_resume_not_bitwise, tensor_specs, wrapper_kind
 from ._config import READ_ONLY_SAVE, CheckpointConfig
 from ._coord.collective import Collective
 from ._coord.events import EventLog
@@ -35,7 +35,7 @@ from ._load.resume import ProbeFn, RunIdAndProbe
 from ._memory import MemoryTier
 from ._save.grace import SaveDurations, agree_on_signal
 from ._save.preemption import PreemptionWatcher, StepVote
-from ._save.schedule import SaveSchedule
+from ._save.schedule import SaveSchedule, check_step
 from ._save.transaction import BackgroundSave, PhaseHook, Rollback, SaveContext, SaveTransaction
 from ._state.training_state import CheckpointState, TrainState
 from ._storage import open_config_store
@@ -71,9 +71,12 @@ class CheckpointManager:
             run id kept across resumes (``None``: the checkpoint's, or new). :mod:`distckpt._load.resume`.
 
     Raises:
-        ConfigError: the root directory cannot be created or written (on every rank); or the
-            run does not resume from the root (``load.enabled: false``, or ``load.path`` outside it)
-            while the root holds checkpoints, and ``load.on_existing`` is not ``archive``.
+        TypeError: ``model`` is not a ``torch.nn.Module``.
+        ConfigError: ``config`` fails its checks (:meth:`CheckpointConfig.validate`: a section changed since it
+            was built); ``optimizer`` holds parameters that are not ``model``'s (built for another model); the
+            root cannot be created or written (on every rank); or the run does not resume from the root
+            (``load.enabled: false``, or ``load.path`` outside it) while the root holds checkpoints, and
+            ``load.on_existing`` is not ``archive``.
     """
 
     def __init__(
@@ -91,6 +94,8 @@ class CheckpointManager:
         probe: ProbeFn | None = None,
         run_id: str | None = None,
     ) -> None:
+        config.validate()  # its sections may have been changed since it was built: checked again, before any use
+        check_model_and_optimizer(model, optimizer)  # an optimizer of another model: ConfigError now, not at a save
         self.config = config
         self.store = open_config_store(config)  # a plain path: POSIX; s3://bucket/prefix: S3
         self.root = self.store.root  # a location: str
@@ -275,6 +280,7 @@ class CheckpointManager:
                 previous checkpoint is intact and training may continue.
             CollectiveMismatchError: a save is due here but not every rank saved this step (see :meth:`save`).
         """
+        check_step(step, "maybe_save")
         self._check_open(save=True)
         self._record(step, loss, counters, metrics)
         if self.memory is not None:  # the memory tier's snapshot, before any durable save
@@ -331,7 +337,9 @@ class CheckpointManager:
             CheckpointSaveError: on every rank if any rank failed; nothing was committed.
             CollectiveMismatchError: not every rank called ``save`` with this ``step`` within
                 ``config.coordination.arrival_timeout_s`` (names the ranks); nothing was written.
+            TypeError: ``step`` is not an ``int`` (also raised by :meth:`maybe_save`).
         """
+        check_step(step, "save")
         return self._save(step, loss=loss, counters=counters, metrics=metrics)
 
     def _save(

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
-__all__ = ["wrapper_kind", "unwrap", "ddp_rebuilds_buckets", "ddp_resume_not_bitwise"]
+from .._errors import ConfigError
+
+__all__ = ["wrapper_kind", "unwrap", "ddp_rebuilds_buckets", "ddp_resume_not_bitwise", "check_model_and_optimizer"]
 
 
 def _compiled_inner(module: nn.Module) -> nn.Module | None:
@@ -85,6 +89,39 @@ def ddp_resume_not_bitwise(module: nn.Module, world_size: int) -> str | None:
         "so a same-world resume matches the uninterrupted run to float rounding, not bitwise. For "
         "bitwise resumes build DDP with find_unused_parameters=True (no rebuild; README: Exactness)."
     )
+
+
+def check_model_and_optimizer(model: nn.Module, optimizer: Any) -> None:
+    """Refuse a model that is not a module, and an optimizer that holds parameters the model does not
+    have (built for another model, or before the model was sharded): its first save would fail, deep
+    in DCP, with a ``KeyError``.
+
+    Compared by identity (a set of ids: O(parameters)) with ``model.parameters()`` of the object
+    passed, which for DDP, ``torch.compile`` and FSDP2 yields the very Parameter objects the
+    optimizer holds. An FSDP1 model is not checked (its flat parameters are not the original ones).
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module`` (names the type received).
+        ConfigError: names how many of the optimizer's parameters are not the model's.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"CheckpointManager: model must be a torch.nn.Module (plain, or wrapped by DDP, FSDP or "
+            f"torch.compile), got {type(model).__name__}; pass the model itself, not its state_dict or parameters"
+        )
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups or wrapper_kind(model).startswith("fsdp1"):
+        return
+    own = {id(p) for p in model.parameters()}
+    params = [p for group in groups for p in group["params"]]
+    foreign = sum(id(p) not in own for p in params)
+    if foreign:
+        raise ConfigError(
+            f"CheckpointManager: {foreign} of the optimizer's {len(params)} parameters are not parameters of "
+            f"the model ({type(model).__name__}): the optimizer was built for another model (or before the model "
+            "was sharded). Pass the optimizer built from this model's parameters, e.g. "
+            "torch.optim.AdamW(model.parameters()) after wrapping the model."
+        )
 
 
 def _fsdp_kind(module: nn.Module) -> str:

@@ -16,7 +16,8 @@ from .._errors import DistCkptError
 from .._storage.base import CheckpointStore, LockFile
 from .interval import COST_WINDOW, Decision, IntervalStats, choose_interval, robust_cost
 
-__all__ = ["SaveSchedule", "AutoInterval", "ENDINGS", "JOURNAL", "JOURNAL_EVERY_S"]
+__all__ = ["SaveSchedule", "AutoInterval", "ENDINGS", "JOURNAL", "JOURNAL_EVERY_S", "check_step"]
+
 
 logger = logging.getLogger(__name__)
 
@@ -300,3 +301,13 @@ class SaveSchedule:
         if self.clock_based:
             due = due or (self.propose(step) if voted is None else voted)
         return due
+
+
+def check_step(step: object, call: str) -> None:
+    """``TypeError`` unless ``step``, the argument of ``CheckpointManager.<call>``, is an ``int``
+    (a ``bool`` is not a step), before anything of the call runs."""
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(
+            f"CheckpointManager.{call}(step={step!r}): step must be an int (the optimizer steps completed), "
+            f"got {type(step).__name__}; pass int(step) for a tensor or a NumPy value"
+        )

@@ -12,11 +12,14 @@ Created atomically with ``O_CREAT | O_EXCL``. An existing lock is taken over, wi
   ours) is dead or cut off. Host clocks must agree to well within the lease.
 
 Otherwise (a live process on this host, or another host's lock with a live lease or none at
-all) :class:`~distckpt._errors.CheckpointLockedError` names the holder.
+all) :class:`~distckpt._errors.CheckpointLockedError` names the holder. Within one process, a lock
+still held by an open ``RootLock`` (a manager not closed yet) is refused the same way; the lock of
+one that was released or garbage-collected without release is taken over, with a warning.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -24,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,9 @@ __all__ = ["RootLock", "PosixLockFile", "job_id"]
 
 logger = logging.getLogger(__name__)
 LOCK_NAME = ".lock"
+
+_OPEN: dict[str, tuple[int, weakref.ref]] = {}  # {lock location: (pid, the RootLock holding it)}
+_OPEN_MUTEX = threading.Lock()
 
 
 def job_id() -> str:
@@ -134,6 +141,7 @@ class RootLock:
             "lease_s": self.lease_s,
         }
         self.held = False
+        self._key = self.path if "://" in self.path else os.path.realpath(self.path)  # one per location
         self._renew = renew
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
@@ -147,8 +155,10 @@ class RootLock:
         """Take the lock, or take over a stale one.
 
         Raises:
-            CheckpointLockedError: another live process (or another host) holds it.
+            CheckpointLockedError: another live process (or another host) holds it, or another
+                open ``RootLock`` of this process (a manager on the same root not closed yet).
         """
+        self._check_not_open_here()
         for _ in range(3):
             self.me["renewed"] = time.time()
             if not self.file.create_exclusive(json.dumps(self.me)):
@@ -174,12 +184,37 @@ class RootLock:
                 self.file.remove()
                 continue
             self.held = True
+            with _OPEN_MUTEX:
+                _OPEN[self._key] = (os.getpid(), weakref.ref(self))
             if self._renew:
                 self._stop.clear()
-                self._renewer = threading.Thread(target=self._renew_loop, name="distckpt-lock-lease", daemon=True)
+                self._renewer = threading.Thread(
+                    target=_renew_loop,
+                    args=(weakref.ref(self), self._stop, self.lease_s / 3),
+                    name="distckpt-lock-lease",
+                    daemon=True,
+                )
                 self._renewer.start()
             return
         raise CheckpointLockedError(f"{self.path}: could not acquire the checkpoint lock (contended)")
+
+    def _check_not_open_here(self) -> None:
+        """``CheckpointLockedError`` when another ``RootLock`` of this process holds this root's lock
+        and was not released (an open manager); one only garbage left by a dropped manager is collected."""
+        for attempt in range(2):
+            with _OPEN_MUTEX:
+                pid, ref = _OPEN.get(self._key, (None, None))
+                other = ref() if ref is not None and pid == os.getpid() else None  # a forked child holds nothing
+            if other is None or other is self or not other.held:
+                return
+            del other
+            if attempt == 0:
+                gc.collect()  # a manager dropped without close() may only wait for the cycle collector
+        raise CheckpointLockedError(
+            f"{self.path}: checkpoint root {self.root} is locked by another CheckpointManager of this process "
+            f"(pid {os.getpid()}) that is still open. Close it first (manager.close(), or build it in a `with` "
+            "block), or use one manager for this root."
+        )
 
     def _holder(self) -> dict | None:
         try:
@@ -192,7 +227,7 @@ class RootLock:
         """Why ``holder``'s lock may be taken over, or ``None`` when it must be respected."""
         here = holder.get("host") == self.me["host"]
         if here and holder.get("pid") == self.me["pid"]:
-            return "an earlier manager of this process that was not closed"
+            return "an earlier lock of this process, no longer open (a manager collected unclosed, or a failed release)"
         alive_here = here and _pid_alive(int(holder.get("pid", -1)))
         if here and not alive_here:
             return "the process is dead"
@@ -236,11 +271,6 @@ class RootLock:
             return False
         return True
 
-    def _renew_loop(self) -> None:
-        while not self._stop.wait(self.lease_s / 3):
-            if not self.renew():
-                return
-
     def release(self) -> None:
         """Stop renewing; remove the lock if this process holds it.
 
@@ -275,3 +305,17 @@ class RootLock:
             )
         finally:
             self.held = False
+            with _OPEN_MUTEX:
+                entry = _OPEN.get(self._key)
+                if entry is not None and entry[1]() in (None, self):
+                    del _OPEN[self._key]
+
+
+def _renew_loop(ref: "weakref.ref[RootLock]", stop: threading.Event, period: float) -> None:
+    """The renewer thread: renews while the lock is held and its ``RootLock`` is alive (a weak
+    reference, so a manager dropped without ``close()`` is collected and its lock can be taken over)."""
+    while not stop.wait(period):
+        lock = ref()
+        if lock is None or not lock.renew():
+            return
+        del lock  # no strong reference while waiting

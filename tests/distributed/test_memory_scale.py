@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.harness import run_ranks, values
+from tests.distributed.trainer import crash
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -35,6 +36,7 @@ def _restore_traffic(rank: int, world_size: int, opts: dict[str, Any]) -> dict[s
     writer.memory.wait()
     header_bytes = sum(len(pickle.dumps(h.__dict__)) for h in [_own_header(writer)])
     dist.barrier()
+    crash(writer)  # its snapshots stay for the reader, the restarted job
 
     calls: list[int] = []
     real = Collective.all_gather
@@ -51,7 +53,6 @@ def _restore_traffic(rank: int, world_size: int, opts: dict[str, Any]) -> dict[s
         Collective.all_gather = real  # type: ignore[method-assign]
     out = {"step": state.step if state else None, "tier": reader.loader.tier, "calls": calls, "header": header_bytes}
     reader.close()
-    writer.close()
     return out
 
 

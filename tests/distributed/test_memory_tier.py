@@ -26,7 +26,7 @@ from distckpt import CheckpointConfig, CheckpointManager
 from distckpt._memory.fetch import fetch_chunks, find_cut, inventory, map_chunks, memory_metadata, plan_fetch, verify
 from distckpt._memory.tier import estimate_bytes
 from tests.distributed.harness import run_ranks, values
-from tests.distributed.trainer import build, full_optim, full_params, optimizer_step, release_workers
+from tests.distributed.trainer import build, crash, full_optim, full_params, optimizer_step, release_workers
 
 
 def _job(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
@@ -353,12 +353,12 @@ def _a_send_fails(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str,
             return real(fetch, all_asks, Broken(), local, collective=collective)
 
         source_module.fetch_chunks = failing
+    crash(writer)  # its snapshots stay for the reader, the restarted job
     reader = CheckpointManager(config, model=model, optimizer=optimizer)
     state = reader.load()
     same = all(torch.equal(v, durable[k]) for k, v in full_params(model).items())
     out = {"step": state.step if state else None, "tier": reader.loader.tier, "same": same}
     reader.close()
-    writer.close()
     release_workers(loader)
     return out
 

@@ -177,6 +177,14 @@ def train(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def crash(manager: Any) -> None:
+    """The process "dies" here without ``close()``: its files stay (memory snapshots, slots) and the
+    manager lets go of the root, as a dead process does, so the next manager of this process on the
+    root is the restarted job's (an open manager's root is refused: ``CheckpointLockedError``). Leaving
+    a ``with`` block by an exception does the same."""
+    manager.__exit__(RuntimeError, RuntimeError("crashed"), None)
+
+
 def release_workers(loader: StatefulDataLoader) -> None:
     """Shut down the loader's worker processes now. Tests run several jobs in one process; a
     loader and its iterator form a reference cycle, and an iterator the cyclic GC collects

@@ -205,12 +205,14 @@ def test_the_lock_refuses_a_second_manager_on_the_same_root(s3_server, s3_root):
 
     first, _ = manager_for(s3_root)
     assert json.loads(get(s3_server, s3_root, ".lock"))["pid"] == os.getpid()
-    # the same process re-acquires (an unclosed manager), so fake another host's live lease
+    with pytest.raises(CheckpointLockedError, match="another CheckpointManager of this process .* still open"):
+        manager_for(s3_root)  # this process's first manager is open
+    # another host's live lease: the lock is not the first manager's any more
     record = json.loads(get(s3_server, s3_root, ".lock"))
     put(s3_server, s3_root, ".lock", json.dumps(dict(record, host="elsewhere", pid=1)).encode())
+    first.lock.held = False
     with pytest.raises(CheckpointLockedError, match=".lock: checkpoint root is locked by host=elsewhere"):
         manager_for(s3_root)
-    first.lock.held = False  # not ours any more
     first.close()
 
 

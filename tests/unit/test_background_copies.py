@@ -13,7 +13,7 @@ import torch
 
 from distckpt import CheckpointConfig, CheckpointManager
 from distckpt._memory import tier as tier_module
-from tests.distributed.trainer import build, full_optim, full_params, optimizer_step, release_workers
+from tests.distributed.trainer import build, crash, full_optim, full_params, optimizer_step, release_workers
 
 SLOW_S = 0.4  # a background copy this slow: the next optimizer step would overtake it
 
@@ -50,6 +50,7 @@ def test_the_snapshot_copy_runs_off_the_step_and_optimizer_step_waits_for_it(tmp
     manager.memory.wait()
     assert stall < SLOW_S / 2, stall  # the step paid for starting the copy, not for the copy
     assert waited > SLOW_S / 2, waited  # optimizer.step() held back until the copy was done
+    crash(manager)  # the snapshots stay for the restart
 
     restarted, (model2, optimizer2, *_rest, loader2) = _manager(tmp_path, memory=memory)
     state = restarted.load()
@@ -59,7 +60,6 @@ def test_the_snapshot_copy_runs_off_the_step_and_optimizer_step_waits_for_it(tmp
         assert torch.equal(got["params"][k], v), k  # step 3's values, not step 4's
     assert str(got["optim"]) == str(expected["optim"])
     restarted.close()
-    manager.close()
     release_workers(loader)
     release_workers(loader2)
 
@@ -110,6 +110,7 @@ def test_a_snapshot_after_the_state_dict_changes_shape_holds_the_new_state(tmp_p
     manager.memory.wait()
     expected = {"params": copy.deepcopy(full_params(model)), "optim": copy.deepcopy(full_optim(model, optimizer))}
     assert expected["optim"]["state"]  # the structure did change between the two snapshots
+    crash(manager)  # the snapshots stay for the restart
 
     restarted, (model2, optimizer2, *_rest, loader2) = _manager(tmp_path, memory=memory)
     state = restarted.load()
@@ -118,6 +119,5 @@ def test_a_snapshot_after_the_state_dict_changes_shape_holds_the_new_state(tmp_p
         assert torch.equal(full_params(model2)[k], v), k
     assert str(full_optim(model2, optimizer2)) == str(expected["optim"])
     restarted.close()
-    manager.close()
     release_workers(loader)
     release_workers(loader2)

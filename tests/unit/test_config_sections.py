@@ -246,3 +246,47 @@ def test_a_string_where_a_bool_belongs_is_refused(section: str, key: str) -> Non
     """YAML's quoted "false" is a non-empty string: taken as a bool it would mean true."""
     with pytest.raises(ConfigError, match=rf"CheckpointConfig\.{section}\.{key}='false': must be true or false"):
         CheckpointConfig(root="/tmp/x", **{section: {key: "false"}})
+
+
+@pytest.mark.parametrize(
+    "section, key, value, expected",
+    [
+        ("retention", "keep_last", -5, r"CheckpointConfig\.retention\.keep_last=-5: must be a positive integer"),
+        ("schedule", "interval_steps", 0, r"CheckpointConfig\.schedule\.interval_steps=0: must be a positive integer"),
+        ("async_save", "mode", "thread", r"retention\.keep_last=1 with async_save\.mode='thread'"),  # cross-section
+    ],
+)
+def test_a_section_changed_after_construction_is_checked_again_by_the_manager(tmp_path, section, key, value, expected):
+    from tests.distributed.trainer import Net
+
+    cfg = CheckpointConfig(root=str(tmp_path / "ckpt"), retention={"keep_last": 1})
+    setattr(getattr(cfg, section), key, value)  # accepted by the dataclass: no check runs on assignment
+    with pytest.raises(ConfigError, match=expected):
+        distckpt.CheckpointManager(cfg, model=Net(), optimizer=None)
+    assert not (tmp_path / "ckpt").exists()  # refused before touching the root
+    with pytest.raises(ConfigError, match=expected):
+        cfg.validate()
+
+
+@pytest.mark.parametrize(
+    "cls, key, expected",
+    [
+        (
+            ScheduleConfig,
+            "interval_step",
+            r"unknown CheckpointConfig\.schedule key\(s\) \['interval_step'\] "
+            r"\(did you mean schedule\.interval_steps\?\); valid keys: interval_steps, ",
+        ),
+        (RetentionConfig, "keep_lats", r"\['keep_lats'\] \(did you mean retention\.keep_last\?\)"),
+        (RetentionConfig, "interval_steps", r"\(did you mean schedule\.interval_steps\?\)"),  # another section's
+        (SaveConfig, "bogus", r"unknown CheckpointConfig\.save key\(s\) \['bogus'\]; valid keys: enabled, "),
+        (KeepBest, "metrc", r"unknown CheckpointConfig\.retention\.keep_best key\(s\) \['metrc'\]"),
+    ],
+)
+def test_a_sections_unknown_keyword_is_a_config_error_with_did_you_mean(cls, key, expected):
+    with pytest.raises(ConfigError, match=expected):
+        cls(**{key: 5})
+    assert ScheduleConfig(interval_steps=5).interval_steps == 5  # keywords work as before
+    assert KeepBest(metric="loss", k=2) == KeepBest(metric="loss", mode="min", k=2)
+    assert pickle.loads(pickle.dumps(ScheduleConfig(interval_steps=7))) == ScheduleConfig(interval_steps=7)
+    assert dataclasses.replace(ScheduleConfig(), interval_steps=9).interval_steps == 9

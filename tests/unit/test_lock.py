@@ -140,3 +140,30 @@ def test_failed_lock_release_does_not_mask_the_error_leaving_the_with_block(tmp_
     manager.lock.file.read = unreachable
     with pytest.raises(StorageError, match="server gone"):  # a plain close still reports it
         manager.close()
+
+
+def test_a_second_manager_on_a_root_this_process_holds_open_is_refused(tmp_path):
+    cfg = CheckpointConfig(root=str(tmp_path))
+    first = CheckpointManager(cfg, model=Net(), optimizer=None)
+    try:
+        with pytest.raises(CheckpointLockedError, match="still open") as err:
+            CheckpointManager(cfg, model=Net(), optimizer=None)
+        assert str(tmp_path) in str(err.value) and "close" in str(err.value) and "one manager" in str(err.value)
+        assert first.lock is not None and first.lock.held and _holder(tmp_path)["pid"] == os.getpid()
+        first.save(1)  # still the only writer, still locked
+        assert (tmp_path / LOCK_NAME).exists()
+    finally:
+        first.close()
+    assert not (tmp_path / LOCK_NAME).exists()
+    CheckpointManager(cfg, model=Net(), optimizer=None).close()  # closed: the root is free again
+
+
+def test_the_lock_of_an_unclosed_manager_that_was_collected_is_taken_over(tmp_path, caplog):
+    cfg = CheckpointConfig(root=str(tmp_path))
+    CheckpointManager(cfg, model=Net(), optimizer=None)  # never closed, dropped at once
+    assert (tmp_path / LOCK_NAME).exists()
+    manager = CheckpointManager(cfg, model=Net(), optimizer=None)  # its garbage is collected first
+    assert any("no longer open" in r.getMessage() for r in caplog.records)
+    assert manager.lock is not None and manager.lock.held and _holder(tmp_path)["pid"] == os.getpid()
+    manager.close()
+    assert not (tmp_path / LOCK_NAME).exists()

@@ -72,6 +72,7 @@ def test_missing_optimizer_in_checkpoint_is_incompatible(tmp_path):
     model = Net()
     m = CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=None)
     m.save(1)
+    m.close()
     manager, _ = manager_for(tmp_path)
     with pytest.raises(IncompatibleCheckpointError, match="missing in checkpoint: optim"):
         manager.load()
@@ -89,6 +90,7 @@ def test_corrupt_newest_raises_or_falls_back(tmp_path, damage, caplog):
     with pytest.raises(CheckpointCorruptError) as err:
         manager.load()
     assert str(data) in str(err.value) and err.value.path == str(data)
+    manager.close()
     manager, (model2, *_) = manager_for(tmp_path, load=LoadConfig(fallback_to_older=True))
     with caplog.at_level("WARNING"):
         state = manager.load()
@@ -112,6 +114,7 @@ def test_bit_flip_found_while_reading_falls_back_to_older(tmp_path, fast_load, c
         tmp_path, load=LoadConfig(path=str(tmp_path / "step-000000003"))
     )
     expected_manager.load()
+    expected_manager.close()
     expected = {k: v.clone() for k, v in expected_model.state_dict().items()}
     data = _flip_a_byte(tmp_path / "step-000000006")
 
@@ -119,6 +122,7 @@ def test_bit_flip_found_while_reading_falls_back_to_older(tmp_path, fast_load, c
     with pytest.raises(CheckpointCorruptError) as err:
         manager.load()
     assert err.value.path == str(data) and "does not match" in str(err.value)
+    manager.close()
 
     manager, (model, *_) = manager_for(tmp_path, load=LoadConfig(fast_reader=fast_load, fallback_to_older=True))
     with caplog.at_level("WARNING"):
@@ -207,6 +211,7 @@ def test_bad_manifest_and_load_path(tmp_path):
     manager, _ = manager_for(tmp_path)
     with pytest.raises(CheckpointCorruptError, match="unreadable manifest"):
         manager.load()
+    manager.close()
     manager, _ = manager_for(tmp_path, load=LoadConfig(path=str(tmp_path / "step-000000099")))
     with pytest.raises(CheckpointNotFoundError, match="step-000000099"):
         manager.load()
@@ -245,6 +250,7 @@ def test_save_before_first_step_changes_nothing(tmp_path):
     manager, (model, opt, sched, scaler, loader) = manager_for(tmp_path / "a")
     manager.save(0)
     assert not opt.state  # DCP's dummy step was undone
+    manager.close()
     train_steps(model, opt, sched, scaler, loader, 1)
     for a, b in zip(m_ref.parameters(), model.parameters()):
         assert torch.equal(a, b)
@@ -280,6 +286,7 @@ def test_empty_param_group_saves_and_loads(tmp_path):
 def test_load_restores_exact_optimizer_state(tmp_path, situation):
     manager, (model, opt, *_r) = trained_manager(tmp_path)
     saved = {k: {n: t.clone() for n, t in v.items()} for k, v in zip(range(99), opt.state.values())}
+    manager.close()
     manager2, (model2, opt2, sched2, scaler2, loader2) = manager_for(tmp_path)
     if situation == "grads_present":
         model2(torch.ones(2, 8)).sum().backward()
@@ -338,6 +345,7 @@ def test_extra_state_plain_and_stateful(tmp_path):
         extra_state={"counter": c, "note": {"tokens": [1, 2, 3], "name": "x"}},
     )
     m.save(5, loss=0.5, epoch=2, global_samples_seen=80)
+    m.close()
     c2 = Counter()
     m2 = CheckpointManager(
         CheckpointConfig(root=str(tmp_path)), model=Net(), optimizer=None, extra_state={"counter": c2, "note": None}

@@ -16,7 +16,7 @@ from distckpt import CheckpointConfig, CheckpointManager, ConfigError, Incompati
 from distckpt._errors import CheckpointCorruptError
 from distckpt._memory.placement import NodeLayout, assign_replicated, file_system_type, job_key
 from distckpt._memory.snapfile import SlotFile, SnapshotHeader, parse_name, read_header, snapshot_name
-from tests.distributed.trainer import build, full_params, optimizer_step, release_workers
+from tests.distributed.trainer import build, crash, full_params, optimizer_step, release_workers
 
 
 @pytest.fixture
@@ -127,7 +127,8 @@ def test_a_crashed_runs_snapshots_are_reclaimed_and_another_jobs_kept(tmp_path) 
     (other_job / snapshot_name(9, 0, 1, "feed")).write_bytes(b"another job's")
     foreign = Path(crashed.memory.dir) / "notes.txt"
     foreign.write_text("not distckpt's")
-    crashed.memory.wait()  # the process "dies" here: no close(), its files stay
+    crashed.memory.wait()
+    crash(crashed)  # the process "dies" here: no close(), its files stay
     release_workers(parts[5])
 
     parts = _manager(tmp_path, mem)
@@ -151,7 +152,8 @@ def test_another_launchs_snapshots_are_not_restored(tmp_path, monkeypatch) -> No
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-1")
     parts = _manager(tmp_path, tmp_path / "mem")
     _train(*parts, start=0, until=5)  # durable step 3, memory 5
-    parts[0].memory.wait()  # dies without close()
+    parts[0].memory.wait()
+    crash(parts[0])  # dies without close()
     release_workers(parts[5])
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-2")
     parts = _manager(tmp_path, tmp_path / "mem")
@@ -181,7 +183,8 @@ def test_a_memory_dir_with_glob_characters_keeps_to_itself(tmp_path) -> None:
     _train(*parts, start=0, until=4)
     ref = {k: v.clone() for k, v in full_params(parts[1]).items()}
     (Path(parts[0].memory.dir) / "my.data.partial").write_bytes(b"the user's")
-    parts[0].memory.wait()  # the process "dies"
+    parts[0].memory.wait()
+    crash(parts[0])  # the process "dies"
     release_workers(parts[5])
     parts = _manager(tmp_path, mem)
     assert parts[0].load().step == 4 and parts[0].loader.tier == "memory"
@@ -197,6 +200,7 @@ def test_a_snapshot_that_does_not_fit_the_live_model_is_refused_not_cast(tmp_pat
     parts = _manager(tmp_path, tmp_path / "mem")
     _train(*parts, start=0, until=2)  # memory only: the durable interval is 3
     parts[0].memory.wait()
+    crash(parts[0])
     release_workers(parts[5])
     model, optimizer, scheduler, scaler, loader = build(0, 1, {"dtype": torch.float64})
     config = CheckpointConfig(
@@ -230,6 +234,7 @@ def test_every_snapshot_corrupt_is_said_and_the_durable_tier_serves(tmp_path, ca
     parts = _manager(tmp_path, tmp_path / "mem")
     _train(*parts, start=0, until=5)  # durable step 3, memory 4 and 5
     mem_dir = Path(parts[0].memory.dir)
+    crash(parts[0])
     release_workers(parts[5])
     for f in mem_dir.glob("*.snap"):
         with open(f, "r+b") as fh:
@@ -248,9 +253,12 @@ def test_a_crash_looping_job_leaves_one_set_of_slots_and_its_last_snapshots(tmp_
     files; the next run deletes the dead runs' slots at start-up, never their complete snapshots."""
     parts = _manager(tmp_path, tmp_path / "mem")
     _train(*parts, start=0, until=2)  # memory only: the durable interval is 3
-    release_workers(parts[5])  # dies without close()
-    for _ in range(3):  # three runs that die before their first snapshot
+    crash(parts[0])  # dies without close()
+    release_workers(parts[5])
+    for k in range(3):  # three runs that die before their first snapshot
         parts = _manager(tmp_path, tmp_path / "mem")
+        if k < 2:
+            crash(parts[0])
         release_workers(parts[5])
     mem_dir = parts[0].memory.dir
     gen = parts[0].memory.gen

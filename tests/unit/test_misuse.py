@@ -88,3 +88,40 @@ def test_arrival_timeout_defaults_to_the_group_timeout_and_stays_within_it():
     for bad in (0, -1.0, 600.5, float("nan")):
         with pytest.raises(ConfigError, match="arrival_timeout_s"):
             CheckpointConfig(root="/tmp/x", coordination=CoordinationConfig(arrival_timeout_s=bad))
+
+
+def _config(tmp_path) -> CheckpointConfig:
+    return CheckpointConfig(root=str(tmp_path / "ckpt"), schedule=ScheduleConfig(interval_steps=None))
+
+
+def test_an_optimizer_of_another_model_is_refused_at_construction(tmp_path):
+    model, other = Net(), Net()
+    with pytest.raises(ConfigError, match=r"6 of the optimizer's 6 parameters are not parameters of the model") as err:
+        CheckpointManager(_config(tmp_path), model=model, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+    assert "built from this model's parameters" in str(err.value)
+    assert not (tmp_path / "ckpt").exists()  # refused before touching the root
+    mixed = torch.optim.SGD([{"params": model.inp.parameters()}, {"params": other.out.parameters()}], lr=0.1)
+    with pytest.raises(ConfigError, match=r"2 of the optimizer's 4 parameters are not parameters of the model"):
+        CheckpointManager(_config(tmp_path), model=model, optimizer=mixed)
+    # Its own parameters (some of them, or through torch.compile's wrapper) are fine.
+    partial = torch.optim.Adam(model.out.parameters())
+    with CheckpointManager(_config(tmp_path), model=torch.compile(model), optimizer=partial) as manager:
+        assert Path(manager.save(1)).is_dir()
+
+
+def test_a_step_that_is_not_an_int_is_a_type_error_naming_it(tmp_path):
+    with CheckpointManager(_config(tmp_path), model=Net(), optimizer=None) as manager:
+        for call in (manager.save, manager.maybe_save):
+            for bad in ("3", True, 2.0):
+                with pytest.raises(
+                    TypeError, match=rf"{call.__name__}\(step=.*\): step must be an int .*got {type(bad).__name__}"
+                ):
+                    call(bad)
+        assert not list((tmp_path / "ckpt").glob("step-*"))  # nothing was written
+        assert Path(manager.save(3)).name.endswith("3")  # the manager is still usable
+
+
+def test_a_model_that_is_not_a_module_is_a_type_error_naming_its_type(tmp_path):
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module .*got dict"):
+        CheckpointManager(_config(tmp_path), model={"w": torch.zeros(2)}, optimizer=None)  # type: ignore[arg-type]
+    assert not (tmp_path / "ckpt").exists()

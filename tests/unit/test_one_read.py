@@ -11,7 +11,7 @@ import torch
 
 import distckpt._load.loading as loading
 from distckpt import CheckpointConfig, CheckpointManager
-from tests.distributed.trainer import build, full_params, optimizer_step, release_workers
+from tests.distributed.trainer import build, crash, full_params, optimizer_step, release_workers
 
 PKG = Path(__file__).resolve().parents[2] / "distckpt"
 # The steps of a read into the training state: the fit check, the load target, DCP's read, the restore.
@@ -79,7 +79,8 @@ def test_a_durable_load_and_a_memory_restore_both_go_through_read_checkpoint(tmp
         optimizer_step(model, optimizer, scheduler, scaler, next(it))
         manager.maybe_save(step)
         at[step] = {k: v.clone() for k, v in full_params(model).items()}
-    manager.memory.wait()  # the process "dies": no close(), the snapshots stay
+    manager.memory.wait()
+    crash(manager)  # the process "dies": no close(), the snapshots stay
     release_workers(loader)
 
     sources: list[tuple[str, str, int]] = []
@@ -99,7 +100,8 @@ def test_a_durable_load_and_a_memory_restore_both_go_through_read_checkpoint(tmp
         got = full_params(model)
         assert got.keys() == at[want].keys() and all(torch.equal(got[k], at[want][k]) for k in got)  # bitwise
         if memory:
-            manager.memory.wait()  # leave the snapshots for the durable-only manager's root check
+            manager.memory.wait()
+            crash(manager)  # leave the snapshots for the durable-only manager's root check
         else:
             manager.close()
         release_workers(loader)

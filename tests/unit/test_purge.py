@@ -66,6 +66,7 @@ def test_blocking_save_returns_before_the_removal_and_wait_or_close_joins_it(tmp
     getattr(manager, join)()
     assert [p.name for p in blocked.removed] == doomed  # joined: the removal finished before wait/close returned
     assert deleting(tmp_path) == [] and steps(tmp_path) == ["step-000000002"]
+    manager.close()  # after wait(): the root is this manager's until it is closed
     fresh, fresh_objs = manager_for(tmp_path)
     assert fresh.load().step == 2
     for k, v in fresh_objs[0].state_dict().items():
