@@ -72,11 +72,10 @@ class CheckpointManager:
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``.
-        ConfigError: ``config`` fails its checks (:meth:`CheckpointConfig.validate`: a section changed since it
-            was built); ``optimizer`` holds parameters that are not ``model``'s (built for another model); the
-            root cannot be created or written (on every rank); or the run does not resume from the root
-            (``load.enabled: false``, or ``load.path`` outside it) while the root holds checkpoints, and
-            ``load.on_existing`` is not ``archive``.
+        ConfigError: ``config`` fails its checks (:meth:`CheckpointConfig.validate`); ``optimizer`` holds
+            parameters that are not ``model``'s; the root cannot be created or written (on every rank); or the
+            run does not resume from the root (``load.enabled: false``, or ``load.path`` outside it) while the
+            root holds checkpoints, and ``load.on_existing`` is not ``archive``.
     """
 
     def __init__(
@@ -230,8 +229,7 @@ class CheckpointManager:
         if not self.config.load.enabled:
             return None
         t0 = time.perf_counter()
-        with gc_paused():  # the manifest, metadata and targets: objects per tensor (blocking.gc_paused)
-            found = self.loader.load(self.discovery)
+        found = self.loader.load(self.discovery)
         if found is None:
             logger.info("no committed checkpoint in %s: starting fresh", self.root)
             return None
@@ -280,7 +278,8 @@ class CheckpointManager:
                 previous checkpoint is intact and training may continue.
             CollectiveMismatchError: a save is due here but not every rank saved this step (see :meth:`save`).
         """
-        check_step(step, "maybe_save")
+        if type(step) is not int:  # the common case costs no call: this runs at every step
+            check_step(step, "maybe_save")
         self._check_open(save=True)
         self._record(step, loss, counters, metrics)
         if self.memory is not None:  # the memory tier's snapshot, before any durable save
@@ -374,18 +373,17 @@ class CheckpointManager:
 
         self.last_saved_step = step
         self.schedule.mark_saved()
-        if self.async_writer is None or blocking:
-            with gc_paused():  # the state_dict, plans, metadata, manifest: objects per tensor (blocking.gc_paused)
+        with gc_paused():  # the state_dict, plans, metadata, manifest: objects per tensor (blocking.gc_paused)
+            if self.async_writer is None or blocking:
                 tx.finish(self.collective, tx.write(build, self.collective))
-            self.save_durations.record(time.perf_counter() - tx.t0)
-        else:
-            with gc_paused():
+                self.save_durations.record(time.perf_counter() - tx.t0)
+            else:
                 upload, started = tx.start(build, self.async_writer)
-            tx.agree_started(self.collective, started)  # a failure to start is raised now, on every rank
-            assert self.background is not None  # created with async_writer
-            self._inflight = tx.finish_in_background(
-                self.background, upload, self.async_writer, started, on_committed=self.save_durations.record
-            )
+                tx.agree_started(self.collective, started)  # a failure to start is raised now, on every rank
+                assert self.background is not None  # created with async_writer
+                self._inflight = tx.finish_in_background(
+                    self.background, upload, self.async_writer, started, on_committed=self.save_durations.record
+                )
         self.last_save_seconds = time.perf_counter() - tx.t0  # the stall of an async save
         self.schedule.saved(self.last_save_seconds, None if blocking else self._inflight)
         return tx.final

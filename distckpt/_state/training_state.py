@@ -134,13 +134,7 @@ class TrainState:
     COUNTERS = ("epoch", "batch_in_epoch", "global_samples_seen", "global_tokens_seen")
 
     def record(
-        self,
-        step: int,
-        loss: float | None,
-        counters: dict[str, int],
-        *,
-        history_len: int,
-        metrics: dict[str, float] | None = None,
+        self, step: int, loss: float | None, counters: dict[str, int], *, history_len: int, metrics: dict | None = None
     ) -> None:
         """Set ``step`` and the given counters; append ``(step, loss)`` to the bounded history.
         ``metrics`` belong to ``step``: a new step starts without any.
@@ -149,10 +143,8 @@ class TrainState:
             TypeError: a counter name not in :attr:`COUNTERS`, or a metric value that is not a number.
         """
         # Most steps pass no counters and no metrics: that path builds nothing (it runs every step).
-        if counters:
-            unknown = set(counters) - set(self.COUNTERS)
-            if unknown:
-                raise TypeError(f"unknown counter(s) {sorted(unknown)}; known: {list(self.COUNTERS)}")
+        if counters and (unknown := set(counters) - set(self.COUNTERS)):
+            raise TypeError(f"unknown counter(s) {sorted(unknown)}; known: {list(self.COUNTERS)}")
         if metrics:
             bad = {k: v for k, v in metrics.items() if isinstance(v, bool) or not isinstance(v, numbers.Real)}
             if bad or not all(isinstance(k, str) for k in metrics):
