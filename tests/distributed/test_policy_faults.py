@@ -191,7 +191,7 @@ def storage_fault(rank, world_size, opts):
     @contextlib.contextmanager
     def faulty(self, path, mode):
         if rank == opts["victim"] and "w" in mode:
-            if opts["fault"] == "enospc_in_writer_thread" and threading.current_thread() is not threading.main_thread():
+            if opts["fault"] == "enospc_writing_data" and os.fspath(path).endswith(".distcp"):
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
             if opts["fault"] == "slow_disk":
                 with original(self, path, mode) as raw:
@@ -219,7 +219,7 @@ def storage_fault(rank, world_size, opts):
 
 
 @pytest.mark.parametrize(
-    "fault,async_mode", [("enospc_in_writer_thread", "off"), ("slow_disk", "off"), ("slow_disk", "thread")]
+    "fault,async_mode", [("enospc_writing_data", "off"), ("slow_disk", "off"), ("slow_disk", "thread")]
 )
 def test_storage_fault_on_one_rank_fails_the_save_everywhere(tmp_path, fault, async_mode):
     # write_timeout_s well below timeout_s: the slow rank gives up before the others' wait expires.

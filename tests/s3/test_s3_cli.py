@@ -67,14 +67,14 @@ def test_cli_ls_inspect_diff_export_prune_and_verify_on_s3(s3_server, s3_root, t
 
     assert main(["verify", s3_root]) == 0
     capsys.readouterr()
-    rel = locations[6][len(s3_root) + 1 :] + "/__0_1.distcp"
+    rel = locations[6][len(s3_root) + 1 :] + "/__0_0.distcp"
     body = bytearray(get(s3_server, s3_root, rel))
     body[-100] ^= 0x10  # one bit of one object
     put(s3_server, s3_root, rel, bytes(body))
     assert main(["verify", s3_root]) == 1
     out = capsys.readouterr().out
     assert f"CORRUPT  {locations[6]}" in out and f"ok       {locations[4]}" in out
-    assert f"{locations[6]}/__0_1.distcp: xxh3_128" in out and "does not match the manifest" in out
+    assert f"{locations[6]}/__0_0.distcp: xxh3_128" in out and "does not match the manifest" in out
 
 
 def test_retention_leaves_no_pending_rows_and_ls_shows_metrics(s3_server, s3_root, caplog, capsys):

@@ -86,7 +86,8 @@ def test_save_commits_manifest_last_and_load_restores_bitwise(s3_server, s3_root
     assert ".lock" not in names
     manifest = json.loads(get(s3_server, s3_root, "manifests/step-000000009.json"))
     assert manifest["data_prefix"] == location[len(s3_root) + 1 :]
-    assert {f["path"] for f in manifest["files"]} == {".metadata"} | {f"__0_{i}.distcp" for i in range(4)}
+    # items of a few KiB: one file, written by one thread (record_writer.parallel_pays)
+    assert {f["path"] for f in manifest["files"]} == {".metadata", "__0_0.distcp"}
     assert all(len(f["hash"]) == 32 for f in manifest["files"])  # xxh3-128 from the write path
     assert os.environ["AWS_SECRET_ACCESS_KEY"] not in json.dumps(manifest)
 
