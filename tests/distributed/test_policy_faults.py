@@ -162,7 +162,6 @@ def test_slow_disk_on_one_rank_delays_the_commit_without_corruption(tmp_path):
 def storage_fault(rank, world_size, opts):
     """Save 2, then save 4 through a faulty storage layer on ``opts["victim"]``, then save 5."""
     import contextlib
-    import threading
     import time
 
     import torch.distributed as dist

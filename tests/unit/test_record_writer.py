@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from distckpt import CheckpointConfig, CheckpointManager, RetentionConfig, ScheduleConfig
@@ -174,3 +175,23 @@ def test_small_items_are_written_into_one_file_and_large_ones_a_file_per_thread(
     loaded = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(loaded, checkpoint_id=tmp_path, no_dist=True)
     assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def test_a_failed_write_in_one_of_the_writer_threads_fails_the_save_with_its_error(tmp_path, monkeypatch):
+    import errno
+
+    from distckpt._engine.writer import GuardedFileSystem
+
+    real = GuardedFileSystem.create_stream
+
+    def create_stream(self, path, mode):
+        if str(path).endswith("__0_2.distcp"):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real(self, path, mode)
+
+    monkeypatch.setattr(GuardedFileSystem, "create_stream", create_stream)
+    state = {f"t{i}": torch.randn(64 * 1024) for i in range(8)}  # large items: a thread per file
+    with pytest.raises(CheckpointException) as err:
+        dcp.save(state, storage_writer=CheckedFileSystemWriter(tmp_path, thread_count=4), no_dist=True)
+    (failure,) = err.value.failures.values()
+    assert "No space left on device (injected)" in str(failure)
