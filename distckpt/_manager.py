@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ._adapters import check_model_and_optimizer, ddp_resume_not_bitwise, tensor_specs, wrapper_kind
+from ._adapters import check_model_and_optimizer, ddp_resume_not_bitwise, wrapper_kind
 from ._config import READ_ONLY_SAVE, CheckpointConfig
 from ._coord.collective import Collective
 from ._coord.events import EventLog
@@ -115,7 +115,6 @@ class CheckpointManager:
         self._explicit_counters: set[str] = set()  # passed by the caller: never derived
         self.schedule = SaveSchedule(config.schedule, collective=self.collective, store=self.store)
         self.wrapper = wrapper_kind(model)
-        self.model_specs = tensor_specs(model)
         if self.rank == 0:  # pitfalls of the wrapper and of the launcher, said once
             for why in filter(None, (ddp_resume_not_bitwise(model, self.world_size), elastic_store_warning())):
                 logger.warning("%s", why)
@@ -164,7 +163,7 @@ class CheckpointManager:
             world_size=self.world_size,
             wrapper=self.wrapper,
             on_phase=on_phase,
-            model_specs=self.model_specs,
+            model_specs=self.state.model_optim.specs,
             events=self.events,
             retention=config.retention,
             save=config.save,
@@ -178,7 +177,7 @@ class CheckpointManager:
             state=self.state,
             config=self.config,
             events=self.events,
-            model_specs=self.model_specs,
+            model_specs=self.state.model_optim.specs,
             local_world_size=self.local_world_size,
             store=self.store,
             memory=self.memory,

@@ -39,7 +39,7 @@ from .._ondisk.manifest import TensorSpec, is_extra_state
 from .stateful import as_saved
 from .wrappers import unwrap, wrapper_kind
 
-__all__ = ["ModelOptimState", "tensor_specs", "tied_keys"]
+__all__ = ["ModelOptimState", "specs_of", "tensor_specs", "tied_keys"]
 
 # Module names wrappers insert below the root (FSDP1, activation checkpointing, nested compile);
 # DCP's state_dict keys leave them out.
@@ -49,8 +49,13 @@ _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_o
 def tensor_specs(model: nn.Module) -> dict[str, TensorSpec]:
     """``{clean fqn: TensorSpec(global shape, dtype)}`` of the model's parameters and buffers
     (its state_dict without modules' extra state, whose shape may change: ``is_extra_state``)."""
+    return specs_of(get_model_state_dict(model))
+
+
+def specs_of(model_sd: dict[str, Any]) -> dict[str, TensorSpec]:
+    """:func:`tensor_specs` of a model state_dict DCP gave (SHARDED: global shapes; FULL: whole tensors)."""
     specs = {}
-    for key, value in get_model_state_dict(model).items():
+    for key, value in model_sd.items():
         if isinstance(value, torch.Tensor) and not is_extra_state(key):
             specs[key] = TensorSpec(shape=list(value.size()), dtype=str(value.dtype))
     return dict(sorted(specs.items()))
@@ -94,6 +99,14 @@ class ModelOptimState:
         self.model = model
         self.optimizer = optimizer
         self.ties = tied_keys(model)
+        self._specs: dict[str, TensorSpec] | None = None
+
+    def specs(self) -> dict[str, TensorSpec]:
+        """:func:`tensor_specs` of the live model: taken from the first save's model state_dict, else
+        computed at first use (a state_dict of every tensor costs milliseconds per thousand)."""
+        if self._specs is None:
+            self._specs = tensor_specs(self.model)
+        return self._specs
 
     def device(self) -> torch.device:
         """Device of the model's first parameter or buffer (CPU when it has none)."""
@@ -126,6 +139,8 @@ class ModelOptimState:
         uninitialised = self.optimizer is not None and not self.optimizer.state
         self._init_closure_optimizer()
         model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=options)
+        if self._specs is None and (model_sd or not full_state_dict):  # FULL: rank 0's is the whole model
+            self._specs = specs_of(model_sd)
         if self.optimizer is None:
             return model_sd, {}
         if uninitialised:

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 from .._config import LOADABLE, CheckpointConfig
 from .._coord.collective import Collective
@@ -47,7 +47,7 @@ class CheckpointLoader:
         config: ``load`` (``verify``, ``fast_reader``, ``streams_per_node``, ``path``,
             ``fallback_to_older``), ``root``.
         events: this rank's event log (a ``load`` event per read).
-        model_specs: ``{fqn: TensorSpec}`` of the live model.
+        model_specs: gives ``{fqn: TensorSpec}`` of the live model (called at each read).
         local_world_size: ranks on this node (they share ``load.streams_per_node``).
         store: the root's storage; every read goes through it.
         memory: the memory tier, consulted before the durable tier when ``load`` names no checkpoint.
@@ -60,7 +60,7 @@ class CheckpointLoader:
         state: CheckpointState,
         config: CheckpointConfig,
         events: EventLog,
-        model_specs: dict[str, TensorSpec],
+        model_specs: Callable[[], dict[str, TensorSpec]],
         local_world_size: int,
         store: CheckpointStore,
         memory: MemoryTier | None = None,
@@ -153,7 +153,7 @@ class CheckpointLoader:
             state=self.state,
             collective=self.collective,
             select=self.config.load.selection,
-            model_specs=self.model_specs,
+            model_specs=self.model_specs(),
         )
 
     def _from_memory(self, durable_step: int | None, entries: list, headers: dict[str, Any]) -> MemoryRestore | None:

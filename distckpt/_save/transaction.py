@@ -103,7 +103,7 @@ class SaveContext:
         store: the root's storage (:mod:`distckpt._storage`); every save goes through it.
         rank, world_size: of the checkpointing process group.
         wrapper: wrapper kind recorded in the manifest (``ddp``, ``fsdp2+compile``, ...).
-        model_specs: ``{fqn: TensorSpec}`` of the live model (manifest + fingerprint).
+        model_specs: gives ``{fqn: TensorSpec}`` of the live model (manifest + fingerprint), called at the commit.
         events: this rank's event log.
         on_phase: the user's phase hook, or ``None``.
         retention: ``CheckpointConfig.retention``: ``keep_last``, ``keep_every_steps``, best-K
@@ -122,7 +122,7 @@ class SaveContext:
     rank: int
     world_size: int
     wrapper: str
-    model_specs: dict[str, TensorSpec]
+    model_specs: Callable[[], dict[str, TensorSpec]]
     events: EventLog
     on_phase: PhaseHook | None
     retention: RetentionConfig
@@ -324,8 +324,8 @@ class SaveTransaction:
             state_dict_type="full" if self.full else "sharded",
             torch_version=torch.__version__,
             distckpt_version=__version__,
-            model=ctx.model_specs,
-            model_fingerprint=model_fingerprint(ctx.model_specs),
+            model=ctx.model_specs(),
+            model_fingerprint=model_fingerprint(ctx.model_specs()),
             loss=ts.loss_history[-1][1] if ts.loss_history and ts.loss_history[-1][0] == self.step else None,
             timings_s=timings,
             files=self.store.list_files(self.pending, files, references=ctx.save.incremental),

@@ -648,3 +648,21 @@ def test_a_reader_bug_is_not_taken_for_corruption(tmp_path, monkeypatch):
         manager.load()
     manager.close()
     assert (tmp_path / "step-000000006").is_dir() and not list(tmp_path.glob("corrupt-*"))
+
+
+def test_the_model_layout_comes_from_the_first_saves_state_dict_not_an_extra_one_at_construction(tmp_path, monkeypatch):
+    from distckpt._adapters import model_optim, tensor_specs
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    optimizer = torch.optim.AdamW(model.parameters())
+    calls = []
+    real = model_optim.get_model_state_dict
+    monkeypatch.setattr(model_optim, "get_model_state_dict", lambda m: calls.append(m) or real(m))
+    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=optimizer) as manager:
+        manager.save(1)
+    assert calls == []  # neither construction nor the save built a state_dict of its own for the layout
+    manifest = json.loads((tmp_path / "step-000000001" / "distckpt.json").read_text())
+    assert manifest["model"] == {k: {"shape": v.shape, "dtype": v.dtype} for k, v in tensor_specs(model).items()}
+    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=optimizer) as manager:
+        assert manager.load().step == 1  # the load computes it (once) to check the checkpoint fits
+    assert len(calls) == 2  # tensor_specs above, then the load's

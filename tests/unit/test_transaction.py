@@ -40,7 +40,7 @@ def _ctx(root: Path, calls: list, keep_last: int | None = None) -> SaveContext:
         rank=0,
         world_size=1,
         wrapper="plain",
-        model_specs=SPECS,
+        model_specs=lambda: SPECS,
         events=EventLog(None, 0),
         on_phase=lambda p, s, r: calls.append((p, s, r)),
         retention=RetentionConfig(keep_last=keep_last),
