@@ -23,6 +23,7 @@ from typing import Any, Callable
 from .._config import LOADABLE, CheckpointConfig
 from .._coord.collective import Collective
 from .._coord.events import EventLog
+from .._engine.blocking import gc_paused
 from .._errors import CheckpointCorruptError, DistCkptError, IncompatibleCheckpointError
 from .._memory import MemoryRestore, MemoryTier, choose_snapshot, take_inventory
 from .._ondisk.integrity import BlockDigests
@@ -81,6 +82,11 @@ class CheckpointLoader:
             CheckpointNotFoundError, CheckpointCorruptError, IncompatibleCheckpointError: as
             :meth:`distckpt.CheckpointManager.load` documents.
         """
+        # Manifests, metadata, targets: objects per tensor, whose collections would scan the whole heap.
+        with gc_paused():
+            return self._load(discovery)
+
+    def _load(self, discovery: CheckpointDiscovery) -> tuple[str, TrainState, Manifest] | None:
         rejected: list[str] = []
         selected, self.tier = self.config.load.selection, "durable"
         if selected != frozenset(LOADABLE) and self.collective.rank == 0:
