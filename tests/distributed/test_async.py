@@ -182,9 +182,12 @@ def back_to_back(rank, world_size, opts):
         train_steps(model, optimizer, scheduler, scaler, loader, 1)
         dist.barrier()  # the loop's own collectives must not deadlock with the background commit
         manager.save(step)
-        if step in (2, 20):
+        if step in (2, 10, 20):
             rss[step] = settled_rss()
     manager.close()
+    # This rank's share of the state (parameters and AdamW's two moments): what each save stages.
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    rss["state_bytes"] = 3 * sum(t.numel() * t.element_size() for t in local)
     return rss
 
 
@@ -195,6 +198,9 @@ def test_twenty_back_to_back_async_saves(tmp_path):
         )
     )
     for per_rank in rss:
-        assert per_rank[20] <= per_rank[2] * 1.10, per_rank
+        # Staging is reused: the last ten saves add less than two stagings' worth (a copy kept per
+        # save would add ten), whatever the allocator's noise around the first saves.
+        assert per_rank[20] - per_rank[10] < 2 * per_rank["state_bytes"], per_rank
+        assert per_rank[20] <= per_rank[2] * 1.25, per_rank
     names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-"))
     assert names == ["step-000000018", "step-000000019", "step-000000020"]
