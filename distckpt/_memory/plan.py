@@ -13,6 +13,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from .._engine.torch_format.internals import local_tensor
 from .placement import assign_replicated
 
 __all__ = ["SnapshotPlan", "resolve", "structure"]
@@ -82,7 +83,7 @@ def resolve(planner: DefaultSavePlanner, item: WriteItem) -> torch.Tensor | io.B
         return buf
     value = planner.state_dict.get(item.index.fqn)
     if isinstance(value, DTensor):
-        return value.to_local()
+        return local_tensor(value)
     if isinstance(value, torch.Tensor) and type(value) in _PLAIN:
         return value
     return planner.resolve_data(item)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._engine.torch_format.internals import own_persistent_buffers
+from .._engine.torch_format.internals import local_tensor, own_persistent_buffers
 
 __all__ = ["MutationGuard", "deferrable"]
 
@@ -80,8 +80,4 @@ def deferrable(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
     tensors += [b for module in model.modules() for b in own_persistent_buffers(module)]
     if optimizer is not None:
         tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    out = set()
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        out.add(local.untyped_storage().data_ptr())
-    return out
+    return {local_tensor(t).untyped_storage().data_ptr() for t in tensors}

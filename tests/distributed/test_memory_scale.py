@@ -119,3 +119,31 @@ def test_a_manager_closed_right_after_it_was_built_leaves_its_peers_directory_al
         run_ranks(_build_and_close, 2, {"root": str(tmp_path / "ck"), "mem": str(tmp_path / "mem")}, timeout_s=60)
     )
     assert out == [(6, [])] * 2  # every build succeeded; the job's directory is gone after the last close
+
+
+def _protected_storages(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    from distckpt._engine.torch_format.internals import local_tensor
+    from distckpt._state.guard import deferrable
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    tensors = [*model.parameters(), *(v for s in optimizer.state.values() for v in s.values())]
+    by_to_local = {(t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr() for t in tensors}
+    locals_ = [local_tensor(p) for p in model.parameters()]
+    return {
+        "same_storages": deferrable(model, optimizer) >= by_to_local,
+        "same_values": all(torch.equal(a, p.to_local()) for a, p in zip(locals_, model.parameters())),
+        "plain": all(type(a) is torch.Tensor for a in locals_),
+    }
+
+
+def test_the_guard_finds_each_dtensors_local_storage_without_to_local():
+    # local_tensor reads a DTensor's shard directly (no autograd call): the same storage and values.
+    for out in values(run_ranks(_protected_storages, 2, {})):
+        assert out == {"same_storages": True, "same_values": True, "plain": True}
