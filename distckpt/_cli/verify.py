@@ -1,5 +1,8 @@
 """``distckpt verify ROOT|CKPT``: read every byte and check it against the manifest.
 
+A local plain DCP directory written by :class:`distckpt.dcp.FileSystemWriter` (no manifest, a
+``.metadata.xxh3.json`` hash sidecar) is checked against that sidecar instead.
+
 Exit 0 when every checkpoint is intact, 1 when any problem is found (each bad file is named on
 its own line), 2 when there is nothing to verify.
 """
@@ -11,7 +14,7 @@ import argparse
 from .._errors import CheckpointCorruptError, CheckpointNotFoundError
 from .._ondisk.layout import is_deleting, parse_step
 from .._storage import CheckpointStore, find_committed, open_location
-from .._tools.audit import AuditReport, audit_checkpoint
+from .._tools.audit import AuditReport, audit_checkpoint, audit_plain_dcp
 from .._tools.store_queries import tool_store
 from ._common import fmt_bytes, print_json
 from ._errors import EXIT_FAILED, EXIT_OK
@@ -63,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     reports = [
         AuditReport(path=loc, manifest=None, problems=[result])  # the manifest did not parse
         if result is not None and not store.exists(loc)
-        else audit_checkpoint(loc, store=store)
+        else audit_plain_dcp(loc) or audit_checkpoint(loc, store=store)
         for loc, result in entries
     ]
     bad = [r for r in reports if not r.ok]
@@ -77,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
                         "path": str(r.path),
                         "ok": r.ok,
                         "unhashed": r.unhashed,
+                        "kind": "checkpoint" if r.sidecar is None else "plain DCP with hash sidecar",
                         "problems": [{"path": e.path, "message": str(e)} for e in r.problems],
                     }
                     for r in reports
@@ -85,7 +89,15 @@ def run(args: argparse.Namespace) -> int:
         )
         return EXIT_FAILED if bad else EXIT_OK
     for r in reports:
-        if r.ok:
+        if r.sidecar is not None:
+            what = f"plain DCP checkpoint with a hash sidecar, {len(r.sidecar)} files"
+            if r.ok:
+                print(f"ok       {r.path}  ({what}, {fmt_bytes(sum(r.sidecar.values()))})")
+            else:
+                print(f"CORRUPT  {r.path}  ({what}; {len(r.problems)} problem{'s' if len(r.problems) > 1 else ''})")
+                for e in r.problems:
+                    print(f"  {e}")
+        elif r.ok:
             assert r.manifest is not None  # an unreadable manifest is one of the problems
             files = r.manifest.files
             note = f", {len(r.unhashed)} without a hash (size checked only)" if r.unhashed else ""

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .._errors import CheckpointCorruptError
+from .._ondisk import dcp_hashes
+from .._ondisk.integrity import check_file
+from .._ondisk.layout import MANIFEST
 from .._ondisk.manifest import Manifest, structure_problems
 from .._storage import CheckpointStore, open_location, read_dcp_metadata
 from .store_queries import tool_store
 
-__all__ = ["AuditReport", "audit_checkpoint"]
+__all__ = ["AuditReport", "audit_checkpoint", "audit_plain_dcp"]
 
 
 @dataclass(kw_only=True)
@@ -31,12 +35,15 @@ class AuditReport:
         manifest: the parsed manifest, or ``None`` when it is unreadable.
         problems: every problem found, each naming its file in ``.path``.
         unhashed: files the manifest lists without a hash (schema v1): size checked only.
+        sidecar: for a plain DCP directory checked against its hash sidecar(s)
+            (:func:`audit_plain_dcp`), ``{file name: size_bytes}`` of the files they list; else ``None``.
     """
 
     path: str
     manifest: Manifest | None
     problems: list[CheckpointCorruptError] = field(default_factory=list)
     unhashed: list[str] = field(default_factory=list)
+    sidecar: dict[str, int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -84,4 +91,41 @@ def audit_checkpoint(location: str | os.PathLike, *, store: CheckpointStore | No
         present=store.object_sizes(location),
         metadata=metadata,
     )
+    return report
+
+
+def audit_plain_dcp(directory: str | os.PathLike) -> AuditReport | None:
+    """Check a plain DCP directory written by :class:`distckpt.dcp.FileSystemWriter` (no manifest)
+    against the hash sidecar(s) it left next to ``.metadata`` (:mod:`distckpt._ondisk.dcp_hashes`):
+    every file a sidecar lists, its size and xxh3-128 hash (block digests too), and no ``.distcp``
+    file present that no sidecar lists. Reads every byte.
+
+    Returns:
+        The report (``sidecar`` set), or ``None`` when ``directory`` is not a local directory
+        holding a sidecar and no manifest (a checkpoint, an object-storage URL, or a stock
+        ``dcp.save``: nothing to check against).
+    """
+    root = Path(directory)
+    plain = root.is_dir() and not (root / MANIFEST).exists()
+    sidecars = sorted(root.glob("*" + dcp_hashes.SUFFIX)) if plain else []
+    if not sidecars:
+        return None
+    report = AuditReport(path=os.fspath(directory), manifest=None, sidecar={})
+    assert report.sidecar is not None
+    for sidecar in sidecars:
+        try:
+            listed = dcp_hashes.decode(sidecar.read_bytes(), str(sidecar))
+        except CheckpointCorruptError as e:
+            report.problems.append(e)
+            continue
+        for name, (size, digest, blocks) in sorted(listed.items()):
+            report.sidecar[name] = size
+            try:
+                check_file(root / name, size_bytes=size, digest=digest, blocks=blocks, source="hash sidecar")
+            except CheckpointCorruptError as e:
+                report.problems.append(e)
+    for extra in sorted(p for p in root.glob("*.distcp") if p.name not in report.sidecar):
+        report.problems.append(
+            CheckpointCorruptError(f"{extra}: a DCP data file that no hash sidecar lists", path=str(extra))
+        )
     return report

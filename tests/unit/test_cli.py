@@ -296,6 +296,28 @@ def test_verify_reports_every_problem_not_the_first(root, capsys):
     assert code == 1 and {str(f) for f in files if f.name != "distckpt.json"} <= problems
 
 
+def test_verify_plain_dcp_directory_checks_its_hash_sidecar(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    import distckpt.dcp
+
+    plain = tmp_path / "plain"
+    state = {"w": torch.arange(4096, dtype=torch.float32), "b": torch.ones(3, 2)}
+    dcp.save(state, storage_writer=distckpt.dcp.FileSystemWriter(str(plain)), no_dist=True)
+    assert (plain / ".metadata.xxh3.json").is_file()
+    code, out, _ = run(capsys, "verify", plain)
+    assert code == 0 and f"ok       {plain}" in out and "plain DCP checkpoint with a hash sidecar" in out
+    assert "manifest missing" not in out
+    data_file = next(plain.glob("*.distcp"))
+    _flip(data_file)
+    code, out, _ = run(capsys, "verify", plain)
+    assert code == 1 and f"CORRUPT  {plain}" in out and str(data_file) in out and "hash sidecar" in out
+    assert "manifest missing" not in out
+    code, data = run_json(capsys, "verify", plain)
+    assert code == 1 and not data["ok"]
+    assert [p["path"] for p in data["checkpoints"][0]["problems"]] == [str(data_file)]
+
+
 # ---------------------------------------------------------------------------------- unsafe pickles
 class _OpenFile:
     def __init__(self, path):
