@@ -2,8 +2,10 @@
 
 Status: ``committed`` (manifest valid, files present with their sizes, ``.metadata`` readable
 as DCP metadata: every check of ``distckpt verify`` but the files' hashes, the checks a resume
-applies), ``corrupt`` (with the reason), ``unmanaged`` (a ``step-*`` directory without
-a manifest, e.g. a plain ``dcp.save``: the manager ignores it), ``pending`` (an unfinished
+applies), ``corrupt`` (with the reason), ``no manifest`` (a ``step-*`` directory holding
+distckpt's own files but no manifest: uncommitted or damaged, never loaded), ``unmanaged`` (a
+``step-*`` directory without a manifest or distckpt's files, e.g. a plain ``dcp.save``: the
+manager ignores it), ``pending`` (an unfinished
 save), ``deleting`` (a retention delete in progress) or ``set aside`` (renamed
 ``corrupt-``/``rolledback-``/``archived-step-*``: kept, never loaded). SIZE is the bytes of a
 checkpoint's own files; REFS the bytes of the earlier checkpoints' files an incremental one refers
@@ -17,7 +19,15 @@ import argparse
 from typing import Any, Callable
 
 from .._errors import CheckpointCorruptError, CheckpointNotFoundError
-from .._ondisk.layout import MANIFEST, checkpoint_name, is_deleting, parse_set_aside, parse_step
+from .._ondisk.layout import (
+    MANIFEST,
+    NO_MANIFEST,
+    checkpoint_name,
+    is_deleting,
+    no_manifest_reason,
+    parse_set_aside,
+    parse_step,
+)
 from .._ondisk.manifest import Manifest, first_problem, structure_problems
 from .._storage import find_committed, open_location, read_dcp_metadata
 from .._tools.store_queries import tool_store
@@ -74,10 +84,11 @@ def list_root(root: str) -> list[dict]:
     tools.check_tool_root()
     others = store.others()
     latest = others.latest
-    unmanaged, deferred = set(others.unmanaged), set(others.deferred)
+    unmanaged, deferred, damaged = set(others.unmanaged), set(others.deferred), set(others.damaged)
     found_all: list[tuple[int, str, Manifest | CheckpointCorruptError | None]] = list(find_committed(store))
     found_all += [
-        (parse_step(loc.rstrip("/").rsplit("/", 1)[-1]) or 0, loc, None) for loc in others.unmanaged + others.deferred
+        (parse_step(loc.rstrip("/").rsplit("/", 1)[-1]) or 0, loc, None)
+        for loc in others.unmanaged + others.deferred + others.damaged
     ]
     rows = []
     for step, found, result in sorted(found_all, key=lambda e: e[0]):
@@ -98,6 +109,8 @@ def list_root(root: str) -> list[dict]:
                 reason=f"no {MANIFEST}: not written by distckpt, ignored by the "
                 f"manager; `distckpt import {found} NEW_ROOT` to use it",
             )
+        elif found in damaged:
+            row.update(status=NO_MANIFEST.split(" (")[0], reason=no_manifest_reason(found))
         elif found in deferred:
             row.update(
                 status="deferred",
@@ -160,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         ],
     )
     for r in rows:
-        if r["status"] in ("corrupt", "unmanaged"):
+        if r["status"] in ("corrupt", "unmanaged", NO_MANIFEST.split(" (")[0]):
             print(f"{r['name']}: {r['reason']}")
     if any(r["latest"] for r in rows):
         print("* = latest")

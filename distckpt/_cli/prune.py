@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         found = find_committed(store)  # those with a manifest: never a deferred deletion
         committed = sorted(s for s, _, r in found if isinstance(r, Manifest))
         corrupt = [checkpoint_name(s) for s, _, r in found if not isinstance(r, Manifest)]
-        corrupt = sorted(corrupt + [loc.rstrip("/").rsplit("/", 1)[-1] for loc in store.others().unmanaged])
+        others = store.others()
+        corrupt = sorted(corrupt + [loc.rstrip("/").rsplit("/", 1)[-1] for loc in others.unmanaged + others.damaged])
         where = {s: loc for s, loc, _ in found}
         good = 0
         for step in sorted(committed, reverse=True):  # verify newest first until K load

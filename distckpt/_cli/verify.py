@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from .._errors import CheckpointCorruptError, CheckpointNotFoundError
-from .._ondisk.layout import is_deleting, parse_step
+from .._ondisk.layout import is_deleting, no_manifest_reason, parse_step
 from .._storage import CheckpointStore, find_committed, open_location
 from .._tools.audit import AuditReport, audit_checkpoint, audit_plain_dcp
 from .._tools.store_queries import tool_store
@@ -43,17 +43,25 @@ def targets(path: str) -> tuple[CheckpointStore, list[tuple[str, CheckpointCorru
     """
     store, location = open_location(path)
     if location is not None:
-        return store, [(location, None)], []
+        damaged = location in store.others().damaged
+        return store, [(location, _damaged(location) if damaged else None)], []
     tools = tool_store(store)
     tools.check_tool_root()
     # Those with a manifest and the step-N directories without one (deferred deletions: checked
     # through their referrers), oldest first.
     listed = [(s, loc, r if isinstance(r, CheckpointCorruptError) else None) for s, loc, r in find_committed(store)]
-    listed += [(parse_step(loc.rstrip("/").rsplit("/", 1)[-1]) or 0, loc, None) for loc in store.others().unmanaged]
+    others = store.others()
+    listed += [(parse_step(loc.rstrip("/").rsplit("/", 1)[-1]) or 0, loc, None) for loc in others.unmanaged]
+    listed += [(parse_step(loc.rstrip("/").rsplit("/", 1)[-1]) or 0, loc, _damaged(loc)) for loc in others.damaged]
     found = [(loc, why) for _, loc, why in sorted(listed, key=lambda e: e[0])]
     if not found:
         raise CheckpointNotFoundError(f"{store.root}: not a checkpoint and holds no committed checkpoint to verify")
     return store, found, [n for n in tools.leftovers() if not is_deleting(n.rsplit("/", 1)[-1])]
+
+
+def _damaged(location: str) -> CheckpointCorruptError:
+    """The problem of a checkpoint without its manifest (the words load and ``ls`` use)."""
+    return CheckpointCorruptError(no_manifest_reason(location), path=location)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     store, entries, pending = targets(args.path)
     reports = [
         AuditReport(path=loc, manifest=None, problems=[result])  # the manifest did not parse
-        if result is not None and not store.exists(loc)
+        if result is not None and (not store.exists(loc) or result.path == loc)
         else audit_plain_dcp(loc) or audit_checkpoint(loc, store=store)
         for loc, result in entries
     ]

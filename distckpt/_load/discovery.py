@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 from .._config import CheckpointConfig
 from .._errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
-from .._ondisk.layout import checkpoint_name, parse_set_aside
+from .._ondisk.layout import checkpoint_name, no_manifest_reason, parse_set_aside, parse_step
 from .._ondisk.manifest import Manifest
 from .._storage import CheckpointStore, find_committed, step_of, store_of
 from .._storage.claims import refuse_or_archive
@@ -212,6 +212,8 @@ class CheckpointDiscovery:
                 ignored,
                 ignored,
             )
+        for damaged in others.damaged:
+            logger.warning("skipping %s", no_manifest_reason(damaged))
         location = self.load_location()
         if location is not None:
             if self.config.load.step is not None:
@@ -225,7 +227,12 @@ class CheckpointDiscovery:
             self._check_load_location(location)
             return location
         newest_error: CheckpointCorruptError | None = None
-        for step, found, result in find_committed(self.store):  # those with a manifest only
+        found_all = list(find_committed(self.store))  # those with a manifest, then those without
+        found_all += [
+            (_step(loc), loc, CheckpointCorruptError(no_manifest_reason(loc), path=loc)) for loc in others.damaged
+        ]
+        seen: list[str] = []
+        for step, found, result in sorted(found_all, key=lambda e: -e[0]):
             if found in rejected:
                 result = CheckpointCorruptError(f"{found}: failed to load", path=found)
             elif isinstance(result, Manifest):
@@ -245,13 +252,19 @@ class CheckpointDiscovery:
                     path=result.path,
                 )
             newest_error = newest_error or result
+            seen.append(found)
             if self.locked:  # the run will save this step again: move it out of the way
-                logger.warning("set aside corrupt checkpoint %s as %s", found, self.store.set_aside(step))
+                aside = self.store.set_aside(step)
+                logger.warning("set aside corrupt checkpoint %s as %s", found, aside)
+                seen[-1] += f" (set aside as {aside})"
         if newest_error is not None:  # never start fresh silently over a run's checkpoints
             raise CheckpointCorruptError(
-                f"no committed checkpoint in {self.root} is loadable (newest problem: {newest_error}). "
-                "Restore the files, point load.path at a good copy, or move the root away to start "
-                "fresh.",
+                f"no committed checkpoint in {self.root} is loadable; found {', '.join(seen)} "
+                + "".join(
+                    f"; unmanaged {u} (no manifest, not distckpt's: `distckpt import` it)" for u in others.unmanaged
+                )
+                + f" (newest problem: {newest_error}). Restore the files (or the manifest), point "
+                "load.path at a good copy, or move the root away to start fresh.",
                 path=newest_error.path,
             )
         refuse_corrupt_only(self.root, others.set_aside)
@@ -272,6 +285,10 @@ class CheckpointDiscovery:
                 self.root,
                 last,
             )
+
+
+def _step(location: str) -> int:
+    return parse_step(location.rstrip("/").rsplit("/", 1)[-1]) or 0
 
 
 def refuse_corrupt_only(root: str, names: list[str]) -> None:

@@ -32,6 +32,22 @@ MANIFEST = "distckpt.json"
 DEFERRED_MANIFEST = "distckpt.deferred.json"
 """A retired checkpoint's manifest while incremental checkpoints still refer to its files
 (``distckpt._storage.incremental``): no longer committed, deleted once nobody refers to it."""
+# The one rule for a ``step-N`` directory without a manifest that holds distckpt's own files
+# (docs/format.md, "Layout"): load, ``distckpt ls`` and ``distckpt verify`` say it in these words.
+NO_MANIFEST = "no manifest (uncommitted or damaged)"
+
+
+def no_manifest_reason(location: str) -> str:
+    """Why the ``step-N`` directory ``location`` (distckpt's files, no manifest) is never loaded,
+    and what to do: the words load, ``ls`` and ``verify`` all use."""
+    return (
+        f"{location}: {NO_MANIFEST}: distckpt's own files but no {MANIFEST} (its manifest was "
+        f"deleted, or it never committed); never loaded, never deleted. Restore {MANIFEST} from a copy, "
+        "or move the directory out of the root; load.fallback_to_older sets the newest one aside "
+        "(corrupt-step-N-<n>) and loads the previous committed checkpoint"
+    )
+
+
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
 # ``.staging-`` is the name earlier versions gave the same directory: still distckpt's own.
 _PENDING_RE = re.compile(r"^\.(?:pending|staging)-step-(\d{9,})-([0-9a-f]+)$")

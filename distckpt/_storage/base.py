@@ -63,6 +63,9 @@ class Others(NamedTuple):
     Attributes:
         unmanaged: locations of ``step-N`` names distckpt did not write (a plain ``dcp.save``):
             never loaded, deleted or overwritten.
+        damaged: locations of ``step-N`` directories holding distckpt's files but no manifest
+            (``no manifest (uncommitted or damaged)``, POSIX): never loaded, deleted or
+            overwritten; a load treats the newest as a corrupt checkpoint.
         deferred: locations of checkpoints retention retired while a kept incremental checkpoint
             refers to their files (POSIX): never loaded or counted.
         set_aside: names, relative to the root, of the checkpoints set aside
@@ -71,6 +74,7 @@ class Others(NamedTuple):
     """
 
     unmanaged: list[str]
+    damaged: list[str]
     deferred: list[str]
     set_aside: list[str]
     latest: str | None

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
 from typing import Callable
 
 from .._errors import CheckpointCorruptError
-from .._ondisk.digests import read_blocks
+from .._ondisk.digests import is_digests_name, read_blocks
 from .._ondisk.integrity import check_file
 from .._ondisk.layout import (
     DEFERRED_MANIFEST,
@@ -47,6 +48,8 @@ __all__ = [
     "find_committed",
     "remove_leftovers",
     "unmanaged_step_dirs",
+    "damaged_step_dirs",
+    "is_damaged",
     "existing_checkpoints",
     "repair_latest",
     "delete_checkpoint",
@@ -206,26 +209,19 @@ def remove_leftovers(root: str | os.PathLike) -> list[str]:
     Removed: pending directories (``.pending-step-*``; ``.staging-step-*`` of earlier versions), deletions in progress
     (``.deleting-step-*``: retention renames a checkpoint so before deleting its files) and
     ``.latest.tmp-*`` files of an interrupted ``latest`` update. A ``step-*`` directory
-    without a manifest is never deleted: the one ``latest`` names (distckpt committed it, then
-    it lost its manifest) is set aside (:func:`set_aside`); any other is left alone (see
-    :func:`unmanaged_step_dirs`: e.g. a plain ``dcp.save``).
+    without a manifest is never removed or renamed here: one holding distckpt's files
+    (:func:`is_damaged`) is the load's to judge (a corrupt checkpoint: set aside only with
+    ``load.fallback_to_older``), any other is left alone (:func:`unmanaged_step_dirs`).
 
     Returns:
-        Names removed (or set aside, with a note).
+        Names removed.
     """
     removed: list[str] = []
     root = Path(root)
     if not root.is_dir():
         return removed
-    try:
-        latest = (root / LATEST).read_text().strip()
-    except OSError:
-        latest = None
     for entry in os.scandir(root):
-        no_manifest = parse_step(entry.name) is not None and not os.path.exists(os.path.join(entry.path, MANIFEST))
-        if entry.is_dir() and no_manifest and entry.name == latest:
-            removed.append(f"{entry.name} (set aside as {set_aside(entry.path).name}: no manifest)")
-        elif entry.is_dir() and (is_pending(entry.name) or is_deleting(entry.name)):
+        if entry.is_dir() and (is_pending(entry.name) or is_deleting(entry.name)):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.name)
         elif entry.is_file() and entry.name.startswith(f".{LATEST}.tmp-"):
@@ -234,12 +230,50 @@ def remove_leftovers(root: str | os.PathLike) -> list[str]:
     return removed
 
 
+def _latest_name(root: Path) -> str | None:
+    try:
+        return (root / LATEST).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def is_damaged(checkpoint_dir: str | os.PathLike, latest: str | None) -> bool:
+    """Whether a ``step-*`` directory is a distckpt checkpoint without its manifest
+    (:data:`~distckpt._ondisk.layout.NO_MANIFEST`: uncommitted or damaged): no manifest, not a
+    deferred deletion, and either the root's ``latest`` names it or it holds a
+    file only distckpt writes (a ``.digests-rank-*.json`` digest file, an incremental
+    ``__<rank>_items.json``). A plain DCP directory (``.metadata``, ``*.distcp``, a
+    :mod:`distckpt.dcp` hash sidecar) is not: it is unmanaged. The one classification that load,
+    ``distckpt ls`` and ``distckpt verify`` share (through :meth:`PosixStore.others`)."""
+    path = Path(checkpoint_dir)
+    if (path / MANIFEST).exists() or is_deferred(path) or not path.is_dir():
+        return False
+    if latest is not None and path.name == latest:
+        return True
+    return any(is_digests_name(n) or _ITEMS_RE.match(n) for n in os.listdir(path))
+
+
+_ITEMS_RE = re.compile(r"^__\d+_items\.json$")
+
+
+def damaged_step_dirs(root: str | os.PathLike) -> list[Path]:
+    """``step-*`` directories that are distckpt checkpoints without a manifest (:func:`is_damaged`),
+    oldest first: never loaded, deleted or overwritten (a save of that step fails while one is there)."""
+    latest = _latest_name(Path(root))
+    return [p for _, p in checkpoint_dirs(root) if is_damaged(p, latest)]
+
+
 def unmanaged_step_dirs(root: str | os.PathLike) -> list[Path]:
-    """``step-*`` directories without a manifest, oldest first: not distckpt checkpoints
-    (a plain ``dcp.save``, a copy, or a delete interrupted by a distckpt older than the
-    ``.deleting-`` rename). distckpt never loads, deletes or overwrites them. A deferred
-    deletion (:func:`~distckpt._ondisk.layout.is_deferred`) is distckpt's own, not listed."""
-    return [p for _, p in checkpoint_dirs(root) if not (p / MANIFEST).exists() and not is_deferred(p)]
+    """``step-*`` directories without a manifest and without distckpt's own files, oldest first:
+    not distckpt checkpoints (a plain ``dcp.save``, a copy). distckpt never loads, deletes or
+    overwrites them. A deferred deletion (:func:`~distckpt._ondisk.layout.is_deferred`) and a
+    damaged checkpoint (:func:`is_damaged`) are distckpt's own, not listed."""
+    latest = _latest_name(Path(root))
+    return [
+        p
+        for _, p in checkpoint_dirs(root)
+        if not (p / MANIFEST).exists() and not is_deferred(p) and not is_damaged(p, latest)
+    ]
 
 
 def existing_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -261,8 +295,8 @@ def repair_latest(root: str | os.PathLike) -> str | None:
         name = (root / LATEST).read_text().strip()
     except FileNotFoundError:
         return None
-    if name and (root / name / MANIFEST).is_file():
-        return name
+    if name and ((root / name / MANIFEST).is_file() or is_damaged(root / name, name)):
+        return name  # a checkpoint without its manifest keeps latest: the evidence it is distckpt's
     for _, path, result in find_committed(root):
         if isinstance(result, Manifest):
             write_atomic(root / LATEST, path.name + "\n")

@@ -206,7 +206,8 @@ class PosixStore(CheckpointStore):
         deferred = [str(p) for _, p in checkpoint_dirs(self.path) if is_deferred(p)]
         names = [e.name for e in os.scandir(self.path)] if self.path.is_dir() else []
         aside = sorted(n for n in names if parse_set_aside(n) is not None)
-        return Others(unmanaged=unmanaged, deferred=deferred, set_aside=aside, latest=self._latest())
+        damaged = [str(p) for p in _commit.damaged_step_dirs(self.path)]
+        return Others(unmanaged=unmanaged, damaged=damaged, deferred=deferred, set_aside=aside, latest=self._latest())
 
     @override
     def set_aside(self, step: int, reason: str = "corrupt") -> str:

@@ -342,7 +342,7 @@ class S3Store(CheckpointStore):
     def others(self) -> Others:
         # No unmanaged or deferred names: a data prefix no manifest names is a save's leftover
         # (remove_leftovers' business); nothing is incremental.
-        return Others(unmanaged=[], deferred=[], set_aside=self._set_aside_names(), latest=self._latest())
+        return Others(unmanaged=[], damaged=[], deferred=[], set_aside=self._set_aside_names(), latest=self._latest())
 
     @override
     def location_of(self, step: int) -> str:

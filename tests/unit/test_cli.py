@@ -318,6 +318,31 @@ def test_verify_plain_dcp_directory_checks_its_hash_sidecar(tmp_path, capsys):
     assert [p["path"] for p in data["checkpoints"][0]["problems"]] == [str(data_file)]
 
 
+def test_ls_and_verify_share_the_no_manifest_rule(root, capsys):
+    # distckpt's own checkpoint without its manifest: "no manifest (uncommitted or damaged)" in both;
+    # a user's plain dcp.save: unmanaged, import suggested, never called damaged.
+    import torch.distributed.checkpoint as dcp
+
+    damaged = root / "step-000000004"  # latest names it
+    (damaged / "distckpt.json").unlink()
+    plain = root / "step-000000007"
+    dcp.save({"w": torch.ones(3, 2)}, checkpoint_id=str(plain), no_dist=True)
+    words = f"{damaged}: no manifest (uncommitted or damaged)"
+    code, data = run_json(capsys, "ls", root)
+    rows = {r["name"]: r for r in data["checkpoints"]}
+    assert code == 0 and rows["step-000000004"]["status"] == "no manifest"
+    assert rows["step-000000004"]["reason"].startswith(words) and "import" not in rows["step-000000004"]["reason"]
+    assert rows["step-000000007"]["status"] == "unmanaged" and "distckpt import" in rows["step-000000007"]["reason"]
+    code, out, _ = run(capsys, "ls", root)
+    assert code == 0 and words in out
+    for target in (root, damaged):
+        code, out, _ = run(capsys, "verify", target)
+        assert code == 1 and words in out and f"{damaged / 'distckpt.json'}: manifest missing" not in out
+        code, data = run_json(capsys, "verify", target)
+        entry = next(c for c in data["checkpoints"] if c["path"] == str(damaged))
+        assert [p["message"] for p in entry["problems"]][0].startswith(words)
+
+
 # ---------------------------------------------------------------------------------- unsafe pickles
 class _OpenFile:
     def __init__(self, path):

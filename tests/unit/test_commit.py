@@ -165,13 +165,26 @@ def test_remove_leftovers_removes_only_what_distckpt_provably_wrote(tmp_path: Pa
     assert remove_leftovers(tmp_path) == []
 
 
-def test_remove_leftovers_sets_aside_the_manifestless_checkpoint_latest_names(tmp_path: Path) -> None:
+def test_remove_leftovers_leaves_the_manifestless_checkpoint_latest_names(tmp_path: Path) -> None:
     ckpt = _committed(tmp_path, 10)
     (ckpt / MANIFEST).unlink()  # distckpt committed it (latest says so), then it lost its manifest
-    removed = remove_leftovers(tmp_path)
-    assert removed == ["step-000000010 (set aside as corrupt-step-000000010-0: no manifest)"]
-    aside = tmp_path / "corrupt-step-000000010-0"
-    assert sorted(os.listdir(aside)) == sorted(FILES)  # kept, never deleted
+    assert remove_leftovers(tmp_path) == []  # the load judges it (fallback_to_older), not the cleanup
+    assert sorted(os.listdir(ckpt)) == sorted(FILES)
+    assert commit_mod.damaged_step_dirs(tmp_path) == [ckpt] and commit_mod.unmanaged_step_dirs(tmp_path) == []
+
+
+def test_a_manifestless_step_dir_is_damaged_only_with_distckpts_own_files(tmp_path: Path) -> None:
+    plain = tmp_path / checkpoint_name(5)  # a user's dcp.save (distckpt.dcp's sidecar included)
+    plain.mkdir()
+    for name in (".metadata", "__0_0.distcp", ".metadata.xxh3.json"):
+        (plain / name).write_bytes(b"x")
+    ours = tmp_path / checkpoint_name(7)  # distckpt's digest file, no manifest, latest elsewhere
+    ours.mkdir()
+    for name in (".metadata", "__0_0.distcp", ".digests-rank-00000.json"):
+        (ours / name).write_bytes(b"x")
+    assert commit_mod.unmanaged_step_dirs(tmp_path) == [plain]
+    assert commit_mod.damaged_step_dirs(tmp_path) == [ours]
+    assert remove_leftovers(tmp_path) == [] and plain.is_dir() and ours.is_dir()
 
 
 def test_delete_checkpoint_renames_to_deleting_before_removing(tmp_path: Path, monkeypatch) -> None:

@@ -146,11 +146,48 @@ def test_newest_without_manifest_is_set_aside_not_deleted(tmp_path, caplog):
     trained_manager(tmp_path, steps=(3, 6))
     (tmp_path / "step-000000006" / "distckpt.json").unlink()  # not how retention deletes: latest names it
     files = sorted(p.name for p in (tmp_path / "step-000000006").iterdir())
-    manager, _ = manager_for(tmp_path)
+    manager, _ = manager_for(tmp_path, load=LoadConfig(fallback_to_older=True))
     with caplog.at_level("WARNING"):
         assert manager.load().step == 3
     assert sorted(p.name for p in (tmp_path / "corrupt-step-000000006-0").iterdir()) == files
-    assert "set aside" in caplog.text
+    assert "set aside" in caplog.text and "removed" not in caplog.text
+    assert "no manifest (uncommitted or damaged)" in caplog.text
+
+
+def test_newest_without_manifest_is_refused_without_fallback_as_by_ls_and_verify(tmp_path, caplog, capsys):
+    # One rule for load, ls and verify: distckpt's files without a manifest are a damaged checkpoint.
+    from distckpt._cli import main
+
+    trained_manager(tmp_path, steps=(3, 6))[0].close()
+    ckpt = tmp_path / "step-000000006"
+    (ckpt / "distckpt.json").unlink()
+    files = sorted(p.name for p in ckpt.iterdir())
+    manager, _ = manager_for(tmp_path)
+    with pytest.raises(CheckpointCorruptError) as err:
+        manager.load()
+    words = f"{ckpt}: no manifest (uncommitted or damaged)"
+    assert words in str(err.value) and "fallback_to_older" in str(err.value)
+    manager.close()
+    assert sorted(p.name for p in ckpt.iterdir()) == files  # untouched: nothing renamed or deleted
+    assert main(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert words in out and "distckpt import" not in out and "unmanaged" not in out
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert words in out and "manifest missing" not in out
+
+
+def test_every_manifest_deleted_names_what_was_found(tmp_path):
+    trained_manager(tmp_path, steps=(3, 6))[0].close()
+    for step in (3, 6):
+        (tmp_path / f"step-00000000{step}" / "distckpt.json").unlink()
+    manager, _ = manager_for(tmp_path, load=LoadConfig(fallback_to_older=True))
+    with pytest.raises(CheckpointCorruptError) as err:
+        manager.load()
+    message = str(err.value)
+    assert "no manifest (uncommitted or damaged)" in message
+    assert "corrupt-step-000000006-0" in message and "Restore" in message
+    assert f"unmanaged {tmp_path / 'step-000000003'}" in message  # only plain DCP files left: not distckpt's
 
 
 def test_changed_dcp_metadata_is_found_before_planning(tmp_path):
