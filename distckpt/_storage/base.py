@@ -74,10 +74,10 @@ class Others(NamedTuple):
     """
 
     unmanaged: list[str]
-    damaged: list[str]
     deferred: list[str]
     set_aside: list[str]
     latest: str | None
+    damaged: list[str] = []  # a backend without the classification (S3, third-party): none
 
 
 class CheckpointStore(Protocol):
