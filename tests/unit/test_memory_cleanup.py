@@ -63,7 +63,7 @@ def test_ls_and_clean_keep_a_live_or_recent_job_and_remove_only_distckpts_files(
 
     code, out, _ = _cli(capsys, "ls", str(mem), "--json")
     listed = {os.path.basename(j["path"]): j for j in json.loads(out)}
-    assert code == 0 and sorted(listed) == [OTHER, job]
+    assert code == 0 and sorted(listed) == sorted([OTHER, job])  # the job id is random: either order
     mine = listed[job]
     assert mine["steps"] == [1, 2] and mine["ranks"] == [0] and mine["files"] == 2 and mine["foreign"] == 0
     assert mine["bytes"] >= sum(os.path.getsize(os.path.join(manager.memory.dir, n)) for n in os.listdir(mine["path"]))
