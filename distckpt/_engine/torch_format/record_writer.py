@@ -349,15 +349,6 @@ def parallel_pays(items: list[WriteItem]) -> bool:
     return bool(items) and sum(_item_bytes(item) for item in items) >= PARALLEL_MIN_BYTES_PER_ITEM * len(items)
 
 
-def _fsync_path(path: str) -> None:
-    # Linux flushes a file's data for an fsync through any of its descriptors.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_files(
     jobs: list[tuple[str, str, list[WriteItem]]],
     planner: SavePlanner,
@@ -368,7 +359,8 @@ def write_files(
 ) -> list[WriteResult]:
     """Write each ``(path, file name, items)`` of ``jobs`` -- the files and item split
     ``FileSystemWriter.write_data`` chose -- bytes items first, each tensor a ``torch.save``
-    record (module docstring), one thread per file where that pays (:func:`parallel_pays`).
+    record (module docstring), one thread per file (the writer asks for one file where threads
+    would not pay: :func:`parallel_pays`).
 
     Returns:
         DCP's ``WriteResult`` per item (``StorageInfo``: file name, offset, length in bytes).
@@ -383,13 +375,6 @@ def write_files(
     if len(jobs) <= 1:
         return run(jobs[0]) if jobs else []
     results: list[WriteResult] = []
-    if not parallel_pays([item for job in jobs for item in job[2]]):
-        for path, name, items in jobs:
-            results += _write_file(create_stream, path, name, items, planner, templates, sync_files=False)
-        if sync_files:  # fsync releases the GIL: the files' flushes overlap
-            with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="distckpt-fsync") as pool:
-                list(pool.map(_fsync_path, [job[0] for job in jobs]))
-        return results
     with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="distckpt-write") as pool:
         futures = [pool.submit(run, job) for job in jobs]
         first: BaseException | None = None
