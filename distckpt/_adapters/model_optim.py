@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .._ondisk.manifest import TensorSpec, is_extra_state
+from .state_dict_cache import StateDictCache
 from .stateful import as_saved
 from .wrappers import unwrap, wrapper_kind
 
@@ -100,6 +101,7 @@ class ModelOptimState:
         self.optimizer = optimizer
         self.ties = tied_keys(model)
         self._specs: dict[str, TensorSpec] | None = None
+        self.cache = StateDictCache(model, optimizer)  # SHARDED saves and snapshots of an unchanged structure
 
     def specs(self) -> dict[str, TensorSpec]:
         """:func:`tensor_specs` of the live model: taken from the first save's model state_dict, else
@@ -138,7 +140,10 @@ class ModelOptimState:
             )
         uninitialised = self.optimizer is not None and not self.optimizer.state
         self._init_closure_optimizer()
-        model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=options)
+        if full_state_dict or uninitialised:
+            model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=options)
+        else:
+            model_sd, optim_sd = self.cache.get(lambda: get_state_dict(self.model, self._optimizers(), options=options))
         if self._specs is None and (model_sd or not full_state_dict):  # FULL: rank 0's is the whole model
             self._specs = specs_of(model_sd)
         if self.optimizer is None:

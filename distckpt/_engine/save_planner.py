@@ -22,11 +22,13 @@ import threading
 from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
 from typing_extensions import override
 
-__all__ = ["CachingSavePlanner", "compact_metadata"]
+from .torch_format.internals import ShardedTensor, flatten_state_dict
+
+__all__ = ["CachingSavePlanner", "LeanSavePlanner", "compact_metadata"]
 
 _CACHED = 4  # distinct structures kept per process (a model and its EMA copy, a memory tier)
 
@@ -49,7 +51,30 @@ def compact_metadata(metadata: Metadata) -> Metadata:
     return metadata
 
 
-class CachingSavePlanner(DefaultSavePlanner):
+class LeanSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` that walks the state_dict once: DCP's second walk, which splits
+    FSDP1's nested ``ShardedTensor``s, runs only when the flattened state_dict holds one (a walk
+    of a nested state_dict costs microseconds per value; a check of the flat one, a tenth)."""
+
+    @override
+    def set_up_planner(
+        self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None, is_coordinator: bool = False
+    ) -> None:
+        if not self.flatten_state_dict:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            return
+        flat, mappings = flatten_state_dict(state_dict)
+        sharded = self.flatten_sharded_tensors
+        self.flatten_state_dict = False
+        self.flatten_sharded_tensors = sharded and any(isinstance(v, ShardedTensor) for v in flat.values())
+        try:
+            super().set_up_planner(flat, storage_meta, is_coordinator)
+        finally:
+            self.flatten_state_dict, self.flatten_sharded_tensors = True, sharded
+        self.mappings = mappings
+
+
+class CachingSavePlanner(LeanSavePlanner):
     """``DefaultSavePlanner`` whose global step (coordinator only) is computed once per distinct
     list of local plans per process and reused after (module docstring). Thread-safe; picklable
     (a process-mode async save plans in its own process, with its own cache)."""

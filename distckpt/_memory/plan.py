@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from .._engine.torch_format.internals import local_tensor
 from .placement import assign_replicated
 
-__all__ = ["SnapshotPlan", "resolve", "structure"]
+__all__ = ["SnapshotPlan", "exact_key", "resolve", "structure"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -32,6 +32,7 @@ class SnapshotPlan:
         self.rank, self.world_size = rank, world_size
         self.kept: list[WriteItem] = []
         self.key: tuple | None = None
+        self.blobs: dict[str, tuple[Any, bytes]] = {}  # fqn -> (exact key of a primitive value, its bytes)
 
     def items(self, planner: DefaultSavePlanner) -> list[WriteItem]:
         """The write items this rank snapshots: DCP's local plan of ``planner``'s state_dict less the
@@ -71,14 +72,27 @@ def structure(state_dict: dict[str, Any]) -> tuple | None:
     return tuple(key)
 
 
-def resolve(planner: DefaultSavePlanner, item: WriteItem) -> torch.Tensor | io.BytesIO:
+def resolve(
+    planner: DefaultSavePlanner, item: WriteItem, blobs: dict[str, tuple[Any, bytes]] | None = None
+) -> torch.Tensor | io.BytesIO:
     """``planner.resolve_data(item)``, with a plain tensor or a DTensor's local shard looked up
     directly (what DCP's lookup does for them, without its per-item search), and a non-tensor
     value in ``torch.save``'s legacy format: a snapshot lives for minutes, and a small value's
-    zip container costs several times its pickling (``torch.load`` reads either format)."""
+    zip container costs several times its pickling (``torch.load`` reads either format).
+
+    ``blobs``: the bytes of each primitive value (a number, string, bytes, ``None`` or a tuple of
+    them: an optimizer's hyperparameters, packed states) serialized before, reused while the value
+    is exactly the same (:func:`exact_key`); a step changes few of them (the learning rate)."""
     if item.type == WriteItemType.BYTE_IO:
+        obj = planner.lookup_object(item.index)
+        key = exact_key(obj) if blobs is not None else None
+        known = blobs.get(item.index.fqn) if blobs is not None and key is not None else None
+        if known is not None and known[0] == key:
+            return io.BytesIO(known[1])
         buf = io.BytesIO()
-        torch.save(planner.lookup_object(item.index), buf, _use_new_zipfile_serialization=False)
+        torch.save(obj, buf, _use_new_zipfile_serialization=False)
+        if blobs is not None and key is not None:
+            blobs[item.index.fqn] = (key, buf.getvalue())
         buf.seek(0)
         return buf
     value = planner.state_dict.get(item.index.fqn)
@@ -87,3 +101,20 @@ def resolve(planner: DefaultSavePlanner, item: WriteItem) -> torch.Tensor | io.B
     if isinstance(value, torch.Tensor) and type(value) in _PLAIN:
         return value
     return planner.resolve_data(item)
+
+
+_SCALARS = (bool, int, str, bytes, type(None))
+
+
+def exact_key(obj: Any) -> Any:
+    """A hashable key equal for two values only if they serialize alike: the type with the value
+    (a float by its ``hex()``: ``0.0 == -0.0``), recursively for tuples; ``None`` for any other value."""
+    kind = type(obj)
+    if kind in _SCALARS:
+        return (kind, obj)
+    if kind is float:
+        return (kind, obj.hex())
+    if kind is tuple:
+        parts = tuple(exact_key(x) for x in obj)
+        return None if None in parts else (kind, parts)
+    return None

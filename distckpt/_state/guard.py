@@ -72,12 +72,14 @@ class MutationGuard:
 
 
 def deferrable(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> set[int]:
-    """The storage addresses (``untyped_storage().data_ptr()``) a :class:`MutationGuard` protects:
-    the parameters' (the local shard of a DTensor), the optimizer state's tensors and the
-    persistent buffers'. A tensor of a state_dict whose storage is among them may be copied while
-    the next step runs; any other must be copied before the step goes on."""
+    """The data addresses (``data_ptr()``; a DTensor's local shard's) of the tensors a
+    :class:`MutationGuard` protects: the parameters, the optimizer state's tensors and the
+    persistent buffers. A state_dict tensor at one of them (the same view: DCP's SHARDED
+    state_dict holds these tensors, or views of them from their start) may be copied while the
+    next step runs; any other, even another view of a protected storage, is copied before the
+    step goes on."""
     tensors: list[torch.Tensor] = [*model.parameters()]
     tensors += [b for module in model.modules() for b in own_persistent_buffers(module)]
     if optimizer is not None:
         tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {local_tensor(t).untyped_storage().data_ptr() for t in tensors}
+    return {local_tensor(t).data_ptr() for t in tensors}

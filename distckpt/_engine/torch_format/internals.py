@@ -20,6 +20,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 # A view of a shard's bytes at DCP's storage offsets, exactly as DCP's own reader narrows them.
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
+# FSDP1's sharded tensor type (no public alias): DCP flattens nested ones in a second walk.
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
 # DCP's flattening of nested state_dicts (the keys its metadata holds) and the setter its
 # planner uses to put a loaded non-tensor value back in place.
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -34,6 +37,7 @@ __all__ = [
     "FORMAT_TESTED_TORCH",
     "FakeTensorMode",
     "own_persistent_buffers",
+    "ShardedTensor",
     "StorageInfo",
     "StorageReaderTransforms",
     "default_store",
@@ -97,7 +101,7 @@ def own_persistent_buffers(module: Any) -> list[Any]:
     torch keeps the names registered with ``persistent=False`` in the private
     ``_non_persistent_buffers_set`` and has no public query for it."""
     skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
-    return [b for n, b in module.named_buffers(recurse=False) if b is not None and n not in skip]
+    return [b for n, b in module._buffers.items() if b is not None and n not in skip]
 
 
 def local_tensor(tensor: Any) -> Any:
