@@ -147,3 +147,39 @@ def test_the_guard_finds_each_dtensors_local_storage_without_to_local():
     # local_tensor reads a DTensor's shard directly (no autograd call): the same storage and values.
     for out in values(run_ranks(_protected_storages, 2, {})):
         assert out == {"same_storages": True, "same_values": True, "plain": True}
+
+
+def _cached_state_dict_under_fsdp2(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from distckpt._adapters.state_dict_cache import StateDictCache
+    from distckpt._engine.torch_format.internals import local_tensor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cache = StateDictCache(model, optimizer)
+    same = []
+    for _ in range(3):
+        model(torch.randn(2, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        got_m, got_o = cache.get(lambda: get_state_dict(model, [optimizer]))
+        want_m, want_o = get_state_dict(model, [optimizer])
+        same.append(
+            list(got_m) == list(want_m)
+            and all(local_tensor(got_m[k]).data_ptr() == local_tensor(want_m[k]).data_ptr() for k in want_m)
+            and all(got_m[k].placements == want_m[k].placements for k in want_m)
+            and all(got_o["state"][k] is want_o["state"][k] for k in want_o["state"])
+            and got_o["param_groups"] == want_o["param_groups"]
+        )
+    return {"same": same, "hits": cache.hits}
+
+
+def test_the_state_dict_cache_under_fsdp2_hands_out_dcps_sharded_state_dict():
+    # FSDP2's state_dict pre-hook (reshard) runs at each hit; the DTensors are the live shards.
+    for out in values(run_ranks(_cached_state_dict_under_fsdp2, 2, {})):
+        assert out == {"same": [True, True, True], "hits": 2}
