@@ -115,6 +115,9 @@ def _raw_load(path: str, model: Any, opt: Any) -> None:
             f.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
+_STEADY: dict[str, Any] = {}  # --steady: one manager per implementation for every round of the process
+
+
 def _tc_manager() -> Any:
     from torch_checkpointing import CheckpointManager as TcManager
     from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
@@ -138,11 +141,12 @@ def _peer_save(impl: str, path: str, model: Any, opt: Any) -> None:
     else:
         # Synchronous save (the blocking time, as for the others); its default layout is one
         # torch.save file per item and rank.
-        manager = _tc_manager()
+        manager = _STEADY.get(impl) or _tc_manager()
         try:
             manager.save(path, {"model": model.state_dict(), "optim": opt.state_dict()})
         finally:
-            manager.close()
+            if manager is not _STEADY.get(impl):
+                manager.close()
 
 
 def _peer_load(impl: str, path: str, model: Any, opt: Any) -> None:
@@ -164,7 +168,8 @@ def _peer_load(impl: str, path: str, model: Any, opt: Any) -> None:
             manager.close()
 
 
-def _save(impl: str, path: str, model: Any, opt: Any) -> None:
+def _save(impl: str, path: str, model: Any, opt: Any, step: int | None = None) -> None:
+    """``step``: --steady, the ``step``-th save of one long-lived manager (one root, ``keep_last=1``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -180,9 +185,14 @@ def _save(impl: str, path: str, model: Any, opt: Any) -> None:
     config = CheckpointConfig(
         root=path,
         schedule=ScheduleConfig(interval_steps=None),
-        retention=RetentionConfig(keep_last=None),
+        retention=RetentionConfig(keep_last=None if step is None else 1),
         coordination=CoordinationConfig(lock=False),
     )
+    if step is not None:
+        if impl not in _STEADY:
+            _STEADY[impl] = CheckpointManager(config, model=model, optimizer=opt)
+        _STEADY[impl].save(step)
+        return
     with CheckpointManager(config, model=model, optimizer=opt) as manager:
         manager.save(1)
 
@@ -221,17 +231,20 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     model, opt = _build(spec)
     expected = _snapshot(model, opt)
     out: dict[str, Any] = {}
-    for _ in range(spec.get("rounds", 1)):  # rounds interleave the implementations; the best counts
+    if spec.get("steady"):
+        _STEADY.update({"torch_checkpointing": _tc_manager()} if "torch_checkpointing" in spec["order"] else {})
+    for r in range(spec.get("rounds", 1)):  # rounds interleave the implementations; the best counts
         for impl in spec["order"]:
             if spec["reshard"] and impl not in IMPLS:
                 continue  # the peers write per-rank files with no resharding
             path = f"{spec['dir']}/{impl}"
+            steady = r + 1 if spec.get("steady") and impl == "distckpt" else None
             if not spec["reshard"]:
-                if rank == 0:
+                if rank == 0 and steady is None:
                     shutil.rmtree(path, ignore_errors=True)  # the previous round's checkpoint
                 dist.barrier()
                 t0 = time.perf_counter()
-                _save(impl, path, model, opt)
+                _save(impl, path, model, opt, steady)
                 dist.barrier()
                 out[f"{impl}_save_s"] = min(time.perf_counter() - t0, out.get(f"{impl}_save_s", math.inf))
             _perturb(model, opt)
@@ -242,6 +255,9 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
             out[f"{impl}_load_s"] = min(time.perf_counter() - t0, out.get(f"{impl}_load_s", math.inf))
             same = all(torch.equal(a, b) for a, b in zip(_snapshot(model, opt), expected, strict=True))
             out[f"{impl}_bitwise"] = same and out.get(f"{impl}_bitwise", True)
+    for manager in _STEADY.values():
+        manager.close()
+    _STEADY.clear()
     return out
 
 
@@ -267,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also time torch-checkpointing (extra bench-peers; skipped with a note when absent), "
         "plain torch.save/torch.load and a raw write/read of the same bytes",
     )
+    p.add_argument(
+        "--steady",
+        action="store_true",
+        help="save as a training job does: one manager for every round (distckpt: steps 1, 2, ... into one "
+        "root, keep_last=1; torch-checkpointing: one manager); loads stay a new manager each (a restart)",
+    )
     args = p.parse_args(argv)
     out, data = prepare_dirs(args)
     started = time.perf_counter()
@@ -288,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                 "order": order,
                 "reshard": False,
                 "rounds": args.rounds,
+                "steady": args.steady,
             }
             runs = [(ws, "same", spec)]
             if ws == 2 and 1 in args.world_sizes:

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from typing_extensions import override
 
 from .._errors import CheckpointCorruptError
@@ -157,7 +158,14 @@ class SafeFileSystemReader(FileSystemReader):
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that loads non-tensor items with ``torch.load(weights_only=True)``
-    (numpy scalars and arrays admitted: :func:`distckpt._ondisk.safe_values.load_value`)."""
+    (numpy scalars and arrays admitted: :func:`distckpt._ondisk.safe_values.load_value`), and plans
+    a load of whole tensors without DCP's overlap search (:func:`whole_tensor_load_plan`)."""
+
+    @override
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None  # set_up_planner's
+        plan = whole_tensor_load_plan(self.state_dict, self.metadata)
+        return plan if plan is not None else super().create_local_plan()
 
     @override
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
@@ -172,3 +180,52 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def whole_tensor_load_plan(state_dict: dict[str, Any], metadata: dcp_metadata.Metadata) -> LoadPlan | None:
+    """DCP's local load plan of the flat ``state_dict`` where its keys are exactly ``metadata``'s and
+    every tensor is a plain one saved whole, as one chunk at offset 0 (an unsharded model, its
+    optimizer state): one ``ReadItem`` per key, equal to the one ``create_default_local_load_plan``
+    makes, built directly instead of by intersecting chunk lists (microseconds per item). ``None``
+    for anything else: DCP plans it, with its errors and its reading of keys the target lacks
+    (a checkpoint of torch 2.3's flattening, a partial load), a DTensor, a shard, a size mismatch."""
+    saved = metadata.state_dict_metadata
+    if len(saved) != len(state_dict):
+        return None
+    requests: list[ReadItem] = []
+    for fqn, obj in state_dict.items():
+        md = saved.get(fqn)
+        if md is None:
+            return None
+        if isinstance(md, dcp_metadata.BytesStorageMetadata):
+            if isinstance(obj, torch.Tensor):
+                return None
+            index = dcp_metadata.MetadataIndex(fqn)
+            requests.append(ReadItem(LoadItemType.BYTE_IO, index, _ZERO, index, _ZERO, _ZERO))
+            continue
+        if type(obj) not in _PLAIN or len(md.chunks) != 1:
+            return None
+        chunk = md.chunks[0]
+        size = obj.size()
+        if size != md.size or chunk.sizes != size or any(chunk.offsets):
+            return None
+        if 0 in size:
+            continue  # no overlap: DCP plans no read of an empty tensor
+        offsets = chunk.offsets
+        requests.append(
+            ReadItem(
+                LoadItemType.TENSOR,
+                dcp_metadata.MetadataIndex(fqn, offsets, 0),
+                offsets,
+                dcp_metadata.MetadataIndex(fqn, offsets, 0),
+                offsets,
+                size,
+            )
+        )
+    return LoadPlan(requests)
+
+
+_ZERO = torch.Size((0,))

@@ -1,13 +1,16 @@
-"""DCP's ``DefaultSavePlanner`` with its global step reused while the local plans repeat.
+"""DCP's ``DefaultSavePlanner`` with its local and global steps reused while the structure repeats.
 
-A training job saves the same structure every time, yet DCP's coordinator rebuilds the global
-plan (dedup, ``create_default_global_save_plan``, validation) and the ``Metadata`` of every item
-at each save: several Python objects per tensor, most of the planning time of a state of many
-small tensors. That step is a pure function of the ranks' local plans, so
-:class:`CachingSavePlanner` keeps its result per process and reuses it when every local plan
-compares equal to the cached ones (full dataclass equality: keys, chunks, sizes, dtypes,
-``requires_grad``, pinning, the flattening map). Unlike DCP's own ``enable_plan_caching``, whose
-comparison skips the tensor properties, a dtype change is a new plan here.
+A training job saves the same structure every time, yet DCP rebuilds its local plan (a
+``WriteItem`` with its chunk and ``TensorProperties`` per tensor) and, on the coordinator, the
+global plan (dedup, ``create_default_global_save_plan``, validation) and the ``Metadata`` of every
+item at each save: several Python objects per tensor, most of the planning time of a state of many
+small tensors. Both are pure functions of their inputs, so :class:`CachingSavePlanner` keeps them
+per process: the local plan while :func:`plan_key` of the flat state_dict repeats (everything
+DCP's planning reads of each value), the global plan while every local plan compares equal to the
+cached ones (full dataclass equality: keys, chunks, sizes, dtypes, ``requires_grad``, pinning, the
+flattening map; an identity check per item when they are the cached local plan's items). Unlike
+DCP's own ``enable_plan_caching``, whose comparison skips the tensor properties, a dtype change is
+a new plan here.
 
 The cached ``Metadata`` is also compacted once (:func:`compact_metadata`): equal
 ``TensorProperties`` and ``torch.Size`` values become one shared object each, which ``pickle``
@@ -21,16 +24,53 @@ import dataclasses
 import threading
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from .torch_format.internals import ShardedTensor, flatten_state_dict
+from .torch_format.internals import ShardedTensor, flatten_state_dict, local_tensor
 
-__all__ = ["CachingSavePlanner", "LeanSavePlanner", "compact_metadata"]
+__all__ = ["CachingSavePlanner", "LeanSavePlanner", "compact_metadata", "plan_key"]
 
 _CACHED = 4  # distinct structures kept per process (a model and its EMA copy, a memory tier)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def plan_key(state_dict: dict[str, Any]) -> list[Any] | None:
+    """Everything DCP's local save plan of the flat ``state_dict`` depends on (``_create_write_items``
+    and ``TensorProperties.create_from_tensor``): each key in order, with its tensor's shape, dtype,
+    layout, ``requires_grad`` and pinning, and a DTensor's mesh and placements; a
+    non-tensor value by its key alone (planned as bytes, whatever its value). ``None`` (never
+    reused) for any other tensor type or an object with its own ``__create_write_items__``
+    (FSDP1's ``ShardedTensor``, a DTensor over a tensor subclass)."""
+    key: list[Any] = []
+    for fqn, value in state_dict.items():
+        kind = type(value)
+        if kind in _PLAIN:
+            key.append((fqn, value.shape, value.dtype, value.layout, value.requires_grad, value.is_pinned()))
+        elif kind is DTensor:
+            local = local_tensor(value)
+            if type(local) not in _PLAIN:
+                return None
+            key.append(
+                (
+                    fqn,
+                    value.shape,
+                    value.dtype,
+                    value.requires_grad,
+                    value.device_mesh,
+                    value.placements,
+                    local.is_pinned(),
+                )
+            )
+        elif isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
+            return None
+        else:
+            key.append(fqn)
+    return key
 
 
 def compact_metadata(metadata: Metadata) -> Metadata:
@@ -81,6 +121,24 @@ class CachingSavePlanner(LeanSavePlanner):
 
     _lock = threading.Lock()
     _cache: list[tuple[list[SavePlan], list[SavePlan], Metadata]] = []
+    _local: list[tuple[list[Any], SavePlan]] = []
+
+    @override
+    def create_local_plan(self) -> SavePlan:
+        """DCP's local plan, reused while :func:`plan_key` of the flat state_dict repeats (the same
+        item objects: the coordinator's comparison of an unchanged plan is then an identity check)."""
+        key = plan_key(self.state_dict)
+        with CachingSavePlanner._lock:
+            hit = next((p for k, p in CachingSavePlanner._local if k == key), None) if key is not None else None
+        if hit is None:
+            plan = super().create_local_plan()
+            if key is not None:
+                with CachingSavePlanner._lock:
+                    CachingSavePlanner._local[: max(0, len(CachingSavePlanner._local) - _CACHED + 1)] = []
+                    CachingSavePlanner._local.append((key, plan))
+            return plan
+        self.plan = dataclasses.replace(hit, planner_data=self.mappings) if self.flatten_state_dict else hit
+        return self.plan
 
     @override
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:

@@ -13,10 +13,11 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from .._engine.save_planner import plan_key
 from .._engine.torch_format.internals import local_tensor
 from .placement import assign_replicated
 
-__all__ = ["SnapshotPlan", "exact_key", "resolve", "structure"]
+__all__ = ["SnapshotPlan", "exact_key", "resolve"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -31,7 +32,7 @@ class SnapshotPlan:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.kept: list[WriteItem] = []
-        self.key: tuple | None = None
+        self.key: list[Any] | None = None
         self.blobs: dict[str, tuple[Any, bytes]] = {}  # fqn -> (exact key of a primitive value, its bytes)
 
     def items(self, planner: DefaultSavePlanner) -> list[WriteItem]:
@@ -40,7 +41,7 @@ class SnapshotPlan:
         The plan is a function of the state_dict's structure alone (keys; each tensor's shape, dtype
         and DTensor layout), which a training job keeps from step to step: it is reused while that
         structure repeats, as DCP's ``enable_plan_caching`` reuses a save plan."""
-        key = structure(planner.state_dict)
+        key = plan_key(planner.state_dict)
         if key is not None and key == self.key:
             return self.kept
         items = planner.create_local_plan().items
@@ -53,23 +54,6 @@ class SnapshotPlan:
         self.kept = [i for i in items if i.type != WriteItemType.TENSOR or owner[i.index.fqn] == self.rank]
         self.key = key
         return self.kept
-
-
-def structure(state_dict: dict[str, Any]) -> tuple | None:
-    """What DCP's local save plan of the flat ``state_dict`` depends on: each key with its tensor's
-    shape and dtype (and a DTensor's mesh and placements); ``None`` (never reused) when a value is
-    another tensor subclass (FSDP1's ``ShardedTensor``: its local shards would have to be compared)."""
-    key: list[Any] = []
-    for fqn, value in state_dict.items():
-        if isinstance(value, DTensor):
-            key.append((fqn, value.shape, value.dtype, id(value.device_mesh), value.placements))
-        elif type(value) in _PLAIN:
-            key.append((fqn, value.shape, value.dtype))
-        elif isinstance(value, torch.Tensor):
-            return None
-        else:
-            key.append(fqn)  # written as bytes: the plan does not depend on the value
-    return tuple(key)
 
 
 def resolve(

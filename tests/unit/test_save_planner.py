@@ -85,3 +85,44 @@ def test_compacted_metadata_pickles_smaller_and_unpickles_equal(tmp_path):
     assert pickle.loads(compact) == pickle.loads(plain)
     entries = list(metadata.state_dict_metadata.values())
     assert all(e.properties is entries[0].properties and e.size is entries[0].size for e in entries)
+
+
+def _local_plan(state: dict[str, object]) -> object:
+    planner = CachingSavePlanner()
+    planner.set_up_planner(state, is_coordinator=True)
+    return planner.create_local_plan()
+
+
+def _dcp_local_plan(state: dict[str, object]) -> object:
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, is_coordinator=True)
+    return planner.create_local_plan()
+
+
+def test_a_repeated_structure_reuses_the_local_plans_items_and_any_change_of_what_dcp_plans_from_is_a_miss():
+    state = _state(torch.float32)
+    key = next(k for k in state if k != "step")
+    first = _local_plan(state)
+    assert first == _dcp_local_plan(state)
+    state[key]["t1"].mul_(3.0)  # values only
+    state["step"] = 8  # a bytes item's value: not planned from
+    again = _local_plan(state)
+    assert again == _dcp_local_plan(state)
+    assert all(a is b for a, b in zip(again.items, first.items)), (
+        "the same items, so the coordinator compares identities"
+    )
+    changes = {
+        "dtype": lambda t: t.double(),
+        "shape": lambda t: t.reshape(-1),
+        "requires_grad": lambda t: t.clone().requires_grad_(True),
+    }
+    for what, change in changes.items():
+        changed = {key: dict(state[key], t2=change(state[key]["t2"])), "step": 8}
+        plan = _local_plan(changed)
+        assert plan == _dcp_local_plan(changed), what
+        assert plan.items[2] is not first.items[2], what
+    renamed = {key: {("u" + k if k == "t3" else k): v for k, v in state[key].items()}, "step": 8}
+    assert _local_plan(renamed) == _dcp_local_plan(renamed)
+    moved = {"other": state[key], "step": 8}  # the same flat keys under another nesting: new mappings
+    plan = _local_plan(moved)
+    assert plan == _dcp_local_plan(moved) and plan.planner_data == _dcp_local_plan(moved).planner_data
