@@ -213,6 +213,10 @@ class ModelOptimState:
         # the save) stays stateless, as it was: DCP's strict load refuses a trainable parameter
         # without state, so it is loaded as not requiring grad (restored afterwards).
         stateless = self._stateless_at_save(optim_sd)
+        # DCP's split of the loaded optimizer state_dict looks each FQN up in every loaded group's
+        # params list, a list scan per parameter (quadratic: 0.1 s at 4,000 parameters).
+        groups = [dict(g, params=_ParamIds(g["params"])) for g in optim_sd.get("param_groups", [])]
+        optim_sd = dict(optim_sd, param_groups=groups)
         for p in stateless:
             p.requires_grad_(False)
         try:
@@ -248,7 +252,7 @@ class ModelOptimState:
 
 
 class _ParamIds(list):
-    """A saved param group's ``params`` (ids) with a constant-time ``in``."""
+    """A saved param group's ``params`` (ids or FQNs) with a constant-time ``in``; never mutated."""
 
     def __init__(self, ids: Any) -> None:
         super().__init__(ids)

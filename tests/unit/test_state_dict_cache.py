@@ -238,3 +238,27 @@ def test_the_lean_planner_plans_what_dcps_default_planner_plans() -> None:
     default.set_up_planner(state, is_coordinator=True)
     assert lean.create_local_plan() == default.create_local_plan()
     assert lean.mappings == default.mappings and lean.flatten_sharded_tensors and lean.flatten_state_dict
+
+
+def test_the_loaded_param_groups_reach_dcps_split_with_constant_time_membership(monkeypatch: Any) -> None:
+    # DCP's _split_optim_state_dict runs `fqn in group["params"]` per parameter and group: with
+    # plain lists that is quadratic in the parameter count.
+    import distckpt._adapters.model_optim as model_optim
+
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optimizer)
+    state = model_optim.ModelOptimState(model, optimizer)
+    model_sd, optim_sd = state.target_for_load()
+    seen: list[Any] = []
+    real = model_optim.set_state_dict
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.extend(g["params"] for g in kwargs["optim_state_dict"]["param_groups"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_optim, "set_state_dict", spy)
+    with state.load_context():
+        state.apply(model_sd, optim_sd)
+    assert seen and all(type(p).__contains__ is not list.__contains__ for p in seen)
+    assert all(list(p) == list(g["params"]) for p, g in zip(seen, optim_sd["param_groups"]))
