@@ -1,10 +1,13 @@
 """The memory tier's snapshot plan: the write items of DCP's local save plan of the state_dict
 that a rank snapshots, each replicated tensor kept by one rank per job. The plan is a function of
 the state_dict's structure alone, which a training job keeps from step to step, so it is reused
-while that structure repeats (as DCP's ``enable_plan_caching`` reuses a save plan)."""
+while that structure repeats (as DCP's ``enable_plan_caching`` reuses a save plan). Also what the
+training thread takes at the snapshot before the worker thread lays it out: copies of what the
+mutation guard does not protect (:func:`take_unguarded`)."""
 
 from __future__ import annotations
 
+import copy
 import io
 from typing import Any
 
@@ -14,10 +17,10 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
 from .._engine.save_planner import plan_key
-from .._engine.torch_format.internals import local_tensor
+from .._engine.torch_format.internals import ShardedTensor, local_tensor
 from .placement import assign_replicated
 
-__all__ = ["SnapshotPlan", "exact_key", "resolve"]
+__all__ = ["SnapshotPlan", "exact_key", "resolve", "take_unguarded"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -102,3 +105,25 @@ def exact_key(obj: Any) -> Any:
         parts = tuple(exact_key(x) for x in obj)
         return None if None in parts else (kind, parts)
     return None
+
+
+def take_unguarded(flat: dict[str, Any], protected: set[int]) -> bool:
+    """Replace, in the flat state_dict ``flat``, each tensor whose data the mutation guard does not
+    protect (``protected``: addresses) by a copy, and each value other than a tensor or a primitive
+    (:func:`exact_key`) by a deep copy: the next step may change them before
+    the worker reads them. Returns whether any tensor is on CUDA."""
+    cuda = False
+    for fqn, value in flat.items():
+        if isinstance(value, ShardedTensor):  # FSDP1's: views into its flat parameters
+            for shard in value.local_shards():
+                cuda = cuda or shard.tensor.is_cuda
+                if shard.tensor.untyped_storage().data_ptr() not in protected:
+                    shard.tensor = shard.tensor.detach().clone()  # a state_dict's own ShardedTensor
+        elif isinstance(value, torch.Tensor):
+            cuda = cuda or value.is_cuda
+            data = local_tensor(value)
+            if data.numel() and data.data_ptr() not in protected:
+                flat[fqn] = value.detach().clone()
+        elif not isinstance(value, bytes) and exact_key(value) is None:
+            flat[fqn] = copy.deepcopy(value)
+    return cuda

@@ -43,7 +43,7 @@ from .._state.guard import deferrable
 from .._state.training_state import CheckpointState, TrainState
 from .cleanup import job_dirs, reclaim_dir, remove_if_empty
 from .placement import NodeLayout, file_system_type, launch_id, memory_dir
-from .plan import SnapshotPlan, resolve
+from .plan import SnapshotPlan, resolve, take_unguarded
 from .snapfile import ALIGN, PREAMBLE, SlotFile, SnapshotHeader, data_hash, read_header, snapshot_name
 
 __all__ = ["MemoryTier", "estimate_bytes"]
@@ -221,30 +221,28 @@ class MemoryTier:
     def snapshot(self, step: int, build: Callable[[], dict[str, Any]]) -> None:
         """Snapshot the state ``build()`` returns (the durable save's state_dict) as step ``step``.
 
+        The training thread builds and flattens the state_dict, copies what the mutation guard does
+        not protect (a tensor that is neither a parameter, a persistent buffer nor optimizer
+        state; a non-primitive value), and hands the rest to the worker thread: planning, laying
+        out, serialising the small values and copying the tensors, while the next step runs
+        (``optimizer.step()`` and a buffered module's forward wait for the copy: ``guard``).
+
         Waits for the previous snapshot's background work first. Never raises for a snapshot that
         cannot be written (a full file system): a warning, and the step is skipped on this rank
         (training and the durable tier go on); its replication round still runs, so peers never wait.
         """
         t0 = time.perf_counter()
         self.wait()
-        protected = self.protected()  # the tensors the mutation guard protects: copied in the background
+        protected = self.protected()  # the tensors the mutation guard protects: read by the worker
         if not os.path.isdir(self.dir):
             self._recreate()
         planner = LeanSavePlanner()
         planner.set_up_planner(build(), is_coordinator=self.rank == 0)
-        kept = self._plan.items(planner)
-        slot_index = 1 - self._newest.get(self.rank, 1)
-        slot = self._own[slot_index]
-        header: SnapshotHeader | None = None
-        deferred: list[tuple[torch.Tensor, int, int]] = []
-        try:
-            header, deferred = self._copy(step, planner, kept, slot, protected)
-        except OSError as e:
-            logger.warning("memory tier: snapshot of step %d skipped on rank %d: %s", step, self.rank, e)
+        cuda = take_unguarded(planner.state_dict, protected)
         # The step's CUDA work must be done before the side stream copies what it computed.
-        event = torch.cuda.current_stream().record_event() if any(v.is_cuda for v, _, _ in deferred) else None
+        event = torch.cuda.current_stream().record_event() if cuda else None
         self._copied = threading.Event()
-        self._pending = _in_background(self._finish, step, slot_index if header else None, header, deferred, event)
+        self._pending = _in_background(self._finish, step, planner, event)
         self.last_stall_s = time.perf_counter() - t0
 
     def _recreate(self) -> None:
@@ -258,11 +256,11 @@ class MemoryTier:
         self._replica = {s: [SlotFile(self._partial("replica", s, k)) for k in range(2)] for s in self.sources}
         self._newest = {}
 
-    def _copy(
-        self, step: int, planner: DefaultSavePlanner, items: list, slot: SlotFile, protected: set[int]
+    def _lay_out(
+        self, step: int, planner: DefaultSavePlanner, items: list, slot: SlotFile
     ) -> tuple[SnapshotHeader, list[tuple[torch.Tensor, int, int]]]:
-        """Lay out ``items`` in ``slot`` and copy all but the tensors whose data is ``protected`` (the
-        mutation guard's addresses: returned as ``(tensor, offset, bytes)`` for the background copy)."""
+        """Lay out ``items`` in ``slot``, write the small values, and return the header and the
+        tensors to copy as ``(tensor, offset, bytes)``."""
         data: list[tuple[Any, int, int]] = []
         rows: list[list[Any]] = []
         offset = PREAMBLE
@@ -291,16 +289,14 @@ class MemoryTier:
             offset += -(-nbytes // ALIGN) * ALIGN
         slot.rename(self._partial("own", self.rank, self._own.index(slot)))  # no longer complete
         slot.reserve(offset + 64 * len(rows) + 4096)  # room for the header: the mapping is never redone
-        deferred: list[tuple[torch.Tensor, int, int]] = []
+        tensors: list[tuple[torch.Tensor, int, int]] = []
         for value, at, nbytes in data:
             if isinstance(value, bytes):
                 view = slot.view(at, nbytes)
                 view[:] = value
                 view.release()
-            elif nbytes and value.data_ptr() in protected:
-                deferred.append((value, at, nbytes))
             elif nbytes:
-                _copy_tensors(slot, [(value, at, nbytes)], None)
+                tensors.append((value, at, nbytes))
         header = SnapshotHeader(
             self.job,
             self.gen,
@@ -313,7 +309,7 @@ class MemoryTier:
             rows,
             self.launch_id,
         )
-        return header, deferred
+        return header, tensors
 
     def wait_copied(self) -> None:
         """Block until the in-flight snapshot's tensors are copied (the mutation guard calls it before
@@ -322,17 +318,26 @@ class MemoryTier:
         if copied is not None:
             copied.wait()
 
-    def _finish(
-        self,
-        step: int,
-        slot_index: int | None,
-        header: SnapshotHeader | None,
-        deferred: list[tuple[torch.Tensor, int, int]],
-        event: Any,
-    ) -> None:
+    def _finish(self, step: int, planner: DefaultSavePlanner, event: Any) -> None:
+        """The worker's part of a snapshot: lay out and copy (then release the guard), seal the file,
+        run the replication round."""
+        slot_index: int | None = 1 - self._newest.get(self.rank, 1)
+        header: SnapshotHeader | None = None
         try:
-            if slot_index is not None:
-                _copy_tensors(self._own[slot_index], deferred, event)
+            assert slot_index is not None
+            slot = self._own[slot_index]
+            try:
+                header, tensors = self._lay_out(step, planner, self._plan.items(planner), slot)
+                _copy_tensors(slot, tensors, event)
+            except Exception as e:  # noqa: BLE001 - the peers wait for this rank's replication round
+                logger.warning(
+                    "memory tier: snapshot of step %d skipped on rank %d: %s",
+                    step,
+                    self.rank,
+                    e,
+                    exc_info=not isinstance(e, OSError),
+                )
+                slot_index = None
         finally:
             if self._copied is not None:
                 self._copied.set()

@@ -73,13 +73,18 @@ class MutationGuard:
 
 def deferrable(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> set[int]:
     """The data addresses (``data_ptr()``; a DTensor's local shard's) of the tensors a
-    :class:`MutationGuard` protects: the parameters, the optimizer state's tensors and the
-    persistent buffers. A state_dict tensor at one of them (the same view: DCP's SHARDED
-    state_dict holds these tensors, or views of them from their start) may be copied while the
-    next step runs; any other, even another view of a protected storage, is copied before the
-    step goes on."""
+    :class:`MutationGuard` protects, and of their storages: the parameters, the optimizer state's
+    tensors and the persistent buffers. A state_dict tensor starting at one of them (DCP's SHARDED
+    state_dict holds these tensors or views of them), or an FSDP1 shard whose storage starts at
+    one, may be copied while the next step runs; any other is copied before the step goes on."""
     tensors: list[torch.Tensor] = [*model.parameters()]
     tensors += [b for module in model.modules() for b in own_persistent_buffers(module)]
     if optimizer is not None:
         tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {local_tensor(t).data_ptr() for t in tensors}
+    addresses = set()
+    for t in map(local_tensor, tensors):
+        start = t.data_ptr()
+        addresses.add(start)
+        # and its storage's start: FSDP1's state_dict shards are views into its flat parameters
+        addresses.add(start - t.storage_offset() * t.element_size())
+    return addresses

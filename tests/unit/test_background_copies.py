@@ -121,3 +121,51 @@ def test_a_snapshot_after_the_state_dict_changes_shape_holds_the_new_state(tmp_p
     restarted.close()
     release_workers(loader)
     release_workers(loader2)
+
+
+class _Counts:
+    """Extra state the mutation guard does not protect: a tensor and a list the loop changes in place."""
+
+    def __init__(self) -> None:
+        self.seen, self.ids = torch.zeros(3), [1, 2]
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen, "ids": self.ids}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.seen, self.ids = sd["seen"].clone(), list(sd["ids"])
+
+
+def test_what_the_guard_does_not_protect_is_taken_at_the_snapshot_before_the_loop_changes_it(tmp_path, monkeypatch):
+    # The worker lays the snapshot out after maybe_save returned; held back here until the loop
+    # has changed the unguarded values in place, it must still write the snapshot's.
+    import threading
+
+    go = threading.Event()
+    real = tier_module.MemoryTier._lay_out
+
+    def held(self, *args, **kwargs):
+        assert go.wait(30)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(tier_module.MemoryTier, "_lay_out", held)
+    memory = {"enabled": True, "dir": str(tmp_path / "mem"), "replicas": 0, "interval_steps": 1}
+    counts = _Counts()
+    model, optimizer, scheduler, scaler, loader = build(0, 1, {})
+    config = CheckpointConfig(root=str(tmp_path / "root"), schedule={"interval_steps": 1000}, memory=memory)
+    manager = CheckpointManager(config, model=model, optimizer=optimizer, extra_state={"counts": counts})
+    optimizer_step(model, optimizer, scheduler, scaler, next(iter(loader)))
+    manager.maybe_save(1)
+    counts.seen.add_(5.0)  # the next step changes them before the worker reads them
+    counts.ids.append(3)
+    go.set()
+    manager.memory.wait()
+    crash(manager)
+
+    again = _Counts()
+    model2, optimizer2, *_ = build(0, 1, {})
+    restarted = CheckpointManager(config, model=model2, optimizer=optimizer2, extra_state={"counts": again})
+    assert restarted.load().step == 1 and restarted.loader.tier == "memory"
+    assert torch.equal(again.seen, torch.zeros(3)) and again.ids == [1, 2]
+    restarted.close()
+    release_workers(loader)
