@@ -122,8 +122,9 @@ class Collective:
         rank that finds one lost records it in the arrival counter as a timeout does, writes the
         lost ranks to ``gen/lost`` and sets ``gen/mismatch``, which wakes the others. Cost when
         all ranks arrive together: five small store requests per rank, plus two per ``POLL_S``
-        waited (three past the first heartbeat period, and two once); a failing check adds two
-        per rank (reading ``gen/ranks`` and looking for ``gen/lost``): O(W) requests in all.
+        waited (three past the first heartbeat period, and two once); a failing check adds one
+        per rank (reading ``gen/ranks``; one more, looking for ``gen/lost``, when no rank made
+        another call): O(W) requests in all.
 
         Raises:
             CollectiveMismatchError: some rank made a different call (within ``POLL_S`` of
@@ -228,7 +229,7 @@ class Collective:
             elif theirs != call:
                 others[global_rank] = theirs
         me = dist.get_global_rank(self.group, self.rank)
-        if store.check([f"{gen}/lost"]):  # a waiting rank took missing ranks for lost (see _wait)
+        if not others and store.check([f"{gen}/lost"]):  # a waiting rank took missing ranks for lost (_wait)
             return self._lost(store.get(f"{gen}/lost").decode(), call, me, missing, others)
         parts = []
         if others:
