@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import time
+import weakref
 from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
@@ -90,6 +91,7 @@ class Collective:
         self.world_size = dist.get_world_size(self.group)
         if liveness_s is not None and self.world_size > 1 and (store := self._store()) is not None:
             self.heartbeat = Heartbeat(store, self.rank, liveness_timeout_s=liveness_s)
+            weakref.finalize(self, self.heartbeat.stop)  # dropped unclosed: this rank will not arrive again
 
     def _store(self) -> Any:
         """The store of the entry checks (under ``distckpt/<group name>/``), ``None`` without one."""
