@@ -28,6 +28,7 @@ from ._errors import (
     ConfigError,
     DistCkptError,
     IncompatibleCheckpointError,
+    RankLostError,
     ReaderInvariantError,
     StorageError,
 )
@@ -61,5 +62,6 @@ __all__ = [
     "CheckpointLockedError",
     "CheckpointSaveError",
     "CollectiveMismatchError",
+    "RankLostError",
     "ReaderInvariantError",
 ]

@@ -397,14 +397,20 @@ class CoordinationConfig:
     (which would leave the process group unusable). Must be below ``timeout_s``. Default
     ``None``: ``timeout_s / 2``."""
     arrival_timeout_s: float | None = None
-    """How long the entry check of ``save`` and ``load`` (also of a ``maybe_save`` that saves)
-    waits for a rank that has not made the call yet (seconds); rank 0 logs the missing ranks every
-    30 s meanwhile. A rank that made another call at that point (another step, ``save`` vs
-    ``load``) makes every rank raise ``CollectiveMismatchError`` within about a second of both
-    calls, whatever this is; a rank still missing after it gives the same error naming it. The
-    check uses the default group's store, not a collective, so the process groups stay usable.
-    Set it lower to name a rank that skipped a call sooner. At most ``timeout_s``. Default
-    ``None``: ``timeout_s`` (earlier versions: ``timeout_s / 5``)."""
+    """How long the entry check of ``save`` and ``load`` (also of a ``maybe_save`` that saves) waits
+    for a rank that has not made the call yet (seconds; one that is gone: ``liveness_timeout_s``);
+    rank 0 logs the missing ranks every 30 s meanwhile. A rank that made another call (another
+    step, ``save`` vs ``load``) makes every rank raise ``CollectiveMismatchError`` within about a
+    second of both calls, whatever this is; a rank still missing after it gives the same error
+    naming it. The check uses the default group's store, not a collective, so the process groups
+    stay usable. At most ``timeout_s``. Default ``None``: ``timeout_s`` (earlier: ``timeout_s / 5``)."""
+    liveness_timeout_s: float | None = 60.0
+    """Seconds without a sign of life after which that entry check stops waiting for a missing
+    rank: every rank's manager bumps a counter on the default group's store every
+    ``liveness_timeout_s / 6`` s (a daemon thread), and the waiting ranks raise ``RankLostError``
+    naming a missing rank whose counter stood still this long (its node lost, its worker killed).
+    A slow rank (a long step, ``torch.compile``) keeps counting; one holding the GIL this long
+    counts as lost. Not below ``arrival_timeout_s``: no effect. ``None``: off. Default ``60``."""
     lock: bool = True
     """Hold ``<root>/.lock`` while the manager is open, so a second job on the same root fails at
     construction (``CheckpointLockedError``). Without the lock the manager does not remove pending
@@ -420,6 +426,7 @@ class CoordinationConfig:
     def __post_init__(self) -> None:
         check_positive("coordination.timeout_s", self.timeout_s)
         check_positive("coordination.lock_lease_s", self.lock_lease_s)
+        check_positive("coordination.liveness_timeout_s", self.liveness_timeout_s, allow_none=True)
         for name, relation, why in (
             ("write_timeout_s", "below", "the other ranks wait for a slow writer at most timeout_s"),
             ("arrival_timeout_s", "at most", "it bounds the wait for a late rank, which timeout_s bounds"),

@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointLockedError",
     "CheckpointSaveError",
     "CollectiveMismatchError",
+    "RankLostError",
     "StorageError",
     "ReaderInvariantError",
 ]
@@ -109,6 +110,32 @@ class CollectiveMismatchError(DistCkptError, RuntimeError):
         self.call = call
         self.missing_ranks = missing_ranks or []
         self.other_calls = other_calls or {}
+
+
+class RankLostError(CollectiveMismatchError):
+    """A rank missing from a collective ``CheckpointManager`` call (``save``, ``load``) shows no
+    sign of life: its liveness counter on the default group's store stood still for
+    ``CheckpointConfig.coordination.liveness_timeout_s`` seconds (its node lost, its worker killed
+    or exited, or it held the GIL that long), so the waiting ranks raise this after about that long
+    instead of waiting ``coordination.arrival_timeout_s``. The job cannot go on without the rank:
+    end it and restart it (torchrun restarts its workers up to ``--max-restarts``; ``load()``
+    then resumes from the newest checkpoint).
+
+    Attributes:
+        lost_ranks: global ranks taken for lost (also in ``missing_ranks``).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        call: str = "",
+        missing_ranks: list[int] | None = None,
+        other_calls: dict[int, str] | None = None,
+        lost_ranks: list[int] | None = None,
+    ) -> None:
+        super().__init__(message, call=call, missing_ranks=missing_ranks, other_calls=other_calls)
+        self.lost_ranks = lost_ranks or []
 
 
 class StorageError(DistCkptError, OSError):

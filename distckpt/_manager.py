@@ -98,7 +98,8 @@ class CheckpointManager:
         self.config = config
         self.store = open_config_store(config)  # a plain path: POSIX; s3://bucket/prefix: S3
         self.root = self.store.root  # a location: str
-        self.collective = Collective(process_group, timeout_s=config.coordination.timeout_s)
+        coord = config.coordination  # liveness_s: a heartbeat, so a save's entry check names a lost rank in seconds
+        self.collective = Collective(process_group, timeout_s=coord.timeout_s, liveness_s=coord.liveness_timeout_s)
         self.rank, self.world_size = self.collective.rank, self.collective.world_size
         self.state = CheckpointState(
             model=model,
@@ -123,7 +124,7 @@ class CheckpointManager:
         self.save_durations = SaveDurations()  # predicts the preemption save (grace window)
         self._closed = False
         self._inflight: BackgroundSave | None = None
-        coord, read_only, mode = config.coordination, not config.save.enabled, config.async_save.mode
+        read_only, mode = not config.save.enabled, config.async_save.mode
         self.background: Collective | None = None  # its own gloo group: never interleaves with the loop's
         self.async_writer: AsyncWriter | None = None
         if mode != "off" and not read_only:
@@ -433,8 +434,8 @@ class CheckpointManager:
             self.vote.uninstall()  # the SIGTERM handler
             if self.lock is not None and self.rank == 0:
                 self.lock.release()
-        for collective in filter(None, (self.background, self.collective) if tear_down else ()):
-            collective.close()
+        for collective in filter(None, (self.background, self.collective)):  # after an exception: no heartbeat
+            collective.close() if tear_down else collective.stop_heartbeat()
 
     def _check_open(self, *, save: bool = False) -> None:
         if self._closed:

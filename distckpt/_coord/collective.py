@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import time
+import weakref
 from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from .. import _errors as errors
 from .._engine.blocking import describe_exception
 from .._engine.torch_format.internals import default_store
+from .liveness import Heartbeat, LivenessWatch
 
 __all__ = ["Collective"]
 
@@ -60,6 +62,9 @@ class Collective:
     Args:
         process_group: the training group whose ranks take part; ``None`` = default group.
         timeout_s: timeout of the gloo group's collectives (seconds).
+        liveness_s: ``coordination.liveness_timeout_s`` (seconds): with several ranks, start this
+            rank's :class:`~distckpt._coord.liveness.Heartbeat` and let :meth:`arrive` stop
+            waiting for a missing rank whose heartbeat stood still that long; ``None``: neither.
 
     Raises:
         ConfigError: ``torch.distributed`` is not initialised but the environment says this is
@@ -67,10 +72,14 @@ class Collective:
             ``process_group`` is passed without an initialised default group.
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None, *, timeout_s: float) -> None:
+    def __init__(
+        self, process_group: dist.ProcessGroup | None, *, timeout_s: float, liveness_s: float | None = None
+    ) -> None:
         self.enabled = dist.is_available() and dist.is_initialized()
         self._arrivals = 0  # entry checks made so far (see arrive)
         self._calls: dict[int, str] = {}  # recent entry checks' calls, for removing their keys
+        self.liveness_s = liveness_s
+        self.heartbeat: Heartbeat | None = None
         if not self.enabled:
             _check_single_process(process_group)
             self.group, self.rank, self.world_size = None, 0, 1
@@ -80,6 +89,18 @@ class Collective:
         self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        if liveness_s is not None and self.world_size > 1 and (store := self._store()) is not None:
+            self.heartbeat = Heartbeat(store, self.rank, liveness_timeout_s=liveness_s)
+            weakref.finalize(self, self.heartbeat.stop)  # dropped unclosed: this rank will not arrive again
+
+    def _store(self) -> Any:
+        """The store of the entry checks (under ``distckpt/<group name>/``), ``None`` without one."""
+        assert self.group is not None  # enabled
+        try:  # no public accessor for the default store in torch 2.13; new_group uses the same one
+            store_of_group = default_store()
+        except (RuntimeError, ValueError):  # a group without a store: the collectives' timeout applies
+            return None
+        return dist.PrefixStore(f"distckpt/{self.group.group_name}/", store_of_group)  # stubs lack append
 
     def arrive(self, call: str, *, timeout_s: float) -> None:
         """Entry check of a collective call: every rank must make the same ``call`` (e.g.
@@ -88,7 +109,9 @@ class Collective:
         A rank that is merely late is waited for up to ``timeout_s`` seconds (rank 0 logs the
         ranks still missing every :data:`LOG_EVERY_S` seconds); a rank that made a different
         call at this point (another step, ``save`` vs ``load``) makes every rank raise within
-        about :data:`POLL_S` seconds of both having arrived, whatever ``timeout_s`` is.
+        about :data:`POLL_S` seconds of both having arrived, whatever ``timeout_s`` is; with
+        ``liveness_s``, a missing rank whose heartbeat stood still for ``liveness_s`` seconds
+        (its process gone) makes every waiting rank raise within about ``POLL_S`` of that.
 
         Protocol, on the default group's key-value store (not a process group, so a rank that
         never comes costs the others ``timeout_s`` and leaves every process group usable): the
@@ -96,24 +119,27 @@ class Collective:
         ``gen/call`` with compare-and-set; the first call there is the reference and a rank
         whose call differs sets ``gen/mismatch`` and raises. The others count themselves into
         ``gen/<call>/arrived`` and wait for ``gen/<call>/done`` (set by the last to arrive) in
-        slices of ``POLL_S``, looking for ``gen/mismatch`` between slices. Cost when all ranks
-        arrive together: five small store requests per rank, plus two per ``POLL_S`` waited; a
-        failing check adds one per rank (reading ``gen/ranks``): O(W) requests in all.
+        slices of ``POLL_S``, looking for ``gen/mismatch`` between slices and, once they waited
+        one heartbeat period, at the missing ranks' heartbeats (``liveness.LivenessWatch``); a
+        rank that finds one lost records it in the arrival counter as a timeout does, writes the
+        lost ranks to ``gen/lost`` and sets ``gen/mismatch``, which wakes the others. Cost when
+        all ranks arrive together: five small store requests per rank, plus two per ``POLL_S``
+        waited (three past the first heartbeat period, and two once); a failing check adds one
+        per rank (reading ``gen/ranks``; one more, looking for ``gen/lost``, when no rank made
+        another call): O(W) requests in all.
 
         Raises:
             CollectiveMismatchError: some rank made a different call (within ``POLL_S`` of
                 both calls), or some rank made no call within ``timeout_s``; names the ranks
                 that made no call and the calls the others made instead (on every rank that
                 waited; a rank arriving after the others gave up raises at once).
+            RankLostError: (a ``CollectiveMismatchError``) a rank that made no call was taken
+                for lost, its heartbeat still for ``liveness_s`` seconds; names it.
         """
         if not self.enabled or self.world_size == 1:
             return
-        assert self.group is not None  # enabled
-        try:  # no public accessor for the default store in torch 2.13; new_group uses the same one
-            store_of_group = default_store()
-        except (RuntimeError, ValueError):  # a group without a store: the collectives' timeout applies
+        if (store := self._store()) is None:
             return
-        store: Any = dist.PrefixStore(f"distckpt/{self.group.group_name}/", store_of_group)  # stubs lack append
         gen, self._arrivals = self._arrivals, self._arrivals + 1
         self._calls[gen] = call
         store.append(f"{gen}/ranks", f"{self.rank} {call}\n")
@@ -131,7 +157,7 @@ class Collective:
             old = gen - 2
             old_call = self._calls.pop(old)
             if self.rank == 0:
-                for key in ("ranks", "call", "mismatch", f"{old_call}/arrived", f"{old_call}/done"):
+                for key in ("ranks", "call", "mismatch", "lost", f"{old_call}/arrived", f"{old_call}/done"):
                     store.delete_key(f"{old}/{key}")
 
     def _wait(self, store: Any, gen: int, call: str, timeout_s: float) -> int:
@@ -140,7 +166,11 @@ class Collective:
         the arrivals, so a rank arriving later raises at once)."""
         start = time.monotonic()
         next_log = start + LOG_EVERY_S
-        while (left := start + timeout_s - time.monotonic()) > 0:
+        watch = None
+        if self.liveness_s is not None and self.liveness_s < timeout_s:  # else the arrival timeout ends it first
+            watch = LivenessWatch(store, self.liveness_s, lambda: self._ranks_without(store, gen, group=True))
+        lost: list[int] = []
+        while not lost and (left := start + timeout_s - time.monotonic()) > 0:
             try:
                 store.wait([f"{gen}/{call}/done"], datetime.timedelta(seconds=min(POLL_S, left)))
                 return 0
@@ -148,6 +178,10 @@ class Collective:
                 pass
             if store.check([f"{gen}/mismatch"]):
                 return _GAVE_UP
+            if watch is not None and (stale := watch.poll()):
+                absent = self._ranks_without(store, gen, group=True)  # a stale rank that arrived: not lost here
+                watch.forget([r for r in stale if r not in absent])
+                lost = [r for r in stale if r in absent]
             if self.rank == 0 and time.monotonic() >= next_log:
                 next_log += LOG_EVERY_S
                 missing = self._ranks_without(store, gen)
@@ -158,8 +192,16 @@ class Collective:
                     timeout_s,
                     missing,
                 )
+        if lost:  # before giving up: a rank arriving after that reads it (unread if the last comes in time)
+            assert watch is not None  # only a watch finds lost ranks
+            still = max(watch.stood_still_s(r) for r in lost)
+            store.set(f"{gen}/lost", f"{still:.0f} " + " ".join(map(str, lost)))
         arrived = store.add(f"{gen}/{call}/arrived", _GAVE_UP)
-        return 0 if arrived % _GAVE_UP == self.world_size else arrived  # 0: the last came just in time
+        if arrived % _GAVE_UP == self.world_size:
+            return 0  # the last came just in time
+        if lost:
+            store.set(f"{gen}/mismatch", "")  # the other waiting ranks raise within POLL_S
+        return arrived
 
     @staticmethod
     def _calls_made(store: Any, gen: int) -> dict[int, str]:
@@ -170,11 +212,12 @@ class Collective:
             made[int(rank)] = theirs
         return made
 
-    def _ranks_without(self, store: Any, gen: int) -> list[int]:
-        """Global ranks that have not made their ``gen``-th entry check yet."""
+    def _ranks_without(self, store: Any, gen: int, *, group: bool = False) -> list[int]:
+        """Global ranks (group ranks with ``group``) that have not made their ``gen``-th entry check yet."""
         assert self.group is not None  # enabled
         made = self._calls_made(store, gen)
-        return [dist.get_global_rank(self.group, r) for r in range(self.world_size) if r not in made]
+        missing = [r for r in range(self.world_size) if r not in made]
+        return missing if group else [dist.get_global_rank(self.group, r) for r in missing]
 
     def _mismatch(self, store: Any, gen: int, call: str, timeout_s: float) -> errors.CollectiveMismatchError:
         assert self.group is not None  # only arrive() calls it, when enabled
@@ -188,6 +231,8 @@ class Collective:
             elif theirs != call:
                 others[global_rank] = theirs
         me = dist.get_global_rank(self.group, self.rank)
+        if not others and store.check([f"{gen}/lost"]):  # a waiting rank took missing ranks for lost (_wait)
+            return self._lost(store.get(f"{gen}/lost").decode(), call, me, missing, others)
         parts = []
         if others:
             parts.append("; ".join(f"rank {r} called {c} instead" for r, c in sorted(others.items())))
@@ -207,6 +252,32 @@ class Collective:
             missing_ranks=missing,
             other_calls=others,
         )
+
+    def _lost(
+        self, record: str, call: str, me: int, missing: list[int], others: dict[int, str]
+    ) -> errors.RankLostError:
+        """The error of an entry check that a waiting rank ended on lost ranks (``record``:
+        ``gen/lost``, "<seconds their heartbeats stood still> <group rank>...")."""
+        assert self.group is not None  # only arrive() calls it, when enabled
+        still, *ranks = record.split()
+        lost = [dist.get_global_rank(self.group, int(r)) for r in ranks]
+        setting = f"coordination.liveness_timeout_s={self.liveness_s:g} s" if self.liveness_s else "liveness_timeout_s"
+        if me in lost:  # it was alive after all: slow in one call holding the GIL, or its heartbeat stopped
+            text = (
+                f"rank {me} called CheckpointManager.{call} after the other ranks had taken it for lost: its "
+                f"liveness heartbeat had not moved for {still} s ({setting}), as when a single call holds the "
+                "GIL that long. The ranks are now out of step: end the job (raise coordination.liveness_timeout_s "
+                "if a rank is that slow)."
+            )
+        else:
+            text = (
+                f"rank {me} called CheckpointManager.{call}, but rank(s) {lost} are lost: they did not make "
+                f"this call and their liveness heartbeat stood still for {still} s ({setting}), so their "
+                "process is gone (a lost node, a killed or exited worker) or held the GIL that long. The job "
+                "cannot go on without them: end it and restart it (torchrun restarts its workers up to "
+                "--max-restarts; load() then resumes from the newest checkpoint)."
+            )
+        return errors.RankLostError(text, call=call, missing_ranks=missing, other_calls=others, lost_ranks=lost)
 
     def barrier(self) -> None:
         """Return once every rank of the group has called it (no-op on one process)."""
@@ -328,6 +399,7 @@ class Collective:
         manager's ``close``). gloo groups left to the interpreter's exit have aborted a rank
         here ("terminate called without an active exception", exit code -6) after a clean
         save. Idempotent; a failure is logged, never raised: nothing is left to agree on."""
+        self.stop_heartbeat()
         if not self.enabled or self.group is None:
             return
         group, self.group, self.enabled = self.group, None, False
@@ -336,6 +408,14 @@ class Collective:
             dist.destroy_process_group(group)
         except Exception as e:  # noqa: BLE001 - closing; the caller goes on either way
             logging.getLogger(__name__).warning("destroying distckpt's process group failed: %s", describe_exception(e))
+
+    def stop_heartbeat(self) -> None:
+        """Stop this rank's liveness heartbeat (:meth:`close`; the manager left by an exception):
+        a rank waiting for this one in :meth:`arrive` then raises ``RankLostError`` after
+        ``liveness_s`` seconds. Idempotent; never raises."""
+        heartbeat, self.heartbeat = self.heartbeat, None
+        if heartbeat is not None:
+            heartbeat.stop()
 
     def tear_down_for_exit(self) -> None:
         """Every rank is leaving together (a preemption exit): :meth:`close` (its barrier on

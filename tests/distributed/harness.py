@@ -126,6 +126,7 @@ def run_ranks(
     expect_death: bool = False,
     backend: str = "gloo",
     fresh: bool = False,
+    keep_survivors: bool = False,
 ) -> list[dict[str, Any] | None]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return per-rank results.
 
@@ -135,7 +136,8 @@ def run_ranks(
 
     Each result is ``{"ok": True, "value": ...}`` or ``{"ok": False, "error", "type", "traceback"}``.
     With ``expect_death``, the first rank killed by a signal ends the run: the others are
-    killed too (they would wait in a collective) and dead ranks' results are ``None``.
+    killed too (they would wait in a collective) and dead ranks' results are ``None``; with
+    ``keep_survivors`` as well, the others run on to their own end (a test of what they do).
     Raises ``TimeoutError`` (after killing the ranks) if any rank runs past ``timeout_s``.
     """
     spawn = fresh or backend == "nccl"
@@ -157,7 +159,11 @@ def run_ranks(
             while any(p.is_alive() for p in procs):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks still running after {timeout_s} s")
-                if expect_death and any(p.exitcode is not None and p.exitcode < 0 for p in procs):
+                if (
+                    expect_death
+                    and any(p.exitcode is not None and p.exitcode < 0 for p in procs)
+                    and not keep_survivors
+                ):
                     died = True
                     for p in procs:
                         p.kill()

@@ -90,6 +90,16 @@ def test_arrival_timeout_defaults_to_the_group_timeout_and_stays_within_it():
             CheckpointConfig(root="/tmp/x", coordination=CoordinationConfig(arrival_timeout_s=bad))
 
 
+def test_liveness_timeout_defaults_to_a_minute_and_may_be_turned_off():
+    assert CoordinationConfig().liveness_timeout_s == 60.0
+    assert CoordinationConfig(liveness_timeout_s=None).liveness_timeout_s is None
+    for bad in (0, -1.0, float("inf"), True):
+        with pytest.raises(ConfigError, match="coordination.liveness_timeout_s"):
+            CoordinationConfig(liveness_timeout_s=bad)
+    with pytest.raises(ConfigError, match="coordination.liveness_timeout_s"):  # not a top-level key
+        CheckpointConfig(root="/tmp/x", liveness_timeout_s=5)  # type: ignore[call-arg]
+
+
 def _config(tmp_path) -> CheckpointConfig:
     return CheckpointConfig(root=str(tmp_path / "ckpt"), schedule=ScheduleConfig(interval_steps=None))
 

@@ -21,7 +21,7 @@ PKG = REPO / "distckpt"
 ERRORS = [
     "DistCkptError", "StorageError", "ConfigError", "CheckpointNotFoundError",
     "CheckpointCorruptError", "IncompatibleCheckpointError", "CheckpointLockedError",
-    "CheckpointSaveError", "CollectiveMismatchError", "ReaderInvariantError",
+    "CheckpointSaveError", "CollectiveMismatchError", "RankLostError", "ReaderInvariantError",
 ]  # fmt: skip
 SECTIONS = [
     "ScheduleConfig", "RetentionConfig", "KeepBest", "SaveConfig", "AsyncSaveConfig",
