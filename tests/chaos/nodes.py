@@ -79,6 +79,9 @@ def _settings(args: argparse.Namespace, steps: int, small_model: list[str]) -> l
         "train.log_every=1000",
         f"checkpoint.schedule.interval_steps={args.interval}",
         f"checkpoint.retention.keep_last={args.keep_last}",
+        # A node lost just before a save is named within ~12 s (the default 60 s: ~70 s), so
+        # torchrun restarts the survivors well inside the test's timeout.
+        "checkpoint.coordination.liveness_timeout_s=10",
         *args.overrides,
     ]
 
