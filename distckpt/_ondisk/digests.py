@@ -28,7 +28,15 @@ from .._errors import CheckpointCorruptError
 from .integrity import BlockDigests, new_hasher
 from .manifest import Manifest
 
-__all__ = ["DIGESTS_FORMAT", "digests_name", "is_digests_name", "encode_digests", "read_blocks", "DigestIndex"]
+__all__ = [
+    "DIGESTS_FORMAT",
+    "digests_name",
+    "is_digests_name",
+    "holds_blocks",
+    "encode_digests",
+    "read_blocks",
+    "DigestIndex",
+]
 
 DIGESTS_FORMAT = 1
 _NAME_RE = re.compile(r"^\.digests-rank-\d{5,}\.json$")
@@ -43,6 +51,16 @@ def digests_name(rank: int) -> str:
 def is_digests_name(path: str) -> bool:
     """Whether the last component of ``path`` names a digest file."""
     return bool(_NAME_RE.match(path.rsplit("/", 1)[-1]))
+
+
+def holds_blocks(path: str, size_bytes: int, digest: str | None) -> bool:
+    """Whether the digest file ``path`` (a manifest entry's size and hash) lists any block digests:
+    not rank 0's empty one, written with small files only to mark the directory distckpt's."""
+    m = re.match(r"^\.digests-rank-(\d+)\.json$", path.rsplit("/", 1)[-1])
+    if m is None:
+        return False
+    data, empty = encode_digests(int(m.group(1)), {})
+    return (size_bytes, digest) != (len(data), empty)
 
 
 def encode_digests(rank: int, blocks: dict[str, BlockDigests]) -> tuple[bytes, str]:
