@@ -45,7 +45,8 @@ SCHEMA_VERSION = 7
 # manifest without them is written as v5 or older.
 # v6 -> v7: files may include per-rank digest files (".digests-rank-N.json", digests.py) holding the
 # block digests the manifest no longer carries; an older distckpt would verify its data files whole
-# only, and its tools would report no block digests. A manifest without them is written as v6 or older.
+# only, and its tools would report no block digests. A manifest without them (rank 0's empty one, which
+# marks a directory distckpt's, aside) is written as v6 or older.
 
 
 @dataclass(kw_only=True)
@@ -150,7 +151,10 @@ class Manifest:
                 del f["block_ends"], f["block_hashes"]
         if data["schema_version"] == SCHEMA_VERSION:  # the oldest schema that holds it, which older distckpt reads
             blocks = any("block_ends" in f for f in data["files"])
-            digests = any(f["path"].rsplit("/", 1)[-1].startswith(".digests-rank-") for f in data["files"])
+            from .digests import holds_blocks  # digests imports this module
+
+            # rank 0's empty digest file (small files only) needs no v7: an older distckpt checks it as a file
+            digests = any(holds_blocks(f["path"], f["size_bytes"], f["hash"]) for f in data["files"])
             data["schema_version"] = (
                 7 if digests else 6 if "interval" in data else 5 if "initial_load" in data else 4 if blocks else 3
             )
