@@ -1,7 +1,8 @@
 """The CLI's one exception-to-message map (known errors -> one line on stderr + exit code).
 
 Exit codes: 0 success; 1 a check found problems (``verify``) or checkpoints differ (``diff``);
-2 an error (missing path, not a checkpoint, unsafe or damaged metadata, bad arguments, I/O);
+2 an error (missing path, not a checkpoint, nothing to verify such as an unmanaged plain DCP
+directory, unsafe or damaged metadata, bad arguments, I/O);
 130 interrupted. ``--debug`` re-raises instead, showing the traceback.
 """
 

@@ -24,9 +24,9 @@ from .._ondisk.layout import (
     NO_MANIFEST,
     checkpoint_name,
     is_deleting,
+    location_step,
     no_manifest_reason,
     parse_set_aside,
-    parse_step,
 )
 from .._ondisk.manifest import Manifest, first_problem, structure_problems
 from .._storage import find_committed, open_location, read_dcp_metadata
@@ -86,10 +86,7 @@ def list_root(root: str) -> list[dict]:
     latest = others.latest
     unmanaged, deferred, damaged = set(others.unmanaged), set(others.deferred), set(others.damaged)
     found_all: list[tuple[int, str, Manifest | CheckpointCorruptError | None]] = list(find_committed(store))
-    found_all += [
-        (parse_step(loc.rstrip("/").rsplit("/", 1)[-1]) or 0, loc, None)
-        for loc in others.unmanaged + others.deferred + others.damaged
-    ]
+    found_all += [(location_step(loc) or 0, loc, None) for loc in others.unmanaged + others.deferred + others.damaged]
     rows = []
     for step, found, result in sorted(found_all, key=lambda e: e[0]):
         if isinstance(result, Manifest):

@@ -3,8 +3,14 @@
 A local plain DCP directory written by :class:`distckpt.dcp.FileSystemWriter` (no manifest, a
 ``.metadata.xxh3.json`` hash sidecar) is checked against that sidecar instead.
 
+A ``step-N`` directory without a manifest is one of the two kinds of docs/format.md "Layout":
+distckpt's own (``no manifest (uncommitted or damaged)``: a problem, exit 1) or a stock
+``dcp.save`` without a sidecar (``unmanaged``, as ``ls`` says: nothing to check it against, so it is
+listed, not verified, and does not change the exit code; ``distckpt import`` makes it a checkpoint).
+
 Exit 0 when every checkpoint is intact, 1 when any problem is found (each bad file is named on
-its own line), 2 when there is nothing to verify.
+its own line), 2 when there is nothing to verify (an unmanaged plain DCP directory given alone, or
+a root holding only those: the message suggests ``distckpt import``).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 from .._errors import CheckpointCorruptError, CheckpointNotFoundError
-from .._ondisk.layout import is_deleting, no_manifest_reason, parse_step
+from .._ondisk.layout import MANIFEST, is_deleting, location_step, no_manifest_reason
 from .._storage import CheckpointStore, find_committed, open_location
 from .._tools.audit import AuditReport, audit_checkpoint, audit_plain_dcp
 from .._tools.store_queries import tool_store
@@ -20,7 +26,10 @@ from ._common import fmt_bytes, print_json
 from ._errors import EXIT_FAILED, EXIT_OK
 
 NAME = "verify"
-HELP = "check every file's size and xxh3-128 hash against its manifest (exit 1 naming each bad file)"
+HELP = (
+    "check every file's size and xxh3-128 hash against its manifest (exit 1 naming each bad file; "
+    "exit 2 when there is nothing to verify, e.g. only an unmanaged plain DCP directory)"
+)
 EPILOG = """examples:
   distckpt verify runs/demo/ckpt                       (every step-* checkpoint of a root)
   distckpt verify runs/demo/ckpt/step-000000020 --json
@@ -33,30 +42,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="a checkpoint root or one checkpoint directory")
 
 
-def targets(path: str) -> tuple[CheckpointStore, list[tuple[str, CheckpointCorruptError | None]], list[str]]:
-    """``(store, [(checkpoint location, why it is not committed or None)], pending saves skipped)``
-    of a root or of one checkpoint. A manifest that does not parse on object storage is its own
-    location (a URL under ``manifests/``) with its error.
+def targets(
+    path: str,
+) -> tuple[CheckpointStore, list[tuple[str, CheckpointCorruptError | None]], list[str], list[str]]:
+    """``(store, [(checkpoint location, why it is not committed or None)], pending saves skipped,
+    unmanaged plain DCP directories listed but not verified)`` of a root or of one checkpoint. A
+    manifest that does not parse on object storage is its own location (a URL under ``manifests/``)
+    with its error.
 
     Raises:
-        CheckpointNotFoundError: nothing that looks like a checkpoint at ``path``.
+        CheckpointNotFoundError: nothing to verify at ``path``: no checkpoint, or only unmanaged
+            plain DCP directories (no manifest, none of distckpt's files, no hash sidecar).
     """
     store, location = open_location(path)
     if location is not None:
-        damaged = location in store.others().damaged
-        return store, [(location, _damaged(location) if damaged else None)], []
+        others = store.others()
+        if location in others.damaged:
+            return store, [(location, _damaged(location))], [], []
+        if location in others.unmanaged or (store.is_plain_dcp(location) and audit_plain_dcp(location) is None):
+            raise CheckpointNotFoundError(_unmanaged(location) + ": nothing to verify it against")
+        return store, [(location, None)], [], []
     tools = tool_store(store)
     tools.check_tool_root()
     # Those with a manifest and the step-N directories without one (deferred deletions: checked
-    # through their referrers), oldest first.
+    # through their referrers), oldest first; unmanaged ones with a hash sidecar are checked against it.
     listed = [(s, loc, r if isinstance(r, CheckpointCorruptError) else None) for s, loc, r in find_committed(store)]
     others = store.others()
-    listed += [(parse_step(loc.rstrip("/").rsplit("/", 1)[-1]) or 0, loc, None) for loc in others.unmanaged]
-    listed += [(parse_step(loc.rstrip("/").rsplit("/", 1)[-1]) or 0, loc, _damaged(loc)) for loc in others.damaged]
+    unmanaged = [loc for loc in others.unmanaged if audit_plain_dcp(loc) is None]
+    listed += [(_step(loc), loc, None) for loc in others.unmanaged if loc not in unmanaged]
+    listed += [(_step(loc), loc, _damaged(loc)) for loc in others.damaged]
     found = [(loc, why) for _, loc, why in sorted(listed, key=lambda e: e[0])]
     if not found:
+        if unmanaged:
+            raise CheckpointNotFoundError(
+                f"{store.root} holds no distckpt checkpoint to verify, only unmanaged plain DCP directories: "
+                + "; ".join(_unmanaged(loc) for loc in unmanaged)
+            )
         raise CheckpointNotFoundError(f"{store.root}: not a checkpoint and holds no committed checkpoint to verify")
-    return store, found, [n for n in tools.leftovers() if not is_deleting(n.rsplit("/", 1)[-1])]
+    return store, found, [n for n in tools.leftovers() if not is_deleting(n.rsplit("/", 1)[-1])], unmanaged
+
+
+def _step(location: str) -> int:
+    return location_step(location) or 0
+
+
+def _unmanaged(location: str) -> str:
+    """What a plain DCP directory without a manifest or hash sidecar is (the words of ``ls``)."""
+    return (
+        f"{location}: unmanaged: a plain DCP checkpoint (no {MANIFEST}, not written by distckpt, no hash "
+        f"sidecar); `distckpt import {location} NEW_ROOT` makes it a distckpt checkpoint"
+    )
 
 
 def _damaged(location: str) -> CheckpointCorruptError:
@@ -70,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         CheckpointNotFoundError: nothing to verify at ``path`` (exit 2).
     """
-    store, entries, pending = targets(args.path)
+    store, entries, pending, unmanaged = targets(args.path)
     reports = [
         AuditReport(path=loc, manifest=None, problems=[result])  # the manifest did not parse
         if result is not None and (not store.exists(loc) or result.path == loc)
@@ -83,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
             {
                 "ok": not bad,
                 "skipped_pending": pending,
+                "unmanaged": unmanaged,
                 "checkpoints": [
                     {
                         "path": str(r.path),
@@ -116,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  {e}")
     for name in pending:
         print(f"skipped  {store.root}/{name}  (pending: an unfinished save)")
+    for loc in unmanaged:
+        print(f"skipped  {_unmanaged(loc)}")
     if bad:
         print(f"{len(bad)} of {len(reports)} checkpoint(s) corrupt")
     return EXIT_FAILED if bad else EXIT_OK

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 from .._config import CheckpointConfig
 from .._errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
-from .._ondisk.layout import checkpoint_name, no_manifest_reason, parse_set_aside, parse_step
+from .._ondisk.layout import checkpoint_name, location_step, no_manifest_reason, parse_set_aside
 from .._ondisk.manifest import Manifest
 from .._storage import CheckpointStore, find_committed, step_of, store_of
 from .._storage.claims import refuse_or_archive
@@ -288,7 +288,7 @@ class CheckpointDiscovery:
 
 
 def _step(location: str) -> int:
-    return parse_step(location.rstrip("/").rsplit("/", 1)[-1]) or 0
+    return location_step(location) or 0
 
 
 def refuse_corrupt_only(root: str, names: list[str]) -> None:

@@ -26,11 +26,18 @@ from typing import Callable
 
 from .._errors import CheckpointCorruptError
 from .integrity import BlockDigests, new_hasher
-from .manifest import Manifest
+from .manifest import DIGESTS_FORMAT, Manifest, encode_digests, holds_blocks
 
-__all__ = ["DIGESTS_FORMAT", "digests_name", "is_digests_name", "encode_digests", "read_blocks", "DigestIndex"]
+__all__ = [
+    "DIGESTS_FORMAT",
+    "digests_name",
+    "is_digests_name",
+    "holds_blocks",
+    "encode_digests",
+    "read_blocks",
+    "DigestIndex",
+]
 
-DIGESTS_FORMAT = 1
 _NAME_RE = re.compile(r"^\.digests-rank-\d{5,}\.json$")
 _DATA_RE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's FileSystemWriter: __{rank}_{index}.distcp
 
@@ -43,19 +50,6 @@ def digests_name(rank: int) -> str:
 def is_digests_name(path: str) -> bool:
     """Whether the last component of ``path`` names a digest file."""
     return bool(_NAME_RE.match(path.rsplit("/", 1)[-1]))
-
-
-def encode_digests(rank: int, blocks: dict[str, BlockDigests]) -> tuple[bytes, str]:
-    """``(file content, its xxh3-128 hex digest)`` of rank ``rank``'s digest file.
-
-    Args:
-        blocks: ``{file name relative to the checkpoint: its block digests}``.
-    """
-    files = {name: {"block_ends": list(b.ends), "block_hashes": list(b.hashes)} for name, b in sorted(blocks.items())}
-    data = json.dumps({"format": DIGESTS_FORMAT, "rank": rank, "files": files}, sort_keys=True).encode()
-    hasher = new_hasher()
-    hasher.update(data)
-    return data, hasher.hexdigest()
 
 
 def read_blocks(manifest: Manifest, read: Callable[[str], bytes], *, location: str) -> dict[str, BlockDigests]:

@@ -15,6 +15,7 @@ __all__ = [
     "checkpoint_name",
     "pending_name",
     "parse_step",
+    "location_step",
     "is_pending",
     "deleting_name",
     "is_deleting",
@@ -39,13 +40,25 @@ NO_MANIFEST = "no manifest (uncommitted or damaged)"
 
 def no_manifest_reason(location: str) -> str:
     """Why the ``step-N`` directory ``location`` (distckpt's files, no manifest) is never loaded,
-    and what to do: the words load, ``ls`` and ``verify`` all use."""
+    and what to do: the words load, ``ls`` and ``verify`` all use. On S3 ``location`` is the data
+    prefix ``<root>/data/step-N-<id>`` of the step ``latest`` names, whose manifest
+    ``<root>/manifests/step-N.json`` is missing."""
+    step = location_step(location)
+    manifest, where = MANIFEST, "the directory"
+    if "://" in location:
+        manifest, where = f"manifests/{checkpoint_name(step or 0)}.json", "its objects"
     return (
-        f"{location}: {NO_MANIFEST}: distckpt's own files but no {MANIFEST} (its manifest was "
-        f"deleted, or it never committed); never loaded, never deleted. Restore {MANIFEST} from a copy, "
-        "or move the directory out of the root; load.fallback_to_older sets the newest one aside "
+        f"{location}: {NO_MANIFEST}: distckpt's own files but no {manifest} (its manifest was "
+        f"deleted, or it never committed); never loaded, never deleted. Restore {manifest} from a copy, "
+        f"or move {where} out of the root; load.fallback_to_older sets the newest one aside "
         "(corrupt-step-N-<n>) and loads the previous committed checkpoint"
     )
+
+
+def location_step(location: str) -> int | None:
+    """Step of a checkpoint location: a ``step-N`` directory, or an S3 data prefix ``.../step-N-<id>``."""
+    m = re.match(r"^step-(\d{9,})(?:-[0-9a-f]+)?$", location.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
 
 
 _STEP_RE = re.compile(r"^step-(\d{9,})$")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -16,11 +17,14 @@ from typing import Any, Iterable
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .._errors import CheckpointCorruptError, IncompatibleCheckpointError
-from .integrity import BlockDigests
+from .integrity import BlockDigests, new_hasher
 from .layout import MANIFEST
 
 __all__ = [
     "SCHEMA_VERSION",
+    "DIGESTS_FORMAT",
+    "encode_digests",
+    "holds_blocks",
     "Manifest",
     "FileEntry",
     "TensorSpec",
@@ -45,7 +49,35 @@ SCHEMA_VERSION = 7
 # manifest without them is written as v5 or older.
 # v6 -> v7: files may include per-rank digest files (".digests-rank-N.json", digests.py) holding the
 # block digests the manifest no longer carries; an older distckpt would verify its data files whole
-# only, and its tools would report no block digests. A manifest without them is written as v6 or older.
+# only, and its tools would report no block digests. A manifest without them (rank 0's empty one, which
+# marks a directory distckpt's, aside) is written as v6 or older.
+
+
+DIGESTS_FORMAT = 1
+"""Format of a per-rank digest file (:mod:`distckpt._ondisk.digests`, which reads them)."""
+
+
+def holds_blocks(path: str, size_bytes: int, digest: str | None) -> bool:
+    """Whether the digest file ``path`` (a manifest entry's size and hash) lists any block digests:
+    not rank 0's empty one, written with small files only to mark the directory distckpt's."""
+    m = re.match(r"^\.digests-rank-(\d+)\.json$", path.rsplit("/", 1)[-1])
+    if m is None:
+        return False
+    data, empty = encode_digests(int(m.group(1)), {})
+    return (size_bytes, digest) != (len(data), empty)
+
+
+def encode_digests(rank: int, blocks: dict[str, BlockDigests]) -> tuple[bytes, str]:
+    """``(file content, its xxh3-128 hex digest)`` of rank ``rank``'s digest file.
+
+    Args:
+        blocks: ``{file name relative to the checkpoint: its block digests}``.
+    """
+    files = {name: {"block_ends": list(b.ends), "block_hashes": list(b.hashes)} for name, b in sorted(blocks.items())}
+    data = json.dumps({"format": DIGESTS_FORMAT, "rank": rank, "files": files}, sort_keys=True).encode()
+    hasher = new_hasher()
+    hasher.update(data)
+    return data, hasher.hexdigest()
 
 
 @dataclass(kw_only=True)
@@ -150,7 +182,8 @@ class Manifest:
                 del f["block_ends"], f["block_hashes"]
         if data["schema_version"] == SCHEMA_VERSION:  # the oldest schema that holds it, which older distckpt reads
             blocks = any("block_ends" in f for f in data["files"])
-            digests = any(f["path"].rsplit("/", 1)[-1].startswith(".digests-rank-") for f in data["files"])
+            # rank 0's empty digest file (small files only) needs no v7: an older distckpt checks it as a file
+            digests = any(holds_blocks(f["path"], f["size_bytes"], f["hash"]) for f in data["files"])
             data["schema_version"] = (
                 7 if digests else 6 if "interval" in data else 5 if "initial_load" in data else 4 if blocks else 3
             )

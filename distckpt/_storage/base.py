@@ -64,8 +64,9 @@ class Others(NamedTuple):
         unmanaged: locations of ``step-N`` names distckpt did not write (a plain ``dcp.save``):
             never loaded, deleted or overwritten.
         damaged: locations of ``step-N`` directories holding distckpt's files but no manifest
-            (``no manifest (uncommitted or damaged)``, POSIX): never loaded, deleted or
-            overwritten; a load treats the newest as a corrupt checkpoint.
+            (``no manifest (uncommitted or damaged)``; on S3 the data prefixes of the step
+            ``latest`` names without its manifest): never loaded, deleted or overwritten; a load
+            treats the newest as a corrupt checkpoint.
         deferred: locations of checkpoints retention retired while a kept incremental checkpoint
             refers to their files (POSIX): never loaded or counted.
         set_aside: names, relative to the root, of the checkpoints set aside
@@ -77,7 +78,7 @@ class Others(NamedTuple):
     deferred: list[str]
     set_aside: list[str]
     latest: str | None
-    damaged: list[str] = []  # a backend without the classification (S3, third-party): none
+    damaged: list[str] = []  # a backend without the classification (third-party): none
 
 
 class CheckpointStore(Protocol):

@@ -27,6 +27,7 @@ from .._ondisk.layout import (
     DEFERRED_MANIFEST,
     LATEST,
     MANIFEST,
+    NO_MANIFEST,
     SET_ASIDE_REASONS,
     checkpoint_dirs,
     deleting_name,
@@ -102,10 +103,18 @@ def commit(
                 "whose files later incremental checkpoints still refer to: it cannot be replaced "
                 "until they are gone; save another step, or use another root"
             )
+        if is_damaged(final_dir, _latest_name(final_dir.parent)):
+            raise FileExistsError(
+                f"{final_dir}: {NO_MANIFEST}: distckpt's own files but no {MANIFEST}, so a save of its step "
+                "cannot commit (distckpt never overwrites or deletes it). Restore its manifest from a copy, "
+                "move it out of the root (load.fallback_to_older sets the newest such one aside at the next "
+                "load), or save another step"
+            )
         if not (final_dir / MANIFEST).exists():
             raise FileExistsError(
-                f"{final_dir} exists and is not a distckpt checkpoint (no {MANIFEST}); "
-                "distckpt never overwrites or deletes it: move it out of the root"
+                f"{final_dir} exists and is not a distckpt checkpoint (no {MANIFEST}, none of distckpt's "
+                f"files: unmanaged, e.g. a plain dcp.save); distckpt never overwrites or deletes it: move it "
+                "out of the root, or `distckpt import` it into another root"
             )
         raise FileExistsError(f"{final_dir} already exists; refusing to overwrite a committed checkpoint")
     phase = on_phase or (lambda name: None)

@@ -27,7 +27,7 @@ from typing import Callable
 from .._engine import read_dcp_metadata
 from .._engine.incremental_writer import ReuseIndex, read_item_records
 from .._errors import CheckpointCorruptError
-from .._ondisk.digests import is_digests_name
+from .._ondisk.digests import holds_blocks, is_digests_name
 from .._ondisk.layout import DEFERRED_MANIFEST, MANIFEST, checkpoint_dirs, checkpoint_name, is_deferred
 from .._ondisk.manifest import FileEntry, Manifest
 from .commit import delete_checkpoint, validate
@@ -118,7 +118,7 @@ def reference_entries(checkpoint_dir: str | os.PathLike) -> list[FileEntry]:
         entries += [
             FileEntry(path=f"../{owner}/{f.path}", size_bytes=f.size_bytes, hash=f.hash)
             for f in files.values()
-            if is_digests_name(f.path) and not f.path.startswith("../")
+            if is_digests_name(f.path) and not f.path.startswith("../") and holds_blocks(f.path, f.size_bytes, f.hash)
         ]
     return entries
 

@@ -163,8 +163,10 @@ class PosixStore(CheckpointStore):
     def write_digests(self, pending: str, rank: int, files: dict[str, tuple[int, str]]) -> dict[str, tuple[int, str]]:
         out = {name: (int(entry[0]), str(entry[1])) for name, entry in files.items()}
         blocks = {n: b for n, e in files.items() if isinstance(b := getattr(e, "blocks", None), BlockDigests)}
-        if not blocks:  # small files only: nothing to keep beside the manifest
+        if not blocks and rank != 0:  # small files only: nothing to keep beside the manifest
             return out
+        # Rank 0 always writes its own (empty with small files only): the cheap mark that a step-N
+        # directory is distckpt's, so one that loses its manifest is told from a user's dcp.save (is_damaged).
         name = digests_name(rank)
         data, digest = encode_digests(rank, blocks)
         with open(Path(pending) / name, "wb") as f:  # durable before the commit, like DCP's files

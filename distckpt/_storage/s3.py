@@ -14,7 +14,8 @@ A checkpoint exists iff its manifest exists and names its data prefix; the manif
 reported its files written (and their hashes), so a crash at any instant leaves either no manifest (the save's objects
 are unreferenced, removed at the next start) or a complete checkpoint. A second writer of the same step (a stale job)
 gets ``PreconditionFailed`` and fails its save instead of replacing the commit. Retention deletes the manifest first,
-then the data. A checkpoint's *location* is its data prefix URL, which plain ``dcp.load(...,
+then the data. The data of the step ``latest`` names without its manifest is damaged, not a leftover (docs/format.md,
+"Layout"). A checkpoint's *location* is its data prefix URL, which plain ``dcp.load(...,
 storage_reader=FsspecReader(location))`` reads.
 """
 
@@ -30,14 +31,14 @@ from typing_extensions import override
 
 from .._errors import CheckpointCorruptError, CheckpointNotFoundError
 from .._ondisk.integrity import HASH_ALGORITHM, BlockDigests, new_hasher
-from .._ondisk.layout import LATEST, checkpoint_name, parse_step
+from .._ondisk.layout import LATEST, checkpoint_name, parse_set_aside, parse_step
 from .._ondisk.manifest import FileEntry, Manifest, first_problem, structure_problems
-from .base import CheckpointStore, LockFile, Others, split_location
+from .base import CheckpointStore, Others, split_location
 from .generic import find_committed
-from .s3_client import S3Objects, split_url
+from .s3_client import S3LockFile, S3Objects, split_url
 from .s3_dcp import S3Reader, S3Writer
 
-__all__ = ["S3Store", "S3LockFile"]
+__all__ = ["S3Store", "S3LockFile"]  # S3LockFile: s3_client
 
 logger = logging.getLogger(__name__)
 
@@ -46,32 +47,9 @@ _DATA_RE = re.compile(r"^(step-\d{9,})-([0-9a-f]+)$")
 _MANIFEST_RE = re.compile(r"^(step-\d{9,})\.json$")
 
 
-class S3LockFile(LockFile):
-    """``<prefix>/.lock`` (see :class:`distckpt._storage.base.LockFile`): conditional create."""
-
-    def __init__(self, objects: S3Objects, key: str) -> None:
-        self.objects, self.key, self.where = objects, key, objects.url(key)
-
-    @override
-    def create_exclusive(self, text: str) -> bool:
-        try:
-            self.objects.put(self.key, text.encode(), if_absent=True)
-        except FileExistsError:
-            return False
-        return True
-
-    @override
-    def read(self) -> str | None:
-        data = self.objects.get(self.key)
-        return None if data is None else data.decode("utf-8", "replace")
-
-    @override
-    def replace(self, text: str) -> None:
-        self.objects.put(self.key, text.encode())
-
-    @override
-    def remove(self) -> None:
-        self.objects.delete([self.key])
+def _step_of(rel: str) -> str:
+    """``step-N`` of a ``data/step-N-<id>`` prefix."""
+    return rel[len(DATA) :].rsplit("-", 1)[0]
 
 
 class S3Store(CheckpointStore):
@@ -340,9 +318,22 @@ class S3Store(CheckpointStore):
 
     @override
     def others(self) -> Others:
-        # No unmanaged or deferred names: a data prefix no manifest names is a save's leftover
-        # (remove_leftovers' business); nothing is incremental.
-        return Others(unmanaged=[], damaged=[], deferred=[], set_aside=self._set_aside_names(), latest=self._latest())
+        # No unmanaged or deferred names: every data/step-N-<id> prefix is distckpt's, and one no
+        # manifest names is a save's leftover (remove_leftovers' business), except those of the
+        # step `latest` names (damaged: docs/format.md, "Layout"); nothing is incremental.
+        damaged = [self.location(rel) for rel in self.damaged_prefixes()]
+        return Others(
+            unmanaged=[], damaged=damaged, deferred=[], set_aside=self._set_aside_names(), latest=self._latest()
+        )
+
+    def damaged_prefixes(self, latest: str | None = None) -> list[str]:
+        """``data/step-N-<id>`` prefixes of the step ``latest`` names when that step has no manifest
+        (not even a set-aside one): it committed (``latest`` is written after the manifest), then lost
+        its manifest. Every other unreferenced prefix may be an interrupted save's: a leftover."""
+        step = parse_step(latest or self._latest() or "")
+        if step is None or step in self.committed_steps() or step in self._set_aside_steps():
+            return []
+        return [rel for rel in self._data_names() if rel.startswith(f"{DATA}{checkpoint_name(step)}-")]
 
     @override
     def location_of(self, step: int) -> str:
@@ -427,20 +418,19 @@ class S3Store(CheckpointStore):
                 referenced.add(self._parse_manifest(step, self.objects.get(key), "").data_prefix)
             except CheckpointCorruptError:
                 unsure.add(checkpoint_name(step))
-        # From the objects, not the "directories": some servers (SeaweedFS) keep a prefix
-        # after its last object is deleted, which is no save at all.
+        unsure |= {_step_of(rel) for rel in self.damaged_prefixes()}  # kept: damaged, never a leftover
+        return [rel for rel in self._data_names() if rel not in referenced and _step_of(rel) not in unsure]
+
+    def _data_names(self) -> list[str]:
+        """Every ``data/step-N-<id>`` prefix holding an object, sorted. From the objects, not the
+        "directories": some servers (SeaweedFS) keep a prefix after its last object is deleted."""
         base = self.key(DATA)
         names = {
             rest.split("/", 1)[0]
             for k in self.objects.list_objects(base)
             if "/" in (rest := k[len(base) :]) and not rest.endswith("/")
         }
-        loose = []
-        for name in sorted(names):
-            m = _DATA_RE.match(name)
-            if m is not None and f"{DATA}{name}" not in referenced and m.group(1) not in unsure:
-                loose.append(f"{DATA}{name}")
-        return loose
+        return sorted(f"{DATA}{n}" for n in names if _DATA_RE.match(n))
 
     # ------------------------------------------------------------------ latest, lock
     def _latest(self) -> str | None:
@@ -452,8 +442,8 @@ class S3Store(CheckpointStore):
         if name is None:
             return None
         step = parse_step(name)
-        if step is not None and step in self.committed_steps():
-            return name
+        if step is not None and (step in self.committed_steps() or self.damaged_prefixes(name)):
+            return name  # a damaged checkpoint keeps latest: the evidence that it committed
         for s, _, result in find_committed(self):
             if isinstance(result, Manifest):
                 self.objects.put(self.key(LATEST), (checkpoint_name(s) + "\n").encode())
@@ -472,10 +462,14 @@ class S3Store(CheckpointStore):
             MANIFESTS + n[: -len(".json")] for n in names if n.endswith(".json") and not _MANIFEST_RE.match(n)
         )
 
+    def _set_aside_steps(self) -> set[int]:
+        return {aside[1] for n in self._set_aside_names() if (aside := parse_set_aside(n[len(MANIFESTS) :]))}
+
     def set_aside(self, step: int, reason: str = "corrupt") -> str:
         """Rename the manifest of ``step`` to ``manifests/<reason>-step-N-<n>.json`` (copy, then
         delete): no longer a checkpoint (never loaded, counted or deleted), its data kept;
-        ``latest`` is repaired.
+        ``latest`` is repaired. A damaged ``step`` (:meth:`damaged_prefixes`: no manifest) gets a
+        set-aside record naming its data prefixes instead, which keeps them out of the leftovers.
 
         Returns:
             The new manifest name (``manifests/<reason>-step-N-<n>``).
@@ -484,7 +478,12 @@ class S3Store(CheckpointStore):
         n = 0
         while (name := f"{reason}-{checkpoint_name(step)}-{n}.json") in taken:
             n += 1
-        self.objects.copy(self._manifest_key(step), self.key(MANIFESTS + name))
-        self.objects.delete([self._manifest_key(step)])
+        damaged = [] if step in self.committed_steps() else self.damaged_prefixes(checkpoint_name(step))
+        if damaged:
+            record = {"set_aside": reason, "no_manifest": True, "data_prefixes": damaged}
+            self.objects.put(self.key(MANIFESTS + name), json.dumps(record).encode(), if_absent=True)
+        else:
+            self.objects.copy(self._manifest_key(step), self.key(MANIFESTS + name))
+            self.objects.delete([self._manifest_key(step)])
         self._repair_latest()
         return MANIFESTS + name[: -len(".json")]

@@ -33,8 +33,18 @@ from botocore.handlers import VALID_BUCKET, VALID_S3_ARN
 from typing_extensions import override
 
 from .._errors import ConfigError, StorageError
+from .base import LockFile
 
-__all__ = ["MAX_ATTEMPTS", "TRANSFER", "S3Objects", "client_hooks", "get_client", "reset_clients", "split_url"]
+__all__ = [
+    "MAX_ATTEMPTS",
+    "TRANSFER",
+    "S3LockFile",
+    "S3Objects",
+    "client_hooks",
+    "get_client",
+    "reset_clients",
+    "split_url",
+]
 
 MAX_ATTEMPTS = 5
 # Downloads: parallel ranged GETs of 32 MiB above 64 MiB, 8 in flight (docs/object-storage.md
@@ -350,3 +360,31 @@ class S3Objects:
 
     def _endpoint(self) -> str:
         return str(self.client.meta.endpoint_url)
+
+
+class S3LockFile(LockFile):
+    """``<prefix>/.lock`` (see :class:`distckpt._storage.base.LockFile`): conditional create."""
+
+    def __init__(self, objects: S3Objects, key: str) -> None:
+        self.objects, self.key, self.where = objects, key, objects.url(key)
+
+    @override
+    def create_exclusive(self, text: str) -> bool:
+        try:
+            self.objects.put(self.key, text.encode(), if_absent=True)
+        except FileExistsError:
+            return False
+        return True
+
+    @override
+    def read(self) -> str | None:
+        data = self.objects.get(self.key)
+        return None if data is None else data.decode("utf-8", "replace")
+
+    @override
+    def replace(self, text: str) -> None:
+        self.objects.put(self.key, text.encode())
+
+    @override
+    def remove(self) -> None:
+        self.objects.delete([self.key])

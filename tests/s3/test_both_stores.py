@@ -9,6 +9,7 @@ difference in wording between the stores fails here.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -182,3 +183,43 @@ def test_a_missing_load_step_names_the_steps_there(root):
         "CheckpointConfig.load.step=3: no step-000000003 in <root> (its checkpoints: steps [2, 4]; "
         "`distckpt ls <root>` lists them)"
     )
+
+
+def test_a_newest_checkpoint_that_lost_its_manifest_is_damaged_on_both_stores(root, capsys):
+    # The rule of docs/format.md "Layout" on both stores: the checkpoint `latest` names, without its
+    # manifest, is "no manifest (uncommitted or damaged)" for load, ls and verify; never removed as a
+    # leftover; load.fallback_to_older sets it aside (its data kept) and loads the previous one.
+    from distckpt._cli import main
+
+    locations, _ = saved_run(root, (2, 4))
+    store = open_store(root)
+    if root.startswith("s3://"):
+        store.objects.delete([store._manifest_key(4)])  # noqa: SLF001 - test damage
+    else:
+        os.remove(os.path.join(locations[4], "distckpt.json"))
+    assert store.others().damaged == [locations[4]] and store.others().unmanaged == []
+    words = f"{locations[4]}: no manifest (uncommitted or damaged)"
+    manager, _ = manager_for(root)
+    with pytest.raises(CheckpointCorruptError) as err:
+        manager.load()  # rank 0 removes leftovers first: not this one
+    manager.close()
+    assert words in str(err.value) and "fallback_to_older" in str(err.value)
+    assert store.object_sizes(locations[4])  # kept
+    assert main(["ls", root, "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert (
+        rows[4]["status"] == "no manifest" and rows[4]["reason"].startswith(words) and rows[2]["status"] == "committed"
+    )
+    assert main(["verify", root]) == 1
+    out = capsys.readouterr().out
+    assert words in out and "manifest missing" not in out
+    manager, _ = manager_for(root, load={"fallback_to_older": True})
+    assert manager.load().step == 2
+    manager.close()
+    kept = locations[4] if root.startswith("s3://") else os.path.join(root, "corrupt-step-000000004-0")
+    assert store.others().damaged == [] and store.object_sizes(kept)  # set aside, its data kept
+    assert [n.rsplit("/", 1)[-1] for n in store.others().set_aside] == ["corrupt-step-000000004-0"]
+    assert store.others().latest == "step-000000002"
+    manager, _ = manager_for(root)
+    assert manager.load().step == 2 and store.object_sizes(kept)  # never a leftover
+    manager.close()

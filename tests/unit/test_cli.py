@@ -343,6 +343,33 @@ def test_ls_and_verify_share_the_no_manifest_rule(root, capsys):
         assert [p["message"] for p in entry["problems"]][0].startswith(words)
 
 
+def test_verify_calls_a_stock_dcp_save_unmanaged_as_ls_does_and_suggests_import(root, tmp_path, capsys):
+    # A stock dcp.save (no manifest, no hash sidecar): nothing to verify it against. Alone: exit 2,
+    # "unmanaged", `distckpt import`; in a root: listed as skipped, the exit code the checkpoints'.
+    import torch.distributed.checkpoint as dcp
+
+    plain = root / "step-000000007"
+    dcp.save({"w": torch.ones(3, 2)}, checkpoint_id=str(plain), no_dist=True)
+    words = f"{plain}: unmanaged: a plain DCP checkpoint"
+    for target in (plain, tmp_path / "elsewhere"):
+        if target != plain:
+            shutil.copytree(plain, target)
+        code, out, err = run(capsys, "verify", target)
+        assert code == 2 and f"{target}: unmanaged" in err and f"distckpt import {target} NEW_ROOT" in err
+        assert "manifest missing" not in out + err and "CORRUPT" not in out
+    code, out, _ = run(capsys, "verify", root)
+    assert code == 0 and f"skipped  {words}" in out and "distckpt import" in out and "CORRUPT" not in out
+    assert out.count("ok       ") == 2
+    code, data = run_json(capsys, "verify", root)
+    assert code == 0 and data["ok"] and data["unmanaged"] == [str(plain)]
+    assert str(plain) not in [c["path"] for c in data["checkpoints"]]
+    only = tmp_path / "only"
+    only.mkdir()
+    plain.rename(only / plain.name)
+    code, _, err = run(capsys, "verify", only)
+    assert code == 2 and "holds no distckpt checkpoint to verify, only unmanaged" in err and "distckpt import" in err
+
+
 # ---------------------------------------------------------------------------------- unsafe pickles
 class _OpenFile:
     def __init__(self, path):

@@ -14,6 +14,7 @@ from distckpt import (
     CheckpointCorruptError,
     CheckpointManager,
     CheckpointNotFoundError,
+    CheckpointSaveError,
     ConfigError,
     CoordinationConfig,
     IncompatibleCheckpointError,
@@ -178,16 +179,58 @@ def test_newest_without_manifest_is_refused_without_fallback_as_by_ls_and_verify
 
 
 def test_every_manifest_deleted_names_what_was_found(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
     trained_manager(tmp_path, steps=(3, 6))[0].close()
     for step in (3, 6):
         (tmp_path / f"step-00000000{step}" / "distckpt.json").unlink()
+    dcp.save({"w": torch.ones(3, 2)}, checkpoint_id=str(tmp_path / "step-000000001"), no_dist=True)  # a user's
     manager, _ = manager_for(tmp_path, load=LoadConfig(fallback_to_older=True))
     with pytest.raises(CheckpointCorruptError) as err:
         manager.load()
     message = str(err.value)
     assert "no manifest (uncommitted or damaged)" in message
-    assert "corrupt-step-000000006-0" in message and "Restore" in message
-    assert f"unmanaged {tmp_path / 'step-000000003'}" in message  # only plain DCP files left: not distckpt's
+    assert "corrupt-step-000000006-0" in message and "corrupt-step-000000003-0" in message and "Restore" in message
+    assert f"unmanaged {tmp_path / 'step-000000001'}" in message  # only plain DCP files: not distckpt's
+
+
+def test_a_small_checkpoint_that_lost_its_manifest_is_damaged_not_unmanaged(tmp_path, capsys):
+    # Small state only (no file gets block digests): rank 0's digest file still marks the directory
+    # distckpt's, so with latest naming another checkpoint it is "no manifest", never "unmanaged".
+    from distckpt._cli import main
+    from distckpt._storage import commit as commit_mod
+
+    trained_manager(tmp_path, steps=(3, 6))[0].close()
+    ckpt = tmp_path / "step-000000003"
+    assert all(p.stat().st_size < 1 << 20 for p in ckpt.iterdir())
+    (ckpt / "distckpt.json").unlink()
+    assert commit_mod.damaged_step_dirs(tmp_path) == [ckpt] and commit_mod.unmanaged_step_dirs(tmp_path) == []
+    words = f"{ckpt}: no manifest (uncommitted or damaged)"
+    assert main(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert words in out and "unmanaged" not in out and "distckpt import" not in out
+    assert main(["verify", str(tmp_path)]) == 1
+    assert words in capsys.readouterr().out
+    manager, _ = manager_for(tmp_path)
+    assert manager.load().step == 6  # the newest committed one; the damaged one is skipped, untouched
+    manager.close()
+    assert ckpt.is_dir() and not (tmp_path / "corrupt-step-000000003-0").exists()
+
+
+def test_a_save_of_a_damaged_steps_directory_says_no_manifest_and_what_to_do(tmp_path):
+    trained_manager(tmp_path, steps=(3, 6))[0].close()
+    ckpt = tmp_path / "step-000000003"
+    (ckpt / "distckpt.json").unlink()
+    files = sorted(p.name for p in ckpt.iterdir())
+    manager, _ = manager_for(tmp_path, load=LoadConfig(enabled=False, on_existing="archive"))  # a fresh run
+    assert (tmp_path / "archived-step-000000006-0").is_dir() and ckpt.is_dir()  # only committed ones archived
+    with pytest.raises(CheckpointSaveError) as err:
+        manager.save(3)
+    manager.close()
+    message = str(err.value)
+    assert f"{ckpt}: no manifest (uncommitted or damaged)" in message and "not a distckpt checkpoint" not in message
+    assert "move it out of the root" in message and "save another step" in message
+    assert sorted(p.name for p in ckpt.iterdir()) == files  # untouched
 
 
 def test_changed_dcp_metadata_is_found_before_planning(tmp_path):
