@@ -221,3 +221,25 @@ def test_repair_latest(tmp_path: Path) -> None:
     shutil.rmtree(newest)
     (tmp_path / LATEST).write_text("step-000000030\n")
     assert repair_latest(tmp_path) is None and not (tmp_path / LATEST).exists()
+
+
+def test_the_manifest_json_holds_every_field_as_dataclasses_asdict_gives_it() -> None:
+    import dataclasses
+    import json
+
+    from distckpt._ondisk.manifest import FileEntry
+
+    files = [
+        FileEntry(path="__0_0.distcp", size_bytes=5, hash="h0"),
+        FileEntry(path=".metadata", size_bytes=4, hash="h1"),
+    ]
+    manifest = _manifest(7, files)
+    manifest.hardware, manifest.metrics, manifest.timings_s = {"cpus": 2, "gpus": []}, {"loss": 1.5}, {"write": 0.1}
+    want = json.loads(json.dumps(dataclasses.asdict(manifest)))
+    for f in want["files"]:
+        del f["block_ends"], f["block_hashes"]
+    for name in ("data_prefix", "initial_load", "interval"):
+        del want[name]
+    got = json.loads(manifest.to_json())
+    want["schema_version"] = got["schema_version"]
+    assert got == want
