@@ -104,10 +104,17 @@ class ModelOptimState:
         self.cache = StateDictCache(model, optimizer)  # SHARDED saves and snapshots of an unchanged structure
 
     def specs(self) -> dict[str, TensorSpec]:
-        """:func:`tensor_specs` of the live model: taken from the first save's model state_dict, else
-        computed at first use (a state_dict of every tensor costs milliseconds per thousand)."""
+        """:func:`tensor_specs` of the model as the last save took it (its manifest's layout): taken
+        from that save's state_dict, else computed now (a state_dict of every tensor costs
+        milliseconds per thousand)."""
         if self._specs is None:
             self._specs = tensor_specs(self.model)
+        return self._specs
+
+    def live_specs(self) -> dict[str, TensorSpec]:
+        """:func:`tensor_specs` of the live model, computed now (a load: the model may have changed
+        since the last save)."""
+        self._specs = tensor_specs(self.model)
         return self._specs
 
     def device(self) -> torch.device:
@@ -140,12 +147,14 @@ class ModelOptimState:
             )
         uninitialised = self.optimizer is not None and not self.optimizer.state
         self._init_closure_optimizer()
+        hits = self.cache.hits
         if full_state_dict or uninitialised:
             model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=options)
         else:
             model_sd, optim_sd = self.cache.get(lambda: get_state_dict(self.model, self._optimizers(), options=options))
-        if self._specs is None and (model_sd or not full_state_dict):  # FULL: rank 0's is the whole model
-            self._specs = specs_of(model_sd)
+        if self.cache.hits == hits or self._specs is None:  # a hit: the same layout as the last save's
+            # The layout of what this save writes (FULL: rank 0's is the whole model; another rank's, later).
+            self._specs = specs_of(model_sd) if model_sd or not full_state_dict else None
         if self.optimizer is None:
             return model_sd, {}
         if uninitialised:

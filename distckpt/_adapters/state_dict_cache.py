@@ -12,8 +12,8 @@ same live values, the param groups' hyperparameters read anew) while a *fingerpr
 everything the result is derived from is unchanged:
 
 - every module of the tree (identity, class, child names), every parameter and persistent
-  buffer it registers (name, identity, and the address, shape and strides of its data, or of a
-  DTensor's local shard: ``p.data = x`` is a change);
+  buffer it registers (name, identity, and the address, shape, strides and dtype of its data, or
+  of a DTensor's local shard: ``p.data = x`` is a change);
 - the optimizer's ``state`` mapping (identity, and each parameter's state dict, in order) and
   its param groups (the parameters of each, the keys of each).
 
@@ -118,7 +118,7 @@ class StateDictCache:
                     if tensor is None or name in skip:
                         continue
                     data = local_tensor(tensor)
-                    key += (name, id(tensor), data.data_ptr(), tensor.shape, data.stride())
+                    key += (name, id(tensor), data.data_ptr(), tensor.shape, data.stride(), tensor.dtype)
                     keep.append(tensor)
         optimizer = self.optimizer
         if optimizer is not None:

@@ -262,3 +262,28 @@ def test_the_loaded_param_groups_reach_dcps_split_with_constant_time_membership(
         state.apply(model_sd, optim_sd)
     assert seen and all(type(p).__contains__ is not list.__contains__ for p in seen)
     assert all(list(p) == list(g["params"]) for p, g in zip(seen, optim_sd["param_groups"]))
+
+
+def test_a_save_after_the_model_changed_records_the_new_layout_and_loads(tmp_path: Any) -> None:
+    # The manifest's model layout is the saved state_dict's, not the first save's.
+    from distckpt import CheckpointConfig, CheckpointManager, IncompatibleCheckpointError
+
+    config = CheckpointConfig(root=str(tmp_path), schedule={"interval_steps": None})
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optimizer)
+    with CheckpointManager(config, model=model, optimizer=optimizer) as manager:
+        manager.save(1)
+        manager.save(2)  # a cache hit: the same layout
+        model[3].register_buffer("scale", torch.full((2,), 3.0))
+        manager.save(3)
+    changed = _model()
+    changed[3].register_buffer("scale", torch.zeros(2))
+    with CheckpointManager(config, model=changed, optimizer=torch.optim.AdamW(changed.parameters())) as manager:
+        assert manager.load().step == 3
+    assert torch.equal(changed[3].scale, torch.full((2,), 3.0))
+    assert all(torch.equal(a, b) for a, b in zip(changed.parameters(), model.parameters()))
+    old = _model()
+    with CheckpointManager(config, model=old, optimizer=torch.optim.AdamW(old.parameters())) as manager:
+        with pytest.raises(IncompatibleCheckpointError, match="scale"):
+            manager.load()
