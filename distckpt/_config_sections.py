@@ -409,8 +409,8 @@ class CoordinationConfig:
     rank: every rank's manager bumps a counter on the default group's store every
     ``liveness_timeout_s / 6`` s (a daemon thread), and the waiting ranks raise ``RankLostError``
     naming a missing rank whose counter stood still this long (its node lost, its worker killed).
-    A slow rank (a long step, ``torch.compile``) keeps counting; one holding the GIL this long
-    counts as lost. Not below ``arrival_timeout_s``: no effect. ``None``: off. Default ``60``."""
+    A slow rank keeps counting; one holding the GIL this long counts as lost. Read about once a
+    second (less acts as 1 s). Not below ``arrival_timeout_s``: no effect. ``None``: off. Default 60."""
     lock: bool = True
     """Hold ``<root>/.lock`` while the manager is open, so a second job on the same root fails at
     construction (``CheckpointLockedError``). Without the lock the manager does not remove pending
