@@ -116,7 +116,8 @@ class CheckpointDiscovery:
             subject=f"CheckpointConfig.root={self.root!r}",
             why=f"this run does not resume from them ({why}; none was committed with this config's load "
             "options, which would make this start a restart)",
-            choices="resume them (load.enabled: true, with no load.path or one naming a checkpoint of the root)",
+            choices="resume them (load.enabled: true, with no load.path or one naming a checkpoint of the root); "
+            "load.on_existing: archive to set them aside as archived-step-N-<n> (nothing is deleted)",
         )
         return self.config
 

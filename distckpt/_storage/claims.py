@@ -34,7 +34,7 @@ def refuse_or_archive(
             could be writing, so it needs the lock).
         subject: how the root is named in messages (``CheckpointConfig.root='/x'``).
         why: why the caller does not resume them (``"this run does not resume from them (load: false)"``).
-        choices: what the user can do instead, besides ``on_existing: archive``.
+        choices: what the user can do instead (setting them aside included); "or another root" follows.
 
     Returns:
         ``"<old> -> <new>"`` for each checkpoint set aside (empty when the root holds none).
@@ -49,8 +49,7 @@ def refuse_or_archive(
     if on_existing != "archive":
         raise ConfigError(
             f"{subject} already holds {len(existing)} checkpoint(s), newest {checkpoint_name(existing[-1])}, "
-            f"and {why}. Choose: {choices}; load.on_existing: archive to set them aside as archived-step-N-<n> "
-            "(nothing is deleted); or another root."
+            f"and {why}. Choose: {choices}; or another root."
         )
     if not locked:
         raise ConfigError(

@@ -403,7 +403,8 @@ def import_weights(
             locked=True,
             subject=store.root,
             why="a load.enabled: true run would resume those, not the import",
-            choices="import into another root; pass on_existing='archive' (CLI: --archive-existing)",
+            choices="on_existing='archive' (CLI: --archive-existing) to set them aside as archived-step-N-<n> "
+            "(nothing is deleted)",
         )
         if store.exists(store.location_of(step)):
             raise FileExistsError(

@@ -461,6 +461,9 @@ def test_export_and_import_commands(root, tmp_path, capsys):
     state = CheckpointManager(CheckpointConfig(root=str(tmp_path / "new")), model=model, optimizer=None).load()
     assert state.step == 7 and all(torch.equal(v, fp32[k]) for k, v in model.state_dict().items())
     assert run(capsys, "verify", tmp_path / "new")[0] == 0
+    code, _, err = run(capsys, "import", tmp_path / "fp32.safetensors", tmp_path / "new", "--step", "8")
+    assert code == 2 and "already holds 1 checkpoint" in err and "--archive-existing" in err, err
+    assert err.count("another root") == 1 and "load.on_existing" not in err, err  # a manager's option
     (tmp_path / "junk").write_text("hello")
     code, _, err = run(capsys, "import", tmp_path / "junk", tmp_path / "new2")
     assert code == 2 and "not a safetensors file" in err
