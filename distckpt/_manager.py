@@ -178,7 +178,6 @@ class CheckpointManager:
             state=self.state,
             config=self.config,
             events=self.events,
-            model_specs=self.state.model_optim.live_specs,
             local_world_size=self.local_world_size,
             store=self.store,
             memory=self.memory,

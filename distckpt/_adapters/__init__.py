@@ -5,7 +5,7 @@ DCP's ``get_state_dict``/``set_state_dict`` already strip wrapper prefixes (DDP 
 adds wrapper detection, the FULL/SHARDED choice, and guards around DCP's optimizer helpers.
 """
 
-from .model_optim import ModelOptimState, tensor_specs, tied_keys
+from .model_optim import ModelOptimState, specs_of, tensor_specs, tied_keys
 from .stateful import as_saved, put_empty_dicts, with_saved_keys, with_saved_optim_keys, without_empty_dicts
 from .wrappers import check_model_and_optimizer, ddp_rebuilds_buckets, ddp_resume_not_bitwise, wrapper_kind
 
@@ -15,6 +15,7 @@ __all__ = [
     "ddp_resume_not_bitwise",
     "wrapper_kind",
     "ModelOptimState",
+    "specs_of",
     "tensor_specs",
     "tied_keys",
     "with_saved_keys",

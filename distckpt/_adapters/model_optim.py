@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 
@@ -101,6 +102,7 @@ class ModelOptimState:
         self.optimizer = optimizer
         self.ties = tied_keys(model)
         self._specs: dict[str, TensorSpec] | None = None
+        self._target: dict[str, Any] = {}  # the last load target's model part, as DCP gave it
         self.cache = StateDictCache(model, optimizer)  # SHARDED saves and snapshots of an unchanged structure
 
     def specs(self) -> dict[str, TensorSpec]:
@@ -109,12 +111,6 @@ class ModelOptimState:
         milliseconds per thousand)."""
         if self._specs is None:
             self._specs = tensor_specs(self.model)
-        return self._specs
-
-    def live_specs(self) -> dict[str, TensorSpec]:
-        """:func:`tensor_specs` of the live model, computed now (a load: the model may have changed
-        since the last save)."""
-        self._specs = tensor_specs(self.model)
         return self._specs
 
     def device(self) -> torch.device:
@@ -184,6 +180,7 @@ class ModelOptimState:
         """Load targets in the live layout; call inside :meth:`load_context`. Collective."""
         self._init_closure_optimizer()
         model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=StateDictOptions())
+        self._target = dict(model_sd)
         return model_sd, (optim_sd if self.optimizer is not None else {})
 
     def _init_closure_optimizer(self) -> None:
@@ -208,12 +205,18 @@ class ModelOptimState:
 
     def model_target_for_load(self) -> dict[str, Any]:
         """Model load target only: the optimizer is left untouched (no DCP dummy step)."""
-        return get_model_state_dict(self.model)
+        model_sd = get_model_state_dict(self.model)
+        self._target = dict(model_sd)
+        return model_sd
 
     def apply(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None) -> None:
         """Copy loaded state into the live model/optimizer; call inside :meth:`load_context`.
         ``optim_sd=None``: model only, the optimizer keeps its (fresh) state."""
+        in_place = self._loaded_in_place(model_sd)
+        self._target = {}
         if self.optimizer is None or optim_sd is None:
+            if in_place:
+                return
             set_state_dict(
                 self.model, [], model_state_dict=model_sd, optim_state_dict={}, options=StateDictOptions(strict=True)
             )
@@ -230,6 +233,11 @@ class ModelOptimState:
             p.requires_grad_(False)
         try:
             with _constant_time_param_lookup(self._optimizers()):
+                if in_place:
+                    set_optimizer_state_dict(
+                        self.model, self._optimizers(), optim_state_dict=optim_sd, options=StateDictOptions(strict=True)
+                    )
+                    return
                 set_state_dict(
                     self.model,
                     self._optimizers(),
@@ -240,6 +248,18 @@ class ModelOptimState:
         finally:
             for p in stateless:
                 p.requires_grad_(True)
+
+    def _loaded_in_place(self, model_sd: dict[str, Any]) -> bool:
+        """Whether the model already holds ``model_sd``: DCP read into the load target in place,
+        every value of ``model_sd`` is still the target's own tensor (same keys), and that target
+        was made of detached views of the live parameters and buffers that
+        ``Module.load_state_dict`` would only copy into themselves (:func:`_plain_load`). Then
+        DCP's ``set_state_dict`` would walk every module and copy each tensor onto itself (a
+        fifth of a load of many small tensors) and is skipped for the model."""
+        target = self._target
+        if len(model_sd) != len(target) or not _plain_load(self.model):
+            return False
+        return all(target.get(k) is v for k, v in model_sd.items())
 
     def _stateless_at_save(self, optim_sd: dict[str, Any]) -> list[torch.Tensor]:
         """Live parameters that require grad now, are listed in the checkpoint's param groups and
@@ -258,6 +278,34 @@ class ModelOptimState:
             and any(f in listed for f in fqns)
             and not any(f in saved_state for f in fqns)
         ]
+
+
+# Overrides of ``_load_from_state_dict`` that copy each value into its tensor when every key is
+# present (batch norm's adds a missing ``num_batches_tracked`` only).
+_PLAIN_LOADERS = (nn.Module._load_from_state_dict, nn.BatchNorm1d._load_from_state_dict)
+
+
+def _plain_load(model: nn.Module) -> bool:
+    """Whether ``model.state_dict()`` gives detached views of its parameters and buffers and
+    ``load_state_dict`` copies each value into them and nothing else: no state-dict or
+    load-state-dict hooks (FSDP's, quantisation's), no extra state, no loader override beyond
+    :data:`_PLAIN_LOADERS`, only plain tensors (no DTensor or other subclass)."""
+    for module in model.modules():
+        cls = type(module)
+        if (
+            module._state_dict_hooks
+            or module._state_dict_pre_hooks
+            or module._load_state_dict_pre_hooks
+            or module._load_state_dict_post_hooks
+            or cls._load_from_state_dict not in _PLAIN_LOADERS
+            or cls.get_extra_state is not nn.Module.get_extra_state
+            or cls.set_extra_state is not nn.Module.set_extra_state
+        ):
+            return False
+        for tensor in itertools.chain(module._parameters.values(), module._buffers.values()):
+            if tensor is not None and type(tensor) not in (torch.Tensor, nn.Parameter):
+                return False
+    return True
 
 
 class _ParamIds(list):

@@ -25,7 +25,7 @@ from typing_extensions import override
 from .._errors import CheckpointCorruptError
 from .._ondisk.integrity import check_file
 from .._ondisk.safe_values import load_value
-from .torch_format.internals import set_element
+from .torch_format.internals import ShardedTensor, flatten_state_dict, set_element
 
 __all__ = ["read_dcp_metadata", "parse_dcp_metadata", "SafeFileSystemReader", "SafeLoadPlanner"]
 
@@ -159,13 +159,45 @@ class SafeFileSystemReader(FileSystemReader):
 class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that loads non-tensor items with ``torch.load(weights_only=True)``
     (numpy scalars and arrays admitted: :func:`distckpt._ondisk.safe_values.load_value`), and plans
-    a load of whole tensors without DCP's overlap search (:func:`whole_tensor_load_plan`)."""
+    a load of whole tensors without DCP's overlap search (:func:`whole_tensor_load_plan`).
+
+    Its set-up walks the state_dict once where it can: DCP's walk that splits FSDP1's nested
+    ``ShardedTensor``s, and the one that materialises meta tensors, run only when the flattened
+    state_dict holds one (as :class:`~distckpt._engine.save_planner.LeanSavePlanner`)."""
+
+    @override
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        self.whole_plan = False
+        if not self.flatten_state_dict:
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            return
+        flat, mappings = flatten_state_dict(state_dict)
+        if any(isinstance(v, ShardedTensor) or (isinstance(v, torch.Tensor) and v.is_meta) for v in flat.values()):
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            return
+        sharded, self.flatten_state_dict, self.flatten_sharded_tensors = self.flatten_sharded_tensors, False, False
+        try:
+            super().set_up_planner(flat, metadata, is_coordinator)
+        finally:
+            self.flatten_state_dict, self.flatten_sharded_tensors = True, sharded
+        self.original_state_dict, self.mappings = state_dict, mappings
 
     @override
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None  # set_up_planner's
         plan = whole_tensor_load_plan(self.state_dict, self.metadata)
+        self.whole_plan = plan is not None
         return plan if plan is not None else super().create_local_plan()
+
+    @override
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        # An item of the whole-tensor plan reads all of its target: DCP's narrow of it is the
+        # target itself, found without DCP's per-item index checks.
+        if getattr(self, "whole_plan", False):
+            return self.state_dict[read_item.dest_index.fqn]
+        return super().resolve_tensor(read_item)
 
     @override
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
@@ -215,16 +247,8 @@ def whole_tensor_load_plan(state_dict: dict[str, Any], metadata: dcp_metadata.Me
         if 0 in size:
             continue  # no overlap: DCP plans no read of an empty tensor
         offsets = chunk.offsets
-        requests.append(
-            ReadItem(
-                LoadItemType.TENSOR,
-                dcp_metadata.MetadataIndex(fqn, offsets, 0),
-                offsets,
-                dcp_metadata.MetadataIndex(fqn, offsets, 0),
-                offsets,
-                size,
-            )
-        )
+        index = dcp_metadata.MetadataIndex(fqn, offsets, 0)  # immutable: one for both ends
+        requests.append(ReadItem(LoadItemType.TENSOR, index, offsets, index, offsets, size))
     return LoadPlan(requests)
 
 

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any
 
 from .._config import LOADABLE, CheckpointConfig
 from .._coord.collective import Collective
@@ -28,7 +28,7 @@ from .._errors import CheckpointCorruptError, DistCkptError, IncompatibleCheckpo
 from .._memory import MemoryRestore, MemoryTier, choose_snapshot, take_inventory
 from .._ondisk.integrity import BlockDigests
 from .._ondisk.layout import parse_step
-from .._ondisk.manifest import Manifest, TensorSpec, first_problem, structure_problems
+from .._ondisk.manifest import Manifest, first_problem, structure_problems
 from .._state.training_state import CheckpointState, TrainState
 from .._storage import CheckpointStore, check_file, digest_index, read_dcp_metadata, step_of, store_of
 from .discovery import CheckpointDiscovery
@@ -48,7 +48,6 @@ class CheckpointLoader:
         config: ``load`` (``verify``, ``fast_reader``, ``streams_per_node``, ``path``,
             ``fallback_to_older``), ``root``.
         events: this rank's event log (a ``load`` event per read).
-        model_specs: gives ``{fqn: TensorSpec}`` of the live model (called at each read).
         local_world_size: ranks on this node (they share ``load.streams_per_node``).
         store: the root's storage; every read goes through it.
         memory: the memory tier, consulted before the durable tier when ``load`` names no checkpoint.
@@ -61,13 +60,12 @@ class CheckpointLoader:
         state: CheckpointState,
         config: CheckpointConfig,
         events: EventLog,
-        model_specs: Callable[[], dict[str, TensorSpec]],
         local_world_size: int,
         store: CheckpointStore,
         memory: MemoryTier | None = None,
     ) -> None:
         self.collective, self.state, self.config = collective, state, config
-        self.events, self.model_specs, self.local_world_size = events, model_specs, local_world_size
+        self.events, self.local_world_size = events, local_world_size
         self.store, self.memory = store, memory
         self.tier = "durable"  # the tier the last load() read from
         self.restored: MemoryRestore | None = None  # the last restore from memory
@@ -159,7 +157,6 @@ class CheckpointLoader:
             state=self.state,
             collective=self.collective,
             select=self.config.load.selection,
-            model_specs=self.model_specs(),
         )
 
     def _from_memory(self, durable_step: int | None, entries: list, headers: dict[str, Any]) -> MemoryRestore | None:

@@ -63,7 +63,6 @@ def read_checkpoint(
     state: CheckpointState,
     collective: Collective,
     select: frozenset[str],
-    model_specs: dict[str, TensorSpec],
 ) -> tuple[TrainState, Manifest]:
     """Read the checkpoint ``source`` holds into the live training objects (every rank, collective).
 
@@ -72,7 +71,6 @@ def read_checkpoint(
         state: the live training state.
         collective: the manager's process-group helper.
         select: the parts to restore (:data:`~distckpt._config.LOADABLE`); the others keep their live state.
-        model_specs: ``{fqn: TensorSpec}`` of the live model (global shapes and dtypes).
 
     Returns:
         ``(the restored counters, the checkpoint's manifest)``.
@@ -88,14 +86,16 @@ def read_checkpoint(
     with gc_paused():
         location = source.location
         manifest = source.manifest()
-        # A live model the checkpoint does not fit (shape, dtype, keys) is the user's change: said, never cast.
-        check_model_fits(manifest, location, model_specs, state.model_optim.ties)
         metadata = source.metadata()
         keys = set(metadata.state_dict_metadata)
         with state.model_optim.load_context():
 
+            def fits(live: dict[str, TensorSpec]) -> None:
+                # A live model the checkpoint does not fit (shape, dtype, keys) is the user's change: said, never cast.
+                check_model_fits(manifest, location, live, state.model_optim.ties)
+
             def plan() -> tuple[dict[str, Any], tuple[Any, Any]]:
-                target = state.for_load(keys, manifest.world_size, select, metadata=metadata)
+                target = state.for_load(keys, manifest.world_size, select, metadata=metadata, fits=fits)
                 return target, source.plan(target)
 
             # One exchange agrees on the targets and shares the sources' requests.

@@ -23,7 +23,7 @@ import io
 import logging
 import numbers
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .._adapters import (
     ModelOptimState,
     put_empty_dicts,
+    specs_of,
     with_saved_keys,
     with_saved_optim_keys,
     without_empty_dicts,
@@ -39,7 +40,7 @@ from .._config import LOADABLE, ElasticConfig
 from .._data.reshard import DataLoaderState
 from .._engine.torch_format.internals import flatten_state_dict
 from .._errors import IncompatibleCheckpointError
-from .._ondisk.manifest import is_extra_state
+from .._ondisk.manifest import TensorSpec, is_extra_state
 from .._ondisk.safe_values import check_loadable, load_value
 from .guard import MutationGuard
 from .rebatch import apply_step_rule
@@ -284,6 +285,7 @@ class CheckpointState:
         select: frozenset[str] = frozenset(LOADABLE),
         *,
         metadata: Any = None,
+        fits: Callable[[dict[str, TensorSpec]], None] = lambda live: None,
     ) -> dict[str, Any]:
         """Target state_dict for ``dcp.load``; call inside ``self.model_optim.load_context()``.
 
@@ -296,9 +298,11 @@ class CheckpointState:
                 read with every key saved under its name, also those its fresh ``state_dict()``
                 lacks (an EMA's shadow filled at its first update); tensors among them are read
                 onto the model's device, full size.
+            fits: called with ``{fqn: TensorSpec}`` of the live model (global shapes and dtypes)
+                before any key is checked; raises where the checkpoint does not fit it.
 
         Raises:
-            IncompatibleCheckpointError: live optimizer/components the checkpoint lacks,
+            IncompatibleCheckpointError: what ``fits`` raises; live optimizer/components the checkpoint lacks,
                 optimizer state in the checkpoint for parameters the live optimizer lacks, or
                 keys saved under a ``Stateful`` that cannot be read back (``metadata`` absent).
         """
@@ -306,6 +310,7 @@ class CheckpointState:
         self.select, self.tied_from = select, {}
         if self.weights_only:
             sd: dict[str, Any] = {"model": self.model_optim.model_target_for_load(), "train_state": b""}
+            fits(specs_of(sd["model"]))
             self._read_tied_from_twins(sd["model"], checkpoint_keys)
             _check_keys(sd, checkpoint_keys, rank=self.rank)
             return sd
@@ -318,6 +323,7 @@ class CheckpointState:
         model_sd, optim_sd = (
             self.model_optim.target_for_load() if load_optim else (self.model_optim.model_target_for_load(), {})
         )
+        fits(specs_of(model_sd))  # the layout of the target itself: no state_dict of its own
         sd = {}
         if "model" in select:
             self._read_tied_from_twins(model_sd, checkpoint_keys)
@@ -416,12 +422,7 @@ class CheckpointState:
             logger.warning(
                 "rank %d did not exist at save (saved world size %d): RNG derived from "
                 "(seed=%d, rank=%d, step=%d) -> %d",
-                self.rank,
-                saved_world_size,
-                self.seed,
-                self.rank,
-                train_state.step,
-                derived,
+                *(self.rank, saved_world_size, self.seed, self.rank, train_state.step, derived),
             )
         if batch_change is not None:  # after the RNG: moving the scheduler draws no random numbers
             train_state.batch_change = apply_step_rule(

@@ -149,6 +149,25 @@ def test_big_items_are_read_straight_into_the_destination(saved):
     assert reader.last_stats["syscalls"] <= 4, reader.last_stats
 
 
+def test_whole_small_items_are_one_copy_each_and_other_targets_take_the_general_path(saved, monkeypatch):
+    from distckpt._engine.read import item_decode
+
+    path, state = saved
+    general: list[str] = []
+    real = item_decode.ItemDecoder.copy_from
+
+    def spy(self, layout, base, off, req, base_mv=None):
+        general.append(req.item.dest_index.fqn)
+        return real(self, layout, base, off, req, base_mv)
+
+    monkeypatch.setattr(item_decode.ItemDecoder, "copy_from", spy)
+    target = _empty_like(state)
+    target["fp32"] = torch.zeros(7, 10).t()  # a non-contiguous destination of a compact item
+    _assert_same(_load(target, path, FastFileSystemReader(path)), state)
+    # The stored transposed tensor is not compact; every other small item is copied whole.
+    assert sorted(general) == ["fp32", "noncontig"]
+
+
 @pytest.mark.parametrize(
     "kw", [{}, SMALL_DIRECT, SPARE_THREADS], ids=["default", "direct-small-items", "spare-threads"]
 )

@@ -251,13 +251,17 @@ def test_the_loaded_param_groups_reach_dcps_split_with_constant_time_membership(
     state = model_optim.ModelOptimState(model, optimizer)
     model_sd, optim_sd = state.target_for_load()
     seen: list[Any] = []
-    real = model_optim.set_state_dict
 
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        seen.extend(g["params"] for g in kwargs["optim_state_dict"]["param_groups"])
-        return real(*args, **kwargs)
+    def spy(real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seen.extend(g["params"] for g in kwargs["optim_state_dict"]["param_groups"])
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(model_optim, "set_state_dict", spy)
+        return call
+
+    # The model loaded in place: only the optimizer's state_dict is set.
+    for name in ("set_state_dict", "set_optimizer_state_dict"):
+        monkeypatch.setattr(model_optim, name, spy(getattr(model_optim, name)))
     with state.load_context():
         state.apply(model_sd, optim_sd)
     assert seen and all(type(p).__contains__ is not list.__contains__ for p in seen)

@@ -66,8 +66,16 @@ class ItemDecoder:
             yield req
             self.planner.commit_tensor(req.item, req.target)
 
-    def copy_from(self, layout: TensorLayout, base: torch.Tensor, base_data_off: int, req: ReadRequest) -> None:
-        """Copy what ``req`` needs from the item data in ``base[base_data_off:]`` into its target.
+    def copy_from(
+        self,
+        layout: TensorLayout,
+        base: torch.Tensor | None,
+        base_data_off: int,
+        req: ReadRequest,
+        base_mv: memoryview | None = None,
+    ) -> None:
+        """Copy what ``req`` needs from the item data in ``base[base_data_off:]`` into its target
+        (``base_mv``: the same bytes as a memoryview; ``base`` may then be ``None``).
 
         Raises:
             AssertionError: the destination's size differs from the stored chunk's (as DCP).
@@ -80,18 +88,23 @@ class ItemDecoder:
         if direct_ok(src, req.tensor):
             a = base_data_off + src.storage_offset() * isz
             n = src.numel() * isz
-            writable_view(req.tensor)[:] = writable_view(base)[a : a + n]
+            data = base_mv if base_mv is not None else writable_view(base)  # type: ignore[arg-type]
+            writable_view(req.tensor)[:] = data[a : a + n]
             self.results.count(copied_bytes=n)
             return
+        if base is None:
+            assert base_mv is not None  # one of the two is given
+            base = torch.frombuffer(base_mv, dtype=torch.uint8)
         lo, hi = covering_range(src)
         u8 = base[base_data_off + lo * isz : base_data_off + hi * isz]
         view = strided_view(typed_view(u8, src.dtype), src, lo)
         req.tensor.copy_(view)
         self.results.count(copied_bytes=(hi - lo) * isz)
 
-    def decode_whole(self, st: StoredItem, mv: memoryview, t: torch.Tensor) -> None:
-        """Decode a whole stored item held in memory (``mv``; ``t``: the same bytes as a uint8
-        tensor): a bytes item goes to ``results``, a tensor item into its destinations.
+    def decode_whole(self, st: StoredItem, mv: memoryview, t: torch.Tensor | None = None) -> None:
+        """Decode a whole stored item held in memory (``mv``, writable; ``t``: the same bytes as a
+        uint8 tensor, made from ``mv`` when needed and not given): a bytes item goes to
+        ``results``, a tensor item into its destinations.
 
         Raises:
             AssertionError: a destination's size differs from the stored chunk's (as DCP).
@@ -114,10 +127,37 @@ class ItemDecoder:
             except (NeedMoreBytes, UnsupportedLayout):
                 layout = None
             if layout is not None:
+                if self.planner is None and len(st.reqs) == 1 and self._copy_whole(layout, mv, st.reqs[0]):
+                    return
                 for req in self.each_request(st):
-                    self.copy_from(layout, t, layout.data_offset, req)
+                    self.copy_from(layout, t, layout.data_offset, req, mv)
                 return
         self.stock_decode(st, mv)
+
+    def _copy_whole(self, layout: TensorLayout, mv: memoryview, req: ReadRequest) -> bool:
+        """:meth:`copy_from` of the common case in one copy, without its views: a request for the
+        whole stored tensor (compact, as DCP saves it) into a plain contiguous CPU tensor of its
+        dtype and size. ``False``: not that case, nothing done."""
+        target, item, sig = req.target, req.item, layout.sig
+        if (
+            not layout.compact
+            or type(target) is not torch.Tensor
+            or item.lengths != sig[1]
+            or any(item.storage_offsets)
+            or target.dtype != sig[0]
+            or target.shape != item.lengths
+            or not target.is_cpu
+            or not target.is_contiguous()
+            or target.is_conj()
+            or target.is_neg()
+            or target.layout != torch.strided
+        ):
+            return False
+        a, n = layout.data_offset, layout.nbytes
+        if n:
+            writable_view(target)[:] = mv[a : a + n]
+        self.results.count(copied_bytes=n)
+        return True
 
     def transformed(self, st: StoredItem, mv: memoryview) -> Any:
         """The item's bytes through its stream transforms (none: the bytes as they are)."""

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 
+from ..safe_io import SafeLoadPlanner
 from ..torch_format.save_format import (
     TRAILER_MAX,
     HeaderCache,
@@ -269,11 +270,13 @@ class ItemPlanner:
 
 def resolves_in_place(planner: LoadPlanner) -> bool:
     """Whether ``planner`` keeps ``DefaultLoadPlanner``'s ``resolve_tensor`` (with its
-    ``lookup_tensor`` and ``transform_tensor``: views of its state dict) and ``commit_tensor`` (a
-    no-op), so resolving every request up front cannot be told from DCP's per-item order."""
+    ``lookup_tensor`` and ``transform_tensor``: views of its state dict; or
+    ``SafeLoadPlanner``'s, the same tensors) and ``commit_tensor`` (a no-op), so resolving every
+    request up front cannot be told from DCP's per-item order."""
     cls = type(planner)
     return all(
         getattr(cls, name, None) is getattr(DefaultLoadPlanner, name)
+        or (name == "resolve_tensor" and getattr(cls, name, None) is SafeLoadPlanner.resolve_tensor)
         for name in ("resolve_tensor", "lookup_tensor", "transform_tensor", "commit_tensor")
     )
 
@@ -286,7 +289,10 @@ def needed_bytes(st: StoredItem, chunks: ChunkIndex) -> int:
         return st.length
     n = 0
     for r in st.reqs:
-        info = chunks.get(r.item.storage_index)
-        isz = r.target.element_size() if r.target is not None else info[1].itemsize if info else 1
+        if r.target is not None:
+            isz = r.target.element_size()
+        else:
+            info = chunks.get(r.item.storage_index)
+            isz = info[1].itemsize if info else 1
         n += math.prod(r.item.lengths) * isz
     return min(n, st.length)

@@ -323,9 +323,8 @@ class ReadStream:
             self.add(_Seg(off + s, min(step, n - s), view[s : s + step], cb if last else None, keep))
 
     def add_scratch(self, off: int, length: int, cb: Callable[[torch.Tensor | None, memoryview], None] | None) -> None:
-        """Queue a read of ``length`` bytes at file offset ``off`` into the stream's arena; ``cb(tensor,
-        view)`` gets them (a ``uint8`` tensor and a memoryview of the same bytes, valid during the call
-        only: the arena is reused)."""
+        """Queue a read of ``length`` bytes at file offset ``off`` into the stream's arena; ``cb(None,
+        view)`` gets them (a writable memoryview, valid during the call only: the arena is reused)."""
         self.add(_Seg(off, length, None, cb))
 
     # -- reading
@@ -410,61 +409,67 @@ class ReadStream:
         arena = self._arena_for(arena_need) if arena_need else None
         arena_mv = writable_view(arena) if arena is not None else None
         a = 0
-
-        def scratch(n: int) -> tuple[torch.Tensor, memoryview]:
-            nonlocal a
-            assert arena is not None and arena_mv is not None  # arena_need counted every scratch request
-            t, mv = arena[a : a + n], arena_mv[a : a + n]
-            a += n
-            return t, mv
-
         # Runs of contiguous bytes, each read by one preadv (or a few, past _IOV_MAX); a long
-        # gap ends a run (and is read only to be hashed, when hashing).
-        runs: list[tuple[int, int, list[tuple[_Seg | None, torch.Tensor | None, memoryview]]]] = []
+        # gap ends a run (and is read only to be hashed, when hashing). Consecutive arena parts
+        # (small items, gaps read through) are one buffer: one iovec and one hash update each.
+        runs: list[tuple[int, int, list[memoryview]]] = []
         run_off: int | None = None
-        run: list[tuple[_Seg | None, torch.Tensor | None, memoryview]] = []
-        t: torch.Tensor | None
+        iovs: list[memoryview] = []
+        span = -1  # arena offset where the last iovec starts, when it is arena
+        done: list[tuple[Callable[[torch.Tensor | None, memoryview], None], memoryview]] = []
         pos = self.pos
         for s in segs:
             gap = s.off - pos
             if gap > self.gap_read_bytes:
-                if run:
+                if iovs:
                     assert run_off is not None  # set with a run's first part
-                    runs.append((run_off, 0, run))
+                    runs.append((run_off, 0, iovs))
                 runs.append((pos, gap, []))
-                run_off, run = None, []
+                run_off, iovs, span = None, [], -1
             elif gap > 0:
-                t, mv = scratch(gap)
-                if not run:
+                assert arena_mv is not None  # arena_need counted every gap read through
+                if not iovs:
                     run_off = pos
-                run.append((None, t, mv))
-            if not run:
-                run_off = s.off
+                if span < 0:
+                    span = a
+                    iovs.append(arena_mv[a : a + gap])
+                else:
+                    iovs[-1] = arena_mv[span : a + gap]
+                a += gap
+            if not iovs:
+                run_off, span = s.off, -1
             if s.view is None:
-                t, mv = scratch(s.length)
-                run.append((s, t, mv))
+                assert arena_mv is not None  # arena_need counted every scratch segment
+                mv = arena_mv[a : a + s.length]
+                if span < 0:
+                    span = a
+                    iovs.append(mv)
+                else:
+                    iovs[-1] = arena_mv[span : a + s.length]
+                a += s.length
             else:
-                run.append((s, None, s.view))
+                mv = s.view
+                iovs.append(mv)
+                span = -1
+            if s.cb is not None:
+                done.append((s.cb, mv))
             pos = s.end
-        if run:
+        if iovs:
             assert run_off is not None  # set with a run's first part
-            runs.append((run_off, 0, run))
-        done: list[tuple[Callable[[torch.Tensor | None, memoryview], None], torch.Tensor | None, memoryview]] = []
+            runs.append((run_off, 0, iovs))
         for off, skip, parts in runs:
             if skip:
                 if self.hasher is not None:
                     self._read_gap(off, off + skip)
                 continue
-            self._read_exact(off, [mv for _, _, mv in parts])
-            for seg, t, mv in parts:
-                if self.hasher is not None:
+            self._read_exact(off, parts)
+            if self.hasher is not None:
+                for mv in parts:
                     self.hasher.update(off, mv)
-                off += len(mv)
-                if seg is not None and seg.cb is not None:
-                    done.append((seg.cb, t, mv))
+                    off += len(mv)
         self.pos = pos
-        for cb, t, mv in done:
-            cb(t, mv)
+        for cb, mv in done:
+            cb(None, mv)
 
     def finish_to(self, end: int) -> None:
         """Flush, then (hashing) read and hash everything up to ``end``."""

@@ -70,11 +70,13 @@ class TensorLayout:
     nbytes: int
     flags: int
     sig: tuple = ()  # (dtype, size, stride, storage offset), compared without touching torch
+    compact: bool = False  # the data is exactly the tensor's elements, in order (set from meta)
 
     def __post_init__(self) -> None:
+        m = self.meta
         if not self.sig:
-            m = self.meta
             self.sig = (m.dtype, tuple(m.size()), tuple(m.stride()), m.storage_offset())
+        self.compact = m.is_contiguous() and m.storage_offset() == 0 and m.numel() * m.element_size() == self.nbytes
 
 
 class NeedMoreBytes(Exception):
@@ -145,6 +147,7 @@ class HeaderCache:
         self.predicted = LruCache(max_entries)
         self._lengths: OrderedDict[int, None] = OrderedDict()  # data offsets seen, most recent last
         self._lock = threading.Lock()
+        self._recent: tuple[tuple[bytes, TensorLayout], ...] = ()  # the last few parses, newest first
 
     def parse(self, buf: memoryview) -> TensorLayout:
         """:func:`parse_torch_save_header`, cached on the header bytes.
@@ -155,6 +158,17 @@ class HeaderCache:
         Raises:
             NeedMoreBytes, UnsupportedLayout: as :func:`parse_torch_save_header` (never cached).
         """
+        # Neighbouring items share a few headers (a parameter's optimizer state: a scalar step,
+        # then moments of its shape): compared with those first, no lookup.
+        recent = self._recent
+        for head, layout in recent:
+            if buf[: len(head)] == head:
+                return layout
+        layout = self._parse(buf)
+        self._recent = ((bytes(buf[: layout.data_offset]), layout),) + recent[:3]
+        return layout
+
+    def _parse(self, buf: memoryview) -> TensorLayout:
         with self._lock:
             lengths = tuple(self._lengths)
         for n in reversed(lengths):
