@@ -165,6 +165,31 @@ def test_a_planner_overriding_the_lookup_is_honoured_and_plain_tensors_match_dcp
     assert (tmp_path / "z" / "__0_0.distcp").read_bytes() == (tmp_path / "w" / "__0_0.distcp").read_bytes()
 
 
+def test_small_records_are_written_in_runs_by_layout_and_load_bitwise(tmp_path, monkeypatch):
+    from distckpt._engine.torch_format import record_writer
+
+    torch.manual_seed(0)
+    state: dict = {}
+    for i in range(40):  # interleaved layouts, as a parameter and its optimizer state
+        state |= {f"w{i}": torch.randn(256), f"step{i}": torch.tensor(float(i)), f"h{i}": torch.randn(3, 5)}
+    state |= {f"mask{i}": torch.rand(9) > 0.5 for i in range(5)}
+    state |= {"t": torch.randn(4, 6).t(), "big": torch.randn(300_000), "n": torch.tensor(7)}
+    runs: list[int] = []
+    real_write = record_writer._Run.write
+    monkeypatch.setattr(record_writer, "RUN_MAX_BYTES", 16 * 1024)  # the w rows span writes
+    monkeypatch.setattr(record_writer._Run, "write", lambda run, *a: runs.append(len(a[2])) or real_write(run, *a))
+    dcp.save(state, storage_writer=CheckedFileSystemWriter(tmp_path / "runs", thread_count=1), no_dist=True)
+    assert sorted(runs) == [5, 40, 40, 40]
+    data = (tmp_path / "runs" / "__0_0.distcp").read_bytes()
+    metadata = dcp.FileSystemReader(str(tmp_path / "runs")).read_metadata()
+    for index, info in metadata.storage_data.items():  # each record is torch.save's bytes
+        if index.fqn in state:
+            assert data[info.offset : info.offset + info.length] == _torch_save(state[index.fqn]), index.fqn
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "runs"), no_dist=True)
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
 @pytest.mark.parametrize(("numel", "files"), [(256, 1), (64 * 1024, 4)])
 def test_small_items_are_written_into_one_file_and_large_ones_a_file_per_thread(tmp_path, numel, files):
     # Small records are Python work under the GIL that threads contend for; large ones are byte writes.

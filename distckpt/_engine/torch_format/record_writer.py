@@ -17,7 +17,11 @@ learnt once from two ``torch.save`` calls of that layout (storage filled with ``
 ``dcp.load``/``torch.load`` read it as before. Small records are gathered in a buffer and
 written in pieces below 1 MiB (one write, one hash update); a storage of at least 1 MiB is its
 own write, as with ``torch.save``, so block digests still start at its data
-(:mod:`distckpt._ondisk.integrity`). A tensor the template cannot describe (a subclass, extra
+(:mod:`distckpt._ondisk.integrity`). Small contiguous items of one layout (a model's equal
+parameters and their optimizer moments) are written together, in the order their layout first
+appears in the file (records are found through DCP's metadata, so their order in a file is
+free, as DCP's split by size shows), built in a few tensor operations: one ``torch.stack`` of
+their storages into rows that already hold the template's head and tail. A tensor the template cannot describe (a subclass, extra
 Python attributes, negative/conjugate bits, a non-strided layout, big-endian host) is written
 by ``torch.save`` itself.
 """
@@ -183,7 +187,9 @@ class RecordTemplates:
         """Layouts learnt so far (each with a template, or marked as written by ``torch.save``)."""
         return len(self._templates)
 
-    def _template(self, key: tuple[Any, ...], tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
+    def template(self, key: tuple[Any, ...], tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
+        """``(head, tail)`` of the layout ``key`` (:func:`_layout_key` of ``tensor``), learnt from
+        ``tensor``'s layout on first use; ``None``: ``torch.save`` writes that layout."""
         found = self._templates.get(key, False)
         if found is not False:
             return found  # type: ignore[return-value]
@@ -213,7 +219,7 @@ class RecordTemplates:
             tensor: a CPU tensor whose storage holds exactly its elements (DCP clones others).
         """
         key = _layout_key(tensor)
-        template = None if key is None else self._template(key, tensor)
+        template = None if key is None else self.template(key, tensor)
         if template is None:
             self.fallbacks += 1
             return _torch_save(tensor), None, b""
@@ -238,6 +244,20 @@ class GatheringWriter:
         self._buf = bytearray(self._limit)  # one allocation per file, reused: no heap churn
         self._used = 0
         self.offset = offset  # bytes written or gathered so far
+
+    def write_gathered(self, data: memoryview) -> None:
+        """Append ``data`` (whole records, each below the gathering limit) through the gathering
+        buffer: the same writes as appending its records one by one would make, but for where
+        the pieces end (no piece starts a block)."""
+        i, n = 0, len(data)
+        while i < n:
+            take = min(self._limit - self._used, n - i)
+            self._buf[self._used : self._used + take] = data[i : i + take]
+            self._used += take
+            i += take
+            if self._used == self._limit:
+                self.flush()
+        self.offset += n
 
     def write(self, *parts: bytes | memoryview) -> None:
         """Append ``parts`` (one record) to the file."""
@@ -314,19 +334,81 @@ def _write_file(
             assert isinstance(data, io.BytesIO)  # DCP resolves a bytes item to a BytesIO
             out.write(data.getbuffer())
             done(item, start, out.offset)
+        # Tensors by layout, in first-seen order; one that joins no run is a group of its own.
+        groups: dict[Any, tuple[tuple[bytes, bytes] | None, list[tuple[WriteItem, torch.Tensor]]]] = {}
         for item in (wi for wi in items if wi.type != WriteItemType.BYTE_IO):
             resolved = resolve(item)
             assert isinstance(resolved, torch.Tensor)  # DCP resolves a tensor item to a tensor
-            tensor = resolved.detach().cpu()
+            tensor = resolved.detach()
+            if not tensor.is_cpu:
+                tensor = tensor.cpu()
             if tensor.untyped_storage().nbytes() != tensor.nbytes:  # as DCP: a view's own storage
                 tensor = tensor.clone()
-            start = out.offset
-            out.write(*(part for part in templates.record(tensor) if part is not None))
-            done(item, start, out.offset)
+            key = _layout_key(tensor)
+            template = None if key is None else templates.template(key, tensor)
+            group = key if template is not None and _Run.joins(key, tensor) else object()
+            groups.setdefault(group, (template, []))[1].append((item, tensor))
+        run = _Run(out, done)
+        for key, (template, members) in groups.items():
+            if template is None or len(members) == 1:
+                for item, tensor in members:
+                    start = out.offset
+                    out.write(*(part for part in templates.record(tensor) if part is not None))
+                    done(item, start, out.offset)
+            else:
+                run.write(key, template, members)
         out.flush()
         if sync_files:
             os.fsync(stream.fileno())
     return results
+
+
+RUN_ITEM_MAX_BYTES = 64 * 1024
+"""Records up to this size join a run (:class:`_Run`); bigger ones are written one by one."""
+RUN_MAX_BYTES = 32 * 1024 * 1024
+"""A run is written once its rows hold this many bytes (the memory it copies into)."""
+
+
+class _Run:
+    """Writes records of one layout, each a contiguous storage of at most
+    :data:`RUN_ITEM_MAX_BYTES`, together: a ``(k, head + storage + tail)`` uint8 table whose head
+    and tail columns are the template's and whose middle is ``torch.stack`` of the k storages --
+    the bytes of k :meth:`RecordTemplates.record` calls, in a few tensor operations.
+
+    Args:
+        out: the file's writer; ``done(item, start, end)``: records an item's byte range.
+    """
+
+    def __init__(self, out: GatheringWriter, done: Callable[[WriteItem, int, int], None]) -> None:
+        self.out, self.done = out, done
+
+    @staticmethod
+    def joins(key: tuple[Any, ...], tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (of layout ``key``) is written in a run: small, its storage its
+        elements in order."""
+        return key[4] <= RUN_ITEM_MAX_BYTES and key[3] == 0 and tensor.is_contiguous()
+
+    def write(
+        self, key: tuple[Any, ...], template: tuple[bytes, bytes], members: list[tuple[WriteItem, torch.Tensor]]
+    ) -> None:
+        """Write the records of ``members`` (items and tensors of layout ``key``, each
+        :meth:`joins`), at most :data:`RUN_MAX_BYTES` of rows at a time, reporting each item's range."""
+        head, tail = template
+        h, n = len(head), key[4]
+        row = h + n + len(tail)
+        per = max(RUN_MAX_BYTES // row, 1)
+        for i in range(0, len(members), per):
+            part = members[i : i + per]
+            k = len(part)
+            rows = torch.empty((k, row), dtype=torch.uint8)
+            rows[:, :h] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+            rows[:, h + n :] = torch.frombuffer(bytearray(tail), dtype=torch.uint8)
+            with torch.no_grad():
+                rows[:, h : h + n] = torch.stack([t for _, t in part]).view(torch.uint8).reshape(k, n)
+            start = self.out.offset
+            self.out.write_gathered(memoryview(rows.numpy()).cast("B"))  # type: ignore[arg-type]
+            for j, (item, _) in enumerate(part):
+                self.done(item, start + j * row, start + (j + 1) * row)
 
 
 PARALLEL_MIN_BYTES_PER_ITEM = 64 * 1024
