@@ -21,9 +21,9 @@ own write, as with ``torch.save``, so block digests still start at its data
 parameters and their optimizer moments) are written together, in the order their layout first
 appears in the file (records are found through DCP's metadata, so their order in a file is
 free, as DCP's split by size shows), built in a few tensor operations: one ``torch.stack`` of
-their storages into rows that already hold the template's head and tail. A tensor the template cannot describe (a subclass, extra
-Python attributes, negative/conjugate bits, a non-strided layout, big-endian host) is written
-by ``torch.save`` itself.
+their storages into rows that already hold the template's head and tail. A tensor the template
+cannot describe (a subclass, extra Python attributes, negative/conjugate bits, a non-strided
+layout, big-endian host) is written by ``torch.save`` itself.
 """
 
 from __future__ import annotations
