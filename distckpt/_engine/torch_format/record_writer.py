@@ -346,7 +346,7 @@ def _write_file(
                 tensor = tensor.clone()
             key = _layout_key(tensor)
             template = None if key is None else templates.template(key, tensor)
-            group = key if template is not None and _Run.joins(key, tensor) else object()
+            group = key if key is not None and template is not None and _Run.joins(key, tensor) else object()
             groups.setdefault(group, (template, []))[1].append((item, tensor))
         run = _Run(out, done)
         for key, (template, members) in groups.items():
