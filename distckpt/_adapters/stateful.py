@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .._engine.torch_format.internals import flatten_state_dict
+from .._engine.torch_format.flatten import flatten_state_dict
 
 __all__ = ["with_saved_keys", "with_saved_optim_keys", "as_saved", "without_empty_dicts", "put_empty_dicts"]
 

@@ -25,7 +25,8 @@ from typing_extensions import override
 from .._errors import CheckpointCorruptError
 from .._ondisk.integrity import check_file
 from .._ondisk.safe_values import load_value
-from .torch_format.internals import ShardedTensor, flatten_state_dict, set_element
+from .torch_format.flatten import flatten_state_dict
+from .torch_format.internals import ShardedTensor, set_element
 
 __all__ = ["read_dcp_metadata", "parse_dcp_metadata", "SafeFileSystemReader", "SafeLoadPlanner"]
 

@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from .torch_format.internals import ShardedTensor, flatten_state_dict, local_tensor
+from .torch_format.flatten import flatten_state_dict
+from .torch_format.internals import ShardedTensor, local_tensor
 
 __all__ = ["CachingSavePlanner", "LeanSavePlanner", "compact_metadata", "plan_key"]
 

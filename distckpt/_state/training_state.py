@@ -38,7 +38,7 @@ from .._adapters import (
 )
 from .._config import LOADABLE, ElasticConfig
 from .._data.reshard import DataLoaderState
-from .._engine.torch_format.internals import flatten_state_dict
+from .._engine.torch_format.flatten import flatten_state_dict
 from .._errors import IncompatibleCheckpointError
 from .._ondisk.manifest import TensorSpec, is_extra_state
 from .._ondisk.safe_values import check_loadable, load_value

@@ -427,13 +427,25 @@ class FastFileSystemReader(SafeFileSystemReader):
                 # cost memcpy; skip all but tiny gaps.
                 stream.gap_read_bytes = WARM_GAP_BYTES
             side: list[StoredItem] = []
+            run: list[StoredItem] = []  # equal small items back to back: one read, one decode
             last_end = stream.pos
             for st in items:
                 if st.offset < last_end:  # overlapping items (not written by DCP): read apart
                     side.append(st)
                     continue
-                planner.add_item(stream, st)
                 last_end = st.end
+                grows = run and st.offset == run[-1].end and st.length == run[0].length
+                if grows and (len(run) + 1) * st.length <= self.chunk_bytes:
+                    if planner.joins_run(st):
+                        run.append(st)
+                        continue
+                if run:
+                    planner.add_run(stream, run)
+                run = [st] if planner.joins_run(st) else []
+                if not run:
+                    planner.add_item(stream, st)
+            if run:
+                planner.add_run(stream, run)
             stream.flush()  # first: where the check needs the stream to end depends on what it read
             stream.finish_to(check.end_after(stream.pos) if check is not None else stream.pos)
             if check is not None:

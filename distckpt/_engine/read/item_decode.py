@@ -134,6 +134,48 @@ class ItemDecoder:
                 return
         self.stock_decode(st, mv)
 
+    def decode_run(self, items: list[StoredItem], mv: memoryview) -> None:
+        """Decode consecutive stored items of one length held in memory (``mv``: their bytes,
+        writable), each with one resolved request: where every item has the first one's header
+        and trailer bytes (the record writer's runs) and asks for the whole compact tensor, one
+        copy of their data and one batched ``copy_`` into the targets; else item by item
+        (:meth:`decode_whole`).
+
+        Raises:
+            AssertionError, Exception: as :meth:`decode_whole`.
+        """
+        if not self._copy_run(items, mv):
+            length = items[0].length
+            for i, st in enumerate(items):
+                self.decode_whole(st, mv[i * length : (i + 1) * length])
+
+    def _copy_run(self, items: list[StoredItem], mv: memoryview) -> bool:
+        k, length = len(items), items[0].length
+        try:
+            layout = self.header_cache.parse(mv[:length])
+        except (NeedMoreBytes, UnsupportedLayout):
+            return False
+        a, n = layout.data_offset, layout.nbytes
+        if not layout.compact or a + n > length or not check_trailer(mv[a + n : length], layout):
+            return False
+        dtype, shape = layout.sig[0], layout.sig[1]
+        targets = []
+        for st in items:
+            req = st.reqs[0]
+            target, item = req.target, req.item
+            if target is None or item.lengths != shape or target.shape != shape or any(item.storage_offsets):
+                return False
+            targets.append(target)
+        rows = torch.frombuffer(mv, dtype=torch.uint8).view(k, length)
+        head, tail = rows[:, :a], rows[:, a + n :]
+        if not (torch.equal(head, head[:1].expand(k, a)) and torch.equal(tail, tail[:1].expand(k, length - a - n))):
+            return False  # not the framing of one layout (torch.save's own CRCs, another writer)
+        if n:
+            data = rows[:, a : a + n].contiguous().view(dtype).view(k, *shape)
+            torch._foreach_copy_(targets, list(data.unbind(0)))
+        self.results.count(copied_bytes=k * n)
+        return True
+
     def _copy_whole(self, layout: TensorLayout, mv: memoryview, req: ReadRequest) -> bool:
         """:meth:`copy_from` of the common case in one copy, without its views: a request for the
         whole stored tensor (compact, as DCP saves it) into a plain contiguous CPU tensor of its

@@ -243,6 +243,28 @@ class ItemPlanner:
             else:  # tiny item fully inside the peek (only when PEEK_BYTES >= item)
                 check(None, memoryview(peek)[data_end - st.offset :])
 
+    def joins_run(self, st: StoredItem) -> bool:
+        """Whether ``st`` may be read and decoded in a run of equal neighbours
+        (:meth:`add_run`): a small tensor item without transforms, one request, its target
+        resolved up front."""
+        return (
+            not st.is_bytes
+            and not st.descriptors
+            and st.length <= self.direct_min_bytes
+            and self.decoder.planner is None
+            and len(st.reqs) == 1
+            and st.reqs[0].target is not None
+        )
+
+    def add_run(self, stream: ReadStream, run: list[StoredItem]) -> None:
+        """Add ``run`` -- items of one length that follow each other in the file, each
+        :meth:`joins_run` -- as one read, decoded together
+        (:meth:`~distckpt._engine.read.item_decode.ItemDecoder.decode_run`)."""
+        if len(run) == 1:
+            self.add_item(stream, run[0])
+            return
+        stream.add_scratch(run[0].offset, run[-1].end - run[0].offset, lambda _t, mv: self.decoder.decode_run(run, mv))
+
     def _add_range(
         self,
         stream: ReadStream,

@@ -25,6 +25,8 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 # DCP's flattening of nested state_dicts (the keys its metadata holds) and the setter its
 # planner uses to put a loaded non-tensor value back in place.
+# (and which traversal it uses: torch 2.3's for checkpoints of that version, _derived_version).
+from torch.distributed.checkpoint import _version as dcp_version
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 
@@ -40,6 +42,7 @@ __all__ = [
     "ShardedTensor",
     "StorageInfo",
     "StorageReaderTransforms",
+    "dcp_version",
     "default_store",
     "flatten_state_dict",
     "format_tested",
