@@ -168,6 +168,32 @@ def test_whole_small_items_are_one_copy_each_and_other_targets_take_the_general_
     assert sorted(general) == ["fp32", "noncontig"]
 
 
+@pytest.mark.parametrize("writer", ["distckpt", "stock"])
+def test_equal_records_back_to_back_are_decoded_as_one_run_when_their_framing_is_equal(tmp_path, monkeypatch, writer):
+    from distckpt._engine.read import item_decode
+    from distckpt._engine.writer import CheckedFileSystemWriter
+
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(64) for i in range(30)} | {f"s{i}": torch.tensor(float(i)) for i in range(30)}
+    if writer == "distckpt":  # records of one layout, CRC off: one framing per run
+        dcp.save(state, storage_writer=CheckedFileSystemWriter(tmp_path, thread_count=1), no_dist=True)
+    else:  # torch.save's CRC-32 differs per record: each decoded alone
+        dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path), thread_count=1), no_dist=True)
+    alone: list[str] = []
+    real = item_decode.ItemDecoder.decode_whole
+
+    def spy(self, st, mv, t=None):
+        alone.append(st.reqs[0].item.dest_index.fqn)
+        return real(self, st, mv, t)
+
+    monkeypatch.setattr(item_decode.ItemDecoder, "decode_whole", spy)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    target["w3"] = torch.zeros(64, dtype=torch.float64)  # another dtype: copy_ converts, as DCP
+    loaded = _load(target, tmp_path, FastFileSystemReader(tmp_path))
+    assert all(torch.equal(loaded[k], state[k].to(loaded[k].dtype)) for k in state)
+    assert len(alone) == (0 if writer == "distckpt" else len(state))
+
+
 @pytest.mark.parametrize(
     "kw", [{}, SMALL_DIRECT, SPARE_THREADS], ids=["default", "direct-small-items", "spare-threads"]
 )

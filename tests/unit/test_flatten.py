@@ -54,3 +54,21 @@ def test_a_duplicated_key_is_refused_as_dcp_does() -> None:
         dcp_flatten(state)
     with pytest.raises(ValueError, match="duplicated flatten key a.b"):
         flatten_state_dict(state)
+
+
+def test_the_flat_state_dict_is_freed_without_the_cyclic_gc() -> None:
+    # Loads pause the GC: a reference cycle would keep every loaded batch's tensors alive.
+    import gc
+    import weakref
+
+    tensor = torch.ones(4)
+    ref = weakref.ref(tensor)
+    state = {"a": {"b": [tensor, 1]}}
+    gc.disable()
+    try:
+        flat, mappings = flatten_state_dict(state)
+        assert flat == {"a.b.0": tensor, "a.b.1": 1}
+        del flat, mappings, state, tensor
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -43,24 +43,26 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict
         return dcp_flatten_state_dict(state_dict)
     flat: dict[str, Any] = {}
     mappings: dict[str, tuple[str | int, ...]] = {}
-
-    def walk(path: tuple[str | int, ...], key: str, value: Any) -> None:
-        if not isinstance(value, torch.Tensor):
-            if isinstance(value, Mapping):
-                for k, v in value.items():
-                    name = str(k)
-                    walk(path + (name,), f"{key}.{name}", v)
-                return
-            if isinstance(value, list) and not _terminal_list(value):
-                for i, v in enumerate(value):
-                    walk(path + (i,), f"{key}.{i}", v)
-                return
-        if key in flat:
-            raise ValueError(f"duplicated flatten key {key}")
-        flat[key] = value
-        mappings[key] = path
-
     for k, v in state_dict.items():
         name = str(k)
-        walk((name,), name, v)
+        _walk(flat, mappings, (name,), name, v)
     return flat, mappings
+
+
+def _walk(flat: dict[str, Any], mappings: dict[str, Any], path: tuple[str | int, ...], key: str, value: Any) -> None:
+    # A module-level function, not a closure: a recursive closure is a reference cycle that would
+    # keep ``flat`` (and its tensors) alive until the cyclic GC runs, which loads pause.
+    if not isinstance(value, torch.Tensor):
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                name = str(k)
+                _walk(flat, mappings, path + (name,), f"{key}.{name}", v)
+            return
+        if isinstance(value, list) and not _terminal_list(value):
+            for i, v in enumerate(value):
+                _walk(flat, mappings, path + (i,), f"{key}.{i}", v)
+            return
+    if key in flat:
+        raise ValueError(f"duplicated flatten key {key}")
+    flat[key] = value
+    mappings[key] = path

@@ -317,12 +317,16 @@ def _write_file(
 ) -> list[WriteResult]:
     """One file: bytes items, then tensor items, in ``torch.save``'s record format."""
     results = []
+    offsets: dict[torch.Size, torch.Size] = {}
 
     def done(item: WriteItem, start: int, end: int) -> None:
+        index = item.index
+        if index.offset is not None:
+            # One torch.Size object per distinct offset: .metadata pickles (and unpickles) a
+            # shared object once. Equal value, so the frozen index's hash and equality stay.
+            object.__setattr__(index, "offset", offsets.setdefault(index.offset, index.offset))
         results.append(
-            WriteResult(
-                index=item.index, size_in_bytes=end - start, storage_data=StorageInfo(file_name, start, end - start)
-            )
+            WriteResult(index=index, size_in_bytes=end - start, storage_data=StorageInfo(file_name, start, end - start))
         )
 
     resolve = _resolver(planner)
