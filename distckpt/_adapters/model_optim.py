@@ -45,6 +45,7 @@ __all__ = ["ModelOptimState", "specs_of", "tensor_specs", "tied_keys"]
 
 # Module names wrappers insert below the root (FSDP1, activation checkpointing, nested compile);
 # DCP's state_dict keys leave them out.
+_PARAMS = "params"  # a param group's key for its parameters (DCP's FQNs in a state_dict)
 _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
@@ -103,6 +104,7 @@ class ModelOptimState:
         self.ties = tied_keys(model)
         self._specs: dict[str, TensorSpec] | None = None
         self._target: dict[str, Any] = {}  # the last load target's model part, as DCP gave it
+        self._target_groups: list[list[str]] = []  # its param groups' FQNs, in the live order
         self.cache = StateDictCache(model, optimizer)  # SHARDED saves and snapshots of an unchanged structure
 
     def specs(self) -> dict[str, TensorSpec]:
@@ -181,6 +183,8 @@ class ModelOptimState:
         self._init_closure_optimizer()
         model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=StateDictOptions())
         self._target = dict(model_sd)
+        groups: list[dict[str, Any]] = optim_sd.get("param_groups", [])  # type: ignore[assignment]
+        self._target_groups = [list(g[_PARAMS]) for g in groups]
         return model_sd, (optim_sd if self.optimizer is not None else {})
 
     def _init_closure_optimizer(self) -> None:
@@ -213,7 +217,7 @@ class ModelOptimState:
         """Copy loaded state into the live model/optimizer; call inside :meth:`load_context`.
         ``optim_sd=None``: model only, the optimizer keeps its (fresh) state."""
         in_place = self._loaded_in_place(model_sd)
-        self._target = {}
+        target_groups, self._target, self._target_groups = self._target_groups, {}, []
         if self.optimizer is None or optim_sd is None:
             if in_place:
                 return
@@ -233,6 +237,8 @@ class ModelOptimState:
             p.requires_grad_(False)
         try:
             with _constant_time_param_lookup(self._optimizers()):
+                if in_place and self._load_optimizer(optim_sd, target_groups):
+                    return
                 if in_place:
                     set_optimizer_state_dict(
                         self.model, self._optimizers(), optim_state_dict=optim_sd, options=StateDictOptions(strict=True)
@@ -248,6 +254,31 @@ class ModelOptimState:
         finally:
             for p in stateless:
                 p.requires_grad_(True)
+
+    def _load_optimizer(self, optim_sd: dict[str, Any], target_groups: list[list[str]]) -> bool:
+        """Load ``optim_sd`` with ``Optimizer.load_state_dict`` itself where DCP's
+        ``set_optimizer_state_dict`` would pass it the same dict: one optimizer, no tied
+        parameters, every group not empty and the checkpoint's groups listing the target's FQNs
+        in the live order (``target_groups``), so ``load_state_dict`` maps them to the live
+        parameters by position, as DCP relies on. State goes to each parameter that requires grad
+        (DCP's split); ``False`` (nothing done) elsewhere, and where such a parameter has no
+        saved state, for DCP's own error."""
+        optimizer = self.optimizer
+        assert optimizer is not None  # apply() with an optimizer
+        groups, saved = optim_sd.get("param_groups", []), optim_sd.get("state", {})
+        if self.ties or not optimizer.state or not len(groups) == len(target_groups) == len(optimizer.param_groups):
+            return False
+        state = {}
+        for live, group, fqns in zip(optimizer.param_groups, groups, target_groups):
+            if not fqns or len(fqns) != len(live[_PARAMS]) or list(group[_PARAMS]) != fqns:
+                return False
+            for fqn, param in zip(fqns, live[_PARAMS]):
+                if param.requires_grad:
+                    if fqn not in saved:
+                        return False
+                    state[fqn] = saved[fqn]
+        optimizer.load_state_dict({"state": state, "param_groups": [dict(g, params=list(g[_PARAMS])) for g in groups]})
+        return True
 
     def _loaded_in_place(self, model_sd: dict[str, Any]) -> bool:
         """Whether the model already holds ``model_sd``: DCP read into the load target in place,

@@ -88,3 +88,62 @@ def test_the_model_is_loaded_in_place_only_where_load_state_dict_would_only_copy
         want["3.w"] = want["3.w"] / 2
     assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert opt.param_groups[0]["lr"] == lr  # the groups' hyperparameters restored too
+
+
+def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    first, rest = list(model[0].parameters()), [p for m in list(model)[1:] for p in m.parameters()]
+    if kind == "adamw groups":
+        return torch.optim.AdamW([{"params": first, "lr": 0.1, "lr_scale": 0.5}, {"params": rest, "weight_decay": 0}])
+    if kind == "sgd nesterov":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    if kind == "adam amsgrad":
+        return torch.optim.Adam(model.parameters(), lr=0.01, amsgrad=True)
+    return torch.optim.RMSprop(model.parameters(), lr=0.01, centered=True)
+
+
+def _packed(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    sd = opt.state_dict()
+    return {
+        "state": {
+            k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+            for k, s in sd["state"].items()
+        },
+        "param_groups": sd["param_groups"],
+    }
+
+
+@pytest.mark.parametrize("kind", ["adamw groups", "sgd nesterov", "adam amsgrad", "rmsprop"])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_the_optimizer_loaded_directly_equals_dcps_set_optimizer_state_dict(
+    tmp_path: Any, monkeypatch: Any, kind: str, frozen: bool
+) -> None:
+    from distckpt._adapters.model_optim import ModelOptimState
+
+    model = _model("plain")
+    if frozen:  # listed in the optimizer without state, as at the save
+        model[2].bias.requires_grad_(False)
+    opt = _optimizer(kind, model)
+    _train(model, opt, 3)
+    with _manager(tmp_path, model, opt) as manager:
+        manager.save(3)
+    loaded, taken = [], []
+    real = ModelOptimState._load_optimizer
+    monkeypatch.setattr(ModelOptimState, "_load_optimizer", lambda *args: taken.append(real(*args)) or taken[-1])
+    for direct in (True, False):
+        _train(model, opt, 2)
+        opt.param_groups[0]["lr"] = 0.5
+        if not direct:
+            monkeypatch.setattr(ModelOptimState, "_load_optimizer", lambda *args: False)
+        with _manager(tmp_path, model, opt) as manager:
+            assert manager.load() is not None
+        loaded.append(_packed(opt))
+    fast, dcp = loaded
+    assert taken == [True]  # the first load went the direct way
+    assert fast["param_groups"] == dcp["param_groups"] and fast["state"].keys() == dcp["state"].keys()
+    for k, s in fast["state"].items():
+        assert s.keys() == dcp["state"][k].keys()
+        assert all(
+            torch.equal(v, dcp["state"][k][n]) if isinstance(v, torch.Tensor) else v == dcp["state"][k][n]
+            for n, v in s.items()
+        )
+    assert (1 if frozen else 0) == sum(1 for g in opt.param_groups for p in g["params"] if p not in opt.state)
