@@ -164,7 +164,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     Its set-up walks the state_dict once where it can: DCP's walk that splits FSDP1's nested
     ``ShardedTensor``s, and the one that materialises meta tensors, run only when the flattened
-    state_dict holds one (as :class:`~distckpt._engine.save_planner.LeanSavePlanner`)."""
+    state_dict holds one (as :class:`~distckpt._engine.save_planner.LeanSavePlanner`); else it
+    sets what ``DefaultLoadPlanner.set_up_planner`` of torch 2.13 sets (the state_dict, flat and
+    as given, the key paths, the metadata, the coordinator flag)."""
 
     @override
     def set_up_planner(
@@ -178,12 +180,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         if any(isinstance(v, ShardedTensor) or (isinstance(v, torch.Tensor) and v.is_meta) for v in flat.values()):
             super().set_up_planner(state_dict, metadata, is_coordinator)
             return
-        sharded, self.flatten_state_dict, self.flatten_sharded_tensors = self.flatten_sharded_tensors, False, False
-        try:
-            super().set_up_planner(flat, metadata, is_coordinator)
-        finally:
-            self.flatten_state_dict, self.flatten_sharded_tensors = True, sharded
-        self.original_state_dict, self.mappings = state_dict, mappings
+        self.original_state_dict, self.state_dict, self.mappings = state_dict, flat, mappings
+        self.metadata, self.is_coordinator = metadata, is_coordinator
 
     @override
     def create_local_plan(self) -> LoadPlan:
@@ -228,6 +226,9 @@ def whole_tensor_load_plan(state_dict: dict[str, Any], metadata: dcp_metadata.Me
     saved = metadata.state_dict_metadata
     if len(saved) != len(state_dict):
         return None
+    # The metadata's own storage keys serve as the items' indices where equal (DCP compares
+    # indices by value): no new index, nor its torch.Size, per item.
+    stored = {index.fqn: index for index in getattr(metadata, "storage_data", None) or ()}
     requests: list[ReadItem] = []
     for fqn, obj in state_dict.items():
         md = saved.get(fqn)
@@ -236,7 +237,9 @@ def whole_tensor_load_plan(state_dict: dict[str, Any], metadata: dcp_metadata.Me
         if isinstance(md, dcp_metadata.BytesStorageMetadata):
             if isinstance(obj, torch.Tensor):
                 return None
-            index = dcp_metadata.MetadataIndex(fqn)
+            index = stored.get(fqn)
+            if index is None or index.offset is not None:
+                index = dcp_metadata.MetadataIndex(fqn)
             requests.append(ReadItem(LoadItemType.BYTE_IO, index, _ZERO, index, _ZERO, _ZERO))
             continue
         if type(obj) not in _PLAIN or len(md.chunks) != 1:
@@ -248,7 +251,9 @@ def whole_tensor_load_plan(state_dict: dict[str, Any], metadata: dcp_metadata.Me
         if 0 in size:
             continue  # no overlap: DCP plans no read of an empty tensor
         offsets = chunk.offsets
-        index = dcp_metadata.MetadataIndex(fqn, offsets, 0)  # immutable: one for both ends
+        index = stored.get(fqn)
+        if index is None or index.offset != offsets:
+            index = dcp_metadata.MetadataIndex(fqn, offsets, 0)  # immutable: one for both ends
         requests.append(ReadItem(LoadItemType.TENSOR, index, offsets, index, offsets, size))
     return LoadPlan(requests)
 

@@ -51,3 +51,25 @@ def test_a_load_through_the_planner_restores_every_value(tmp_path: Any) -> None:
     want = _state()
     assert target["lr"] == 0.1
     assert all(torch.equal(target[k], want[k]) for k in want if k != "lr")
+
+
+def test_the_planner_set_up_is_dcps_and_a_meta_target_is_left_to_dcp(tmp_path: Any, monkeypatch: Any) -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    metadata = _saved(tmp_path, {"model": _state()})
+    target = {"model": {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0.0 for k, v in _state().items()}}
+    lean, stock = SafeLoadPlanner(), DefaultLoadPlanner()
+    lean.set_up_planner(target, metadata)
+    stock.set_up_planner(target, metadata)
+    assert lean.mappings == stock.mappings and lean.original_state_dict is stock.original_state_dict
+    assert lean.state_dict.keys() == stock.state_dict.keys()
+    assert all(lean.state_dict[k] is stock.state_dict[k] for k in lean.state_dict)
+    assert lean.metadata is metadata and lean.is_coordinator is stock.is_coordinator is False
+    assert lean.create_local_plan() == stock.create_local_plan()
+    # DCP's own set-up runs where it would change something: a meta tensor to materialise.
+    calls: list[int] = []
+    monkeypatch.setattr(DefaultLoadPlanner, "set_up_planner", lambda self, *a, **k: calls.append(1))
+    SafeLoadPlanner().set_up_planner(target, metadata)
+    assert calls == []
+    SafeLoadPlanner().set_up_planner({"model": dict(target["model"], w=torch.empty(3, 4, device="meta"))}, metadata)
+    assert calls == [1]

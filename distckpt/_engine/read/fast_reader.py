@@ -210,26 +210,27 @@ class FastFileSystemReader(SafeFileSystemReader):
                 says, not listed in the manifest, or its digest does not match.
         """
         stored: dict[Any, StoredItem] = {}
-        tensor_reqs: list[ReadRequest] = []
         per_item = not resolves_in_place(planner)
         for item in plan.items:
             md = self.storage_data[item.storage_index]
             key = (md.relative_path, md.offset, md.length)
             st = stored.get(key)
+            is_bytes = item.type == LoadItemType.BYTE_IO
             if st is None:
                 st = stored[key] = StoredItem(
                     md.relative_path,
                     md.offset,
                     md.length,
                     tuple(getattr(md, "transform_descriptors", None) or ()),
-                    item.type == LoadItemType.BYTE_IO,
+                    is_bytes,
                 )
-            if item.type == LoadItemType.BYTE_IO:
+            if is_bytes:
+                st.reqs.append(ReadRequest(item, None))
+            elif per_item:
                 st.reqs.append(ReadRequest(item, None))
             else:
-                req = ReadRequest(item, None if per_item else planner.resolve_tensor(item).detach())
-                st.reqs.append(req)
-                tensor_reqs.append(req)
+                target = planner.resolve_tensor(item)
+                st.reqs.append(ReadRequest(item, target.detach() if target.requires_grad else target))
         per_file: dict[str, list[StoredItem]] = {}
         for st in stored.values():
             per_file.setdefault(st.relpath, []).append(st)
@@ -252,8 +253,8 @@ class FastFileSystemReader(SafeFileSystemReader):
                 if data is None:
                     raise ReaderInvariantError(f"{item.storage_index}: bytes item was not read")
                 planner.load_bytes(item, io.BytesIO(data))
-        for req in [] if per_item else tensor_reqs:  # per item: committed by the decoder
-            planner.commit_tensor(req.item, req.tensor)
+        # Targets resolved up front: the planner's commit_tensor is DefaultLoadPlanner's no-op
+        # (resolves_in_place); per item, the decoder commits each.
         self.last_stats = dict(results.stats)
         fut: Future = Future()
         fut.set_result(None)

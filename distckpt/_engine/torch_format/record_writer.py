@@ -72,9 +72,10 @@ def zip_crc32_off() -> Iterator[None]:
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def _layout_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+def _layout_key(tensor: torch.Tensor, storage_nbytes: int | None = None) -> tuple[Any, ...] | None:
     """What ``torch.save``'s bytes depend on besides the storage's contents; ``None`` when
-    the tensor is not one the template can describe."""
+    the tensor is not one the template can describe (``storage_nbytes``: its storage's size,
+    when the caller has it)."""
     if (
         type(tensor) is not torch.Tensor
         or not tensor.is_cpu
@@ -91,7 +92,7 @@ def _layout_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
         tensor.shape,  # a torch.Size: a tuple
         tensor.stride(),
         tensor.storage_offset(),
-        tensor.untyped_storage().nbytes(),
+        tensor.untyped_storage().nbytes() if storage_nbytes is None else storage_nbytes,
         tensor.requires_grad,
     )
 
@@ -346,9 +347,11 @@ def _write_file(
             tensor = resolved.detach()
             if not tensor.is_cpu:
                 tensor = tensor.cpu()
-            if tensor.untyped_storage().nbytes() != tensor.nbytes:  # as DCP: a view's own storage
+            nbytes = tensor.untyped_storage().nbytes()
+            if nbytes != tensor.nbytes:  # as DCP: a view's own storage
                 tensor = tensor.clone()
-            key = _layout_key(tensor)
+                nbytes = tensor.nbytes
+            key = _layout_key(tensor, nbytes)
             template = None if key is None else templates.template(key, tensor)
             group = key if key is not None and template is not None and _Run.joins(key, tensor) else object()
             groups.setdefault(group, (template, []))[1].append((item, tensor))
