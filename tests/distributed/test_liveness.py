@@ -38,7 +38,12 @@ def killed_before_save(rank, world_size, opts):
     """The last rank SIGKILLs itself (its process gone at once, as on a node loss) before save(1)."""
     from distckpt import RankLostError
 
+    import torch.distributed as dist
+
     manager = _manager(opts["root"])
+    # Every rank past construction (its process groups connected) before the kill: a rank still
+    # connecting a group to the killed one fails there instead (gloo: "connection closed by peer").
+    dist.barrier()
     if rank == world_size - 1:
         os.kill(os.getpid(), signal.SIGKILL)
     t0 = time.monotonic()
