@@ -100,7 +100,9 @@ def run_memory(args: argparse.Namespace, small_model: list[str]) -> int:
     t_start = time.monotonic()
     nproc, n = args.nproc_per_node, args.kills
     full, g = 2 * nproc, args.global_batch
-    steps = args.steps or 50 * n + 20  # a node loss and the rejoin cost ~40 fast steps at half size
+    # A node loss and its rejoin cost up to ~110 steps at half size (torchrun re-rendezvous takes
+    # seconds, a step some 40 ms): room for every failure before the last step.
+    steps = args.steps or 100 * n + 20
     if n < 1 or g % full or nproc < 1:
         print(
             f"error: need --kills >= 1 and --global-batch divisible by 2 * --nproc-per-node ({full})", file=sys.stderr
