@@ -322,10 +322,13 @@ def _write_file(
 
     def done(item: WriteItem, start: int, end: int) -> None:
         index = item.index
-        if index.offset is not None:
+        offset = index.offset
+        if offset is not None:
             # One torch.Size object per distinct offset: .metadata pickles (and unpickles) a
             # shared object once. Equal value, so the frozen index's hash and equality stay.
-            object.__setattr__(index, "offset", offsets.setdefault(index.offset, index.offset))
+            shared = offsets.setdefault(offset, offset)
+            if shared is not offset:
+                object.__setattr__(index, "offset", shared)
         results.append(
             WriteResult(index=index, size_in_bytes=end - start, storage_data=StorageInfo(file_name, start, end - start))
         )
@@ -344,7 +347,7 @@ def _write_file(
         for item in (wi for wi in items if wi.type != WriteItemType.BYTE_IO):
             resolved = resolve(item)
             assert isinstance(resolved, torch.Tensor)  # DCP resolves a tensor item to a tensor
-            tensor = resolved.detach()
+            tensor = resolved.detach() if resolved.requires_grad else resolved  # as DCP: no autograd
             if not tensor.is_cpu:
                 tensor = tensor.cpu()
             nbytes = tensor.untyped_storage().nbytes()
@@ -431,11 +434,20 @@ def _item_bytes(item: WriteItem) -> int:
     return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
 
 
+_PAYS: list[tuple[list[WriteItem], int, bool]] = []  # the last answers, by item list (and its length)
+
+
 def parallel_pays(items: list[WriteItem]) -> bool:
     """Whether a rank's ``items`` are written faster by a thread per file than by one thread:
     items of at least :data:`PARALLEL_MIN_BYTES_PER_ITEM` bytes on average (a state of many
-    small tensors is written faster by one thread, into one file)."""
-    return bool(items) and sum(_item_bytes(item) for item in items) >= PARALLEL_MIN_BYTES_PER_ITEM * len(items)
+    small tensors is written faster by one thread, into one file). Remembered for the last few
+    item lists (the same list object while a saved structure repeats)."""
+    for seen, n, pays in _PAYS:
+        if seen is items and n == len(items):
+            return pays
+    pays = bool(items) and sum(_item_bytes(item) for item in items) >= PARALLEL_MIN_BYTES_PER_ITEM * len(items)
+    _PAYS[:] = [(items, len(items), pays)] + _PAYS[:3]
+    return pays
 
 
 def write_files(
