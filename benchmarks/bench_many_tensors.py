@@ -238,10 +238,17 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
             if spec["reshard"] and impl not in IMPLS:
                 continue  # the peers write per-rank files with no resharding
             path = f"{spec['dir']}/{impl}"
-            steady = r + 1 if spec.get("steady") and impl == "distckpt" else None
+            steady = 2 * r + 2 if spec.get("steady") and impl == "distckpt" else None
             if not spec["reshard"]:
                 if rank == 0 and steady is None:
                     shutil.rmtree(path, ignore_errors=True)  # the previous round's checkpoint
+                if spec.get("steady") and r > 0:
+                    # The previous round's load replaced the optimizer's state: a job saves after
+                    # optimizer steps, not loads, so the save timed is the second one since.
+                    _save(impl, path, model, opt, None if steady is None else steady - 1)
+                    dist.barrier()
+                    if rank == 0 and steady is None:
+                        shutil.rmtree(path, ignore_errors=True)
                 dist.barrier()
                 t0 = time.perf_counter()
                 _save(impl, path, model, opt, steady)
@@ -287,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         "--steady",
         action="store_true",
         help="save as a training job does: one manager for every round (distckpt: steps 1, 2, ... into one "
-        "root, keep_last=1; torch-checkpointing: one manager); loads stay a new manager each (a restart)",
+        "root, keep_last=1; torch-checkpointing: one manager), the save timed being the second since the "
+        "previous round's load (each implementation); loads stay a new manager each (a restart)",
     )
     args = p.parse_args(argv)
     out, data = prepare_dirs(args)

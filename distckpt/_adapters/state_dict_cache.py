@@ -62,10 +62,11 @@ class StateDictCache:
         """``compute()`` (DCP's SHARDED ``get_state_dict`` of the model and optimizer), or the cached
         result while the fingerprint (module docstring) is unchanged: new dicts and lists over the
         same live tensors and per-parameter state dicts, param groups with their current values."""
-        key, keep = self._fingerprint()
-        if key is not None and key == self._key:
-            self.hits += 1
-            return dict(self._model_sd), self._optim_sd()
+        if self._key is not None:  # nothing cached yet: no fingerprint to compare
+            key, _ = self._fingerprint()
+            if key == self._key:
+                self.hits += 1
+                return dict(self._model_sd), self._optim_sd()
         model_sd, optim_sd = compute()
         self._key = None
         after, keep = self._fingerprint()  # compute may run pre-hooks or initialise state

@@ -36,9 +36,9 @@ def _manager(root: str, liveness_s: float | None = LIVENESS_S):
 
 def killed_before_save(rank, world_size, opts):
     """The last rank SIGKILLs itself (its process gone at once, as on a node loss) before save(1)."""
-    from distckpt import RankLostError
-
     import torch.distributed as dist
+
+    from distckpt import RankLostError
 
     manager = _manager(opts["root"])
     # Every rank past construction (its process groups connected) before the kill: a rank still
