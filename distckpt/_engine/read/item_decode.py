@@ -163,7 +163,9 @@ class ItemDecoder:
         for st in items:
             req = st.reqs[0]
             target, item = req.target, req.item
-            if target is None or item.lengths != shape or target.shape != shape or any(item.storage_offsets):
+            if target is None or not target.is_cpu or item.lengths != shape or target.shape != shape:
+                return False  # a device destination: item by item, through copy_from's own path
+            if any(item.storage_offsets):
                 return False
             targets.append(target)
         rows = torch.frombuffer(mv, dtype=torch.uint8).view(k, length)
