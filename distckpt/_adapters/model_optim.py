@@ -163,7 +163,9 @@ class ModelOptimState:
 
     @contextlib.contextmanager
     def load_context(self) -> Iterator[None]:
-        """Clear grads and require grad on every optimized parameter while loading; restore after."""
+        """Clear grads and require grad on every optimized parameter while loading; restore after.
+        A load that fails leaves an optimizer that had no state without state (DCP's load target
+        initialises it with a dummy step)."""
         saved: list[tuple[torch.Tensor, bool, torch.Tensor | None]] = []
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
@@ -171,9 +173,15 @@ class ModelOptimState:
                     saved.append((p, p.requires_grad, p.grad))
                     p.grad = None
                     p.requires_grad_(True)
+        fresh = self.optimizer is not None and not self.optimizer.state
         try:
             yield
+        except BaseException:
+            if fresh:  # undo DCP's dummy step of the load target: the optimizer stays as it was
+                self.optimizer.state.clear()  # type: ignore[union-attr]
+            raise
         finally:
+            self._target, self._target_groups = {}, []  # no views of the live tensors kept
             for p, requires_grad, grad in saved:
                 p.requires_grad_(requires_grad)
                 p.grad = grad
@@ -290,7 +298,18 @@ class ModelOptimState:
         target = self._target
         if len(model_sd) != len(target) or not _plain_load(self.model):
             return False
-        return all(target.get(k) is v for k, v in model_sd.items())
+        if not all(target.get(k) is v for k, v in model_sd.items()):
+            return False
+        # Each value a view of a live parameter's or buffer's own memory (not a copy).
+        live = {
+            (t.data_ptr(), t.shape, t.stride())
+            for m in self.model.modules()
+            for t in itertools.chain(m._parameters.values(), m._buffers.values())
+            if t is not None
+        }
+        return all(
+            isinstance(v, torch.Tensor) and (v.data_ptr(), v.shape, v.stride()) in live for v in model_sd.values()
+        )
 
     def _stateless_at_save(self, optim_sd: dict[str, Any]) -> list[torch.Tensor]:
         """Live parameters that require grad now, are listed in the checkpoint's param groups and
@@ -319,12 +338,16 @@ _PLAIN_LOADERS = (nn.Module._load_from_state_dict, nn.BatchNorm1d._load_from_sta
 def _plain_load(model: nn.Module) -> bool:
     """Whether ``model.state_dict()`` gives detached views of its parameters and buffers and
     ``load_state_dict`` copies each value into them and nothing else: no state-dict or
-    load-state-dict hooks (FSDP's, quantisation's), no extra state, no loader override beyond
+    load-state-dict hooks (FSDP's, quantisation's), no extra state, no override of ``state_dict``,
+    ``_save_to_state_dict`` or ``load_state_dict``, no loader override beyond
     :data:`_PLAIN_LOADERS`, only plain tensors (no DTensor or other subclass)."""
     for module in model.modules():
         cls = type(module)
         if (
-            module._state_dict_hooks
+            cls.state_dict is not nn.Module.state_dict
+            or cls._save_to_state_dict is not nn.Module._save_to_state_dict
+            or cls.load_state_dict is not nn.Module.load_state_dict
+            or module._state_dict_hooks
             or module._state_dict_pre_hooks
             or module._load_state_dict_pre_hooks
             or module._load_state_dict_post_hooks

@@ -194,7 +194,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         # An item of the whole-tensor plan reads all of its target: DCP's narrow of it is the
         # target itself, found without DCP's per-item index checks.
-        if getattr(self, "whole_plan", False):
+        cls = type(self)
+        if (
+            getattr(self, "whole_plan", False)
+            and cls.lookup_tensor is DefaultLoadPlanner.lookup_tensor
+            and cls.transform_tensor is DefaultLoadPlanner.transform_tensor
+        ):
             return self.state_dict[read_item.dest_index.fqn]
         return super().resolve_tensor(read_item)
 

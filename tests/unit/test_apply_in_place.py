@@ -147,3 +147,45 @@ def test_the_optimizer_loaded_directly_equals_dcps_set_optimizer_state_dict(
             for n, v in s.items()
         )
     assert (1 if frozen else 0) == sum(1 for g in opt.param_groups for p in g["params"] if p not in opt.state)
+
+
+class _CloneSave(nn.Module):
+    """Its state_dict holds a copy of ``w``, not ``w`` itself: a read into it is not a load."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        destination[prefix + "w"] = self.w.detach().clone()
+
+
+def test_a_module_whose_state_dict_holds_copies_is_loaded_through_set_state_dict(tmp_path: Any) -> None:
+    model = _CloneSave()
+    with torch.no_grad():
+        model.w.fill_(7.0)
+    with _manager(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1)) as manager:
+        manager.save(1)
+    fresh = _CloneSave()
+    with _manager(tmp_path, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1)) as manager:
+        assert manager.load() is not None
+    assert torch.equal(fresh.w.detach(), torch.full((3,), 7.0))
+
+
+def test_a_load_into_a_model_that_does_not_fit_leaves_a_fresh_optimizer_without_state(tmp_path: Any) -> None:
+    from distckpt import IncompatibleCheckpointError
+
+    model = nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    _train(nn.Sequential(nn.Linear(6, 4), model), opt, 1)
+    with _manager(tmp_path, model, opt) as manager:
+        manager.save(1)
+    other = nn.Linear(4, 5)
+    fresh = torch.optim.Adam(other.parameters())
+    with _manager(tmp_path, other, fresh) as manager:
+        with pytest.raises(IncompatibleCheckpointError, match="shape mismatch for weight"):
+            manager.load()
+    assert fresh.state == {}  # DCP's load target stepped it (lr 0): undone

@@ -190,6 +190,16 @@ def test_small_records_are_written_in_runs_by_layout_and_load_bitwise(tmp_path, 
     assert all(torch.equal(loaded[k], state[k]) for k in state)
 
 
+def test_a_frozen_parameter_is_written_as_dcps_own_writer_writes_it(tmp_path):
+    torch.manual_seed(0)
+    state = {"frozen": nn.Parameter(torch.randn(5), requires_grad=False), "t": torch.randn(5)}
+    stock = dcp.FileSystemWriter(str(tmp_path / "stock"), thread_count=1)
+    with zip_crc32_off():
+        dcp.save(state, storage_writer=stock, no_dist=True)
+    dcp.save(state, storage_writer=CheckedFileSystemWriter(tmp_path / "ours", thread_count=1), no_dist=True)
+    assert (tmp_path / "stock" / "__0_0.distcp").read_bytes() == (tmp_path / "ours" / "__0_0.distcp").read_bytes()
+
+
 @pytest.mark.parametrize(("numel", "files"), [(256, 1), (64 * 1024, 4)])
 def test_small_items_are_written_into_one_file_and_large_ones_a_file_per_thread(tmp_path, numel, files):
     # Small records are Python work under the GIL that threads contend for; large ones are byte writes.

@@ -347,7 +347,8 @@ def _write_file(
         for item in (wi for wi in items if wi.type != WriteItemType.BYTE_IO):
             resolved = resolve(item)
             assert isinstance(resolved, torch.Tensor)  # DCP resolves a tensor item to a tensor
-            tensor = resolved.detach() if resolved.requires_grad else resolved  # as DCP: no autograd
+            # As DCP: detached (a plain tensor, no autograd), the same bytes as its writer's.
+            tensor = resolved if type(resolved) is torch.Tensor and not resolved.requires_grad else resolved.detach()
             if not tensor.is_cpu:
                 tensor = tensor.cpu()
             nbytes = tensor.untyped_storage().nbytes()
