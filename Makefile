@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup demo demo-elastic demo-elastic-memory lint test test-fast test-slow test-gpu test-compat bench bench-gpu bench-recovery bench-scale clean
+.PHONY: setup demo demo-elastic demo-elastic-memory lint test test-fast test-slow test-gpu test-compat bench bench-gpu bench-recovery bench-scale bench-snapshot clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ bench-recovery: $(VENV)/.installed
 # of placement and manifest size up to W = 16,384 (~10 min; docs/benchmarks.md, "Scale").
 bench-scale: $(VENV)/.installed
 	$(PY) -m benchmarks.bench_scale --out runs/bench_scale
+
+# The memory tier's snapshot stall on the demo model against the least a snapshot's launch costs (~20 s).
+bench-snapshot: $(VENV)/.installed
+	$(PY) -m benchmarks.bench_snapshot --out runs/bench_snapshot
 
 # ruff (formatting, lint, import order, docstrings of distckpt's public names) and mypy (distckpt/, launch/,
 # benchmarks/, bodies of unannotated functions included), configured in pyproject.toml.

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["machine_info", "prepare_dirs", "pyplot", "write_outputs"]
+__all__ = ["commit", "machine_info", "prepare_dirs", "pyplot", "write_outputs"]
 
 
 def prepare_dirs(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -26,6 +26,17 @@ def prepare_dirs(args: argparse.Namespace) -> tuple[Path, Path]:
     if repo_root not in sys.path:
         sys.path.insert(0, repo_root)
     return out, data_dir
+
+
+def commit() -> str:
+    """The checkout's short commit hash ("?" when git cannot tell): the code a result came from."""
+    try:
+        repo = Path(__file__).resolve().parents[1]
+        return subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
 
 
 def machine_info(data_dir: Path) -> dict[str, Any]:

@@ -36,12 +36,11 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._output import machine_info, prepare_dirs, pyplot, save_figure, write_outputs
+from benchmarks._output import commit, machine_info, prepare_dirs, pyplot, save_figure, write_outputs
 from benchmarks._ranks import run_ranks
 from benchmarks._scale_probes import manifest_probe, placement_probe
 
@@ -251,16 +250,6 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def _commit() -> str:
-    try:
-        repo = Path(__file__).resolve().parents[1]
-        return subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-
-
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/bench_scale", help="output directory (default runs/bench_scale)")
@@ -321,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(data, ignore_errors=True)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": _commit(),
+        "commit": commit(),
         "args": vars(args),
         "machine": machine_info(out),
         "loadavg_end": os.getloadavg(),

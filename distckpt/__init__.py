@@ -33,7 +33,7 @@ from ._errors import (
     StorageError,
 )
 from ._manager import CheckpointManager
-from ._state.training_state import TrainState
+from ._state.train_state import TrainState
 from ._version import __version__
 
 __all__ = [

@@ -37,7 +37,8 @@ from ._save.grace import SaveDurations, agree_on_signal
 from ._save.preemption import PreemptionWatcher, StepVote
 from ._save.schedule import SaveSchedule, check_step
 from ._save.transaction import BackgroundSave, PhaseHook, Rollback, SaveContext, SaveTransaction
-from ._state.training_state import CheckpointState, TrainState
+from ._state.train_state import TrainState
+from ._state.training_state import CheckpointState
 from ._storage import open_config_store
 from ._storage.lock import RootLock
 

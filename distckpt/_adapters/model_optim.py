@@ -106,6 +106,11 @@ class ModelOptimState:
         self._target: dict[str, Any] = {}  # the last load target's model part, as DCP gave it
         self._target_groups: list[list[str]] = []  # its param groups' FQNs, in the live order
         self.cache = StateDictCache(model, optimizer)  # SHARDED saves and snapshots of an unchanged structure
+        # The parameters' and persistent buffers' data addresses, when the last state_dict_for_save
+        # walked them (StateDictCache.guarded), else None; live: its result was the cache's
+        # (StateDictCache.live: only guarded tensors and the optimizer's own state dicts).
+        self.guarded: set[int] | None = None
+        self.live = False
 
     def specs(self) -> dict[str, TensorSpec]:
         """:func:`tensor_specs` of the model as the last save took it (its manifest's layout): taken
@@ -146,10 +151,12 @@ class ModelOptimState:
         uninitialised = self.optimizer is not None and not self.optimizer.state
         self._init_closure_optimizer()
         hits = self.cache.hits
+        self.guarded, self.live = None, False
         if full_state_dict or uninitialised:
             model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=options)
         else:
             model_sd, optim_sd = self.cache.get(lambda: get_state_dict(self.model, self._optimizers(), options=options))
+            self.guarded, self.live = self.cache.guarded, self.cache.live
         if self.cache.hits == hits or self._specs is None:  # a hit: the same layout as the last save's
             # The layout of what this save writes (FULL: rank 0's is the whole model; another rank's, later).
             self._specs = specs_of(model_sd) if model_sd or not full_state_dict else None

@@ -18,7 +18,8 @@ everything the result is derived from is unchanged:
   its param groups (the parameters of each, the keys of each).
 
 It is never used, and DCP is called every time, where the result is not such a pure function:
-a module with a state_dict post-hook (FSDP1's), a module class overriding ``get_extra_state``,
+a module with a state_dict post-hook (FSDP1's), a module class overriding ``state_dict``,
+``_save_to_state_dict`` or ``get_extra_state``,
 an optimizer with state_dict hooks, an optimizer without state (DCP's dummy-step
 initialisation). State-dict pre-hooks run before the fingerprint is taken, as
 ``Module.state_dict`` runs them (FSDP2's reshards its parameters: a module left unsharded then
@@ -32,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .._engine.torch_format.internals import local_tensor
+from .._engine.torch_format.internals import data_addresses, local_tensor
 
 __all__ = ["StateDictCache"]
 
@@ -55,6 +56,16 @@ class StateDictCache:
         self._state_fqns: list[str] = []  # FQN of each optimizer.state entry, in its order
         self._group_fqns: list[list[str]] = []
         self.hits = 0
+        self.guarded: set[int] | None = None
+        """The data addresses of the parameters and persistent buffers found by the last
+        :meth:`get`'s walk (``None`` when it walked nothing or stopped: an uncacheable model):
+        what the memory tier's mutation guard protects, without a second walk of the model
+        (:func:`~distckpt._state.guard.deferrable`)."""
+        self.live = False
+        """Whether the last :meth:`get` handed out a result of the cache's (a hit, or a miss it
+        kept): every tensor of its model part is a parameter's or persistent buffer's data (at
+        :attr:`guarded`) and its optimizer part holds the optimizer's own per-parameter state
+        dicts, which only ``optimizer.step()`` changes."""
 
     def get(
         self, compute: Callable[[], tuple[dict[str, Any], dict[str, Any]]]
@@ -66,17 +77,23 @@ class StateDictCache:
             key, _ = self._fingerprint()
             if key == self._key:
                 self.hits += 1
+                self.live = True
                 return dict(self._model_sd), self._optim_sd()
         model_sd, optim_sd = compute()
         self._key = None
         after, keep = self._fingerprint()  # compute may run pre-hooks or initialise state
         if after is not None and self._remember(model_sd, optim_sd):
             self._key, self._keep = after, keep
+        self.live = self._key is not None
         return model_sd, optim_sd
 
     def _remember(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> bool:
         """Keep ``model_sd`` and what rebuilds ``optim_sd`` from the live optimizer; False (nothing
-        kept) where ``optim_sd`` is not DCP's plain conversion of ``optimizer.state_dict()``."""
+        kept) where ``optim_sd`` is not DCP's plain conversion of ``optimizer.state_dict()`` or a
+        model tensor is not a parameter's or persistent buffer's data (:attr:`guarded`)."""
+        guarded = self.guarded or set()
+        if not all(data_addresses(v)[0] in guarded for v in model_sd.values() if isinstance(v, torch.Tensor)):
+            return False
         self._model_sd = dict(model_sd)
         if self.optimizer is None:
             self._state_fqns, self._group_fqns = [], []
@@ -103,11 +120,14 @@ class StateDictCache:
         return {"state": dict(zip(self._state_fqns, self.optimizer.state.values())), "param_groups": groups}
 
     def _fingerprint(self) -> tuple[list[Any] | None, list[Any]]:
-        """``(key, objects it names by id)``; key ``None``: the result must not be cached."""
+        """``(key, objects it names by id)``; key ``None``: the result must not be cached. Sets
+        :attr:`guarded` when the key is not ``None``."""
+        self.guarded = None
         key: list[Any] = []
         keep: list[Any] = []
+        guarded: set[int] = set()
         for prefix, module in self.model.named_modules(remove_duplicate=False):
-            if module._state_dict_hooks or type(module).get_extra_state is not nn.Module.get_extra_state:
+            if module._state_dict_hooks or not _default_state_dict(type(module)):
                 return None, []
             for hook in list(module._state_dict_pre_hooks.values()):
                 hook(module, prefix + "." if prefix else "", False)
@@ -121,6 +141,7 @@ class StateDictCache:
                     data = local_tensor(tensor)
                     key += (name, id(tensor), data.data_ptr(), tensor.shape, data.stride(), tensor.dtype)
                     keep.append(tensor)
+                    guarded.update(data_addresses(data))
         optimizer = self.optimizer
         if optimizer is not None:
             if (
@@ -136,4 +157,21 @@ class StateDictCache:
                 keep.append(state)
             for group in optimizer.param_groups:
                 key += (tuple(group), *map(id, group[_PARAMS]))
+        self.guarded = guarded
         return key, keep
+
+
+_DEFAULT: dict[type, bool] = {}
+
+
+def _default_state_dict(cls: type) -> bool:
+    """Whether ``cls`` takes its state_dict as ``nn.Module`` does: no override of ``state_dict``,
+    ``_save_to_state_dict`` or ``get_extra_state``, any of which may save tensors other than the
+    registered ones (a tensor attribute the loop replaces would be saved stale at each hit)."""
+    known = _DEFAULT.get(cls)
+    if known is None:
+        known = _DEFAULT[cls] = all(
+            getattr(cls, name) is getattr(nn.Module, name)
+            for name in ("state_dict", "_save_to_state_dict", "get_extra_state")
+        )
+    return known

@@ -201,18 +201,19 @@ class DataLoaderState:
         # masks after the resume; state_dict() caches it for the next iter(loader).
         self.dataloader.state_dict()
 
-    def global_state(self) -> dict[str, Any] | None:
-        """World-size independent position, or ``None`` if the sampler is not reshardable."""
+    def global_state(self, loader_state: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """World-size independent position (in ``loader_state``, the loader's ``state_dict()``, when
+        given), or ``None`` if the sampler is not reshardable."""
         sampler = self.sampler()
         if sampler is None:
             return None
-        return global_state_from_loader_state(self.dataloader.state_dict())
+        return global_state_from_loader_state(self.dataloader.state_dict() if loader_state is None else loader_state)
 
-    def counters(self) -> dict[str, int] | None:
+    def counters(self, loader_state: dict[str, Any] | None = None) -> dict[str, int] | None:
         """``epoch``, ``batch_in_epoch`` and ``global_samples_seen`` of the consumed position
         (``samples_before_epoch`` counts the samples of earlier epochs, whatever their ``G``), or
-        ``None`` without a ReshardableSampler."""
-        state = self.global_state()
+        ``None`` without a ReshardableSampler. ``loader_state``: as :meth:`global_state`."""
+        state = self.global_state(loader_state)
         if state is None:
             return None
         g = state["global_batch_size"]

@@ -29,7 +29,8 @@ from .._memory import MemoryRestore, MemoryTier, choose_snapshot, take_inventory
 from .._ondisk.integrity import BlockDigests
 from .._ondisk.layout import parse_step
 from .._ondisk.manifest import Manifest, first_problem, structure_problems
-from .._state.training_state import CheckpointState, TrainState
+from .._state.train_state import TrainState
+from .._state.training_state import CheckpointState
 from .._storage import CheckpointStore, check_file, digest_index, read_dcp_metadata, step_of, store_of
 from .discovery import CheckpointDiscovery
 from .read import CheckpointSource, read_checkpoint

@@ -19,7 +19,8 @@ from .._coord.collective import Collective
 from .._engine.blocking import gc_paused, run_load
 from .._errors import IncompatibleCheckpointError
 from .._ondisk.manifest import Manifest, TensorSpec, check_model_fits
-from .._state.training_state import CheckpointState, TrainState
+from .._state.train_state import TrainState
+from .._state.training_state import CheckpointState
 
 __all__ = ["CheckpointSource", "read_checkpoint"]
 

@@ -22,7 +22,7 @@ from .._coord.collective import Collective
 from .._coord.topology import JobSetup
 from .._errors import ConfigError, IncompatibleCheckpointError
 from .._ondisk.manifest import Manifest
-from .._state.training_state import TrainState
+from .._state.train_state import TrainState
 from .probe import ProbeFn, relative_difference, run_probe
 
 __all__ = ["ProbeFn", "RunIdAndProbe"]

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from .._engine.save_planner import plan_key
 from .._engine.torch_format.internals import ShardedTensor, local_tensor
+from .._state.packing import Packed
 from .placement import assign_replicated
 
 __all__ = ["SnapshotPlan", "exact_key", "resolve", "take_unguarded"]
@@ -72,6 +73,8 @@ def resolve(
     is exactly the same (:func:`exact_key`); a step changes few of them (the learning rate)."""
     if item.type == WriteItemType.BYTE_IO:
         obj = planner.lookup_object(item.index)
+        if isinstance(obj, Packed):  # taken at the snapshot, serialized here
+            obj = obj.bytes()
         key = exact_key(obj) if blobs is not None else None
         known = blobs.get(item.index.fqn) if blobs is not None and key is not None else None
         if known is not None and known[0] == key:
@@ -124,6 +127,6 @@ def take_unguarded(flat: dict[str, Any], protected: set[int]) -> bool:
             data = local_tensor(value)
             if data.numel() and data.data_ptr() not in protected:
                 flat[fqn] = value.detach().clone()
-        elif not isinstance(value, bytes) and exact_key(value) is None:
+        elif not isinstance(value, (bytes, Packed)) and exact_key(value) is None:  # Packed: taken already
             flat[fqn] = copy.deepcopy(value)
     return cuda

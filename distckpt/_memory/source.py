@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from .._coord.collective import Collective
 from .._ondisk.manifest import Manifest, TensorSpec
-from .._state.training_state import TrainState
+from .._state.train_state import TrainState
 from .._version import __version__
 from .fetch import (
     Cut,

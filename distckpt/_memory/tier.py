@@ -20,12 +20,11 @@ import datetime
 import io
 import logging
 import os
-import queue
 import shutil
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.distributed as dist
@@ -38,13 +37,16 @@ from .._config import CheckpointConfig
 from .._coord.collective import Collective
 from .._coord.topology import JobSetup
 from .._engine.save_planner import LeanSavePlanner
+from .._engine.torch_format.flatten import flatten_state_dict
 from .._errors import CheckpointCorruptError, ConfigError
 from .._state.guard import deferrable
-from .._state.training_state import CheckpointState, TrainState
+from .._state.train_state import TrainState
+from .._state.training_state import GUARDED_PARTS, CheckpointState
 from .cleanup import job_dirs, reclaim_dir, remove_if_empty
 from .placement import NodeLayout, file_system_type, launch_id, memory_dir
 from .plan import SnapshotPlan, resolve, take_unguarded
 from .snapfile import ALIGN, PREAMBLE, SlotFile, SnapshotHeader, data_hash, read_header, snapshot_name
+from .worker import in_background
 
 __all__ = ["MemoryTier", "estimate_bytes"]
 
@@ -213,19 +215,41 @@ class MemoryTier:
         them (``explicit``: those the caller passes), then :meth:`snapshot` of ``state.for_save``."""
         if not self.due(step):
             return
-        state.derive_counters(train_state, explicit=explicit)
+        loader_state = state.loader_state()  # read once: the counters and the saved position agree
+        state.derive_counters(train_state, explicit=explicit, loader_state=loader_state)
         frozen = dataclasses.replace(train_state, loss_history=list(train_state.loss_history))
-        self.snapshot(step, lambda: state.for_save(frozen, full_state_dict=False))
+        parts = state.model_optim
+        self.snapshot(
+            step,
+            lambda: state.for_save(frozen, full_state_dict=False, defer=True, loader_state=loader_state),
+            # after build(), from the walk it did: the model and optimizer parts may be handed over
+            # as they are when they hold only the guarded tensors (the cache's result)
+            protected=lambda: (parts.guarded or set()) if parts.live else deferrable(parts.model, parts.optimizer),
+            live=lambda: GUARDED_PARTS if parts.live else (),
+        )
 
     # ------------------------------------------------------------------ write
-    def snapshot(self, step: int, build: Callable[[], dict[str, Any]]) -> None:
+    def snapshot(
+        self,
+        step: int,
+        build: Callable[[], dict[str, Any]],
+        protected: Callable[[], set[int]] | None = None,
+        live: Callable[[], Collection[str]] = tuple,
+    ) -> None:
         """Snapshot the state ``build()`` returns (the durable save's state_dict) as step ``step``.
 
-        The training thread builds and flattens the state_dict, copies what the mutation guard does
-        not protect (a tensor that is neither a parameter, a persistent buffer nor optimizer
-        state; a non-primitive value), and hands the rest to the worker thread: planning, laying
-        out, serialising the small values and copying the tensors, while the next step runs
-        (``optimizer.step()`` and a buffered module's forward wait for the copy: ``guard``).
+        The training thread builds the state_dict, flattens it and copies what the mutation guard
+        does not protect (a tensor that is neither a parameter, a persistent buffer nor optimizer
+        state; a non-primitive value), and hands it to the worker thread: flattening the ``live``
+        parts, planning, laying out, serialising the small values and copying the tensors, while
+        the next step runs (``optimizer.step()`` and a buffered module's forward wait for the copy:
+        ``guard``).
+
+        ``protected``: the addresses the mutation guard protects, called after ``build``
+        (:func:`~distckpt._state.guard.deferrable`; default :attr:`protected`). ``live``: the
+        top-level keys whose values hold only tensors at those addresses, in containers that only
+        ``optimizer.step()`` changes (the optimizer's own per-parameter state dicts), called after
+        ``build``: handed over unflattened and unchecked.
 
         Waits for the previous snapshot's background work first. Never raises for a snapshot that
         cannot be written (a full file system): a warning, and the step is skipped on this rank
@@ -233,16 +257,23 @@ class MemoryTier:
         """
         t0 = time.perf_counter()
         self.wait()
-        protected = self.protected()  # the tensors the mutation guard protects: read by the worker
         if not os.path.isdir(self.dir):
             self._recreate()
-        planner = LeanSavePlanner()
-        planner.set_up_planner(build(), is_coordinator=self.rank == 0)
-        cuda = take_unguarded(planner.state_dict, protected)
+        state_dict = build()
+        kept = set(live())
+        rest, _ = flatten_state_dict({k: v for k, v in state_dict.items() if k not in kept})
+        cuda = take_unguarded(rest, (protected or self.protected)())
+        cuda = cuda or (bool(kept) and torch.cuda.is_available() and torch.cuda.is_initialized())
+        handed: dict[str, Any] = {}  # in the state_dict's order: the items' order in the snapshot
+        for key, value in state_dict.items():
+            if key in kept:
+                handed[key] = value
+            else:
+                handed.update((k, v) for k, v in rest.items() if k == key or k.startswith(key + "."))
         # The step's CUDA work must be done before the side stream copies what it computed.
         event = torch.cuda.current_stream().record_event() if cuda else None
         self._copied = threading.Event()
-        self._pending = _in_background(self._finish, step, planner, event)
+        self._pending = in_background(self._finish, step, handed, event)
         self.last_stall_s = time.perf_counter() - t0
 
     def _recreate(self) -> None:
@@ -318,15 +349,17 @@ class MemoryTier:
         if copied is not None:
             copied.wait()
 
-    def _finish(self, step: int, planner: DefaultSavePlanner, event: Any) -> None:
-        """The worker's part of a snapshot: lay out and copy (then release the guard), seal the file,
-        run the replication round."""
+    def _finish(self, step: int, state_dict: dict[str, Any], event: Any) -> None:
+        """The worker's part of a snapshot: plan, lay out and copy (then release the guard), seal the
+        file, run the replication round."""
         slot_index: int | None = 1 - self._newest.get(self.rank, 1)
         header: SnapshotHeader | None = None
         try:
             assert slot_index is not None
             slot = self._own[slot_index]
             try:
+                planner = LeanSavePlanner()
+                planner.set_up_planner(state_dict, is_coordinator=self.rank == 0)
                 header, tensors = self._lay_out(step, planner, self._plan.items(planner), slot)
                 _copy_tensors(slot, tensors, event)
             except Exception as e:  # noqa: BLE001 - the peers wait for this rank's replication round
@@ -448,37 +481,3 @@ def _copy_tensors(slot: SlotFile, data: list[tuple[torch.Tensor, int, int]], eve
             slot.tensor(at, nbytes).view(value.dtype).view(value.shape).copy_(value)
     if stream is not None:
         stream.synchronize()
-
-
-def _in_background(fn: Callable[..., None], *args: Any) -> Future:
-    """Run ``fn(*args)`` on an idle daemon worker thread (a new one when none is idle: one blocked on
-    a dead peer never holds up the exit, nor a later snapshot of another tier). Reusing the worker
-    keeps a thread start (a few hundred microseconds) off the training thread at each snapshot."""
-    future: Future = Future()
-    try:
-        worker = _IDLE.get_nowait()
-    except queue.Empty:
-        worker = _Worker()
-    worker.tasks.put((fn, args, future))
-    return future
-
-
-class _Worker:
-    def __init__(self) -> None:
-        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="distckpt-memory", daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            fn, args, future = self.tasks.get()
-            try:
-                fn(*args)
-            except BaseException as e:  # noqa: BLE001 - handed to wait()
-                _IDLE.put(self)
-                future.set_exception(e)
-            else:
-                _IDLE.put(self)
-                future.set_result(None)
-
-
-_IDLE: queue.SimpleQueue = queue.SimpleQueue()

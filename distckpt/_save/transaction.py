@@ -37,7 +37,7 @@ from .._engine.blocking import describe_exception
 from .._errors import CheckpointSaveError
 from .._ondisk.layout import checkpoint_name
 from .._ondisk.manifest import Manifest, TensorSpec, model_fingerprint
-from .._state.training_state import TrainState
+from .._state.train_state import TrainState
 from .._storage import CheckpointStore
 from .._version import __version__
 from .purge import Purger

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._engine.torch_format.internals import local_tensor, own_persistent_buffers
+from .._engine.torch_format.internals import data_addresses, own_persistent_buffers
 
 __all__ = ["MutationGuard", "deferrable"]
 
@@ -71,20 +71,28 @@ class MutationGuard:
         self._handles = []
 
 
-def deferrable(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> set[int]:
-    """The data addresses (``data_ptr()``; a DTensor's local shard's) of the tensors a
-    :class:`MutationGuard` protects, and of their storages: the parameters, the optimizer state's
-    tensors and the persistent buffers. A state_dict tensor starting at one of them (DCP's SHARDED
-    state_dict holds these tensors or views of them), or an FSDP1 shard whose storage starts at
-    one, may be copied while the next step runs; any other is copied before the step goes on."""
-    tensors: list[torch.Tensor] = [*model.parameters()]
-    tensors += [b for module in model.modules() for b in own_persistent_buffers(module)]
+def deferrable(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, model_addresses: set[int] | None = None
+) -> set[int]:
+    """The data addresses (:func:`~distckpt._engine.torch_format.internals.data_addresses`: the
+    first element's and the storage's start) of the tensors a :class:`MutationGuard` protects: the
+    parameters, the optimizer state's tensors and the persistent buffers. A state_dict tensor
+    starting at one of them (DCP's SHARDED state_dict holds these tensors or views of them), or an
+    FSDP1 shard whose storage starts at one, may be copied while the next step runs; any other is
+    copied before the step goes on.
+
+    Args:
+        model_addresses: those of the parameters and persistent buffers, when the caller has just
+            walked them (:attr:`~distckpt._adapters.state_dict_cache.StateDictCache.guarded`); the
+            optimizer's state is read here in any case (a step may replace its tensors).
+    """
+    tensors: list[torch.Tensor] = []
+    if model_addresses is None:
+        tensors += model.parameters()
+        tensors += [b for module in model.modules() for b in own_persistent_buffers(module)]
     if optimizer is not None:
         tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    addresses = set()
-    for t in map(local_tensor, tensors):
-        start = t.data_ptr()
-        addresses.add(start)
-        # and its storage's start: FSDP1's state_dict shards are views into its flat parameters
-        addresses.add(start - t.storage_offset() * t.element_size())
+    addresses = set(model_addresses or ())
+    for t in tensors:
+        addresses.update(data_addresses(t))
     return addresses

@@ -44,7 +44,7 @@ def apply_step_rule(
     """Apply ``step_rule`` after the data position was carried over to another global batch.
 
     Args:
-        train_state: the restored :class:`~distckpt._state.training_state.TrainState` (its ``step`` may change).
+        train_state: the restored :class:`~distckpt._state.train_state.TrainState` (its ``step`` may change).
         scheduler: the live LR scheduler (already loaded), or ``None``.
         global_batch: ``(saved, now)`` global batch sizes.
         world_size: ``(saved, now)`` world sizes.

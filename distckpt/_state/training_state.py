@@ -19,10 +19,7 @@ back with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
-import io
 import logging
-import numbers
-from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -41,12 +38,18 @@ from .._data.reshard import DataLoaderState
 from .._engine.torch_format.flatten import flatten_state_dict
 from .._errors import IncompatibleCheckpointError
 from .._ondisk.manifest import TensorSpec, is_extra_state
-from .._ondisk.safe_values import check_loadable, load_value
+from .._ondisk.safe_values import check_loadable
 from .guard import MutationGuard
+from .packing import Packed, pack, take, unpack
 from .rebatch import apply_step_rule
 from .rng import capture_rng, derive_rng, restore_rng
+from .train_state import TrainState
 
-__all__ = ["TrainState", "CheckpointState", "pack", "unpack", "WEIGHTS_ONLY_KEY"]
+__all__ = ["CheckpointState", "GUARDED_PARTS", "WEIGHTS_ONLY_KEY"]
+
+GUARDED_PARTS = ("model", "optim")
+"""The top-level keys of :meth:`CheckpointState.for_save`'s state_dict that hold the model's and the
+optimizer's state: only tensors the mutation guard protects when ``model_optim.live``."""
 
 WEIGHTS_ONLY_KEY = "imported"
 """Key that ``distckpt import`` writes: the checkpoint holds model weights and counters only."""
@@ -54,119 +57,6 @@ WEIGHTS_ONLY_KEY = "imported"
 EMPTY_DICTS_KEY = "extra_empty_dicts"  # {extra_state name: [path, ...]}: the empty dicts of a Stateful's state
 
 logger = logging.getLogger(__name__)
-
-
-def pack(obj: Any, what: str = "value", *, check: bool = True) -> bytes:
-    """Serialize a value made of containers, primitives, tensors and numpy scalars or arrays
-    (``torch.save``).
-
-    Args:
-        what: the value's name in the error.
-        check: refuse what :func:`unpack` would refuse (``False`` for distckpt's own values:
-            checking costs a round trip, milliseconds for the RNG state).
-
-    Raises:
-        TypeError: a part :func:`unpack` would refuse (named by ``what`` and its path, with its type).
-    """
-    if check:
-        check_loadable(obj, what)
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def unpack(data: bytes) -> Any:
-    """Inverse of :func:`pack`; never runs code (``weights_only=True``, numpy types admitted)."""
-    return load_value(io.BytesIO(data))
-
-
-@dataclass(kw_only=True)
-class TrainState:
-    """Counters and loss history saved with every checkpoint; returned by ``load()``.
-
-    Attributes:
-        step: optimizer steps completed.
-        epoch: current epoch (0-based).
-        batch_in_epoch: global batches consumed in the current epoch.
-        global_samples_seen: samples consumed by all ranks since the start of training.
-        global_tokens_seen: tokens consumed by all ranks (0 if the caller does not count them).
-        loss_history: ``[(step, loss), ...]`` of the most recent steps, bounded by config.
-        checkpoint_path: directory it was loaded from (``None`` before any load).
-        saved_world_size: world size of the run that wrote the checkpoint.
-        run_id: the experiment tracker's run id, kept across resumes (``CheckpointManager(run_id=)``).
-        metrics: ``{name: value}`` passed with this step (``maybe_save(..., metrics=)``).
-        probe_loss: the probe's loss at the save (``CheckpointManager(probe=)``), or ``None``.
-        probe_loss_loaded: the probe's loss measured after ``load()`` (not saved).
-        batch_change: set by a resume whose global batch differs from the saved one
-            (``elastic.batch_policy: keep_local_batch``): what was done
-            (:func:`distckpt._state.rebatch.apply_step_rule`); recorded in the manifest of this run's saves, not in
-            the checkpoint's state.
-        interval: ``schedule.interval_steps: auto``: the interval statistics a save records in its
-            manifest (:mod:`distckpt._save.schedule`); not in the checkpoint's state.
-    """
-
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
-    global_samples_seen: int = 0
-    global_tokens_seen: int = 0
-    loss_history: list[tuple[int, float]] = field(default_factory=list)
-    checkpoint_path: str | None = None
-    saved_world_size: int | None = None
-    run_id: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
-    probe_loss: float | None = None
-    probe_loss_loaded: float | None = None
-    batch_change: dict[str, Any] | None = None
-    interval: dict[str, Any] | None = None
-
-    _SAVED = (
-        "step",
-        "epoch",
-        "batch_in_epoch",
-        "global_samples_seen",
-        "global_tokens_seen",
-        "loss_history",
-        "run_id",
-        "metrics",
-        "probe_loss",
-    )
-
-    COUNTERS = ("epoch", "batch_in_epoch", "global_samples_seen", "global_tokens_seen")
-
-    def record(
-        self, step: int, loss: float | None, counters: dict[str, int], *, history_len: int, metrics: dict | None = None
-    ) -> None:
-        """Set ``step`` and the given counters; append ``(step, loss)`` to the bounded history.
-        ``metrics`` belong to ``step``: a new step starts without any.
-
-        Raises:
-            TypeError: a counter name not in :attr:`COUNTERS`, or a metric value that is not a number.
-        """
-        # Most steps pass no counters and no metrics: that path builds nothing (it runs every step).
-        if counters and (unknown := set(counters) - set(self.COUNTERS)):
-            raise TypeError(f"unknown counter(s) {sorted(unknown)}; known: {list(self.COUNTERS)}")
-        if metrics:
-            bad = {k: v for k, v in metrics.items() if isinstance(v, bool) or not isinstance(v, numbers.Real)}
-            if bad or not all(isinstance(k, str) for k in metrics):
-                raise TypeError(f"metrics must map names to numbers (float(tensor) for a tensor); got {metrics!r}")
-            # A new dict, never updated in place: snapshots and load()'s copy share the old one.
-            kept = self.metrics if step == self.step else {}
-            self.metrics = {**kept, **{k: float(v) for k, v in metrics.items()}}
-        elif step != self.step:
-            self.metrics = {}
-        self.step = step
-        for k, v in counters.items():
-            setattr(self, k, int(v))
-        if loss is not None:
-            self.loss_history.append((step, float(loss)))
-            del self.loss_history[:-history_len]
-
-    def to_saved(self) -> dict[str, Any]:
-        """The fields a checkpoint holds (``_SAVED``: counters, loss history, run id, metrics, probe loss);
-        the fields set at load time are not saved."""
-        d = asdict(self)
-        return {k: d[k] for k in self._SAVED}
 
 
 class CheckpointState:
@@ -212,35 +102,64 @@ class CheckpointState:
         self.tied_from: dict[str, str] = {}  # set by for_load: {tied key the checkpoint lacks: twin}
 
     # ------------------------------------------------------------------ save
-    def for_save(self, train_state: TrainState, *, full_state_dict: bool) -> dict[str, Any]:
+    def for_save(
+        self,
+        train_state: TrainState,
+        *,
+        full_state_dict: bool,
+        defer: bool = False,
+        loader_state: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """The state_dict every rank passes to ``dcp.save``. Collective under FSDP.
 
         Args:
             full_state_dict: FULL model/optimizer gathered to rank 0 instead of SHARDED.
+            defer: the non-tensor values as :class:`~distckpt._state.packing.Packed` (checked and
+                taken now, serialized by whoever writes them) instead of ``bytes``: a memory-tier
+                snapshot serializes them on its worker thread.
+            loader_state: the data loader's ``state_dict()`` when the caller already read it at
+                this step (:meth:`loader_state`); read here otherwise.
+
+        Raises:
+            TypeError: a value that ``load()`` could not read back (named, with its type).
         """
+
+        def value(obj: Any, what: str = "value", *, check: bool = True, fresh: bool = False) -> bytes | Packed:
+            return take(obj, what, check=check, fresh=fresh) if defer else pack(obj, what, check=check)
+
         model_sd, optim_sd = self.model_optim.state_dict_for_save(full_state_dict=full_state_dict)
         sd: dict[str, Any] = {"model": model_sd}
         if self.model_optim.optimizer is not None:
             sd["optim"] = optim_sd
-        sd.update(self._global_parts(for_load=False, select=frozenset(LOADABLE)))
+        sd.update(self._global_parts(for_load=False, select=frozenset(LOADABLE), value=value))
+        if self.data is not None and loader_state is None:
+            loader_state = self.data.local_state()
         if self.rank == 0:
-            sd["train_state"] = pack(train_state.to_saved(), check=False)  # numbers and strings (record())
+            # numbers and strings (record()), in new containers
+            sd["train_state"] = value(train_state.to_saved(), check=False, fresh=True)
             if self.imported is not None:  # weights only: a load restores the model alone
-                sd[WEIGHTS_ONLY_KEY] = pack(self.imported, check=False)
+                sd[WEIGHTS_ONLY_KEY] = value(self.imported, check=False)
             if self.data is not None:
-                sd["data"] = pack(self.data.global_state(), "dataloader")
-        own = {"rng": pack(capture_rng(), check=False)}
+                sd["data"] = value(self.data.global_state(loader_state), "dataloader")
+        own = {"rng": value(capture_rng(), check=False, fresh=True)}
         if self.data is not None:
-            own["dataloader"] = pack(self.data.local_state(), "dataloader")
+            own["dataloader"] = value(loader_state, "dataloader")
         sd["rank_state"] = {f"rank{self.rank}": own}
         return sd
 
-    def _global_parts(self, *, for_load: bool, select: frozenset[str]) -> dict[str, Any]:
+    def loader_state(self) -> dict[str, Any] | None:
+        """The data loader's ``state_dict()`` now (``None`` without a loader): read once per save and
+        passed to :meth:`derive_counters` and :meth:`for_save`."""
+        return None if self.data is None else self.data.local_state()
+
+    def _global_parts(
+        self, *, for_load: bool, select: frozenset[str], value: Callable[..., bytes | Packed] = pack
+    ) -> dict[str, Any]:
         sd: dict[str, Any] = {}
         if self.lr_scheduler is not None and "lr_scheduler" in select:
-            sd["lr_scheduler"] = b"" if for_load else pack(self.lr_scheduler.state_dict(), "lr_scheduler")
+            sd["lr_scheduler"] = b"" if for_load else value(self.lr_scheduler.state_dict(), "lr_scheduler")
         if self.grad_scaler is not None and "grad_scaler" in select:
-            sd["grad_scaler"] = b"" if for_load else pack(self.grad_scaler.state_dict(), "grad_scaler")
+            sd["grad_scaler"] = b"" if for_load else value(self.grad_scaler.state_dict(), "grad_scaler")
         if self.extra_state and "extra_state" in select:
             sd["extra"], empty = {}, {}
             for name, obj in self.extra_state.items():
@@ -253,15 +172,18 @@ class CheckpointState:
                         if paths:
                             empty[name] = paths
                 else:
-                    sd["extra"][name] = b"" if for_load else pack(obj, what)
+                    sd["extra"][name] = b"" if for_load else value(obj, what)
             if empty:
-                sd[EMPTY_DICTS_KEY] = pack(empty, check=False)  # str and int paths
+                sd[EMPTY_DICTS_KEY] = value(empty, check=False, fresh=True)  # str and int paths
         return sd
 
-    def derive_counters(self, train_state: TrainState, *, explicit: set[str]) -> None:
+    def derive_counters(
+        self, train_state: TrainState, *, explicit: set[str], loader_state: dict[str, Any] | None = None
+    ) -> None:
         """Set ``epoch``, ``batch_in_epoch`` and ``global_samples_seen`` of ``train_state`` from
-        the loader's consumed :class:`~distckpt.data.ReshardableSampler` position, except those
-        in ``explicit`` (passed by the caller). No-op without a ReshardableSampler.
+        the loader's consumed :class:`~distckpt.data.ReshardableSampler` position (in
+        ``loader_state`` when given: :meth:`loader_state`), except those in ``explicit`` (passed
+        by the caller). No-op without a ReshardableSampler.
 
         Never raises: a loader whose state cannot be read fails in :meth:`for_save`, where the
         failure is gathered from every rank.
@@ -269,7 +191,7 @@ class CheckpointState:
         if self.data is None or self.data.sampler() is None:
             return
         try:
-            counters = self.data.counters() or {}
+            counters = self.data.counters(loader_state) or {}
         except Exception as e:  # noqa: BLE001 - reported by for_save on every rank
             logger.debug("counters not derived from the sampler: %s", e)
             return

@@ -234,7 +234,7 @@ def export_checkpoint(
 
 
 def _object_values(reader: CheckpointReader, keys: list[str], out_name) -> dict[str, Any]:
-    from .._state.training_state import pack
+    from .._state.packing import pack
 
     values = {}
     for key, value in reader.iter_read(keys):

@@ -23,7 +23,7 @@ import torch
 
 from .._errors import CheckpointNotFoundError
 from .._ondisk.layout import refuse_output_in_checkpoint, refuse_url_output
-from .._state.training_state import unpack
+from .._state.packing import unpack
 from .._storage.localfs import write_atomic
 from .._version import __version__
 from .export import ExportDtype, ExportResult, export_checkpoint

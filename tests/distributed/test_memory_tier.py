@@ -221,7 +221,7 @@ def test_the_jobs_end_reclaims_the_memory_of_a_node_that_never_came_back(tmp_pat
 
 
 def _inline(fn: Any, *args: Any) -> Future:
-    """:func:`distckpt._memory.tier._in_background`, run on the calling thread (the default device is per thread)."""
+    """:func:`distckpt._memory.worker.in_background`, run on the calling thread (the default device is per thread)."""
     done: Future = Future()
     fn(*args)
     done.set_result(None)
@@ -237,7 +237,7 @@ def _on_meta_by_default(rank: int, world_size: int, opts: dict[str, Any]) -> dic
     manager = CheckpointManager(CheckpointConfig(root=opts["root"], memory=memory), model=model, optimizer=optimizer)
     tier = manager.memory
     state = {"a": torch.arange(4, dtype=torch.float32), "b": torch.arange(4, 8, dtype=torch.float32)}
-    tier_module._in_background = _inline
+    tier_module.in_background = _inline
     torch.set_default_device("meta")
     try:
         tier.snapshot(1, lambda: state)  # replicated tensors: "a" stored by rank 0, "b" by rank 1

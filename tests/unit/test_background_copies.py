@@ -13,6 +13,7 @@ import torch
 
 from distckpt import CheckpointConfig, CheckpointManager
 from distckpt._memory import tier as tier_module
+from distckpt._state.packing import Packed
 from tests.distributed.trainer import build, crash, full_optim, full_params, optimizer_step, release_workers
 
 SLOW_S = 0.4  # a background copy this slow: the next optimizer step would overtake it
@@ -169,3 +170,118 @@ def test_what_the_guard_does_not_protect_is_taken_at_the_snapshot_before_the_loo
     assert torch.equal(again.seen, torch.zeros(3)) and again.ids == [1, 2]
     restarted.close()
     release_workers(loader)
+
+
+def test_small_values_are_taken_at_the_snapshot_and_serialized_on_the_worker(tmp_path, monkeypatch):
+    # A plain extra value, the loader's position and the RNG are serialized by the worker, after
+    # maybe_save returned and the loop went on (held here until it changed them): the snapshot
+    # must hold the step's values, taken at maybe_save.
+    import threading
+
+    go = threading.Event()
+    packed_on: list[str] = []
+    real_lay_out, real_bytes = tier_module.MemoryTier._lay_out, Packed.bytes
+
+    def held(self, *args, **kwargs):
+        assert go.wait(30)
+        return real_lay_out(self, *args, **kwargs)
+
+    def recorded(self):
+        packed_on.append(threading.current_thread().name)
+        return real_bytes(self)
+
+    monkeypatch.setattr(tier_module.MemoryTier, "_lay_out", held)
+    monkeypatch.setattr(Packed, "bytes", recorded)
+    memory = {"enabled": True, "dir": str(tmp_path / "mem"), "replicas": 0, "interval_steps": 1}
+    model, optimizer, scheduler, scaler, loader = build(0, 1, {})
+    history = {"ids": [1, 2]}
+    config = CheckpointConfig(root=str(tmp_path / "root"), schedule={"interval_steps": 1000}, memory=memory)
+    manager = CheckpointManager(
+        config, model=model, optimizer=optimizer, dataloader=loader, extra_state={"history": history}
+    )
+    it = iter(loader)
+    optimizer_step(model, optimizer, scheduler, scaler, next(it))
+    manager.maybe_save(1)
+    expected_rng = torch.get_rng_state()
+    history["ids"].append(3)  # the next step changes them before the worker reads them
+    batch_2 = next(it)
+    torch.rand(7)
+    go.set()
+    manager.memory.wait()
+    assert packed_on and set(packed_on) == {"distckpt-memory"}, packed_on  # off the training thread
+    crash(manager)
+
+    model2, optimizer2, _, _, loader2 = build(0, 1, {})
+    again = {"ids": []}
+    restarted = CheckpointManager(
+        config, model=model2, optimizer=optimizer2, dataloader=loader2, extra_state={"history": again}
+    )
+    assert restarted.load().step == 1 and restarted.loader.tier == "memory"
+    assert restarted.state.extra_state["history"] == {"ids": [1, 2]}  # not [1, 2, 3]
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    assert torch.equal(next(iter(loader2))["id"], batch_2["id"])  # the loader resumes at batch 2
+    restarted.close()
+    release_workers(loader)
+    release_workers(loader2)
+
+
+def test_a_value_load_could_not_read_is_refused_at_the_snapshot(tmp_path):
+    memory = {"enabled": True, "dir": str(tmp_path / "mem"), "replicas": 0, "interval_steps": 1}
+    model, optimizer, scheduler, scaler, loader = build(0, 1, {})
+    config = CheckpointConfig(root=str(tmp_path / "root"), schedule={"interval_steps": 1000}, memory=memory)
+    manager = CheckpointManager(config, model=model, optimizer=optimizer, extra_state={"bad": {"x": object()}})
+    optimizer_step(model, optimizer, scheduler, scaler, next(iter(loader)))
+    with pytest.raises(TypeError, match=r"extra_state\['bad'\]\['x'\]"):
+        manager.maybe_save(1)
+    manager.close()
+    release_workers(loader)
+
+
+def test_the_worker_flattens_the_model_and_optimizer_parts_as_they_were_at_the_snapshot(tmp_path, monkeypatch):
+    # The model and optimizer parts are handed to the worker unflattened; held here until the loop
+    # has set a new learning rate (as a manual warmup does before optimizer.step()), the snapshot
+    # must still hold the step's param groups and optimizer state.
+    import threading
+
+    go = threading.Event()
+    flattened_on: list[str] = []
+
+    class Held(tier_module.LeanSavePlanner):
+        def set_up_planner(self, *args, **kwargs):
+            assert go.wait(30)
+            flattened_on.append(threading.current_thread().name)
+            return super().set_up_planner(*args, **kwargs)
+
+    monkeypatch.setattr(tier_module, "LeanSavePlanner", Held)
+    memory = {"enabled": True, "dir": str(tmp_path / "mem"), "replicas": 0, "interval_steps": 1}
+    manager, (model, optimizer, scheduler, scaler, loader) = _manager(tmp_path, memory=memory)
+    it = iter(loader)
+    for step in (1, 2):
+        if step == 2:
+            go.set()
+        optimizer_step(model, optimizer, scheduler, scaler, next(it))
+        manager.maybe_save(step)
+    assert manager.state.model_optim.live  # the parts were handed over as they are
+    manager.memory.wait()
+    go.clear()
+    optimizer_step(model, optimizer, scheduler, scaler, next(it))
+    manager.maybe_save(3)
+    expected = {"params": copy.deepcopy(full_params(model)), "optim": copy.deepcopy(full_optim(model, optimizer))}
+    lr = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 123.0
+    go.set()
+    manager.memory.wait()
+    assert set(flattened_on) == {"distckpt-memory"}, flattened_on
+    crash(manager)
+
+    restarted, (model2, optimizer2, *_rest) = _manager(tmp_path, memory=memory)
+    assert restarted.load().step == 3 and restarted.loader.tier == "memory"
+    assert [g["lr"] for g in optimizer2.param_groups] == lr  # not 123.0
+    got = {"params": full_params(model2), "optim": full_optim(model2, optimizer2)}
+    for k, v in expected["params"].items():
+        assert torch.equal(got["params"][k], v), k
+    assert str(got["optim"]) == str(expected["optim"])
+    restarted.close()
+    release_workers(loader)
+    release_workers(_rest[-1])

@@ -14,7 +14,7 @@ from distckpt import CheckpointConfig, ConfigError, ElasticConfig, IncompatibleC
 from distckpt._data import ReshardableSampler, global_state_from_loader_state, make_stateful_dataloader
 from distckpt._data.reshard import DataLoaderState
 from distckpt._state.rebatch import apply_step_rule, move_scheduler
-from distckpt._state.training_state import TrainState
+from distckpt._state.train_state import TrainState
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*set_vital.*:UserWarning")
 

@@ -14,7 +14,7 @@ from distckpt._coord.collective import Collective
 from distckpt._coord.events import EventLog
 from distckpt._ondisk.layout import is_deleting
 from distckpt._save.transaction import SaveContext, SaveTransaction
-from distckpt._state.training_state import TrainState
+from distckpt._state.train_state import TrainState
 from distckpt._storage import open_store
 from distckpt._storage.commit import validate
 from tests.unit.test_manager_single import manager_for, train_steps

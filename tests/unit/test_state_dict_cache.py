@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from distckpt._adapters.state_dict_cache import StateDictCache
 from distckpt._engine.save_planner import LeanSavePlanner
 from distckpt._memory.plan import exact_key, resolve
+from distckpt._state.guard import deferrable
 
 
 def _model() -> nn.Module:
@@ -147,9 +148,12 @@ def test_a_change_of_what_the_state_dict_derives_from_is_a_miss(change: Callable
     cache.get(lambda: _fresh(model, optimizer))
     cache.get(lambda: _fresh(model, optimizer))
     assert cache.hits == 1
+    assert deferrable(model, optimizer, cache.guarded) == deferrable(model, optimizer)  # a hit's walk
+    assert cache.live
     change(model, optimizer)
     _assert_same(cache.get(lambda: _fresh(model, optimizer)), _fresh(model, optimizer))
     assert cache.hits == 1  # the change was a miss
+    assert deferrable(model, optimizer, cache.guarded) == deferrable(model, optimizer)  # the walk after DCP's
     _assert_same(cache.get(lambda: _fresh(model, optimizer)), _fresh(model, optimizer))
     assert cache.hits == 2  # and the new structure is cached
 
@@ -170,13 +174,40 @@ def _stateful_module(model: nn.Module) -> None:
     model[3] = _WithExtraState(8, 2)
 
 
-@pytest.mark.parametrize("setup", ["post_hook", "extra_state", "optimizer_hook"])
+class _SavesAnAttribute(nn.Linear):
+    """Saves a tensor attribute the loop replaces at each step (not a parameter or buffer)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.count = torch.zeros(1)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "count"] = self.count
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        self.count = state_dict.pop(prefix + "count").clone()
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class _StateDictOverride(nn.Linear):
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return super().state_dict(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "setup", ["post_hook", "extra_state", "optimizer_hook", "save_override", "state_dict_override"]
+)
 def test_a_result_that_is_not_a_pure_function_of_the_structure_is_never_cached(setup: str) -> None:
     model = _model()
     if setup == "post_hook":
         _post_hooked(model)
     if setup == "extra_state":
         _stateful_module(model)
+    if setup == "save_override":
+        model[3] = _SavesAnAttribute(8, 2)
+    if setup == "state_dict_override":
+        model[3] = _StateDictOverride(8, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if setup == "optimizer_hook":
         optimizer.register_state_dict_post_hook(lambda opt, sd: sd)
@@ -191,6 +222,7 @@ def test_a_result_that_is_not_a_pure_function_of_the_structure_is_never_cached(s
     for _ in range(3):
         cache.get(compute)
     assert cache.hits == 0 and len(calls) == 3
+    assert cache.guarded is None and not cache.live  # the walk stopped: the guard walks the model itself
 
 
 def test_a_state_dict_pre_hook_runs_at_every_hit() -> None:
@@ -292,3 +324,25 @@ def test_a_save_after_the_model_changed_records_the_new_layout_and_loads(tmp_pat
     with CheckpointManager(config, model=old, optimizer=torch.optim.AdamW(old.parameters())) as manager:
         with pytest.raises(IncompatibleCheckpointError, match="scale"):
             manager.load()
+
+
+def test_a_tensor_attribute_a_module_saves_itself_is_saved_as_it_is_at_each_save(tmp_path: Any) -> None:
+    # The attribute is replaced at each step: a reused state_dict would save step 1's value.
+    from distckpt import CheckpointConfig, CheckpointManager
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = nn.Sequential(_SavesAnAttribute(2, 2))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    model, optimizer = build()
+    config = CheckpointConfig(root=str(tmp_path), schedule={"interval_steps": 1})
+    with CheckpointManager(config, model=model, optimizer=optimizer) as manager:
+        for step in (1, 2, 3):
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+            model[0].count = model[0].count + 1
+            manager.maybe_save(step)
+    model2, optimizer2 = build()
+    with CheckpointManager(config, model=model2, optimizer=optimizer2) as manager:
+        assert manager.load().step == 3
+    assert torch.equal(model2[0].count, torch.tensor([3.0]))

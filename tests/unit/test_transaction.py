@@ -20,7 +20,7 @@ from distckpt._ondisk.integrity import hash_file
 from distckpt._ondisk.layout import LATEST, MANIFEST, checkpoint_name
 from distckpt._ondisk.manifest import Manifest, TensorSpec, model_fingerprint
 from distckpt._save.transaction import PHASES, Rollback, SaveContext, SaveTransaction
-from distckpt._state.training_state import TrainState
+from distckpt._state.train_state import TrainState
 from distckpt._storage import open_store
 from distckpt._storage.commit import validate
 
