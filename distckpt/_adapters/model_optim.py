@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .._ondisk.manifest import TensorSpec, is_extra_state
+from .plain_state_dict import plain_state_dicts
 from .state_dict_cache import StateDictCache
 from .stateful import as_saved
 from .wrappers import unwrap, wrapper_kind
@@ -155,7 +156,7 @@ class ModelOptimState:
         if full_state_dict or uninitialised:
             model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=options)
         else:
-            model_sd, optim_sd = self.cache.get(lambda: get_state_dict(self.model, self._optimizers(), options=options))
+            model_sd, optim_sd = self.cache.get(self._sharded_state_dicts)
             self.guarded, self.live = self.cache.guarded, self.cache.live
         if self.cache.hits == hits or self._specs is None:  # a hit: the same layout as the last save's
             # The layout of what this save writes (FULL: rank 0's is the whole model; another rank's, later).
@@ -196,11 +197,19 @@ class ModelOptimState:
     def target_for_load(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Load targets in the live layout; call inside :meth:`load_context`. Collective."""
         self._init_closure_optimizer()
-        model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=StateDictOptions())
+        model_sd, optim_sd = self._sharded_state_dicts()
         self._target = dict(model_sd)
-        groups: list[dict[str, Any]] = optim_sd.get("param_groups", [])  # type: ignore[assignment]
+        groups: list[dict[str, Any]] = optim_sd.get("param_groups", [])
         self._target_groups = [list(g[_PARAMS]) for g in groups]
         return model_sd, (optim_sd if self.optimizer is not None else {})
+
+    def _sharded_state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """DCP's ``get_state_dict`` with its default (SHARDED) options; built directly for an unwrapped
+        model (:func:`~distckpt._adapters.plain_state_dict.plain_state_dicts`: the same result)."""
+        plain = plain_state_dicts(self.model, self.optimizer)
+        if plain is not None:
+            return plain
+        return get_state_dict(self.model, self._optimizers(), options=StateDictOptions())
 
     def _init_closure_optimizer(self) -> None:
         """Give a stateless LBFGS its state as DCP's dummy step would (which calls ``step()``
