@@ -16,9 +16,10 @@ DCP also resolves every parameter's FQN by walking its module path, three times 
 of many small tensors. :func:`plain_state_dicts` computes the same result with one
 ``named_parameters()`` walk (``tests/unit/test_plain_state_dict.py`` compares it with DCP's on
 models, optimizers and parameter groups of several kinds) and returns ``None`` wherever DCP's
-own call is needed: a wrapper, a tensor-parallel (DTensor) parameter, an overridden or patched
-``state_dict``, an optimizer with state-dict hooks or without state (DCP's dummy-step
-initialisation), a parameter the model does not name, an empty model state_dict (DCP raises).
+own call is needed: a wrapper, a tensor-parallel (DTensor) parameter, a module whose class or
+instance overrides ``state_dict`` or ``_save_to_state_dict``, an optimizer with state-dict hooks
+or without state (DCP's dummy-step initialisation), a parameter the model does not name, an
+empty model state_dict (DCP raises).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["plain_state_dicts"]
+__all__ = ["default_save", "plain_state_dicts"]
 
 _CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"  # activation checkpointing's wrapper attribute
 _PARAMS = "params"
@@ -69,18 +70,34 @@ def plain_state_dicts(
     return model_sd, {"state": state, "param_groups": groups}
 
 
+_OWN_SAVE = ("state_dict", "_save_to_state_dict")
+_DEFAULT: dict[tuple[type, tuple[str, ...]], bool] = {}
+
+
+def default_save(module: nn.Module, also: tuple[str, ...] = ()) -> bool:
+    """Whether ``module`` saves its state as ``nn.Module`` does: neither its class nor the instance
+    overrides ``state_dict`` or ``_save_to_state_dict`` (nor a name in ``also``), any of which may
+    save tensors under other names or other tensors than the registered ones."""
+    names = _OWN_SAVE + also
+    key = (type(module), also)
+    known = _DEFAULT.get(key)
+    if known is None:
+        known = _DEFAULT[key] = all(getattr(type(module), n) is getattr(nn.Module, n) for n in names)
+    return known and not any(n in module.__dict__ for n in names)
+
+
 def _unwrapped(model: nn.Module) -> bool:
     """No module of the tree is a wrapper whose keys DCP renames, has a state_dict post-hook or
-    ``_fqn_modifiers``; ``state_dict`` is ``nn.Module``'s, unpatched."""
+    ``_fqn_modifiers``, or saves its state otherwise than ``nn.Module`` (:func:`default_save`)."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
     wrappers = (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)
-    if type(model).state_dict is not nn.Module.state_dict or "state_dict" in vars(model):
-        return False
     for module in model.modules():
         # a state_dict post-hook may rename keys (activation checkpointing's strips its prefix)
         if isinstance(module, wrappers) or module._state_dict_hooks or hasattr(module, "_fqn_modifiers"):
+            return False
+        if not default_save(module):  # its keys may not be attribute paths, which DCP requires
             return False
         if "_orig_mod" in module._modules:  # torch.compile's wrapper (its class is private)
             return False

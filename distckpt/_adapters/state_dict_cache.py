@@ -18,8 +18,8 @@ everything the result is derived from is unchanged:
   its param groups (the parameters of each, the keys of each).
 
 It is never used, and DCP is called every time, where the result is not such a pure function:
-a module with a state_dict post-hook (FSDP1's), a module class overriding ``state_dict``,
-``_save_to_state_dict`` or ``get_extra_state``,
+a module with a state_dict post-hook (FSDP1's), a module whose class or instance overrides
+``state_dict``, ``_save_to_state_dict`` or ``get_extra_state``,
 an optimizer with state_dict hooks, an optimizer without state (DCP's dummy-step
 initialisation). State-dict pre-hooks run before the fingerprint is taken, as
 ``Module.state_dict`` runs them (FSDP2's reshards its parameters: a module left unsharded then
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .._engine.torch_format.internals import data_addresses, local_tensor
+from .plain_state_dict import default_save
 
 __all__ = ["StateDictCache"]
 
@@ -127,7 +128,7 @@ class StateDictCache:
         keep: list[Any] = []
         guarded: set[int] = set()
         for prefix, module in self.model.named_modules(remove_duplicate=False):
-            if module._state_dict_hooks or not _default_state_dict(type(module)):
+            if module._state_dict_hooks or not default_save(module, ("get_extra_state",)):
                 return None, []
             for hook in list(module._state_dict_pre_hooks.values()):
                 hook(module, prefix + "." if prefix else "", False)
@@ -159,19 +160,3 @@ class StateDictCache:
                 key += (tuple(group), *map(id, group[_PARAMS]))
         self.guarded = guarded
         return key, keep
-
-
-_DEFAULT: dict[type, bool] = {}
-
-
-def _default_state_dict(cls: type) -> bool:
-    """Whether ``cls`` takes its state_dict as ``nn.Module`` does: no override of ``state_dict``,
-    ``_save_to_state_dict`` or ``get_extra_state``, any of which may save tensors other than the
-    registered ones (a tensor attribute the loop replaces would be saved stale at each hit)."""
-    known = _DEFAULT.get(cls)
-    if known is None:
-        known = _DEFAULT[cls] = all(
-            getattr(cls, name) is getattr(nn.Module, name)
-            for name in ("state_dict", "_save_to_state_dict", "get_extra_state")
-        )
-    return known

@@ -17,11 +17,12 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
 from .._engine.save_planner import plan_key
+from .._engine.torch_format.flatten import flatten_state_dict
 from .._engine.torch_format.internals import ShardedTensor, local_tensor
 from .._state.packing import Packed
 from .placement import assign_replicated
 
-__all__ = ["SnapshotPlan", "exact_key", "resolve", "take_unguarded"]
+__all__ = ["SnapshotPlan", "exact_key", "hand_over", "resolve", "take_unguarded"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -130,3 +131,24 @@ def take_unguarded(flat: dict[str, Any], protected: set[int]) -> bool:
         elif not isinstance(value, (bytes, Packed)) and exact_key(value) is None:  # Packed: taken already
             flat[fqn] = copy.deepcopy(value)
     return cuda
+
+
+def hand_over(state_dict: dict[str, Any], live: set[str], protected: set[int]) -> tuple[dict[str, Any], bool]:
+    """What the worker gets of a snapshot's ``state_dict``: the ``live`` parts as they are, nested
+    (``key`` or ``key.subkey``); every other part flattened with copies of what the mutation
+    guard does not protect (:func:`take_unguarded`), in the state_dict's
+    order (the items' order in the snapshot). Also whether a CUDA tensor may be among them."""
+    handed: dict[str, Any] = {}
+    cuda = bool(live) and torch.cuda.is_available() and torch.cuda.is_initialized()
+    for key, value in state_dict.items():
+        if key in live:
+            handed[key] = value
+            continue
+        inner = {path[len(key) + 1 :] for path in live if path.startswith(key + ".")}
+        if inner and isinstance(value, dict):
+            handed[key] = {k: v for k, v in value.items() if k in inner}
+            value = {k: v for k, v in value.items() if k not in inner}
+        flat, _ = flatten_state_dict({key: value})
+        cuda = take_unguarded(flat, protected) or cuda
+        handed.update(flat)
+    return handed, cuda

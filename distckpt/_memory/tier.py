@@ -37,14 +37,14 @@ from .._config import CheckpointConfig
 from .._coord.collective import Collective
 from .._coord.topology import JobSetup
 from .._engine.save_planner import LeanSavePlanner
-from .._engine.torch_format.flatten import flatten_state_dict
 from .._errors import CheckpointCorruptError, ConfigError
 from .._state.guard import deferrable
+from .._state.packing import PackError
 from .._state.train_state import TrainState
 from .._state.training_state import GUARDED_PARTS, CheckpointState
 from .cleanup import job_dirs, reclaim_dir, remove_if_empty
 from .placement import NodeLayout, file_system_type, launch_id, memory_dir
-from .plan import SnapshotPlan, resolve, take_unguarded
+from .plan import SnapshotPlan, hand_over, resolve
 from .snapfile import ALIGN, PREAMBLE, SlotFile, SnapshotHeader, data_hash, read_header, snapshot_name
 from .worker import in_background
 
@@ -141,6 +141,7 @@ class MemoryTier:
         self._newest: dict[int, int] = {}  # rank -> slot index of its last complete snapshot
         self._pending: Future | None = None
         self._copied: threading.Event | None = None  # set once the in-flight snapshot's tensors are copied
+        self._refused: Exception | None = None  # the worker could not serialize a snapshot's state
         self.protected: Callable[[], set[int]] = (
             set  # the mutation guard's tensors' addresses (deferrable); create() sets it
         )
@@ -247,29 +248,27 @@ class MemoryTier:
 
         ``protected``: the addresses the mutation guard protects, called after ``build``
         (:func:`~distckpt._state.guard.deferrable`; default :attr:`protected`). ``live``: the
-        top-level keys whose values hold only tensors at those addresses, in containers that only
-        ``optimizer.step()`` changes (the optimizer's own per-parameter state dicts), called after
-        ``build``: handed over unflattened and unchecked.
+        parts (a top-level key, or ``key.subkey`` of a dict) that hold only tensors at those
+        addresses, in containers that only ``optimizer.step()`` changes (the optimizer's own
+        per-parameter state dicts), called after ``build``: handed over unflattened and unchecked.
 
         Waits for the previous snapshot's background work first. Never raises for a snapshot that
         cannot be written (a full file system): a warning, and the step is skipped on this rank
         (training and the durable tier go on); its replication round still runs, so peers never wait.
+
+        Raises:
+            PackError, ValueError: the previous snapshot's state could not be serialized or
+                flattened on the worker (a value ``torch.save`` refuses), raised here, at the next
+                snapshot, as the durable save would raise it.
         """
         t0 = time.perf_counter()
         self.wait()
+        refused, self._refused = self._refused, None
+        if refused is not None:
+            raise refused
         if not os.path.isdir(self.dir):
             self._recreate()
-        state_dict = build()
-        kept = set(live())
-        rest, _ = flatten_state_dict({k: v for k, v in state_dict.items() if k not in kept})
-        cuda = take_unguarded(rest, (protected or self.protected)())
-        cuda = cuda or (bool(kept) and torch.cuda.is_available() and torch.cuda.is_initialized())
-        handed: dict[str, Any] = {}  # in the state_dict's order: the items' order in the snapshot
-        for key, value in state_dict.items():
-            if key in kept:
-                handed[key] = value
-            else:
-                handed.update((k, v) for k, v in rest.items() if k == key or k.startswith(key + "."))
+        handed, cuda = hand_over(build(), set(live()), (protected or self.protected)())
         # The step's CUDA work must be done before the side stream copies what it computed.
         event = torch.cuda.current_stream().record_event() if cuda else None
         self._copied = threading.Event()
@@ -359,10 +358,15 @@ class MemoryTier:
             slot = self._own[slot_index]
             try:
                 planner = LeanSavePlanner()
-                planner.set_up_planner(state_dict, is_coordinator=self.rank == 0)
+                try:
+                    planner.set_up_planner(state_dict, is_coordinator=self.rank == 0)
+                except ValueError as e:  # DCP's flattening: the state itself is at fault
+                    raise PackError(f"the state_dict of step {step} cannot be flattened: {e}") from e
                 header, tensors = self._lay_out(step, planner, self._plan.items(planner), slot)
                 _copy_tensors(slot, tensors, event)
             except Exception as e:  # noqa: BLE001 - the peers wait for this rank's replication round
+                if isinstance(e, PackError):
+                    self._refused = e  # raised on the training thread at the next snapshot
                 logger.warning(
                     "memory tier: snapshot of step %d skipped on rank %d: %s",
                     step,

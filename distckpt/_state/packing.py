@@ -18,7 +18,7 @@ import torch
 
 from .._ondisk.safe_values import check_loadable, load_value
 
-__all__ = ["Packed", "pack", "unpack", "take"]
+__all__ = ["PackError", "Packed", "pack", "unpack", "take"]
 
 
 def pack(obj: Any, what: str = "value", *, check: bool = True) -> bytes:
@@ -44,6 +44,12 @@ def unpack(data: bytes) -> Any:
     return load_value(io.BytesIO(data))
 
 
+class PackError(TypeError):
+    """A value taken at a memory-tier snapshot could not be serialized on the worker thread (it
+    passed :func:`pack`'s check but ``torch.save`` refused it); the tier raises it on the training
+    thread at the next snapshot."""
+
+
 class Packed:
     """A value taken now and packed later (:meth:`bytes`, equal to :func:`pack` of it): a state_dict
     leaf that the memory tier's worker thread turns into :func:`pack`'s bytes."""
@@ -54,19 +60,31 @@ class Packed:
         self.value, self.what = value, what
 
     def bytes(self) -> bytes:
-        """:func:`pack` of the value taken."""
-        return pack(self.value, self.what, check=False)
+        """:func:`pack` of the value taken.
+
+        Raises:
+            PackError: ``torch.save`` refused it (names the value).
+        """
+        try:
+            return pack(self.value, self.what, check=False)
+        except Exception as e:
+            raise PackError(f"{self.what}: cannot be saved: {type(e).__name__}: {e}") from e
 
 
-def take(obj: Any, what: str = "value", *, check: bool = True, fresh: bool = False) -> Packed:
+def take(obj: Any, what: str = "value", *, check: bool = True, fresh: bool = False) -> Packed | bytes:
     """:func:`pack`'s check now, its serialization later: a :class:`Packed` of ``obj``, deep-copied
     unless ``fresh`` (an object built for this call and referenced by nothing else, such as the
     RNG state: a state_dict() of the caller's object may share its lists and dicts, which the next
-    step changes).
+    step changes). A value ``copy.deepcopy`` refuses (a tensor with a ``grad_fn``) is packed now.
 
     Raises:
         TypeError: as :func:`pack` with ``check``.
     """
     if check:
         check_loadable(obj, what)
-    return Packed(obj if fresh else copy.deepcopy(obj), what)
+    if fresh:
+        return Packed(obj, what)
+    try:
+        return Packed(copy.deepcopy(obj), what)
+    except Exception:  # noqa: BLE001 - torch.save may still take it, and raises if not
+        return pack(obj, what, check=False)

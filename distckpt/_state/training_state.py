@@ -47,9 +47,11 @@ from .train_state import TrainState
 
 __all__ = ["CheckpointState", "GUARDED_PARTS", "WEIGHTS_ONLY_KEY"]
 
-GUARDED_PARTS = ("model", "optim")
-"""The top-level keys of :meth:`CheckpointState.for_save`'s state_dict that hold the model's and the
-optimizer's state: only tensors the mutation guard protects when ``model_optim.live``."""
+GUARDED_PARTS = ("model", "optim.state")
+"""The parts of :meth:`CheckpointState.for_save`'s state_dict (a top-level key, or ``key.subkey``)
+that hold the model's state and the optimizer's per-parameter state: only tensors the mutation
+guard protects, in dicts only ``optimizer.step()`` changes, when ``model_optim.live`` (the param
+groups are not among them: a scheduler may change a tensor learning rate in place before it)."""
 
 WEIGHTS_ONLY_KEY = "imported"
 """Key that ``distckpt import`` writes: the checkpoint holds model weights and counters only."""

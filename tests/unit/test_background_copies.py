@@ -285,3 +285,78 @@ def test_the_worker_flattens_the_model_and_optimizer_parts_as_they_were_at_the_s
     restarted.close()
     release_workers(loader)
     release_workers(_rest[-1])
+
+
+def test_a_tensor_learning_rate_changed_before_the_next_optimizer_step_is_the_steps(tmp_path, monkeypatch):
+    # The param groups are taken on the training thread: a scheduler that steps before the next
+    # optimizer.step() (a GradScaler skipping it) changes a tensor lr in place, unguarded.
+    real = tier_module._copy_tensors
+
+    def slow_copy(slot, data, event):
+        if data:
+            time.sleep(SLOW_S)
+        real(slot, data, event)
+
+    monkeypatch.setattr(tier_module, "_copy_tensors", slow_copy)
+    memory = {"enabled": True, "dir": str(tmp_path / "mem"), "replicas": 0, "interval_steps": 1}
+    config = CheckpointConfig(root=str(tmp_path / "root"), schedule={"interval_steps": 1000}, memory=memory)
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.1))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return CheckpointManager(config, model=model, optimizer=opt, lr_scheduler=sched), model, opt, sched
+
+    manager, model, opt, sched = make()
+    for step in (1, 2, 3):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        manager.maybe_save(step)
+    lr = float(opt.param_groups[0]["lr"])
+    sched.step()  # step 4: no optimizer step, the scheduler's in-place fill_ of the lr
+    manager.memory.wait()
+    crash(manager)
+    restarted, _, opt2, sched2 = make()
+    assert restarted.load().step == 3 and restarted.loader.tier == "memory"
+    assert float(opt2.param_groups[0]["lr"]) == lr == float(torch.tensor(0.0125))  # not step 4's 0.00625
+    assert sched2.last_epoch == 3
+    restarted.close()
+
+
+def test_a_non_leaf_tensor_in_an_extra_value_is_snapshotted(tmp_path):
+    memory = {"enabled": True, "dir": str(tmp_path / "mem"), "replicas": 0, "interval_steps": 1}
+    model, optimizer, scheduler, scaler, loader = build(0, 1, {})
+    config = CheckpointConfig(root=str(tmp_path / "root"), schedule={"interval_steps": 1000}, memory=memory)
+    w = torch.ones(2, requires_grad=True)
+    stats = {"last": w * 3.0}  # has a grad_fn: copy.deepcopy refuses it, torch.save takes it
+    manager = CheckpointManager(config, model=model, optimizer=optimizer, extra_state={"stats": stats})
+    optimizer_step(model, optimizer, scheduler, scaler, next(iter(loader)))
+    manager.maybe_save(1)
+    manager.memory.wait()
+    crash(manager)
+    model2, optimizer2, *_ = build(0, 1, {})
+    restarted = CheckpointManager(config, model=model2, optimizer=optimizer2, extra_state={"stats": {}})
+    assert restarted.load().step == 1 and restarted.loader.tier == "memory"
+    assert torch.equal(restarted.state.extra_state["stats"]["last"], torch.full((2,), 3.0))
+    restarted.close()
+    release_workers(loader)
+
+
+def test_a_value_the_worker_cannot_serialize_is_raised_at_the_next_snapshot(tmp_path):
+    memory = {"enabled": True, "dir": str(tmp_path / "mem"), "replicas": 0, "interval_steps": 1}
+    model, optimizer, scheduler, scaler, loader = build(0, 1, {})
+    config = CheckpointConfig(root=str(tmp_path / "root"), schedule={"interval_steps": 1000}, memory=memory)
+    t = torch.ones(2)
+    t.hook = lambda: 1  # passes the weights-only check and deepcopy; pickle refuses the lambda
+    manager = CheckpointManager(config, model=model, optimizer=optimizer, extra_state={"x": {"t": t}})
+    it = iter(loader)
+    optimizer_step(model, optimizer, scheduler, scaler, next(it))
+    manager.maybe_save(1)  # serialized on the worker: the snapshot of step 1 is skipped
+    optimizer_step(model, optimizer, scheduler, scaler, next(it))
+    with pytest.raises(TypeError, match=r"extra_state\['x'\]: cannot be saved"):
+        manager.maybe_save(2)
+    manager.close()
+    release_workers(loader)

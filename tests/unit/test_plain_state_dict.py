@@ -150,3 +150,29 @@ def test_a_state_dict_post_hook_is_left_to_dcp() -> None:
     _train(model, opt)
     model.body["a"].register_state_dict_post_hook(lambda module, sd, prefix, local: None)
     assert plain_state_dicts(model, opt) is None
+
+
+class _Renamed(nn.Linear):
+    """Saves its parameters under names that are not attributes: DCP's get_state_dict raises."""
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        destination[prefix + "w"], destination[prefix + "b"] = self.weight.detach(), self.bias.detach()
+
+
+def test_a_module_that_saves_its_own_way_is_left_to_dcp() -> None:
+    model = nn.Sequential(_Renamed(3, 3), nn.Linear(3, 1))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    assert plain_state_dicts(model, opt) is None
+    with pytest.raises(AttributeError):
+        get_state_dict(model, [opt])  # DCP's error reaches the save, which commits nothing
+
+
+def test_an_instance_override_is_left_to_dcp() -> None:
+    model = _Tied()
+    opt = torch.optim.AdamW(model.parameters())
+    _train(model, opt)
+    save = model.body["a"]._save_to_state_dict
+    model.body["a"]._save_to_state_dict = save  # set on the instance: Module.state_dict calls it
+    assert plain_state_dicts(model, opt) is None

@@ -196,7 +196,8 @@ class _StateDictOverride(nn.Linear):
 
 
 @pytest.mark.parametrize(
-    "setup", ["post_hook", "extra_state", "optimizer_hook", "save_override", "state_dict_override"]
+    "setup",
+    ["post_hook", "extra_state", "optimizer_hook", "save_override", "state_dict_override", "instance_override"],
 )
 def test_a_result_that_is_not_a_pure_function_of_the_structure_is_never_cached(setup: str) -> None:
     model = _model()
@@ -208,6 +209,8 @@ def test_a_result_that_is_not_a_pure_function_of_the_structure_is_never_cached(s
         model[3] = _SavesAnAttribute(8, 2)
     if setup == "state_dict_override":
         model[3] = _StateDictOverride(8, 2)
+    if setup == "instance_override":
+        model[3]._save_to_state_dict = model[3]._save_to_state_dict  # Module.state_dict calls the instance's
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if setup == "optimizer_hook":
         optimizer.register_state_dict_post_hook(lambda opt, sd: sd)
