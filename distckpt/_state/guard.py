@@ -7,8 +7,9 @@ Two kinds of change are hooked (``torch.optim.Optimizer.register_step_pre_hook``
 
 - ``optimizer.step()`` changes the parameters and the optimizer state;
 - the forward of a module that owns persistent buffers may change them (BatchNorm's running
-  statistics), so each such module waits before its forward; a model without such buffers (most
-  transformers) never waits in forward.
+  statistics), so each such module waits before its forward, and so does a DDP wrapper that
+  broadcasts rank 0's buffers at its forward; a model without such buffers (most transformers)
+  never waits in forward.
 
 Anything else in a state_dict (bytes items, tensors that are neither parameters, optimizer state
 nor persistent buffers, such as a tensor-valued learning rate) is copied before the copy is
@@ -54,7 +55,10 @@ class MutationGuard:
             if self.optimizer is not None:
                 self._handles.append(self.optimizer.register_step_pre_hook(self._hook))
             for module in self.model.modules():
-                if own_persistent_buffers(module):
+                # DDP's forward overwrites every buffer with rank 0's (broadcast_buffers) before
+                # the forward of the module that owns it
+                broadcasts = getattr(module, "broadcast_buffers", False) is True and any(True for _ in module.buffers())
+                if own_persistent_buffers(module) or broadcasts:
                     self._handles.append(module.register_forward_pre_hook(self._hook))
         self.waits += waits_given
 

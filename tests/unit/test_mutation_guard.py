@@ -1,0 +1,44 @@
+"""MutationGuard: the loop waits before the first instruction that changes what a copy in flight reads."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distckpt._state.guard import MutationGuard
+
+
+class _BroadcastingWrapper(nn.Module):
+    """Like DDP with ``broadcast_buffers``: its forward overwrites the inner module's buffers in
+    place (with rank 0's) before the inner module's forward runs."""
+
+    broadcast_buffers = True
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.module.buffers():
+            b.fill_(7)
+        return self.module(x)
+
+
+def test_a_wrapper_that_overwrites_buffers_waits_before_its_forward() -> None:
+    model = _BroadcastingWrapper(nn.BatchNorm1d(3))
+    seen: list[torch.Tensor] = []
+    guard = MutationGuard(model, None)
+    guard.add(lambda: seen.append(model.module.running_mean.clone()))
+    model(torch.randn(4, 3))
+    assert seen and torch.equal(seen[0], torch.zeros(3))  # the first wait came before the overwrite
+    guard.remove()
+
+
+def test_a_model_without_buffers_never_waits_in_forward() -> None:
+    model = nn.Sequential(nn.Linear(3, 3))
+    calls: list[int] = []
+    guard = MutationGuard(model, None)
+    guard.add(lambda: calls.append(1))
+    model(torch.randn(2, 3))
+    assert calls == []
+    guard.remove()
