@@ -334,6 +334,8 @@ class ModelOptimState:
         assert self.optimizer is not None
         saved_state = optim_sd.get("state", {})
         listed = {fqn for g in optim_sd.get("param_groups", []) for fqn in g.get("params", [])}
+        if listed.issubset(saved_state):  # every listed parameter has state: none without
+            return []
         names = _clean_names(self.model)
         return [
             p

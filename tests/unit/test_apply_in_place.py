@@ -189,3 +189,29 @@ def test_a_load_into_a_model_that_does_not_fit_leaves_a_fresh_optimizer_without_
         with pytest.raises(IncompatibleCheckpointError, match="shape mismatch for weight"):
             manager.load()
     assert fresh.state == {}  # DCP's load target stepped it (lr 0): undone
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_the_parameters_without_saved_state_are_looked_up_only_when_the_checkpoint_has_some(
+    tmp_path: Any, monkeypatch: Any, frozen: bool
+) -> None:
+    import distckpt._adapters.model_optim as model_optim
+
+    model = _model("plain")
+    if frozen:  # listed in the optimizer without state
+        model[2].bias.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    with _manager(tmp_path, model, opt) as manager:
+        manager.save(2)
+    expected = _state(model, opt)
+    _train(model, opt, 1)
+    lookups = []
+    real = model_optim._clean_names
+    with _manager(tmp_path, model, opt) as manager:
+        monkeypatch.setattr(model_optim, "_clean_names", lambda m: lookups.append(1) or real(m))
+        assert manager.load() is not None
+    assert len(lookups) == (1 if frozen else 0)  # every listed parameter with state: no name map built
+    got = _state(model, opt)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+    assert model[2].bias.requires_grad is not frozen and (model[2].bias in opt.state) is not frozen
