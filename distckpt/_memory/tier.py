@@ -365,8 +365,13 @@ class MemoryTier:
                 header, tensors = self._lay_out(step, planner, self._plan.items(planner), slot)
                 _copy_tensors(slot, tensors, event)
             except Exception as e:  # noqa: BLE001 - the peers wait for this rank's replication round
-                if isinstance(e, PackError):
-                    self._refused = e  # raised on the training thread at the next snapshot
+                if isinstance(e, PackError):  # raised on the training thread at the next snapshot
+                    self._refused = PackError(
+                        f"memory tier: the snapshot of step {step} was skipped: {e}; make the value "
+                        "one torch.save can serialize (tensors, containers, primitives) or leave it "
+                        "out of the training state"
+                    )
+                    self._refused.__cause__ = e
                 logger.warning(
                     "memory tier: snapshot of step %d skipped on rank %d: %s",
                     step,

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .._errors import DistCkptError
 from .._ondisk.safe_values import check_loadable, load_value
 
 __all__ = ["PackError", "Packed", "pack", "unpack", "take"]
@@ -44,10 +45,10 @@ def unpack(data: bytes) -> Any:
     return load_value(io.BytesIO(data))
 
 
-class PackError(TypeError):
+class PackError(DistCkptError, TypeError):
     """A value taken at a memory-tier snapshot could not be serialized on the worker thread (it
     passed :func:`pack`'s check but ``torch.save`` refused it); the tier raises it on the training
-    thread at the next snapshot."""
+    thread at the next snapshot. The message names the value (its state_dict path)."""
 
 
 class Packed:
