@@ -173,7 +173,6 @@ class CheckpointManager:
             write_timeout_s=coord.effective_write_timeout_s,
         )
         self.memory = MemoryTier.create(self.config, self.collective, self.setup, model, optimizer, self.wrapper)
-        # wait_staged also waits for the memory copy: a second wait on a set event returns at once
         self.state.guard.add(self.memory and self.memory.wait_copied, self.async_writer and self.wait_staged)
         self.loader = CheckpointLoader(
             collective=self.collective,
@@ -391,13 +390,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ lifecycle
     def wait_staged(self) -> None:
-        """Block until every copy of the state still in flight is done: the memory tier's snapshot
-        and a background-staged save's tensors. ``optimizer.step()`` and the forward of a module
-        with persistent buffers wait by themselves; call this only before changing the state in
-        place some other way (a parameter edited under ``torch.no_grad()``). At once when nothing is
-        in flight."""
-        if self.memory is not None:
-            self.memory.wait_copied()
+        """Block until the in-flight save's tensors are copied (``optimizer.step()`` waits for it by itself)."""
         if self.async_writer is not None:
             self.async_writer.wait_staged()
 
