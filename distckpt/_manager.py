@@ -26,13 +26,13 @@ from ._config import READ_ONLY_SAVE, CheckpointConfig
 from ._coord.collective import Collective
 from ._coord.events import EventLog
 from ._coord.topology import check_shared_root, elastic_store_warning, exchange_setup
-from ._engine import AsyncWriter
 from ._engine.blocking import gc_paused
 from ._errors import ConfigError
 from ._load.discovery import CheckpointDiscovery
 from ._load.loading import CheckpointLoader
 from ._load.resume import ProbeFn, RunIdAndProbe
 from ._memory import MemoryTier
+from ._save.background import open_async_writer
 from ._save.grace import SaveDurations, agree_on_signal
 from ._save.preemption import PreemptionWatcher, StepVote
 from ._save.schedule import SaveSchedule, check_step
@@ -125,18 +125,8 @@ class CheckpointManager:
         self.save_durations = SaveDurations()  # predicts the preemption save (grace window)
         self._closed = False
         self._inflight: BackgroundSave | None = None
-        read_only, mode = not config.save.enabled, config.async_save.mode
-        self.background: Collective | None = None  # its own gloo group: never interleaves with the loop's
-        self.async_writer: AsyncWriter | None = None
-        if mode != "off" and not read_only:
-            self.background = Collective(process_group, timeout_s=coord.timeout_s)
-            self.async_writer = AsyncWriter(
-                mode,
-                background_staging=config.async_save.background_staging,
-                process_group=self.background.group,
-                thread_count=config.save.thread_count,
-                write_timeout_s=coord.effective_write_timeout_s,
-            )
+        read_only = not config.save.enabled
+        self.background, self.async_writer = open_async_writer(config, process_group)
         self.discovery = CheckpointDiscovery(self.store, config, rank=self.rank, locked=coord.lock and not read_only)
         self.events = EventLog(coord.event_log, self.rank)
         self.lock = RootLock.of(self.store, lease_s=coord.lock_lease_s, renew=True) if self.discovery.locked else None
@@ -173,7 +163,8 @@ class CheckpointManager:
             write_timeout_s=coord.effective_write_timeout_s,
         )
         self.memory = MemoryTier.create(self.config, self.collective, self.setup, model, optimizer, self.wrapper)
-        self.state.guard.add(self.memory and self.memory.wait_copied, self.async_writer and self.wait_staged)
+        writer = self.async_writer
+        self.state.guard.add(self.memory and self.memory.wait_copied, writer and writer.wait_staged)
         self.loader = CheckpointLoader(
             collective=self.collective,
             state=self.state,
@@ -390,9 +381,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ lifecycle
     def wait_staged(self) -> None:
-        """Block until the in-flight save's tensors are copied (``optimizer.step()`` waits for it by itself)."""
-        if self.async_writer is not None:
-            self.async_writer.wait_staged()
+        """Block until every copy of the state still in flight is done: the memory tier's snapshot
+        and a background-staged save's tensors. ``optimizer.step()`` and the model's forward wait by
+        themselves; call this only before changing the state in place some other way (a parameter
+        edited under ``torch.no_grad()``). Returns at once when nothing is in flight."""
+        self.state.guard.wait()
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed or failed, and retention's file removal is done.

@@ -22,6 +22,7 @@ Guards against DCP helper behaviour seen on torch 2.13:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 from typing import Any, Iterator
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from .._engine.torch_format.internals import own_persistent_buffers
 from .._ondisk.manifest import TensorSpec, is_extra_state
 from .plain_state_dict import plain_state_dicts
 from .state_dict_cache import StateDictCache
@@ -112,6 +114,7 @@ class ModelOptimState:
         # (StateDictCache.live: only guarded tensors and the optimizer's own state dicts).
         self.guarded: set[int] | None = None
         self.live = False
+        self.buffered = False  # the last state_dict_for_save's model has persistent buffers
 
     def specs(self) -> dict[str, TensorSpec]:
         """:func:`tensor_specs` of the model as the last save took it (its manifest's layout): taken
@@ -150,14 +153,17 @@ class ModelOptimState:
                 "DDP model, or a per-parameter optimizer (AdamW, SGD, ...) under FSDP."
             )
         uninitialised = self.optimizer is not None and not self.optimizer.state
-        self._init_closure_optimizer()
         hits = self.cache.hits
         self.guarded, self.live = None, False
         if full_state_dict or uninitialised:
-            model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=options)
+            with _without_step_hooks(self.optimizer):
+                self._init_closure_optimizer()
+                model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=options)
         else:
             model_sd, optim_sd = self.cache.get(self._sharded_state_dicts)
             self.guarded, self.live = self.cache.guarded, self.cache.live
+        walked = self.guarded is not None
+        self.buffered = self.cache.buffered if walked else any(map(own_persistent_buffers, self.model.modules()))
         if self.cache.hits == hits or self._specs is None:  # a hit: the same layout as the last save's
             # The layout of what this save writes (FULL: rank 0's is the whole model; another rank's, later).
             self._specs = specs_of(model_sd) if model_sd or not full_state_dict else None
@@ -173,7 +179,8 @@ class ModelOptimState:
     def load_context(self) -> Iterator[None]:
         """Clear grads and require grad on every optimized parameter while loading; restore after.
         A load that fails leaves an optimizer that had no state without state (DCP's load target
-        initialises it with a dummy step)."""
+        initialises it with a dummy step). The optimizer's step hooks are detached meanwhile
+        (:func:`_without_step_hooks`)."""
         saved: list[tuple[torch.Tensor, bool, torch.Tensor | None]] = []
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
@@ -183,7 +190,8 @@ class ModelOptimState:
                     p.requires_grad_(True)
         fresh = self.optimizer is not None and not self.optimizer.state
         try:
-            yield
+            with _without_step_hooks(self.optimizer):
+                yield
         except BaseException:
             if fresh:  # undo DCP's dummy step of the load target: the optimizer stays as it was
                 self.optimizer.state.clear()  # type: ignore[union-attr]
@@ -411,3 +419,28 @@ def _constant_time_param_lookup(optimizers: Any) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def _without_step_hooks(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+    """While the block runs, ``optimizer`` has no step pre- or post-hooks of its own.
+
+    Why: DCP initialises a stateless optimizer with a dummy ``step()`` (lr=0), at a load (after
+    the model's weights are in) and at a save before the first step, and ``step()`` runs the
+    optimizer's hooks: a hook that projects the weights, or an EMA updated after each step, would
+    change the state just loaded or about to be saved. torch keeps the hooks in the private
+    ``_optimizer_step_pre_hooks`` / ``_optimizer_step_post_hooks`` dicts and has no public way to
+    suspend them; a process-wide hook (``register_optimizer_step_pre_hook``) still runs.
+    """
+    names = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+    held = [getattr(optimizer, n, None) for n in names]
+    if optimizer is None or not any(held):
+        yield
+        return
+    for n in names:
+        setattr(optimizer, n, collections.OrderedDict())
+    try:
+        yield
+    finally:
+        for n, hooks in zip(names, held):
+            setattr(optimizer, n, hooks)

@@ -62,6 +62,9 @@ class StateDictCache:
         :meth:`get`'s walk (``None`` when it walked nothing or stopped: an uncacheable model):
         what the memory tier's mutation guard protects, without a second walk of the model
         (:func:`~distckpt._state.guard.deferrable`)."""
+        self.buffered = False
+        """Whether that walk found a persistent buffer (with :attr:`guarded`; ``False`` when it is
+        ``None``): the mutation guard then holds the model's forward too."""
         self.live = False
         """Whether the last :meth:`get` handed out a result of the cache's (a hit, or a miss it
         kept): every tensor of its model part is a parameter's or persistent buffer's data (at
@@ -123,10 +126,11 @@ class StateDictCache:
     def _fingerprint(self) -> tuple[list[Any] | None, list[Any]]:
         """``(key, objects it names by id)``; key ``None``: the result must not be cached. Sets
         :attr:`guarded` when the key is not ``None``."""
-        self.guarded = None
+        self.guarded, self.buffered = None, False
         key: list[Any] = []
         keep: list[Any] = []
         guarded: set[int] = set()
+        buffered = False
         for prefix, module in self.model.named_modules(remove_duplicate=False):
             if module._state_dict_hooks or not default_save(module, ("get_extra_state",)):
                 return None, []
@@ -143,6 +147,7 @@ class StateDictCache:
                     key += (name, id(tensor), data.data_ptr(), tensor.shape, data.stride(), tensor.dtype)
                     keep.append(tensor)
                     guarded.update(data_addresses(data))
+                    buffered = buffered or table is module._buffers
         optimizer = self.optimizer
         if optimizer is not None:
             if (
@@ -158,5 +163,5 @@ class StateDictCache:
                 keep.append(state)
             for group in optimizer.param_groups:
                 key += (tuple(group), *map(id, group[_PARAMS]))
-        self.guarded = guarded
+        self.guarded, self.buffered = guarded, buffered
         return key, keep

@@ -2,26 +2,37 @@
 user's help: the loop is held back only at the first instruction that would change what is still
 being copied.
 
-Two kinds of change are hooked (``torch.optim.Optimizer.register_step_pre_hook`` and
-``torch.nn.Module.register_forward_pre_hook``, both public PyTorch hooks):
+Two kinds of change are hooked, each by a public PyTorch hook that runs before any the user
+registered, whenever it was registered:
 
-- ``optimizer.step()`` changes the parameters and the optimizer state;
-- the forward of a module that owns persistent buffers may change them (BatchNorm's running
-  statistics), so each such module waits before its forward, and so does a DDP wrapper that
-  broadcasts rank 0's buffers at its forward; a model without such buffers (most transformers)
-  never waits in forward.
+- ``optimizer.step()`` changes the parameters and the optimizer state: a global optimizer step
+  pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``), as global hooks run
+  before each optimizer's own (``Optimizer.profile_hook_step``), such as a projection of the
+  weights a user hooked in;
+- the model's forward may change its persistent buffers (BatchNorm's running statistics, spectral
+  norm's power iteration in a forward pre-hook, a parent's ``F.batch_norm`` on a child's
+  statistics, DDP's broadcast of rank 0's buffers): a forward pre-hook on the root module,
+  registered with ``prepend=True``, runs before all of these; each module that owns persistent
+  buffers when the guard is installed waits too (a loop may call it outside the root's forward).
+  The forward waits only while the state last built for a copy had persistent buffers
+  (:attr:`MutationGuard.hold_forward`, set at each build, so a buffer added after the manager was
+  built counts); a model without them (most transformers) never waits in forward.
 
 Anything else in a state_dict (bytes items, tensors that are neither parameters, optimizer state
 nor persistent buffers, such as a tensor-valued learning rate) is copied before the copy is
-started, on the training thread (:func:`deferrable`).
+started, on the training thread (:func:`deferrable`). A change made some other way (a parameter
+edited under ``torch.no_grad()`` outside ``optimizer.step()``) needs :meth:`MutationGuard.wait`
+first (``CheckpointManager.wait_staged``).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._engine.torch_format.internals import data_addresses, own_persistent_buffers
 
@@ -31,8 +42,8 @@ logger = logging.getLogger(__name__)
 
 
 class MutationGuard:
-    """Holds the training loop back, at ``optimizer.step()`` and at the forward of each module that
-    owns persistent buffers, until every registered wait returns.
+    """Holds the training loop back, at ``optimizer.step()`` and at the model's forward, until
+    every registered wait returns.
 
     Args:
         model: the (possibly wrapped) model.
@@ -44,6 +55,9 @@ class MutationGuard:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         self.model, self.optimizer = model, optimizer
         self.waits: list[Callable[[], None]] = []
+        self.hold_forward = any(map(own_persistent_buffers, model.modules()))
+        """Whether the model's forward waits too: the state last built for a copy has persistent
+        buffers (set by whoever builds it; until then, whether the model has them now)."""
         self._handles: list[Any] = []
 
     def add(self, *waits: object) -> None:
@@ -53,26 +67,40 @@ class MutationGuard:
         waits_given: list[Callable[[], None]] = [w for w in waits if callable(w)]
         if waits_given and not self._handles:
             if self.optimizer is not None:
-                self._handles.append(self.optimizer.register_step_pre_hook(self._hook))
-            for module in self.model.modules():
-                # DDP's forward overwrites every buffer with rank 0's (broadcast_buffers) before
-                # the forward of the module that owns it
-                broadcasts = getattr(module, "broadcast_buffers", False) is True and any(True for _ in module.buffers())
-                if own_persistent_buffers(module) or broadcasts:
-                    self._handles.append(module.register_forward_pre_hook(self._hook))
+                self._handles.append(register_optimizer_step_pre_hook(_step_hook(weakref.ref(self))))
+            # the root's forward runs first; a buffer's owner also waits when called on its own
+            owners = [m for m in self.model.modules() if m is self.model or own_persistent_buffers(m)]
+            self._handles += [m.register_forward_pre_hook(self._forward_hook, prepend=True) for m in owners]
         self.waits += waits_given
 
-    def _hook(self, *args: Any, **kwargs: Any) -> None:
+    def wait(self) -> None:
+        """Block until every copy in flight is done (at once when none is)."""
         for wait in self.waits:
             wait()
 
-    _hook = torch.compiler.disable(_hook)  # a wait on another thread: never traced into a compiled graph
+    @torch.compiler.disable  # a wait on another thread: never traced into a compiled graph
+    def _forward_hook(self, *args: Any) -> None:
+        if self.hold_forward:
+            self.wait()
 
     def remove(self) -> None:
         """Remove the hooks (``close``). Idempotent."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _step_hook(guard: weakref.ref[MutationGuard]) -> Callable[..., None]:
+    """The process-wide step pre-hook of ``guard``: every optimizer of the process calls it, and it
+    holds ``guard`` weakly, so a manager dropped without ``close()`` keeps no model alive."""
+
+    @torch.compiler.disable
+    def hook(optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        live = guard()
+        if live is not None and optimizer is live.optimizer:
+            live.wait()
+
+    return hook
 
 
 def deferrable(

@@ -130,6 +130,7 @@ class CheckpointState:
             return take(obj, what, check=check, fresh=fresh) if defer else pack(obj, what, check=check)
 
         model_sd, optim_sd = self.model_optim.state_dict_for_save(full_state_dict=full_state_dict)
+        self.guard.hold_forward = self.model_optim.buffered  # a copy of buffers may be in flight after this
         sd: dict[str, Any] = {"model": model_sd}
         if self.model_optim.optimizer is not None:
             sd["optim"] = optim_sd

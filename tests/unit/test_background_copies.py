@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from distckpt import CheckpointConfig, CheckpointManager, DistCkptError
+from distckpt._engine import AsyncWriter
 from distckpt._memory import tier as tier_module
 from distckpt._state.packing import Packed
 from tests.distributed.trainer import build, crash, full_optim, full_params, optimizer_step, release_workers
@@ -65,20 +66,53 @@ def test_the_snapshot_copy_runs_off_the_step_and_optimizer_step_waits_for_it(tmp
     release_workers(loader2)
 
 
+def test_wait_staged_waits_for_the_snapshot_copy_before_a_hand_edit(tmp_path, monkeypatch):
+    real = tier_module._copy_tensors
+
+    def slow_copy(slot, data, event):
+        if data:  # the deferred copy on the background thread
+            time.sleep(SLOW_S)
+        real(slot, data, event)
+
+    monkeypatch.setattr(tier_module, "_copy_tensors", slow_copy)
+    memory = {"enabled": True, "dir": str(tmp_path / "mem"), "replicas": 0}
+    manager, (model, optimizer, scheduler, scaler, loader) = _manager(tmp_path, memory=memory)
+    it = iter(loader)
+    optimizer_step(model, optimizer, scheduler, scaler, next(it))
+    manager.maybe_save(1)
+    expected = copy.deepcopy(full_params(model))
+    manager.wait_staged()  # as docs/async.md says: before changing a parameter by hand
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2.0)
+    manager.memory.wait()
+    crash(manager)
+
+    restarted, (model2, *_rest, loader2) = _manager(tmp_path, memory=memory)
+    state = restarted.load()
+    assert state is not None and state.step == 1 and restarted.loader.tier == "memory"
+    got = full_params(model2)
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), k  # step 1's values, not the doubled ones
+    restarted.close()
+    release_workers(loader)
+    release_workers(loader2)
+
+
 @pytest.mark.timeout(120)
 def test_background_staging_needs_no_wait_staged_call(tmp_path, monkeypatch):
+    waits = []
+    real = AsyncWriter.wait_staged
+
+    def counting(self) -> None:
+        waits.append(time.perf_counter())
+        real(self)
+
+    monkeypatch.setattr(AsyncWriter, "wait_staged", counting)  # before the manager's guard takes it
     manager, (model, optimizer, scheduler, scaler, loader) = _manager(
         tmp_path, async_save={"mode": "thread", "background_staging": True}
     )
     assert manager.async_writer is not None
-    waits = []
-    real = manager.async_writer.wait_staged
-
-    def counting() -> None:
-        waits.append(time.perf_counter())
-        real()
-
-    monkeypatch.setattr(manager.async_writer, "wait_staged", counting)
     it = iter(loader)
     optimizer_step(model, optimizer, scheduler, scaler, next(it))
     manager.save(1)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 from torch import nn
 
@@ -42,3 +45,18 @@ def test_a_model_without_buffers_never_waits_in_forward() -> None:
     model(torch.randn(2, 3))
     assert calls == []
     guard.remove()
+
+
+def test_a_guard_never_removed_keeps_no_model_alive() -> None:
+    """The step pre-hook is process-wide: it holds the guard weakly, so a manager dropped without
+    ``close()`` leaves no model or optimizer (GPU memory) behind."""
+    model = nn.Linear(3, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    guard = MutationGuard(model, optimizer)
+    guard.add(lambda: None)
+    dead = weakref.ref(model)
+    del model, optimizer, guard
+    gc.collect()
+    assert dead() is None
+    other = nn.Linear(2, 2)
+    torch.optim.SGD(other.parameters(), lr=1.0).step()  # the orphaned hook does nothing
