@@ -338,9 +338,13 @@ class CheckpointConfig:
         """
         import yaml
 
+        class Loader(yaml.SafeLoader):
+            """PyYAML reads YAML 1.1, where ``1e3`` (no dot) is a string; YAML 1.2 reads a float."""
+
+        Loader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
         with open(path, encoding="utf-8") as f:
             try:
-                data = yaml.safe_load(f) or {}
+                data = yaml.load(f, Loader=Loader) or {}  # noqa: S506 - a SafeLoader
             except yaml.YAMLError as e:
                 raise ConfigError(f"{path}: invalid YAML: {e}") from e
         if section is not None and isinstance(data, dict) and section in data:
@@ -351,6 +355,9 @@ class CheckpointConfig:
             return cls.from_dict(data)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from e
+
+
+_EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
 
 
 def _check_keys(keys: Mapping[str, Any], valid: list[str], section: str) -> None:

@@ -22,7 +22,6 @@ Guards against DCP helper behaviour seen on torch 2.13:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 from typing import Any, Iterator
@@ -37,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from .._engine.torch_format.internals import own_persistent_buffers
+from .._engine.torch_format.internals import own_persistent_buffers, without_step_hooks
 from .._ondisk.manifest import TensorSpec, is_extra_state
 from .plain_state_dict import plain_state_dicts
 from .state_dict_cache import StateDictCache
@@ -156,7 +155,7 @@ class ModelOptimState:
         hits = self.cache.hits
         self.guarded, self.live = None, False
         if full_state_dict or uninitialised:
-            with _without_step_hooks(self.optimizer):
+            with without_step_hooks(self.optimizer):
                 self._init_closure_optimizer()
                 model_sd, optim_sd = get_state_dict(self.model, self._optimizers(), options=options)
         else:
@@ -180,7 +179,7 @@ class ModelOptimState:
         """Clear grads and require grad on every optimized parameter while loading; restore after.
         A load that fails leaves an optimizer that had no state without state (DCP's load target
         initialises it with a dummy step). The optimizer's step hooks are detached meanwhile
-        (:func:`_without_step_hooks`)."""
+        (:func:`~distckpt._engine.torch_format.internals.without_step_hooks`)."""
         saved: list[tuple[torch.Tensor, bool, torch.Tensor | None]] = []
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
@@ -190,7 +189,7 @@ class ModelOptimState:
                     p.requires_grad_(True)
         fresh = self.optimizer is not None and not self.optimizer.state
         try:
-            with _without_step_hooks(self.optimizer):
+            with without_step_hooks(self.optimizer):
                 yield
         except BaseException:
             if fresh:  # undo DCP's dummy step of the load target: the optimizer stays as it was
@@ -419,28 +418,3 @@ def _constant_time_param_lookup(optimizers: Any) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
-
-
-@contextlib.contextmanager
-def _without_step_hooks(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
-    """While the block runs, ``optimizer`` has no step pre- or post-hooks of its own.
-
-    Why: DCP initialises a stateless optimizer with a dummy ``step()`` (lr=0), at a load (after
-    the model's weights are in) and at a save before the first step, and ``step()`` runs the
-    optimizer's hooks: a hook that projects the weights, or an EMA updated after each step, would
-    change the state just loaded or about to be saved. torch keeps the hooks in the private
-    ``_optimizer_step_pre_hooks`` / ``_optimizer_step_post_hooks`` dicts and has no public way to
-    suspend them; a process-wide hook (``register_optimizer_step_pre_hook``) still runs.
-    """
-    names = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
-    held = [getattr(optimizer, n, None) for n in names]
-    if optimizer is None or not any(held):
-        yield
-        return
-    for n in names:
-        setattr(optimizer, n, collections.OrderedDict())
-    try:
-        yield
-    finally:
-        for n, hooks in zip(names, held):
-            setattr(optimizer, n, hooks)

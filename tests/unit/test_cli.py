@@ -174,9 +174,10 @@ def test_usage_error_exits_2(capsys):
 
 
 @pytest.mark.multiprocess
-def test_python_dash_m(root):
+@pytest.mark.parametrize("module", ["distckpt", "distckpt._cli"])
+def test_python_dash_m(root, module):
     proc = subprocess.run(
-        [sys.executable, "-m", "distckpt._cli", "ls", str(root), "--json"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", module, "ls", str(root), "--json"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)["checkpoints"]) == 2

@@ -25,6 +25,14 @@ def test_from_yaml_reads_section(tmp_path):
     assert (cfg.root, cfg.schedule.interval_steps, cfg.retention.keep_last) == ("/tmp/x", 5, 2)
 
 
+def test_from_yaml_reads_exponents_without_a_dot_as_numbers(tmp_path):
+    """YAML 1.2 reads ``1e3`` as a float; PyYAML (YAML 1.1) as the string '1e3'."""
+    path = tmp_path / "c.yaml"
+    path.write_text("root: /tmp/x\ncoordination: {timeout_s: 1e3, liveness_timeout_s: 2.5E+1}\n")
+    cfg = CheckpointConfig.from_yaml(path)
+    assert (cfg.coordination.timeout_s, cfg.coordination.liveness_timeout_s) == (1000.0, 25.0)
+
+
 @pytest.mark.parametrize(
     "key,value",
     [

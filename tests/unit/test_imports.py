@@ -137,6 +137,7 @@ RULES: dict[str, set[str]] = {
         "_state",
         "_storage",
     },
+    "__main__": {"_cli"},  # python -m distckpt
     "_integrations": {"_config", "_config_sections", "_data", "_errors", "_manager"},  # HF Trainer, torchtitan
     "_dcp": {"_engine", "_errors", "_ondisk", "_storage"},  # drop-in DCP storage classes (distckpt.dcp)
     "_cli": {

@@ -6,8 +6,10 @@ one to change. Each is used for the reason given beside it.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -51,6 +53,7 @@ __all__ = [
     "narrow_tensor_by_index",
     "set_element",
     "weights_only_unpickler",
+    "without_step_hooks",
 ]
 
 
@@ -130,3 +133,28 @@ def local_tensor(tensor: Any) -> Any:
     if isinstance(local, torch.Tensor):
         return local
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+@contextlib.contextmanager
+def without_step_hooks(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+    """While the block runs, ``optimizer`` has no step pre- or post-hooks of its own.
+
+    Why: DCP initialises a stateless optimizer with a dummy ``step()`` (lr=0), at a load (after
+    the model's weights are in) and at a save before the first step, and ``step()`` runs the
+    optimizer's hooks: a hook that projects the weights, or an EMA updated after each step, would
+    change the state just loaded or about to be saved. torch keeps the hooks in the private
+    ``_optimizer_step_pre_hooks`` / ``_optimizer_step_post_hooks`` dicts and has no public way to
+    suspend them; a process-wide hook (``register_optimizer_step_pre_hook``) still runs.
+    """
+    names = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+    held = [getattr(optimizer, n, None) for n in names]
+    if optimizer is None or not any(held):
+        yield
+        return
+    for n in names:
+        setattr(optimizer, n, collections.OrderedDict())
+    try:
+        yield
+    finally:
+        for n, hooks in zip(names, held):
+            setattr(optimizer, n, hooks)
