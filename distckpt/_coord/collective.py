@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 import time
 import weakref
 from typing import Any, Callable, TypeVar
@@ -318,14 +319,14 @@ class Collective:
         raised, raise on every rank, as :meth:`agree` does (a ``DistCkptError`` keeps its type,
         anything else becomes ``error_type``)."""
         result: T | None = None
-        outcome: tuple[str, str, str | None] | None = None
+        outcome: tuple[str, str, dict[str, Any]] | None = None
         local_exc: BaseException | None = None
         if self.rank == 0:
             try:
                 result = fn()
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 local_exc = e
-                outcome = (type(e).__name__, f"{type(e).__name__}: {e}", getattr(e, "path", None))
+                outcome = (type(e).__name__, f"{type(e).__name__}: {e}", _attributes(e))
         if self.world_size == 1:
             if local_exc is not None and isinstance(local_exc, errors.DistCkptError):
                 raise local_exc
@@ -333,12 +334,8 @@ class Collective:
             result, outcome = self.broadcast((result, outcome))
         if outcome is None:
             return result  # type: ignore[return-value]
-        type_name, message, path = outcome
-        cls = getattr(errors, type_name, None)
-        if not (isinstance(cls, type) and issubclass(cls, errors.DistCkptError)):
-            cls = error_type
-        text = f"{what} failed on rank 0: {message}"
-        exc = cls(text, path=path) if issubclass(cls, errors.CheckpointCorruptError) else cls(text)
+        type_name, message, attributes = outcome
+        exc = _rebuilt(type_name, f"{what} failed on rank 0: {message}", attributes, error_type)
         if local_exc is not None:
             raise exc from local_exc
         raise exc
@@ -369,27 +366,24 @@ class Collective:
         self, fn: Callable[[], Any], *, what: str, error_type: type[errors.DistCkptError], share: Any
     ) -> tuple[Any, list[Any]]:
         result: Any = None
-        outcome: tuple[str, str] | None = None
+        outcome: tuple[str, str, dict[str, Any]] | None = None
         local_exc: BaseException | None = None
         try:
             result = fn()
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             local_exc = e
-            outcome = (type(e).__name__, f"{type(e).__name__}: {e}")
+            outcome = (type(e).__name__, f"{type(e).__name__}: {e}", _attributes(e))
         shared = share(result) if share is not None and local_exc is None else None
         gathered = self.all_gather((outcome, shared))
         outcomes = [o for o, _ in gathered]
         failed = {r: o for r, o in enumerate(outcomes) if o is not None}
         if not failed:
             return result, [s for _, s in gathered]
-        first_rank, (type_name, message) = next(iter(failed.items()))
+        first_rank, (type_name, message, attributes) = next(iter(failed.items()))
         if first_rank == self.rank and isinstance(local_exc, errors.DistCkptError) and self.world_size == 1:
             raise local_exc
-        cls = getattr(errors, type_name, None)
-        if not (isinstance(cls, type) and issubclass(cls, errors.DistCkptError)):
-            cls = error_type
         others = f" (failed on ranks {sorted(failed)})" if len(failed) > 1 else ""
-        exc = cls(f"{what} failed on rank {first_rank}{others}: {message}")
+        exc = _rebuilt(type_name, f"{what} failed on rank {first_rank}{others}: {message}", attributes, error_type)
         if local_exc is not None:
             raise exc from local_exc
         raise exc
@@ -431,3 +425,30 @@ class Collective:
             logging.getLogger(__name__).warning(
                 "process group teardown before the preemption exit failed: %s", describe_exception(e)
             )
+
+
+def _attributes(e: BaseException) -> dict[str, Any]:
+    """The public attributes of a :class:`~distckpt._errors.DistCkptError` (a corrupt file's
+    ``path``, a misfit's ``missing`` and ``unexpected`` keys), carried to every rank so a handler
+    reads the same error everywhere; ``{}`` for another exception or values that do not pickle."""
+    if not isinstance(e, errors.DistCkptError):
+        return {}
+    attributes = {k: v for k, v in vars(e).items() if not k.startswith("_")}
+    try:
+        pickle.dumps(attributes)
+    except Exception:  # noqa: BLE001 - the message still says what failed
+        return {}
+    return attributes
+
+
+def _rebuilt(
+    type_name: str, message: str, attributes: dict[str, Any], error_type: type[errors.DistCkptError]
+) -> errors.DistCkptError:
+    """The error a rank raised, as every rank raises it: its own type when it is a
+    :class:`~distckpt._errors.DistCkptError` (else ``error_type``), with its attributes."""
+    cls = getattr(errors, type_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.DistCkptError)):
+        cls, attributes = error_type, {}
+    exc = cls(message)
+    vars(exc).update(attributes)
+    return exc

@@ -69,6 +69,15 @@ CASES = {
         "IncompatibleCheckpointError",
         "planning the load failed on rank 0 (failed on ranks [0, 1]): RuntimeError: rank 0 broke",
     ),
+    "misfit": (
+        "IncompatibleCheckpointError",
+        "planning the load failed on rank 1: IncompatibleCheckpointError: 1 key missing",
+    ),
+}
+ATTRIBUTES = {  # a DistCkptError's attributes reach every rank
+    "foreign": {"missing": [], "unexpected": [], "mismatched": []},
+    "distckpt": {"path": "x.distcp"},
+    "misfit": {"missing": ["head.weight"], "unexpected": ["lm_head.weight"], "mismatched": []},
 }
 
 
@@ -87,12 +96,17 @@ def _agree_on_two(rank: int, world_size: int) -> dict[str, Any]:
                 raise errors.CheckpointCorruptError("x.distcp: size 1, expected 2", path="x.distcp")
             if case == "both":
                 raise RuntimeError(f"rank {rank} broke")
+            if case == "misfit" and rank == 1:
+                raise errors.IncompatibleCheckpointError(
+                    "1 key missing", missing=["head.weight"], unexpected=["lm_head.weight"]
+                )
             return f"ok {rank}"
 
         try:
             out[case] = collective.agree(step, what="planning the load", error_type=errors.IncompatibleCheckpointError)
         except errors.DistCkptError as e:
             out[case] = (type(e).__name__, str(e))
+            out[f"{case} attributes"] = vars(e)
     return out
 
 
@@ -108,6 +122,8 @@ def test_agree_on_two_ranks_raises_the_same_error_everywhere() -> None:
     for case, expect in CASES.items():
         if expect is not None:
             assert r0[case] == r1[case] == expect, case
+    for case, attributes in ATTRIBUTES.items():
+        assert r0[f"{case} attributes"] == r1[f"{case} attributes"] == attributes, case
 
 
 def _lead_on_two(rank: int, world_size: int) -> dict[str, Any]:
