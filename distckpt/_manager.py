@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ._adapters import check_model_and_optimizer, ddp_resume_not_bitwise, wrapper_kind
+from ._adapters import check_model_and_optimizer, ddp_resume_not_bitwise, inner_optimizer, wrapper_kind
 from ._config import READ_ONLY_SAVE, CheckpointConfig
 from ._coord.collective import Collective
 from ._coord.events import EventLog
@@ -95,6 +95,7 @@ class CheckpointManager:
         run_id: str | None = None,
     ) -> None:
         config.validate()  # its sections may have been changed since it was built: checked again, before any use
+        optimizer = inner_optimizer(optimizer)  # accelerate's AcceleratedOptimizer: the optimizer it wraps
         check_model_and_optimizer(model, optimizer)  # an optimizer of another model: ConfigError now, not at a save
         self.config = config
         self.store = open_config_store(config)  # a plain path: POSIX; s3://bucket/prefix: S3

@@ -7,10 +7,17 @@ adds wrapper detection, the FULL/SHARDED choice, and guards around DCP's optimiz
 
 from .model_optim import ModelOptimState, specs_of, tensor_specs, tied_keys
 from .stateful import as_saved, put_empty_dicts, with_saved_keys, with_saved_optim_keys, without_empty_dicts
-from .wrappers import check_model_and_optimizer, ddp_rebuilds_buckets, ddp_resume_not_bitwise, wrapper_kind
+from .wrappers import (
+    check_model_and_optimizer,
+    ddp_rebuilds_buckets,
+    ddp_resume_not_bitwise,
+    inner_optimizer,
+    wrapper_kind,
+)
 
 __all__ = [
     "check_model_and_optimizer",
+    "inner_optimizer",
     "ddp_rebuilds_buckets",
     "ddp_resume_not_bitwise",
     "wrapper_kind",

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from .._errors import ConfigError
 
-__all__ = ["wrapper_kind", "unwrap", "ddp_rebuilds_buckets", "ddp_resume_not_bitwise", "check_model_and_optimizer"]
+__all__ = [
+    "wrapper_kind",
+    "unwrap",
+    "ddp_rebuilds_buckets",
+    "ddp_resume_not_bitwise",
+    "check_model_and_optimizer",
+    "inner_optimizer",
+]
 
 
 def _compiled_inner(module: nn.Module) -> nn.Module | None:
@@ -88,6 +96,26 @@ def ddp_resume_not_bitwise(module: nn.Module, world_size: int) -> str | None:
         f"DDP on {world_size} ranks rebuilds its gradient buckets after each process's first step, "
         "so a same-world resume matches the uninterrupted run to float rounding, not bitwise. For "
         "bitwise resumes build DDP with find_unused_parameters=True (no rebuild; README: Exactness)."
+    )
+
+
+def inner_optimizer(optimizer: Any) -> Any:
+    """The optimizer whose state ``optimizer`` holds: the one it wraps as ``optimizer.optimizer``
+    when it is a ``torch.optim.Optimizer`` that never ran ``Optimizer.__init__`` (accelerate's
+    ``AcceleratedOptimizer``: it has none of the hook tables DCP and distckpt read, and its
+    ``step`` steps the wrapped one); else ``optimizer`` itself.
+
+    Raises:
+        ConfigError: such a wrapper with no ``optimizer`` attribute to unwrap.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "_optimizer_step_pre_hooks"):
+        return optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        return inner_optimizer(inner)
+    raise ConfigError(
+        f"CheckpointManager: the optimizer ({type(optimizer).__name__}) never ran torch.optim.Optimizer.__init__ "
+        "and wraps no optimizer as .optimizer; pass the torch optimizer it wraps"
     )
 
 

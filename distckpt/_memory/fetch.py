@@ -182,7 +182,8 @@ def memory_metadata(cut: Cut) -> tuple[Metadata, dict[MetadataIndex, list[tuple[
                 if key not in where:
                     md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
             where.setdefault(key, []).append((owner, item))
-    return Metadata(state_dict_metadata=sd_md, storage_data=where), where
+    paths = {fqn: tuple(path) for owner in cut.headers for fqn, path in cut.headers[owner].get("paths", {}).items()}
+    return Metadata(state_dict_metadata=sd_md, planner_data=paths, storage_data=where), where
 
 
 @dataclass

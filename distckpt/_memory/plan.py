@@ -133,12 +133,16 @@ def take_unguarded(flat: dict[str, Any], protected: set[int]) -> bool:
     return cuda
 
 
-def hand_over(state_dict: dict[str, Any], live: set[str], protected: set[int]) -> tuple[dict[str, Any], bool]:
+def hand_over(
+    state_dict: dict[str, Any], live: set[str], protected: set[int]
+) -> tuple[dict[str, Any], bool, dict[str, tuple[Any, ...]]]:
     """What the worker gets of a snapshot's ``state_dict``: the ``live`` parts as they are, nested
     (``key`` or ``key.subkey``); every other part flattened with copies of what the mutation
     guard does not protect (:func:`take_unguarded`), in the state_dict's
-    order (the items' order in the snapshot). Also whether a CUDA tensor may be among them."""
+    order (the items' order in the snapshot). Also whether a CUDA tensor may be among them, and
+    the path in ``state_dict`` of each flattened key (DCP's flattening mapping)."""
     handed: dict[str, Any] = {}
+    paths: dict[str, tuple[Any, ...]] = {}
     cuda = bool(live) and torch.cuda.is_available() and torch.cuda.is_initialized()
     for key, value in state_dict.items():
         if key in live:
@@ -148,7 +152,8 @@ def hand_over(state_dict: dict[str, Any], live: set[str], protected: set[int]) -
         if inner and isinstance(value, dict):
             handed[key] = {k: v for k, v in value.items() if k in inner}
             value = {k: v for k, v in value.items() if k not in inner}
-        flat, _ = flatten_state_dict({key: value})
+        flat, mapping = flatten_state_dict({key: value})
         cuda = take_unguarded(flat, protected) or cuda
         handed.update(flat)
-    return handed, cuda
+        paths.update(mapping)
+    return handed, cuda, paths

@@ -22,7 +22,7 @@ import mmap
 import os
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -81,6 +81,9 @@ class SnapshotHeader:
         items: ``[fqn, kind ("tensor" | "shard" | "bytes"), chunk offsets, chunk sizes, global
             size, dtype name, byte offset, length]`` per item (offsets/sizes ``None`` for bytes).
         run: the launch id (``$TORCHELASTIC_RUN_ID``, torchrun's ``--rdzv-id``; empty without one).
+        paths: ``{fqn: path in the nested state_dict}`` of the items (DCP's flattening mapping, its
+            ``Metadata.planner_data``): a restore completes its target with the saved keys that a
+            fresh one lacks (LBFGS's history), as a load from the durable tier does.
     """
 
     job: str
@@ -93,6 +96,7 @@ class SnapshotHeader:
     data_hash: str
     items: list[list[Any]]
     run: str = ""
+    paths: dict[str, list[Any]] = field(default_factory=dict)
 
 
 def data_hash(view: memoryview | bytes) -> str:

@@ -268,11 +268,11 @@ class MemoryTier:
             raise refused
         if not os.path.isdir(self.dir):
             self._recreate()
-        handed, cuda = hand_over(build(), set(live()), (protected or self.protected)())
+        handed, cuda, paths = hand_over(build(), set(live()), (protected or self.protected)())
         # The step's CUDA work must be done before the side stream copies what it computed.
         event = torch.cuda.current_stream().record_event() if cuda else None
         self._copied = threading.Event()
-        self._pending = in_background(self._finish, step, handed, event)
+        self._pending = in_background(self._finish, step, handed, paths, event)
         self.last_stall_s = time.perf_counter() - t0
 
     def _recreate(self) -> None:
@@ -318,7 +318,7 @@ class MemoryTier:
             )
             offset += -(-nbytes // ALIGN) * ALIGN
         slot.rename(self._partial("own", self.rank, self._own.index(slot)))  # no longer complete
-        slot.reserve(offset + 64 * len(rows) + 4096)  # room for the header: the mapping is never redone
+        slot.reserve(offset + 128 * len(rows) + 4096)  # room for the header: the mapping is never redone
         tensors: list[tuple[torch.Tensor, int, int]] = []
         for value, at, nbytes in data:
             if isinstance(value, bytes):
@@ -348,9 +348,10 @@ class MemoryTier:
         if copied is not None:
             copied.wait()
 
-    def _finish(self, step: int, state_dict: dict[str, Any], event: Any) -> None:
+    def _finish(self, step: int, state_dict: dict[str, Any], paths: dict[str, tuple[Any, ...]], event: Any) -> None:
         """The worker's part of a snapshot: plan, lay out and copy (then release the guard), seal the
-        file, run the replication round."""
+        file, run the replication round. ``paths``: the nested path of each key :func:`hand_over`
+        flattened."""
         slot_index: int | None = 1 - self._newest.get(self.rank, 1)
         header: SnapshotHeader | None = None
         try:
@@ -363,6 +364,8 @@ class MemoryTier:
                 except ValueError as e:  # DCP's flattening: the state itself is at fault
                     raise PackError(f"the state_dict of step {step} cannot be flattened: {e}") from e
                 header, tensors = self._lay_out(step, planner, self._plan.items(planner), slot)
+                flat = planner.mappings
+                header.paths = {row[0]: list(paths.get(row[0]) or flat.get(row[0], (row[0],))) for row in header.items}
                 _copy_tensors(slot, tensors, event)
             except Exception as e:  # noqa: BLE001 - the peers wait for this rank's replication round
                 if isinstance(e, PackError):  # raised on the training thread at the next snapshot

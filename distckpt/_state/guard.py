@@ -5,10 +5,11 @@ being copied.
 Two kinds of change are hooked, each by a public PyTorch hook that runs before any the user
 registered, whenever it was registered:
 
-- ``optimizer.step()`` changes the parameters and the optimizer state: a global optimizer step
-  pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``), as global hooks run
+- ``optimizer.step()`` changes the parameters and the optimizer state: a process-wide optimizer
+  step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``), as such hooks run
   before each optimizer's own (``Optimizer.profile_hook_step``), such as a projection of the
-  weights a user hooked in;
+  weights a user hooked in. Every optimizer of the process waits: the one inside a wrapper
+  (accelerate's), or a second one over some of the model's parameters;
 - the model's forward may change its persistent buffers (BatchNorm's running statistics, spectral
   norm's power iteration in a forward pre-hook, a parent's ``F.batch_norm`` on a child's
   statistics, DDP's broadcast of rank 0's buffers): a forward pre-hook on the root module,
@@ -16,13 +17,16 @@ registered, whenever it was registered:
   buffers when the guard is installed waits too (a loop may call it outside the root's forward).
   The forward waits only while the state last built for a copy had persistent buffers
   (:attr:`MutationGuard.hold_forward`, set at each build, so a buffer added after the manager was
-  built counts); a model without them (most transformers) never waits in forward.
+  built counts); a model without them (most transformers) has no forward hook at all.
 
 Anything else in a state_dict (bytes items, tensors that are neither parameters, optimizer state
 nor persistent buffers, such as a tensor-valued learning rate) is copied before the copy is
-started, on the training thread (:func:`deferrable`). A change made some other way (a parameter
-edited under ``torch.no_grad()`` outside ``optimizer.step()``) needs :meth:`MutationGuard.wait`
-first (``CheckpointManager.wait_staged``).
+started, on the training thread (:func:`deferrable`). A change the hooks cannot see needs
+:meth:`MutationGuard.wait` first (``CheckpointManager.wait_staged``): a parameter, buffer or
+optimizer state edited in the loop itself, or a module's forward that bypasses the hooks
+(``model.forward(x)``, or a submodule called directly that updates another module's buffers,
+such as ``F.batch_norm`` on a child's statistics). A wait inside a ``torch.compile(fullgraph=True)``
+graph is refused by dynamo: compile a model with persistent buffers without ``fullgraph``.
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ logger = logging.getLogger(__name__)
 
 
 class MutationGuard:
-    """Holds the training loop back, at ``optimizer.step()`` and at the model's forward, until
-    every registered wait returns.
+    """Holds the training loop back, at every ``optimizer.step()`` of the process and at the
+    model's forward, until every registered wait returns.
 
     Args:
         model: the (possibly wrapped) model.
@@ -55,23 +59,41 @@ class MutationGuard:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         self.model, self.optimizer = model, optimizer
         self.waits: list[Callable[[], None]] = []
-        self.hold_forward = any(map(own_persistent_buffers, model.modules()))
+        self._hold_forward = any(map(own_persistent_buffers, model.modules()))
+        self._step_handle: Any = None
+        self._forward_handles: list[Any] = []
+
+    @property
+    def hold_forward(self) -> bool:
         """Whether the model's forward waits too: the state last built for a copy has persistent
-        buffers (set by whoever builds it; until then, whether the model has them now)."""
-        self._handles: list[Any] = []
+        buffers (set by whoever builds it; until then, whether the model has them now). Without
+        them the forward is not hooked at all (nothing in a ``fullgraph`` compile to break on)."""
+        return self._hold_forward
+
+    @hold_forward.setter
+    def hold_forward(self, hold: bool) -> None:
+        self._hold_forward = hold
+        if self.waits:
+            self._hook_forward(hold)
 
     def add(self, *waits: object) -> None:
         """Call each callable ``wait()`` of ``waits`` (anything else, e.g. ``None``: skipped) before
         every guarded change; the hooks are installed with the first one (a job with nothing copied
         in the background pays nothing)."""
-        waits_given: list[Callable[[], None]] = [w for w in waits if callable(w)]
-        if waits_given and not self._handles:
-            if self.optimizer is not None:
-                self._handles.append(register_optimizer_step_pre_hook(_step_hook(weakref.ref(self))))
+        self.waits += [w for w in waits if callable(w)]
+        if self.waits and self._step_handle is None:
+            # every optimizer: a wrapper's inner one, or one the manager was not given (a GAN's
+            # second), may step the model's parameters
+            self._step_handle = register_optimizer_step_pre_hook(_step_hook(weakref.ref(self)))
+            self._hook_forward(self._hold_forward)
+
+    def _hook_forward(self, hold: bool) -> None:
+        if hold and not self._forward_handles:
             # the root's forward runs first; a buffer's owner also waits when called on its own
             owners = [m for m in self.model.modules() if m is self.model or own_persistent_buffers(m)]
-            self._handles += [m.register_forward_pre_hook(self._forward_hook, prepend=True) for m in owners]
-        self.waits += waits_given
+            self._forward_handles = [m.register_forward_pre_hook(self._forward_hook, prepend=True) for m in owners]
+        elif not hold:
+            self._remove(self._forward_handles)
 
     def wait(self) -> None:
         """Block until every copy in flight is done (at once when none is)."""
@@ -80,24 +102,29 @@ class MutationGuard:
 
     @torch.compiler.disable  # a wait on another thread: never traced into a compiled graph
     def _forward_hook(self, *args: Any) -> None:
-        if self.hold_forward:
-            self.wait()
+        self.wait()
 
     def remove(self) -> None:
         """Remove the hooks (``close``). Idempotent."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._remove(self._forward_handles)
+        if self._step_handle is not None:
+            self._step_handle.remove()
+        self.waits, self._step_handle = [], None
+
+    @staticmethod
+    def _remove(handles: list[Any]) -> None:
+        while handles:
+            handles.pop().remove()
 
 
 def _step_hook(guard: weakref.ref[MutationGuard]) -> Callable[..., None]:
-    """The process-wide step pre-hook of ``guard``: every optimizer of the process calls it, and it
-    holds ``guard`` weakly, so a manager dropped without ``close()`` keeps no model alive."""
+    """The process-wide step pre-hook of ``guard``, which holds it weakly: the hook itself keeps
+    no manager's model alive."""
 
     @torch.compiler.disable
-    def hook(optimizer: torch.optim.Optimizer, *args: Any) -> None:
+    def hook(*args: Any) -> None:
         live = guard()
-        if live is not None and optimizer is live.optimizer:
+        if live is not None:
             live.wait()
 
     return hook

@@ -76,10 +76,11 @@ def test_a_load_from_memory_makes_four_exchanges_and_sends_each_header_once(tmp_
         # headers of every file, a broadcast, the received-bytes total; then 6: the inventory and
         # the reads of the chunks to send in exchanges of their own)
         assert len(r["calls"]) == 4, r["calls"]
-    # every rank sends only its share: no exchange carries more than the headers it serves
-    # (one own snapshot here) plus small change; before, the inventory carried every file's header
-    for r in out:
-        assert max(r["calls"]) < r["header"] + 2048, (r["calls"], r["header"])
+    # each saved rank's header crosses once, sent by its first holder (ranks 0 and 1 here also hold
+    # ranks 2 and 3's replicas): the verify exchange carries, over all ranks, every header once plus
+    # small change; before, the inventory carried every file's header to every rank
+    headers, verify = sum(r["header"] for r in out), sum(r["calls"][1] for r in out)
+    assert 0.9 * headers <= verify < headers + 256 * len(out), (verify, headers)  # pickle shares strings
 
 
 def test_node_layout_queries_cost_the_node_not_the_job():

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from distckpt import CheckpointConfig, CheckpointManager
+from distckpt import CheckpointConfig, CheckpointManager, ConfigError
 from distckpt._memory import tier as tier_module
 from distckpt._state.guard import MutationGuard
 from tests.distributed.trainer import crash
@@ -217,7 +217,8 @@ def test_dcp_dummy_steps_never_run_the_users_step_hooks(tmp_path):
 
 def test_the_guards_hooks_run_before_hooks_registered_earlier() -> None:
     """The forward pre-hook is the root's, prepended; the step pre-hook is process-wide, which
-    torch runs before each optimizer's own; another optimizer never waits."""
+    torch runs before each optimizer's own, and every optimizer waits (one the manager was not
+    given may step the model's parameters)."""
     model = nn.Sequential(nn.Linear(3, 3))
     model.register_buffer("seen", torch.zeros(()))  # the root owns the only buffer
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -233,4 +234,99 @@ def test_the_guards_hooks_run_before_hooks_registered_earlier() -> None:
     other.step()
     guard.remove()
     model(torch.randn(4, 3))
-    assert order == ["wait", "root forward", "user forward", "wait", "user step", "root forward", "user forward"]
+    other.step()
+    assert order == [
+        "wait", "root forward", "user forward", "wait", "user step", "wait", "root forward", "user forward"
+    ]  # fmt: skip
+
+
+class _Wrapped(torch.optim.Optimizer):
+    """Like accelerate's ``AcceleratedOptimizer``: never runs ``Optimizer.__init__``, steps the
+    optimizer it wraps."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    state = property(lambda self: self.optimizer.state)
+    param_groups = property(lambda self: self.optimizer.param_groups)
+    defaults = property(lambda self: self.optimizer.defaults)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def step(self, closure: Any = None) -> Any:
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+
+class _Delegating(_Wrapped):
+    """The same, reading any other attribute from the optimizer it wraps."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "optimizer":
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+
+@pytest.mark.parametrize("wrapper", [_Wrapped, _Delegating])
+def test_the_optimizer_inside_a_wrapper_waits_for_the_copy(tmp_path, slow_copy, wrapper):
+    def make():
+        model = _mlp()
+        return model, wrapper(torch.optim.Adam(model.parameters(), lr=0.1))
+
+    def next_step(model, optimizer):
+        _forward_backward(model, 99)
+        optimizer.step()
+
+    _snapshot_is_the_steps(tmp_path, make, next_step)
+
+
+def test_a_wrapper_with_no_optimizer_to_unwrap_is_refused(tmp_path):
+    class Bare(torch.optim.Optimizer):
+        def __init__(self) -> None:  # never runs Optimizer.__init__
+            pass
+
+    with pytest.raises(ConfigError, match="never ran torch.optim.Optimizer.__init__"):
+        CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=_mlp(), optimizer=Bare())
+
+
+def test_an_optimizer_the_manager_was_not_given_waits_for_the_copy(tmp_path, slow_copy):
+    """A GAN-like second optimizer over some of the model's parameters (the manager saves the
+    model and its first optimizer only)."""
+    second: dict[str, torch.optim.Optimizer] = {}
+
+    def make():
+        model = _mlp()
+        second["optimizer"] = torch.optim.SGD(model[2].parameters(), lr=0.5)
+        return model, torch.optim.Adam(model[0].parameters(), lr=0.1)
+
+    def next_step(model, optimizer):
+        _forward_backward(model, 99)
+        second["optimizer"].step()
+
+    _snapshot_is_the_steps(tmp_path, make, next_step)
+
+
+def test_a_model_without_buffers_compiles_with_fullgraph(tmp_path):
+    """No persistent buffers: no forward hook, so nothing for a fullgraph compile to break on."""
+    torch.manual_seed(0)
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    memory = {"enabled": True, "dir": str(tmp_path / "mem"), "replicas": 0, "interval_steps": 1}
+    config = CheckpointConfig(root=str(tmp_path / "root"), schedule={"interval_steps": 1000}, memory=memory)
+    manager = CheckpointManager(config, model=model, optimizer=optimizer)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    for i in (1, 2):
+        x, y = _batch(i)
+        nn.functional.mse_loss(compiled(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        manager.maybe_save(i)
+    manager.memory.wait()
+    assert manager.memory.snapshots == 2
+    manager.close()

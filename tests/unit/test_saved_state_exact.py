@@ -65,21 +65,32 @@ def _lbfgs_steps(model, opt, first, last):
         opt.step(closure)
 
 
+@pytest.mark.parametrize("tier", ["durable", "memory"])
 @pytest.mark.parametrize("saved_at", [0, 3])
-def test_lbfgs_resumes_bitwise(tmp_path, saved_at):
+def test_lbfgs_resumes_bitwise(tmp_path, saved_at, tier):
     # 0: saved before the first step (no state); 3: with its history (old_dirs, ro, d, H_diag, ...).
+    # memory: a snapshot, the job crashed; a fresh LBFGS lacks the history keys the restore adds.
     def make(seed):
         model = _net(seed)
         return model, torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, history_size=3)
 
+    memory = {"enabled": tier == "memory", "dir": str(tmp_path / "mem"), "replicas": 0, "interval_steps": 1}
+    config = CheckpointConfig(root=str(tmp_path / "root"), schedule={"interval_steps": 1000}, memory=memory)
     model, opt = make(0)
     _lbfgs_steps(model, opt, 1, saved_at)
-    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=opt) as m:
+    m = CheckpointManager(config, model=model, optimizer=opt)
+    if tier == "memory":
+        m.maybe_save(saved_at)
+        m.memory.wait()
+        m.__exit__(RuntimeError, RuntimeError("crashed"), None)  # the snapshot stays for the restart
+    else:
         m.save(saved_at)
+        m.close()
     saved_state = pickle.loads(pickle.dumps(opt.state_dict()))
     model2, opt2 = make(1)
-    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model2, optimizer=opt2) as m:
+    with CheckpointManager(config, model=model2, optimizer=opt2) as m:
         assert m.load().step == saved_at
+        assert m.loader.tier == tier
     assert_same(opt2.state_dict(), saved_state, "optimizer")
     assert_same(model2.state_dict(), model.state_dict(), "model")
     _lbfgs_steps(model, opt, saved_at + 1, saved_at + 2)
