@@ -385,6 +385,8 @@ class MemoryReader(StorageReader):
                 continue
             item = self.where[req.storage_index][0][1]
             dtype = getattr(torch, item[5].removeprefix("torch."))
+            if raw.data_ptr() % dtype.itemsize:  # received after a small value of odd length: unaligned
+                raw = raw.clone()
             tensor = raw.view(dtype).view(item[3]) if raw.numel() else torch.empty(item[3], dtype=dtype, device="cpu")
             tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
