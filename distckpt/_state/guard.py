@@ -84,14 +84,15 @@ class MutationGuard:
         if self.waits and self._step_handle is None:
             # every optimizer: a wrapper's inner one, or one the manager was not given (a GAN's
             # second), may step the model's parameters
-            self._step_handle = register_optimizer_step_pre_hook(_step_hook(weakref.ref(self)))
+            self._step_handle = register_optimizer_step_pre_hook(_waiting_hook(weakref.ref(self)))
             self._hook_forward(self._hold_forward)
 
     def _hook_forward(self, hold: bool) -> None:
         if hold and not self._forward_handles:
             # the root's forward runs first; a buffer's owner also waits when called on its own
             owners = [m for m in self.model.modules() if m is self.model or own_persistent_buffers(m)]
-            self._forward_handles = [m.register_forward_pre_hook(self._forward_hook, prepend=True) for m in owners]
+            hook = _waiting_hook(weakref.ref(self))
+            self._forward_handles = [m.register_forward_pre_hook(hook, prepend=True) for m in owners]
         elif not hold:
             self._remove(self._forward_handles)
 
@@ -99,10 +100,6 @@ class MutationGuard:
         """Block until every copy in flight is done (at once when none is)."""
         for wait in self.waits:
             wait()
-
-    @torch.compiler.disable  # a wait on another thread: never traced into a compiled graph
-    def _forward_hook(self, *args: Any) -> None:
-        self.wait()
 
     def remove(self) -> None:
         """Remove the hooks (``close``). Idempotent."""
@@ -117,11 +114,11 @@ class MutationGuard:
             handles.pop().remove()
 
 
-def _step_hook(guard: weakref.ref[MutationGuard]) -> Callable[..., None]:
-    """The process-wide step pre-hook of ``guard``, which holds it weakly: the hook itself keeps
-    no manager's model alive."""
+def _waiting_hook(guard: weakref.ref[MutationGuard]) -> Callable[..., None]:
+    """A hook (optimizer step or forward pre-hook) that waits for ``guard``'s copies; it holds the
+    guard weakly, so a manager dropped without ``close()`` is freed and its hooks do nothing."""
 
-    @torch.compiler.disable
+    @torch.compiler.disable  # a wait on another thread: never traced into a compiled graph
     def hook(*args: Any) -> None:
         live = guard()
         if live is not None:

@@ -60,3 +60,20 @@ def test_a_guard_never_removed_keeps_no_model_alive() -> None:
     assert dead() is None
     other = nn.Linear(2, 2)
     torch.optim.SGD(other.parameters(), lr=1.0).step()  # the orphaned hook does nothing
+
+
+def test_a_model_the_user_keeps_does_not_keep_a_dropped_guard() -> None:
+    """The forward hooks on a model with buffers hold the guard weakly too: the guard of a manager
+    dropped without ``close()`` is freed, and its hooks wait for nothing."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    calls: list[int] = []
+    guard = MutationGuard(model, None)
+    guard.add(lambda: calls.append(1))
+    model(torch.randn(4, 3))
+    assert calls == [1, 1]  # the root's hook and the BatchNorm's
+    dead = weakref.ref(guard)
+    del guard
+    gc.collect()
+    assert dead() is None
+    model(torch.randn(4, 3))
+    assert calls == [1, 1]
