@@ -349,6 +349,13 @@ class CheckpointConfig:
                 raise ConfigError(f"{path}: invalid YAML: {e}") from e
         if section is not None and isinstance(data, dict) and section in data:
             data = data[section]
+        elif section is not None and isinstance(data, dict) and data and not set(data) & _FIELDS:
+            near = difflib.get_close_matches(section, [str(k) for k in data], n=1)
+            raise ConfigError(
+                f"{path}: no `{section}:` section (top-level keys: {', '.join(sorted(map(str, data)))})"
+                + (f"; `{near[0]}:` looks like a misspelling of it" if near else "")
+                + f"; put the CheckpointConfig fields under `{section}:`, or at the top level"
+            )
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of CheckpointConfig fields")
         try:
@@ -357,6 +364,7 @@ class CheckpointConfig:
             raise ConfigError(f"{path}: {e}") from e
 
 
+_FIELDS = {f.name for f in dataclasses.fields(CheckpointConfig)}  # from_yaml: a file with none is not a config
 _EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
 
 

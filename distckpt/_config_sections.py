@@ -494,7 +494,7 @@ def check_positive(key: str, value: float | None, *, allow_none: bool = False, i
         return
     if integer:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"CheckpointConfig.{key}={value!r}: must be a positive integer")
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            hint = f" (write {value:.0f})" if isinstance(value, float) and value.is_integer() and value > 0 else ""
+            raise ConfigError(f"CheckpointConfig.{key}={value!r}: must be a positive integer{hint}")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ConfigError(f"CheckpointConfig.{key}={value!r}: must be a positive, finite number")

@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointCorruptError",
     "IncompatibleCheckpointError",
     "CheckpointLockedError",
+    "ManagerClosedError",
     "CheckpointSaveError",
     "CollectiveMismatchError",
     "RankLostError",
@@ -71,6 +72,10 @@ class IncompatibleCheckpointError(DistCkptError, ValueError):
 
 class CheckpointLockedError(DistCkptError, RuntimeError):
     """Another job holds the write lock of this checkpoint root."""
+
+
+class ManagerClosedError(DistCkptError, RuntimeError):
+    """A :class:`~distckpt.CheckpointManager` was used after ``close()`` (or its ``with`` block)."""
 
 
 class CheckpointSaveError(DistCkptError, RuntimeError):

@@ -27,7 +27,7 @@ from ._coord.collective import Collective
 from ._coord.events import EventLog
 from ._coord.topology import check_shared_root, elastic_store_warning, exchange_setup
 from ._engine.blocking import gc_paused
-from ._errors import ConfigError
+from ._errors import ConfigError, ManagerClosedError
 from ._load.discovery import CheckpointDiscovery
 from ._load.loading import CheckpointLoader
 from ._load.resume import ProbeFn, RunIdAndProbe
@@ -215,7 +215,7 @@ class CheckpointManager:
             CollectiveMismatchError: not every rank called ``load()`` within
                 ``config.coordination.arrival_timeout_s``; names the ranks.
         """
-        self._check_open()
+        self._check_open("load")
         self.collective.arrive("load()", timeout_s=self.config.coordination.effective_arrival_timeout_s)
         self.wait()
         if not self.config.load.enabled:
@@ -272,7 +272,7 @@ class CheckpointManager:
         """
         if type(step) is not int:  # the common case costs no call: this runs at every step
             check_step(step, "maybe_save")
-        self._check_open(save=True)
+        self._check_open("maybe_save", step, save=True)
         self._record(step, loss, counters, metrics)
         if self.memory is not None:  # the memory tier's snapshot, before any durable save
             self.memory.maybe_snapshot(step, self.state, self.train_state, explicit=self._explicit_counters)
@@ -344,7 +344,7 @@ class CheckpointManager:
         metrics: dict[str, float] | None = None,
         kind: str = "periodic",
     ) -> str:
-        self._check_open(save=True)
+        self._check_open("save", step, save=True)
         self.collective.arrive(f"save(step={step})", timeout_s=self.config.coordination.effective_arrival_timeout_s)
         if loss is not None or counters or metrics or step != self.train_state.step:
             self._record(step, loss, counters or {}, metrics)
@@ -395,7 +395,7 @@ class CheckpointManager:
             CheckpointSaveError: the background save failed (on every rank); nothing of it
                 was committed. Training may continue; the next save starts clean.
         """
-        self._check_open()
+        self._check_open("wait")
         self._save_ctx.purger.join()  # a blocking save's retention removes files in the background
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
@@ -431,9 +431,13 @@ class CheckpointManager:
         for collective in filter(None, (self.background, self.collective)):  # after an exception: no heartbeat
             collective.close() if tear_down else collective.stop_heartbeat()
 
-    def _check_open(self, *, save: bool = False) -> None:
+    def _check_open(self, call: str, step: int | None = None, *, save: bool = False) -> None:
         if self._closed:
-            raise RuntimeError("CheckpointManager is closed")
+            call += "()" if step is None else f"(step={step})"
+            raise ManagerClosedError(
+                f"CheckpointManager(root={self.root!r}) is closed: {call} came after close() or its `with` block; "
+                "call it before closing, or build a new CheckpointManager on the root to go on"
+            )
         if save and not self.config.save.enabled:
             raise ConfigError(READ_ONLY_SAVE)
 

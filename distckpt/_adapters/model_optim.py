@@ -41,7 +41,7 @@ from .._ondisk.manifest import TensorSpec, is_extra_state
 from .plain_state_dict import plain_state_dicts
 from .state_dict_cache import StateDictCache
 from .stateful import as_saved
-from .wrappers import unwrap, wrapper_kind
+from .wrappers import broadcast_buffers_of, unwrap, wrapper_kind
 
 __all__ = ["ModelOptimState", "specs_of", "tensor_specs", "tied_keys"]
 
@@ -122,6 +122,16 @@ class ModelOptimState:
         if self._specs is None:
             self._specs = tensor_specs(self.model)
         return self._specs
+
+    def rank0_keys(self, model_sd: dict[str, Any]) -> frozenset[str]:
+        """The keys of ``model_sd`` (a SHARDED state_dict: views of the live tensors) that hold the
+        buffers a DDP wrapper overwrites with rank 0's at each forward
+        (:func:`~distckpt._adapters.wrappers.broadcast_buffers_of`): each rank's differs after a
+        step, and rank 0's is the state the next step uses, so rank 0's copy is the one saved."""
+        starts = {b.data_ptr() for b in broadcast_buffers_of(self.model) if b.numel()}
+        if not starts:
+            return frozenset()
+        return frozenset(k for k, v in model_sd.items() if isinstance(v, torch.Tensor) and v.data_ptr() in starts)
 
     def device(self) -> torch.device:
         """Device of the model's first parameter or buffer (CPU when it has none)."""

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._engine.torch_format.internals import own_persistent_buffers
 from .._errors import ConfigError
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "ddp_resume_not_bitwise",
     "check_model_and_optimizer",
     "inner_optimizer",
+    "broadcast_buffers_of",
 ]
 
 
@@ -97,6 +99,18 @@ def ddp_resume_not_bitwise(module: nn.Module, world_size: int) -> str | None:
         "so a same-world resume matches the uninterrupted run to float rounding, not bitwise. For "
         "bitwise resumes build DDP with find_unused_parameters=True (no rebuild; README: Exactness)."
     )
+
+
+def broadcast_buffers_of(module: nn.Module) -> list[Any]:
+    """The persistent buffers that a DDP wrapper (possibly under ``torch.compile``) with
+    ``broadcast_buffers=True`` overwrites with rank 0's at each forward: of the training state,
+    rank 0's copy is the one the next step uses. ``[]`` for any other model."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = _compiled_inner(module) or module
+    if not isinstance(ddp, DistributedDataParallel) or ddp.broadcast_buffers is not True:
+        return []
+    return [b for m in ddp.module.modules() for b in own_persistent_buffers(m)]
 
 
 def inner_optimizer(optimizer: Any) -> Any:

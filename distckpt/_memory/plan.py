@@ -8,6 +8,7 @@ mutation guard does not protect (:func:`take_unguarded`)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 from typing import Any
 
@@ -22,7 +23,7 @@ from .._engine.torch_format.internals import ShardedTensor, local_tensor
 from .._state.packing import Packed
 from .placement import assign_replicated
 
-__all__ = ["SnapshotPlan", "exact_key", "hand_over", "resolve", "take_unguarded"]
+__all__ = ["Handover", "SnapshotPlan", "exact_key", "hand_over", "resolve", "take_unguarded"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -40,13 +41,15 @@ class SnapshotPlan:
         self.key: list[Any] | None = None
         self.blobs: dict[str, tuple[Any, bytes]] = {}  # fqn -> (exact key of a primitive value, its bytes)
 
-    def items(self, planner: DefaultSavePlanner) -> list[WriteItem]:
+    def items(self, planner: DefaultSavePlanner, rank0: frozenset[str] = frozenset()) -> list[WriteItem]:
         """The write items this rank snapshots: DCP's local plan of ``planner``'s state_dict less the
-        replicated tensors another rank holds (:func:`~distckpt._memory.placement.assign_replicated`).
-        The plan is a function of the state_dict's structure alone (keys; each tensor's shape, dtype
-        and DTensor layout), which a training job keeps from step to step: it is reused while that
-        structure repeats, as DCP's ``enable_plan_caching`` reuses a save plan."""
+        replicated tensors another rank holds (:func:`~distckpt._memory.placement.assign_replicated`;
+        those named in ``rank0``: rank 0). The plan is a function of the state_dict's structure
+        alone (keys; each tensor's shape, dtype and DTensor layout), which a training job keeps from
+        step to step: it is reused while that structure repeats, as DCP's
+        ``enable_plan_caching`` reuses a save plan."""
         key = plan_key(planner.state_dict)
+        key = None if key is None else [*key, sorted(rank0)]
         if key is not None and key == self.key:
             return self.kept
         items = planner.create_local_plan().items
@@ -56,6 +59,7 @@ class SnapshotPlan:
             if i.type == WriteItemType.TENSOR and i.tensor_data is not None
         }
         owner = assign_replicated(sizes, self.world_size)
+        owner.update((fqn, 0) for fqn in rank0 if fqn in owner)
         self.kept = [i for i in items if i.type != WriteItemType.TENSOR or owner[i.index.fqn] == self.rank]
         self.key = key
         return self.kept
@@ -133,14 +137,28 @@ def take_unguarded(flat: dict[str, Any], protected: set[int]) -> bool:
     return cuda
 
 
-def hand_over(
-    state_dict: dict[str, Any], live: set[str], protected: set[int]
-) -> tuple[dict[str, Any], bool, dict[str, tuple[Any, ...]]]:
+@dataclasses.dataclass
+class Handover:
+    """What the worker gets of a snapshot (:func:`hand_over`).
+
+    Attributes:
+        state_dict: the live parts nested, every other part flattened.
+        cuda: whether a CUDA tensor may be among them.
+        paths: the path in the snapshot's state_dict of each key flattened here (DCP's mapping).
+        rank0: the flat keys of replicated tensors that rank 0 stores (DDP's broadcast buffers).
+    """
+
+    state_dict: dict[str, Any]
+    cuda: bool
+    paths: dict[str, tuple[Any, ...]]
+    rank0: frozenset[str] = frozenset()
+
+
+def hand_over(state_dict: dict[str, Any], live: set[str], protected: set[int]) -> Handover:
     """What the worker gets of a snapshot's ``state_dict``: the ``live`` parts as they are, nested
     (``key`` or ``key.subkey``); every other part flattened with copies of what the mutation
     guard does not protect (:func:`take_unguarded`), in the state_dict's
-    order (the items' order in the snapshot). Also whether a CUDA tensor may be among them, and
-    the path in ``state_dict`` of each flattened key (DCP's flattening mapping)."""
+    order (the items' order in the snapshot)."""
     handed: dict[str, Any] = {}
     paths: dict[str, tuple[Any, ...]] = {}
     cuda = bool(live) and torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -156,4 +174,4 @@ def hand_over(
         cuda = take_unguarded(flat, protected) or cuda
         handed.update(flat)
         paths.update(mapping)
-    return handed, cuda, paths
+    return Handover(handed, cuda, paths)

@@ -44,7 +44,7 @@ from .._state.train_state import TrainState
 from .._state.training_state import GUARDED_PARTS, CheckpointState
 from .cleanup import job_dirs, reclaim_dir, remove_if_empty
 from .placement import NodeLayout, file_system_type, launch_id, memory_dir
-from .plan import SnapshotPlan, hand_over, resolve
+from .plan import Handover, SnapshotPlan, hand_over, resolve
 from .snapfile import ALIGN, PREAMBLE, SlotFile, SnapshotHeader, data_hash, read_header, snapshot_name
 from .worker import in_background
 
@@ -227,6 +227,7 @@ class MemoryTier:
             # as they are when they hold only the guarded tensors (the cache's result)
             protected=lambda: (parts.guarded or set()) if parts.live else deferrable(parts.model, parts.optimizer),
             live=lambda: GUARDED_PARTS if parts.live else (),
+            rank0=lambda: state.rank0_items,
         )
 
     # ------------------------------------------------------------------ write
@@ -236,6 +237,7 @@ class MemoryTier:
         build: Callable[[], dict[str, Any]],
         protected: Callable[[], set[int]] | None = None,
         live: Callable[[], Collection[str]] = tuple,
+        rank0: Callable[[], frozenset[str]] = frozenset,
     ) -> None:
         """Snapshot the state ``build()`` returns (the durable save's state_dict) as step ``step``.
 
@@ -251,6 +253,8 @@ class MemoryTier:
         parts (a top-level key, or ``key.subkey`` of a dict) that hold only tensors at those
         addresses, in containers that only ``optimizer.step()`` changes (the optimizer's own
         per-parameter state dicts), called after ``build``: handed over unflattened and unchecked.
+        ``rank0``: the flat keys of replicated tensors that rank 0 stores (DDP's broadcast buffers:
+        rank 0's copy is the state), called after ``build``.
 
         Waits for the previous snapshot's background work first. Never raises for a snapshot that
         cannot be written (a full file system): a warning, and the step is skipped on this rank
@@ -268,11 +272,12 @@ class MemoryTier:
             raise refused
         if not os.path.isdir(self.dir):
             self._recreate()
-        handed, cuda, paths = hand_over(build(), set(live()), (protected or self.protected)())
+        handed = hand_over(build(), set(live()), (protected or self.protected)())
+        handed.rank0 = rank0()
         # The step's CUDA work must be done before the side stream copies what it computed.
-        event = torch.cuda.current_stream().record_event() if cuda else None
+        event = torch.cuda.current_stream().record_event() if handed.cuda else None
         self._copied = threading.Event()
-        self._pending = in_background(self._finish, step, handed, paths, event)
+        self._pending = in_background(self._finish, step, handed, event)
         self.last_stall_s = time.perf_counter() - t0
 
     def _recreate(self) -> None:
@@ -348,10 +353,9 @@ class MemoryTier:
         if copied is not None:
             copied.wait()
 
-    def _finish(self, step: int, state_dict: dict[str, Any], paths: dict[str, tuple[Any, ...]], event: Any) -> None:
+    def _finish(self, step: int, handed: Handover, event: Any) -> None:
         """The worker's part of a snapshot: plan, lay out and copy (then release the guard), seal the
-        file, run the replication round. ``paths``: the nested path of each key :func:`hand_over`
-        flattened."""
+        file, run the replication round."""
         slot_index: int | None = 1 - self._newest.get(self.rank, 1)
         header: SnapshotHeader | None = None
         try:
@@ -360,11 +364,11 @@ class MemoryTier:
             try:
                 planner = LeanSavePlanner()
                 try:
-                    planner.set_up_planner(state_dict, is_coordinator=self.rank == 0)
+                    planner.set_up_planner(handed.state_dict, is_coordinator=self.rank == 0)
                 except ValueError as e:  # DCP's flattening: the state itself is at fault
                     raise PackError(f"the state_dict of step {step} cannot be flattened: {e}") from e
-                header, tensors = self._lay_out(step, planner, self._plan.items(planner), slot)
-                flat = planner.mappings
+                header, tensors = self._lay_out(step, planner, self._plan.items(planner, handed.rank0), slot)
+                paths, flat = handed.paths, planner.mappings
                 header.paths = {row[0]: list(paths.get(row[0]) or flat.get(row[0], (row[0],))) for row in header.items}
                 _copy_tensors(slot, tensors, event)
             except Exception as e:  # noqa: BLE001 - the peers wait for this rank's replication round

@@ -102,6 +102,8 @@ class CheckpointState:
         self.select: frozenset[str] = frozenset(LOADABLE)  # set by for_load: the parts to restore
         self._live_model_sd: dict[str, Any] = {}  # optimizer-only load: the model's own state
         self.tied_from: dict[str, str] = {}  # set by for_load: {tied key the checkpoint lacks: twin}
+        # set by for_save: the flat keys whose replicated copy must be rank 0's (DDP's broadcast buffers)
+        self.rank0_items: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------------ save
     def for_save(
@@ -122,6 +124,11 @@ class CheckpointState:
             loader_state: the data loader's ``state_dict()`` when the caller already read it at
                 this step (:meth:`loader_state`); read here otherwise.
 
+        A DDP wrapper that broadcasts rank 0's buffers at each forward makes rank 0's the state:
+        the other ranks leave those buffers out of a durable save's state_dict, so DCP writes rank
+        0's; a memory snapshot keeps them on every rank (its placement must see the same items
+        everywhere) and :attr:`rank0_items` names them for it.
+
         Raises:
             TypeError: a value that ``load()`` could not read back (named, with its type).
         """
@@ -131,6 +138,10 @@ class CheckpointState:
 
         model_sd, optim_sd = self.model_optim.state_dict_for_save(full_state_dict=full_state_dict)
         self.guard.hold_forward = self.model_optim.buffered  # a copy of buffers may be in flight after this
+        rank0 = self.model_optim.rank0_keys(model_sd) if not full_state_dict and self.world_size > 1 else ()
+        self.rank0_items = frozenset(f"model.{k}" for k in rank0)
+        if rank0 and self.rank != 0 and not defer:  # DCP writes each replicated item once, from a rank holding it
+            model_sd = {k: v for k, v in model_sd.items() if k not in rank0}
         sd: dict[str, Any] = {"model": model_sd}
         if self.model_optim.optimizer is not None:
             sd["optim"] = optim_sd

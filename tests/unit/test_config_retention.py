@@ -16,6 +16,16 @@ def test_unknown_key_names_the_valid_ones(tmp_path):
     assert "valid keys: root, schedule, retention" in str(err.value)
 
 
+def test_from_yaml_without_the_section_names_the_top_level_keys(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("training: {lr: 0.1}\ncheckpont:\n  root: /tmp/x\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"no `checkpoint:` section \(top-level keys: checkpont, training\); `checkpont:` looks like a",
+    ):
+        CheckpointConfig.from_yaml(path)
+
+
 def test_from_yaml_reads_section(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(
@@ -31,6 +41,9 @@ def test_from_yaml_reads_exponents_without_a_dot_as_numbers(tmp_path):
     path.write_text("root: /tmp/x\ncoordination: {timeout_s: 1e3, liveness_timeout_s: 2.5E+1}\n")
     cfg = CheckpointConfig.from_yaml(path)
     assert (cfg.coordination.timeout_s, cfg.coordination.liveness_timeout_s) == (1000.0, 25.0)
+    path.write_text("root: /tmp/x\nschedule: {interval_steps: 1e3}\n")  # an integer field: says what to write
+    with pytest.raises(ConfigError, match=r"interval_steps=1000.0: must be a positive integer \(write 1000"):
+        CheckpointConfig.from_yaml(path)
 
 
 @pytest.mark.parametrize(

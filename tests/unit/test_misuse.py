@@ -9,7 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distckpt import CheckpointConfig, CheckpointManager, ConfigError, CoordinationConfig, ScheduleConfig
+from distckpt import (
+    CheckpointConfig,
+    CheckpointManager,
+    ConfigError,
+    CoordinationConfig,
+    ManagerClosedError,
+    ScheduleConfig,
+)
 from distckpt._cli import main
 from distckpt._tools.export import export_checkpoint
 from tests.distributed.trainer import Net
@@ -31,6 +38,19 @@ def test_torchrun_without_init_process_group_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with CheckpointManager(config, model=Net(), optimizer=None) as manager:
         assert manager.world_size == 1 and Path(manager.save(1)).is_dir()
+
+
+@pytest.mark.parametrize("call", ["save", "maybe_save", "load", "wait"])
+def test_a_closed_manager_names_the_call_and_what_to_do(tmp_path, call):
+    model = Net()
+    with CheckpointManager(CheckpointConfig(root=str(tmp_path)), model=model, optimizer=None) as manager:
+        manager.save(1)
+    args = (2,) if call in ("save", "maybe_save") else ()
+    with pytest.raises(ManagerClosedError) as err:
+        getattr(manager, call)(*args)
+    assert isinstance(err.value, RuntimeError)  # what it raised before: handlers of it keep working
+    message = str(err.value)
+    assert str(tmp_path) in message and f"{call}(" in message and "build a new CheckpointManager" in message
 
 
 def test_yaml_without_root_names_the_missing_field(tmp_path):

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "distckpt"
 ERRORS = [
     "DistCkptError", "StorageError", "ConfigError", "CheckpointNotFoundError",
-    "CheckpointCorruptError", "IncompatibleCheckpointError", "CheckpointLockedError",
+    "CheckpointCorruptError", "IncompatibleCheckpointError", "CheckpointLockedError", "ManagerClosedError",
     "CheckpointSaveError", "CollectiveMismatchError", "RankLostError", "ReaderInvariantError",
 ]  # fmt: skip
 SECTIONS = [
