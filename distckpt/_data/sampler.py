@@ -55,6 +55,7 @@ nothing is prefetched and ``sampler.global_state()`` is the same value.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -354,8 +355,10 @@ def make_stateful_dataloader(
     """
     if num_workers > 0:
         kwargs["worker_init_fn"] = SigtermSafeWorkerInit(kwargs.get("worker_init_fn"))
-    loader = StatefulDataLoader(
-        dataset, batch_size=sampler.local_batch_size, sampler=sampler, num_workers=num_workers, **kwargs
-    )
+    with warnings.catch_warnings():  # torchdata 0.11's constructor calls torch 2.13's deprecated set_vital
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+        loader = StatefulDataLoader(
+            dataset, batch_size=sampler.local_batch_size, sampler=sampler, num_workers=num_workers, **kwargs
+        )
     sampler.attach_loader(loader)
     return loader

@@ -291,3 +291,17 @@ def test_a_new_iterator_goes_on_from_the_last_batch_returned(num_workers, persis
     assert got == ref[1 : n // g]
     assert sampler.state_dict()["epoch"] == 1 and sampler.samples_seen == n
     assert [ids(batch) for batch in loader] == ref[n // g :]  # the next epoch is untouched
+
+
+def test_make_stateful_dataloader_hides_torchdatas_own_deprecation_warning():
+    """torchdata 0.11 calls torch's deprecated ``set_vital`` in its constructor: a warning at every
+    run that the user can do nothing about."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        loader = make_stateful_dataloader(
+            list(range(8)), ReshardableSampler(8, global_batch_size=4, rank=0, world_size=1)
+        )
+    assert sorted(i for batch in loader for i in batch.tolist()) == list(range(8))  # a working loader
+    assert not [w for w in seen if "set_vital" in str(w.message)], [str(w.message) for w in seen]
