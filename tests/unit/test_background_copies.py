@@ -29,15 +29,8 @@ def _manager(tmp_path, **sections):
     return manager, (model, optimizer, scheduler, scaler, loader)
 
 
-def test_the_snapshot_copy_runs_off_the_step_and_optimizer_step_waits_for_it(tmp_path, monkeypatch):
-    real = tier_module._copy_tensors
-
-    def slow_copy(slot, data, event):
-        if data:  # the deferred copy on the background thread
-            time.sleep(SLOW_S)
-        real(slot, data, event)
-
-    monkeypatch.setattr(tier_module, "_copy_tensors", slow_copy)
+def test_the_snapshot_copy_runs_off_the_step_and_optimizer_step_waits_for_it(tmp_path, slow_memory_copy):
+    slow_memory_copy(SLOW_S)
     memory = {"enabled": True, "dir": str(tmp_path / "mem"), "replicas": 0}
     manager, (model, optimizer, scheduler, scaler, loader) = _manager(tmp_path, memory=memory)
     it = iter(loader)
@@ -66,15 +59,8 @@ def test_the_snapshot_copy_runs_off_the_step_and_optimizer_step_waits_for_it(tmp
     release_workers(loader2)
 
 
-def test_wait_staged_waits_for_the_snapshot_copy_before_a_hand_edit(tmp_path, monkeypatch):
-    real = tier_module._copy_tensors
-
-    def slow_copy(slot, data, event):
-        if data:  # the deferred copy on the background thread
-            time.sleep(SLOW_S)
-        real(slot, data, event)
-
-    monkeypatch.setattr(tier_module, "_copy_tensors", slow_copy)
+def test_wait_staged_waits_for_the_snapshot_copy_before_a_hand_edit(tmp_path, slow_memory_copy):
+    slow_memory_copy(SLOW_S)
     memory = {"enabled": True, "dir": str(tmp_path / "mem"), "replicas": 0}
     manager, (model, optimizer, scheduler, scaler, loader) = _manager(tmp_path, memory=memory)
     it = iter(loader)
@@ -321,17 +307,10 @@ def test_the_worker_flattens_the_model_and_optimizer_parts_as_they_were_at_the_s
     release_workers(_rest[-1])
 
 
-def test_a_tensor_learning_rate_changed_before_the_next_optimizer_step_is_the_steps(tmp_path, monkeypatch):
+def test_a_tensor_learning_rate_changed_before_the_next_optimizer_step_is_the_steps(tmp_path, slow_memory_copy):
     # The param groups are taken on the training thread: a scheduler that steps before the next
     # optimizer.step() (a GradScaler skipping it) changes a tensor lr in place, unguarded.
-    real = tier_module._copy_tensors
-
-    def slow_copy(slot, data, event):
-        if data:
-            time.sleep(SLOW_S)
-        real(slot, data, event)
-
-    monkeypatch.setattr(tier_module, "_copy_tensors", slow_copy)
+    slow_memory_copy(SLOW_S)
     memory = {"enabled": True, "dir": str(tmp_path / "mem"), "replicas": 0, "interval_steps": 1}
     config = CheckpointConfig(root=str(tmp_path / "root"), schedule={"interval_steps": 1000}, memory=memory)
 

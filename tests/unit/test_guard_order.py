@@ -8,7 +8,6 @@ at a save before the first step never runs the user's step hooks."""
 from __future__ import annotations
 
 import copy
-import time
 from typing import Any, Callable
 
 import pytest
@@ -16,7 +15,6 @@ import torch
 from torch import nn
 
 from distckpt import CheckpointConfig, CheckpointManager, ConfigError
-from distckpt._memory import tier as tier_module
 from distckpt._state.guard import MutationGuard
 from tests.distributed.trainer import crash
 
@@ -58,15 +56,8 @@ def _assert_equal(got: Any, expected: Any, path: str = "") -> None:
 
 
 @pytest.fixture
-def slow_copy(monkeypatch):
-    real = tier_module._copy_tensors
-
-    def slow(slot, data, event):
-        if data:  # the deferred copy, on the background thread
-            time.sleep(SLOW_S)
-        real(slot, data, event)
-
-    monkeypatch.setattr(tier_module, "_copy_tensors", slow)
+def slow_copy(slow_memory_copy):
+    slow_memory_copy(SLOW_S)
 
 
 def _snapshot_is_the_steps(
