@@ -114,6 +114,7 @@ class ModelOptimState:
         self.guarded: set[int] | None = None
         self.live = False
         self.buffered = False  # the last state_dict_for_save's model has persistent buffers
+        self._rank0: frozenset[str] | None = None  # rank0_keys of the cached structure
 
     def specs(self) -> dict[str, TensorSpec]:
         """:func:`tensor_specs` of the model as the last save took it (its manifest's layout): taken
@@ -127,11 +128,13 @@ class ModelOptimState:
         """The keys of ``model_sd`` (a SHARDED state_dict: views of the live tensors) that hold the
         buffers a DDP wrapper overwrites with rank 0's at each forward
         (:func:`~distckpt._adapters.wrappers.broadcast_buffers_of`): each rank's differs after a
-        step, and rank 0's is the state the next step uses, so rank 0's copy is the one saved."""
-        starts = {b.data_ptr() for b in broadcast_buffers_of(self.model) if b.numel()}
-        if not starts:
-            return frozenset()
-        return frozenset(k for k, v in model_sd.items() if isinstance(v, torch.Tensor) and v.data_ptr() in starts)
+        step, and rank 0's is the state the next step uses, so rank 0's copy is the one saved.
+        Reused while the state-dict cache hits (the same modules and tensors)."""
+        if self._rank0 is None:
+            starts = {b.data_ptr() for b in broadcast_buffers_of(self.model) if b.numel()}
+            is_buffer = (isinstance(v, torch.Tensor) and v.data_ptr() in starts for v in model_sd.values())
+            self._rank0 = frozenset(k for k, hit in zip(model_sd, is_buffer) if hit) if starts else frozenset()
+        return self._rank0
 
     def device(self) -> torch.device:
         """Device of the model's first parameter or buffer (CPU when it has none)."""
@@ -173,6 +176,8 @@ class ModelOptimState:
             self.guarded, self.live = self.cache.guarded, self.cache.live
         walked = self.guarded is not None
         self.buffered = self.cache.buffered if walked else any(map(own_persistent_buffers, self.model.modules()))
+        if self.cache.hits == hits:
+            self._rank0 = None  # a miss: the module tree or its tensors may have changed
         if self.cache.hits == hits or self._specs is None:  # a hit: the same layout as the last save's
             # The layout of what this save writes (FULL: rank 0's is the whole model; another rank's, later).
             self._specs = specs_of(model_sd) if model_sd or not full_state_dict else None
